@@ -1,0 +1,5 @@
+import sys
+
+from flexpar.cli import main
+
+sys.exit(main())

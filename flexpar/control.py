@@ -1,0 +1,399 @@
+"""The control plane on torch.distributed's TCPStore.
+
+One store per job, hosted by the driver. Everything the processes of a job tell
+each other outside the training collectives goes through it:
+
+    job/...            the job's pieces (signed), script path, model digest, version
+    events/<k>         device -> coordinator messages (announce, ready, formed, failure, bye)
+                       and CLI -> coordinator requests (scale), in order
+    gen/latest, gen/<G> the published generations: members in rank order, who joined/left/failed
+    gen/<G>/pg/...     the PrefixStore under which generation G's process group forms
+    reply/<device>     the coordinator's word to one device (refused, evicted)
+    heartbeat/<device> a counter each device bumps; a remote device that stops bumping is dead
+    metrics/<k>        per-step and event records from rank 0, read by the driver
+    result/...         the final training state (signed), written by rank 0
+    error, stop, status
+
+Values larger than the store's message limit travel as chunked blobs. Blobs
+that are unpickled (the job) or loaded (state) carry an HMAC made with the
+job's secret, and joiners prove they hold the secret, because TCPStore itself
+authenticates nobody.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+import json
+import queue
+import threading
+import time
+from typing import Callable, Iterable, Optional
+
+import torch.distributed as dist
+
+from flexpar import membership as ms
+
+CHUNK_BYTES = 4 << 20  # the libuv TCPStore refuses messages above 8 MiB
+
+
+class JobStopped(Exception):
+    """The coordinator stopped the job (done, error, or no worker left)."""
+
+
+class Evicted(Exception):
+    """The coordinator refused or evicted this device; the message says why."""
+
+
+def connect(host: str, port: int, timeout_s: float, server: bool = False) -> dist.TCPStore:
+    """A TCPStore client (or the server, for the driver)."""
+    return dist.TCPStore(
+        host,
+        port,
+        is_master=server,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def sign(secret: str, *parts: bytes) -> str:
+    mac = hmac.new(secret.encode(), digestmod=hashlib.sha256)
+    for part in parts:
+        mac.update(part)
+    return mac.hexdigest()
+
+
+def join_proof(secret: str, device_id: str, salt: str) -> str:
+    """What a joiner presents: proof that it knows the secret, bound to its id."""
+    return sign(secret, b"join:", device_id.encode(), b":", salt.encode())
+
+
+def put_blob(store, key: str, data: bytes, secret: str) -> None:
+    """Store `data` under `key` in chunks, with an HMAC over the whole."""
+    chunks = [data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)] or [b""]
+    for index, chunk in enumerate(chunks):
+        store.set(f"{key}/{index}", chunk)
+    meta = {"chunks": len(chunks), "size": len(data), "mac": sign(secret, data)}
+    store.set(f"{key}/meta", json.dumps(meta))
+
+
+def get_blob(store, key: str, secret: str) -> bytes:
+    """The blob under `key`; raises ValueError if its HMAC does not match the secret."""
+    meta = json.loads(store.get(f"{key}/meta"))
+    data = b"".join(store.get(f"{key}/{index}") for index in range(meta["chunks"]))
+    if len(data) != meta["size"] or not hmac.compare_digest(sign(secret, data), meta["mac"]):
+        raise ValueError(
+            f"the data under '{key}' is not signed with this job's secret: "
+            "check the secret you passed (FLEXPAR_SECRET or --secret-file)"
+        )
+    return data
+
+
+def get_json(store, key: str):
+    return json.loads(store.get(key))
+
+
+def has(store, key: str) -> bool:
+    return store.check([key])
+
+
+class Channel:
+    """An append-only list of JSON messages in the store: many writers, one reader.
+
+    A writer takes the next index with the store's atomic add, then writes the
+    message; the reader follows the indices in order and waits for a message
+    whose index is taken but whose value is not yet written.
+    """
+
+    def __init__(self, store, name: str):
+        self.store = store
+        self.name = name
+        self.cursor = 0
+
+    def send(self, message: dict) -> None:
+        index = self.store.add(f"{self.name}/count", 1)
+        self.store.set(f"{self.name}/{index}", json.dumps(message))
+
+    def receive(self) -> list:
+        count = self.store.add(f"{self.name}/count", 0)
+        messages = []
+        while self.cursor < count:
+            key = f"{self.name}/{self.cursor + 1}"
+            if not self.store.check([key]):
+                break
+            messages.append(json.loads(self.store.get(key)))
+            self.store.delete_key(key)
+            self.cursor += 1
+        return messages
+
+
+# ---------------------------------------------------------------- coordinator
+
+
+class Coordinator:
+    """Carries out membership decisions: the executor around `membership.decide`.
+
+    It runs in the driver's loop (`step()` is called every few milliseconds),
+    so it needs no threads or locks. `spawn_local(device_ids)` and
+    `stop_local(device_id)` start and stop local worker processes;
+    `local_exits()` returns the ids of local workers whose process has ended.
+    """
+
+    def __init__(
+        self,
+        store,
+        secret: str,
+        salt: str,
+        job_digest: str,
+        version: str,
+        state: ms.Membership,
+        spawn_local: Callable[[tuple], None],
+        stop_local: Callable[[str], None],
+        local_exits: Callable[[], Iterable[str]],
+        heartbeat_timeout_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        on_note: Callable[[str], None] = print,
+    ):
+        self.store = store
+        self.secret = secret
+        self.salt = salt
+        self.job_digest = job_digest
+        self.version = version
+        self.state = state
+        self.spawn_local = spawn_local
+        self.stop_local = stop_local
+        self.local_exits = local_exits
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.clock = clock
+        self.on_note = on_note
+        self.events = Channel(store, "events")
+        self.stop_reason: Optional[str] = None
+        self.published: list = []     # Publish actions, for metrics and status
+        self.errors: list = []        # error messages from devices: the job stops on the first
+        self.remote: dict = {}        # device_id -> (last heartbeat value, time it changed)
+
+    def apply(self, event) -> None:
+        self.state, actions = ms.decide(self.state, event)
+        for action in actions:
+            self._execute(action)
+
+    def step(self) -> None:
+        """Turn what happened since the last call into events and apply them."""
+        now = self.clock()
+        for message in self.events.receive():
+            event = self._event_of(message, now)
+            if event is not None:
+                self.apply(event)
+        for device_id in self.local_exits():
+            self.apply(ms.Exited(device_id, now))
+        for device_id in self._silent_remotes(now):
+            self.apply(ms.Exited(device_id, now))
+        self.apply(ms.Tick(now))
+
+    def _event_of(self, message: dict, now: float):
+        kind = message.get("type")
+        device = message.get("device_id", "")
+        if kind in ("announce", "ready", "scale") and not self._proof_ok(message):
+            reason = "wrong job secret: pass the secret the job printed (FLEXPAR_SECRET or --secret-file)"
+            if kind == "scale":
+                self.on_note(f"refused a scale request: {reason}")
+                return None
+            self._execute(ms.Refuse(device, reason))
+            return None
+        if kind == "error":
+            self.errors.append(message)
+            return None
+        if kind == "announce":
+            if message.get("remote"):
+                self.remote[device] = (None, now)
+            return ms.Announced(device)
+        if kind == "ready":
+            return ms.Ready(device, self._ready_problem(message))
+        if kind == "formed":
+            return ms.Formed(device, int(message["generation"]))
+        if kind == "failure":
+            return ms.FailureReported(device, int(message["generation"]), now)
+        if kind == "bye":
+            self.remote.pop(device, None)
+            return ms.Exited(device, now)
+        if kind == "scale":
+            return ms.ScaleBy(self._scale_delta(message))
+        return None
+
+    def _proof_ok(self, message: dict) -> bool:
+        if message.get("type") == "scale":
+            body = json.dumps(message.get("request"), sort_keys=True).encode()
+            expected = sign(self.secret, b"scale:", body)
+        else:
+            expected = join_proof(self.secret, message.get("device_id", ""), self.salt)
+        return hmac.compare_digest(expected, str(message.get("proof", "")))
+
+    def _ready_problem(self, message: dict) -> str:
+        if message.get("version") != self.version:
+            return (
+                f"flexpar version {message.get('version')} differs from the job's {self.version}; "
+                f"install flexpar=={self.version} on the joining host"
+            )
+        if message.get("digest") != self.job_digest:
+            return (
+                "the model differs from the job's (parameter names, shapes or dtypes do not match): "
+                "join with the same script and model code"
+            )
+        return ""
+
+    def _scale_delta(self, message: dict) -> int:
+        request = message["request"]
+        if "delta" in request:
+            return int(request["delta"])
+        return int(request["devices"]) - self.state.device_count
+
+    def _silent_remotes(self, now: float) -> list:
+        silent = []
+        for device, (last_value, changed_at) in list(self.remote.items()):
+            key = f"heartbeat/{device}"
+            value = self.store.get(key) if has(self.store, key) else None
+            if value != last_value:
+                self.remote[device] = (value, now)
+            elif now - changed_at > self.heartbeat_timeout_s:
+                silent.append(device)
+                del self.remote[device]
+        return silent
+
+    def _execute(self, action) -> None:
+        if isinstance(action, ms.SpawnLocal):
+            self.spawn_local(action.device_ids)
+        elif isinstance(action, ms.Publish):
+            record = {
+                "members": list(action.members),
+                "joined": list(action.joined),
+                "left": list(action.left),
+                "failed": list(action.failed),
+            }
+            self.store.set(f"gen/{action.generation}", json.dumps(record))
+            self.store.set("gen/latest", str(action.generation))
+            self.published.append(action)
+            self.write_status()
+        elif isinstance(action, ms.Refuse):
+            self.store.set(f"reply/{action.device_id}", "refused: " + action.reason)
+            self.on_note(f"refused device {action.device_id}: {action.reason}")
+        elif isinstance(action, ms.Evict):
+            self.store.set(f"reply/{action.device_id}", "evicted: " + action.reason)
+            self.stop_local(action.device_id)
+        elif isinstance(action, ms.StopJob):
+            self.stop_reason = action.reason
+            self.store.set("stop", action.reason)
+        elif isinstance(action, ms.Note):
+            self.on_note(action.message)
+
+    def write_status(self, extra: Optional[dict] = None) -> None:
+        state = self.state
+        status = {
+            "generation": state.generation,
+            "devices": list(state.members),
+            "waiting": list(state.waiting),
+            "starting": list(state.starting),
+            "max_devices": state.max_devices,
+        }
+        status.update(extra or {})
+        self.store.set("status", json.dumps(status))
+
+
+# ---------------------------------------------------------------- device side
+
+
+class DeviceLink:
+    """A worker's connection to the coordinator.
+
+    A background thread follows the published generation, the stop flag and
+    this device's reply key, and bumps the heartbeat, on its own store client:
+    the training loop reads plain attributes and never waits on the store
+    between steps.
+    """
+
+    def __init__(self, host: str, port: int, device_id: str, timeout_s: float, poll_s: float = 0.02):
+        self.host, self.port, self.timeout_s = host, port, timeout_s
+        self.device_id = device_id
+        self.store = connect(host, port, timeout_s)
+        self.events = Channel(self.store, "events")
+        self._outbox: queue.Queue = queue.Queue()
+        self.latest_generation = 0
+        self.stop_reason: Optional[str] = None
+        self.reply: Optional[str] = None
+        self.speed: Optional[float] = None  # emulated speed set by the driver, if any
+        self._poll_s = poll_s
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name="flexpar-link", daemon=True)
+        self._thread.start()
+
+    def _follow(self) -> None:
+        store = connect(self.host, self.port, self.timeout_s)
+        metrics = Channel(store, "metrics")
+        beats = 0
+        last_beat = 0.0
+        while not self._closing.is_set():
+            try:
+                if has(store, "gen/latest"):
+                    self.latest_generation = int(store.get("gen/latest"))
+                if has(store, "stop"):
+                    self.stop_reason = store.get("stop").decode()
+                if has(store, f"speed/{self.device_id}"):
+                    self.speed = float(store.get(f"speed/{self.device_id}"))
+                if has(store, f"reply/{self.device_id}"):
+                    self.reply = store.get(f"reply/{self.device_id}").decode()
+                while not self._outbox.empty():
+                    metrics.send(self._outbox.get())
+                now = time.monotonic()
+                if now - last_beat > 0.5:
+                    beats += 1
+                    store.set(f"heartbeat/{self.device_id}", str(beats))
+                    last_beat = now
+            except Exception:  # the driver is gone: the job is over
+                self.stop_reason = self.stop_reason or "lost the connection to the job's coordinator"
+                return
+            self._closing.wait(self._poll_s)
+        try:
+            while not self._outbox.empty():
+                metrics.send(self._outbox.get())
+        except Exception:
+            pass
+
+    def publish(self, record: dict) -> None:
+        """Queue a metrics record; the follower thread sends it, off the step's critical path."""
+        self._outbox.put(record)
+
+    def check(self) -> None:
+        """Raise if the coordinator stopped the job or refused this device."""
+        if self.reply is not None:
+            raise Evicted(self.reply)
+        if self.stop_reason is not None:
+            raise JobStopped(self.stop_reason)
+
+    def send(self, message_type: str, **fields) -> None:
+        self.events.send({"type": message_type, "device_id": self.device_id, **fields})
+
+    def generation(self, generation: int) -> dict:
+        return get_json(self.store, f"gen/{generation}")
+
+    def wait_for_generation(self, after: int, joining: bool) -> tuple:
+        """The first published generation > `after` that holds this device, with its record.
+
+        A joiner skips generations formed without it (it was not admitted yet);
+        a member that a newer generation leaves out is out: Evicted.
+        """
+        while True:
+            self.check()
+            latest = self.latest_generation
+            if latest > after:
+                record = self.generation(latest)
+                if self.device_id in record["members"]:
+                    return latest, record
+                if not joining:
+                    raise Evicted(f"generation {latest} does not include {self.device_id}")
+                after = latest
+            time.sleep(self._poll_s)
+
+    def close(self) -> None:
+        """Stop following; records still queued are sent first."""
+        self._closing.set()
+        self._thread.join(timeout=5)

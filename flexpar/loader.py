@@ -1,0 +1,140 @@
+"""Loading a virtual worker's samples through torch's DataLoader machinery.
+
+The batch sampler yields, for each (step, virtual worker) this device will run,
+the VW's sample indices paired with the VW's data seed. The dataset wrapper
+seeds torch, `random` and numpy from it before loading the samples, so data
+augmentation depends on the VW only, also inside DataLoader worker processes.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data._utils.collate import default_collate
+
+from flexpar import batching
+
+
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+
+
+class _SeededDataset(Dataset):
+    """Wraps the user's dataset; items are (data seed, index) pairs of one VW."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, item):
+        seed, index = item
+        seed_everything(seed)
+        return self.dataset[index]
+
+    def __getitems__(self, items):
+        seed_everything(items[0][0])
+        return [self.dataset[index] for _, index in items]
+
+
+def load_batch(job, indices, seed: int):
+    """One VW's batch, loaded in this process (used for checks and warm-up)."""
+    seed_everything(seed)
+    collate = job.collate_fn or default_collate
+    return collate([job.dataset[index] for index in indices])
+
+
+class VirtualWorkerLoader:
+    """Batches for this device's virtual workers, in the order it runs them.
+
+    `plan(step)` returns the VW ids this device runs at `step`, as currently
+    known. With DataLoader workers, batches are prefetched along the plan; if
+    the plan changes (re-balancing, a new device set), the prefetched batches
+    are dropped and loading restarts at the requested VW.
+    """
+
+    def __init__(self, job, plan: Callable[[int], range], total_steps: int):
+        self.job = job
+        self.plan = plan
+        self.total_steps = total_steps
+        self.dataset_size = len(job.dataset)
+        self._iterator = None
+        self._issued: collections.deque = collections.deque()
+        self._cached_step = None
+        self._cached_batch = None
+
+    def _step_indices(self, step: int) -> list:
+        if self._cached_step != step:
+            batch = batching.global_batch_indices(
+                self.job.seed, step, self.dataset_size, self.job.global_batch
+            )
+            self._cached_batch = batching.split_global_batch(batch, self.job.virtual_workers)
+            self._cached_step = step
+        return self._cached_batch
+
+    def _requests(self, step: int, first_virtual_worker: int) -> Iterator[list]:
+        """Index lists along the plan, from (step, first_virtual_worker) on."""
+        seed = self.job.seed
+        while step < self.total_steps:
+            for virtual_worker in self.plan(step):
+                if virtual_worker < first_virtual_worker:
+                    continue
+                indices = self._step_indices(step)[virtual_worker]
+                self._issued.append((step, virtual_worker))
+                data_seed = batching.data_seed(seed, step, virtual_worker)
+                yield [(data_seed, index) for index in indices]
+            first_virtual_worker = 0
+            step += 1
+
+    def _restart(self, step: int, virtual_worker: int) -> None:
+        self._issued.clear()
+        loader = DataLoader(
+            _SeededDataset(self.job.dataset),
+            batch_sampler=_Requests(self, step, virtual_worker),
+            collate_fn=self.job.collate_fn or default_collate,
+            num_workers=self.job.num_workers,
+        )
+        self._iterator = iter(loader)
+
+    def batch(self, step: int, virtual_worker: int):
+        """The batch of `virtual_worker` at `step`."""
+        wanted = (step, virtual_worker)
+        if self._iterator is not None and (not self._issued or self._issued[0] == wanted):
+            batch, issued = self._pull()
+            if issued == wanted:
+                return batch
+        # The plan changed, or a step is redone after a failure: start over here.
+        self._restart(step, virtual_worker)
+        batch, issued = self._pull()
+        if issued != wanted:
+            raise RuntimeError(f"the data plan does not reach step {step}, virtual worker {virtual_worker}")
+        return batch
+
+    def _pull(self):
+        try:
+            batch = next(self._iterator)
+        except StopIteration:
+            self._iterator = None
+            return None, None
+        return batch, self._issued.popleft()
+
+
+class _Requests:
+    """A batch sampler over the loader's plan (a fresh generator per DataLoader iterator)."""
+
+    def __init__(self, loader: VirtualWorkerLoader, step: int, virtual_worker: int):
+        self.loader, self.step, self.virtual_worker = loader, step, virtual_worker
+
+    def __iter__(self):
+        return self.loader._requests(self.step, self.virtual_worker)
+
+    def __len__(self):
+        return self.loader.total_steps * self.loader.job.virtual_workers

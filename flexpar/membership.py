@@ -1,0 +1,357 @@
+"""Membership decisions of the control plane, as pure data.
+
+`decide(state, event) -> (state, actions)` is the whole policy of who trains in
+which generation. It has no store, no processes and no clock: the coordinator
+(`control.Coordinator`) turns store keys, process exits and the time into
+events, and carries out the actions. Tests drive `decide` directly.
+
+Rules, in one place:
+- Generation 0 is empty. Generation 1 forms once the initial devices are warm.
+- A new generation is published only when the current one has formed (every
+  member joined its process group) or has failed; joiners and planned leaves
+  that arrive meanwhile wait. This keeps at most one generation in formation.
+- Planned changes (join, leave) keep existing members in their order and
+  append joiners, so ranks stay stable.
+- After a failure report, the generation is rebuilt from the members that
+  reported themselves alive once every member is accounted for (reported, dead,
+  or silent for longer than the grace period).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Union
+
+
+@dataclass(frozen=True)
+class Membership:
+    """What the coordinator knows about the job's devices."""
+
+    initial_devices: int
+    max_devices: int
+    grace_s: float
+    generation: int = 0
+    members: tuple = ()
+    formed: frozenset = frozenset()
+    starting: tuple = ()          # spawned or announced, not yet warm
+    waiting: tuple = ()           # warm and accepted, waiting for the next generation
+    leaving: tuple = ()           # members to drop at the next generation
+    survivors: tuple = ()         # members that reported the current generation failed
+    dead: frozenset = frozenset()
+    failure_since: Optional[float] = None
+    next_local: int = 0           # counter for local device ids
+    stopped: bool = False
+
+    @property
+    def is_formed(self) -> bool:
+        return self.generation > 0 and set(self.members) <= self.formed
+
+    @property
+    def device_count(self) -> int:
+        """Devices counted against --max-devices: members and those on their way."""
+        return len(self.members) + len(self.waiting) + len(self.starting) - len(self.leaving)
+
+
+# ----------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class Start:
+    """The job starts: spawn the initial local devices."""
+
+    local_devices: int
+
+
+@dataclass(frozen=True)
+class Announced:
+    """A device (local or remote) connected and is warming up."""
+
+    device_id: str
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A device finished warm-up; `problem` is why it must be refused, or empty."""
+
+    device_id: str
+    problem: str = ""
+
+
+@dataclass(frozen=True)
+class Formed:
+    device_id: str
+    generation: int
+
+
+@dataclass(frozen=True)
+class FailureReported:
+    device_id: str
+    generation: int
+    now: float
+
+
+@dataclass(frozen=True)
+class Exited:
+    """A device's process is gone (exit, crash or lost heartbeat)."""
+
+    device_id: str
+    now: float
+
+
+@dataclass(frozen=True)
+class ScaleBy:
+    """Add (delta > 0, spawned locally) or remove (delta < 0) devices."""
+
+    delta: int
+
+
+@dataclass(frozen=True)
+class Tick:
+    now: float
+
+
+Event = Union[Start, Announced, Ready, Formed, FailureReported, Exited, ScaleBy, Tick]
+
+
+# ---------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True)
+class SpawnLocal:
+    device_ids: tuple
+
+
+@dataclass(frozen=True)
+class Publish:
+    generation: int
+    members: tuple
+    joined: tuple
+    left: tuple
+    failed: tuple
+
+
+@dataclass(frozen=True)
+class Refuse:
+    device_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Evict:
+    """Tell a device it is out, and stop it."""
+
+    device_id: str
+    reason: str = "it stopped answering after a failure"
+
+
+@dataclass(frozen=True)
+class StopJob:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Note:
+    """Something worth telling the user that changes nothing."""
+
+    message: str
+
+
+Action = Union[SpawnLocal, Publish, Refuse, Evict, StopJob, Note]
+
+
+# --------------------------------------------------------------- decisions
+
+
+def decide(state: Membership, event: Event) -> tuple:
+    """The next membership state and the actions that carry it out."""
+    if state.stopped:
+        return state, ()
+    handler = _HANDLERS[type(event)]
+    state, actions = handler(state, event)
+    state, more = _advance(state)
+    return state, tuple(actions) + tuple(more)
+
+
+def _on_start(state, event):
+    return _spawn(state, event.local_devices)
+
+
+def _spawn(state, count):
+    ids = tuple(f"local-{state.next_local + i}" for i in range(count))
+    state = dataclasses.replace(
+        state, next_local=state.next_local + count, starting=state.starting + ids
+    )
+    return state, [SpawnLocal(ids)]
+
+
+def _on_announced(state, event):
+    if event.device_id in state.starting or _known(state, event.device_id):
+        return state, []
+    if state.device_count >= state.max_devices:
+        reason = (
+            f"the job already has {state.device_count} devices, its maximum "
+            f"(--max-devices {state.max_devices}); start the job with a larger --max-devices"
+        )
+        return state, [Refuse(event.device_id, reason)]
+    return dataclasses.replace(state, starting=state.starting + (event.device_id,)), []
+
+
+def _known(state, device_id):
+    return device_id in state.members or device_id in state.waiting or device_id in state.dead
+
+
+def _on_ready(state, event):
+    starting = tuple(d for d in state.starting if d != event.device_id)
+    state = dataclasses.replace(state, starting=starting)
+    if event.problem:
+        return state, [Refuse(event.device_id, event.problem)]
+    if _known(state, event.device_id):
+        return state, []
+    return dataclasses.replace(state, waiting=state.waiting + (event.device_id,)), []
+
+
+def _on_formed(state, event):
+    if event.generation != state.generation:
+        return state, []
+    return dataclasses.replace(state, formed=state.formed | {event.device_id}), []
+
+
+def _on_failure(state, event):
+    if event.generation != state.generation or event.device_id not in state.members:
+        return state, []
+    if event.device_id in state.survivors:
+        return state, []
+    since = state.failure_since if state.failure_since is not None else event.now
+    return (
+        dataclasses.replace(
+            state, survivors=state.survivors + (event.device_id,), failure_since=since
+        ),
+        [],
+    )
+
+
+def _on_exited(state, event):
+    device = event.device_id
+    state = dataclasses.replace(
+        state,
+        dead=state.dead | {device},
+        starting=tuple(d for d in state.starting if d != device),
+        waiting=tuple(d for d in state.waiting if d != device),
+    )
+    if device in state.members and device not in state.leaving:
+        # A member died: the others will see it in their next collective. Start the
+        # grace clock now so a member that hangs instead of failing is not waited for.
+        since = state.failure_since if state.failure_since is not None else event.now
+        state = dataclasses.replace(state, failure_since=since)
+    return state, []
+
+
+def _on_scale(state, event):
+    if event.delta > 0:
+        room = state.max_devices - state.device_count
+        if room < event.delta:
+            note = Note(
+                f"asked for {event.delta} more devices but only {max(room, 0)} fit under "
+                f"--max-devices {state.max_devices}"
+            )
+            if room <= 0:
+                return state, [note]
+            state, actions = _spawn(state, room)
+            return state, [note] + actions
+        return _spawn(state, event.delta)
+    # Devices still on their way leave first (they hold nothing yet), then the most
+    # recently joined members: ranks 0.. stay stable.
+    staying = [m for m in state.members if m not in state.leaving]
+    candidates = staying + list(state.waiting) + list(state.starting)
+    remove = min(-event.delta, len(candidates) - 1)
+    actions = []
+    if remove < -event.delta:
+        actions.append(Note(f"cannot remove {-event.delta} devices: at least one must stay"))
+    if remove <= 0:
+        return state, actions
+    pending = list(state.waiting) + list(state.starting)
+    cancelled = tuple(pending[len(pending) - min(remove, len(pending)):])
+    leavers = tuple(staying[len(staying) - (remove - len(cancelled)):]) if remove > len(cancelled) else ()
+    state = dataclasses.replace(
+        state,
+        leaving=state.leaving + leavers,
+        waiting=tuple(d for d in state.waiting if d not in cancelled),
+        starting=tuple(d for d in state.starting if d not in cancelled),
+        dead=state.dead | set(cancelled),
+    )
+    return state, actions + [Evict(device, "the schedule removed it before it was admitted") for device in cancelled]
+
+
+def _on_tick(state, event):
+    """Members silent for longer than the grace period after a failure count as dead."""
+    if state.failure_since is None or event.now - state.failure_since < state.grace_s:
+        return state, []
+    silent = [m for m in state.members if m not in state.survivors and m not in state.dead]
+    state = dataclasses.replace(state, dead=state.dead | set(silent))
+    return state, [Evict(m) for m in silent]
+
+
+_HANDLERS = {
+    Start: _on_start,
+    Announced: _on_announced,
+    Ready: _on_ready,
+    Formed: _on_formed,
+    FailureReported: _on_failure,
+    Exited: _on_exited,
+    ScaleBy: _on_scale,
+    Tick: _on_tick,
+}
+
+
+def _advance(state: Membership):
+    """Publish the next generation when the rules allow it."""
+    if state.generation == 0:
+        if len(state.waiting) >= state.initial_devices or (
+            state.waiting and not state.starting
+        ):
+            return _publish(state, members=state.waiting, joined=state.waiting, left=(), failed=())
+        if not state.waiting and not state.starting and state.dead:
+            return _stop(state, "no device could start; see the messages above (a script whose fit() call is not under `if __name__ == \"__main__\":` stops its workers this way)")
+        return state, ()
+    if state.failure_since is not None:
+        return _recover(state)
+    if not state.is_formed:
+        return state, ()
+    if state.waiting or state.leaving:
+        members = tuple(m for m in state.members if m not in state.leaving) + state.waiting
+        return _publish(
+            state, members=members, joined=state.waiting, left=state.leaving, failed=()
+        )
+    return state, ()
+
+
+def _recover(state: Membership):
+    """Rebuild the generation from the survivors once every member is accounted for."""
+    accounted = set(state.survivors) | state.dead | set(state.leaving)
+    if not set(state.members) <= accounted:
+        return state, ()
+    members = tuple(m for m in state.members if m in state.survivors and m not in state.leaving)
+    failed = tuple(m for m in state.members if m not in state.survivors and m not in state.leaving)
+    members = members + state.waiting
+    if not members:
+        return _stop(state, f"every device failed ({', '.join(failed)}); no worker is left")
+    return _publish(state, members=members, joined=state.waiting, left=state.leaving, failed=failed)
+
+
+def _publish(state, members, joined, left, failed):
+    state = dataclasses.replace(
+        state,
+        generation=state.generation + 1,
+        members=tuple(members),
+        formed=frozenset(),
+        waiting=(),
+        leaving=(),
+        survivors=(),
+        failure_since=None,
+    )
+    return state, (Publish(state.generation, state.members, tuple(joined), tuple(left), tuple(failed)),)
+
+
+def _stop(state, reason):
+    return dataclasses.replace(state, stopped=True), (StopJob(reason),)

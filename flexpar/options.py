@@ -1,0 +1,223 @@
+"""How a job runs: the options of `Job.fit()` and of `flexpar run`, one to one.
+
+`FitOptions` is validated on construction, so a bad value is reported before
+any process starts. The CLI builds the same dataclass from its flags.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+
+@dataclass(frozen=True)
+class ScheduleChange:
+    """At step `step`, add (`delta` > 0) or remove (`delta` < 0) devices."""
+
+    step: int
+    delta: int
+
+
+def parse_schedule(text: Union[str, Sequence, None]) -> tuple:
+    """'100:+1,200:-2' -> (ScheduleChange(100, 1), ScheduleChange(200, -2))."""
+    if text is None or text == "":
+        return ()
+    if not isinstance(text, str):
+        return tuple(
+            item if isinstance(item, ScheduleChange) else ScheduleChange(*item) for item in text
+        )
+    changes = []
+    for part in text.split(","):
+        step_text, _, delta_text = part.strip().partition(":")
+        try:
+            change = ScheduleChange(int(step_text), int(delta_text))
+        except ValueError:
+            raise ValueError(
+                f"schedule entry {part.strip()!r} is not STEP:+N or STEP:-N (e.g. '100:+1,200:-2')"
+            ) from None
+        changes.append(change)
+    return tuple(changes)
+
+
+@dataclass(frozen=True)
+class SpeedChange:
+    """At step `step`, emulated device `device` (local index) runs at relative `speed`."""
+
+    step: int
+    device: int
+    speed: float
+
+
+def parse_speed_changes(text) -> tuple:
+    """'100:0=0.5' -> (SpeedChange(100, 0, 0.5),): an emulation aid for tests and benchmarks."""
+    if not text:
+        return ()
+    if not isinstance(text, str):
+        return tuple(item if isinstance(item, SpeedChange) else SpeedChange(*item) for item in text)
+    changes = []
+    for part in text.split(","):
+        try:
+            step_text, rest = part.strip().split(":")
+            device_text, speed_text = rest.split("=")
+            change = SpeedChange(int(step_text), int(device_text), float(speed_text))
+        except ValueError:
+            raise ValueError(f"speed change {part.strip()!r} is not STEP:DEVICE=SPEED (e.g. '100:0=0.5')") from None
+        if not 0 < change.speed <= 1 or change.step < 0 or change.device < 0:
+            raise ValueError(f"speed change {part.strip()!r}: speed in (0, 1], step and device >= 0")
+        changes.append(change)
+    return tuple(changes)
+
+
+@dataclass(frozen=True)
+class FitOptions:
+    """Everything about a run that is not the model: length, devices, elasticity, output."""
+
+    steps: Optional[int] = None
+    epochs: Optional[int] = None
+    devices: Optional[int] = None
+    max_devices: Optional[int] = None
+    schedule: tuple = ()
+    emulate_speeds: Optional[tuple] = None
+    speed_changes: tuple = ()
+    host: str = "127.0.0.1"
+    port: int = 0
+    timeout_s: float = 30.0
+    backend: str = "auto"
+    oversubscribe: bool = False
+    metrics: Optional[str] = None
+    run_dir: str = "runs"
+    display: Optional[bool] = None
+    log_every: int = 10
+    checkpoint_every: Optional[int] = None
+    checkpoint_dir: Optional[str] = None
+    resume: bool = False
+    bucket_mb: float = 25.0
+    secret: Optional[str] = None
+    quiet: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "schedule", parse_schedule(self.schedule))
+        object.__setattr__(self, "speed_changes", parse_speed_changes(self.speed_changes))
+        if self.emulate_speeds is not None:
+            object.__setattr__(self, "emulate_speeds", _parse_speeds(self.emulate_speeds))
+        if (self.steps is None) == (self.epochs is None):
+            raise ValueError(
+                f"give exactly one of steps= and epochs= (got steps={self.steps}, epochs={self.epochs})"
+            )
+        _positive("steps", self.steps)
+        _positive("epochs", self.epochs)
+        _positive("devices", self.devices)
+        _positive("max_devices", self.max_devices)
+        _positive("checkpoint_every", self.checkpoint_every)
+        _positive("log_every", self.log_every)
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s={self.timeout_s} must be positive (seconds)")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"backend={self.backend!r}: choose 'auto', 'gloo' or 'nccl'")
+        if self.checkpoint_every is not None and self.checkpoint_dir is None:
+            raise ValueError(
+                f"checkpoint_every={self.checkpoint_every} needs checkpoint_dir= (where to write them)"
+            )
+        if self.resume and self.checkpoint_dir is None:
+            raise ValueError("resume=True needs checkpoint_dir= (where the checkpoints are)")
+        for change in self.schedule:
+            if change.step < 1 or change.delta == 0:
+                raise ValueError(
+                    f"schedule entry {change.step}:{change.delta:+d}: the step must be >= 1 and "
+                    "the change non-zero"
+                )
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port={self.port} is not a TCP port (0 picks a free one)")
+
+    def validate_devices(self, initial: int, available: int, kind: str) -> int:
+        """The maximum device count, after checking every count the schedule reaches."""
+        maximum = self.max_devices or max(initial, available if kind == "cuda" else initial)
+        count = initial
+        counts = [initial]
+        for change in sorted(self.schedule, key=lambda change: change.step):
+            count += change.delta
+            counts.append(count)
+            if count < 1:
+                raise ValueError(
+                    f"the schedule leaves {count} devices after step {change.step}: at least one "
+                    "must stay"
+                )
+        peak = max(counts)
+        maximum = max(maximum, peak) if self.max_devices is None else maximum
+        if peak > maximum:
+            raise ValueError(
+                f"the schedule reaches {peak} devices but max_devices={maximum}; raise --max-devices"
+            )
+        if kind == "cuda" and peak > available:
+            raise ValueError(
+                f"asked for {peak} devices but this machine has {available} GPUs; ask for at most "
+                f"{available} (or add devices from other hosts with `flexpar join`)"
+            )
+        if kind == "cpu" and peak > available and not self.oversubscribe:
+            raise ValueError(
+                f"asked for {peak} CPU devices but this machine has {available} cores; ask for at "
+                f"most {available}, or pass oversubscribe=True (--oversubscribe) to run more CPU "
+                "processes than cores"
+            )
+        if self.emulate_speeds is not None and len(self.emulate_speeds) < initial:
+            raise ValueError(
+                f"emulate_speeds has {len(self.emulate_speeds)} entries for {initial} devices; "
+                "give one relative speed per device"
+            )
+        return maximum
+
+
+def _parse_speeds(speeds) -> tuple:
+    if isinstance(speeds, str):
+        speeds = [part for part in speeds.split(",") if part.strip()]
+    try:
+        values = tuple(float(speed) for speed in speeds)
+    except ValueError:
+        raise ValueError(f"emulate_speeds={speeds!r}: give numbers like '1,1,0.5'") from None
+    for value in values:
+        if not 0 < value <= 1:
+            raise ValueError(
+                f"emulate_speeds entry {value}: relative speeds are in (0, 1]; 1 is the real speed"
+            )
+    return values
+
+
+def _positive(name, value):
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name}={value!r} must be a positive whole number")
+
+
+# The launcher (`flexpar run`) runs the user's script in-process; the options it
+# was given on the command line override what the script passes to fit(). A
+# context variable scopes them to that run, rather than an environment variable.
+_command_line = contextvars.ContextVar("flexpar_command_line", default=None)
+
+
+@contextlib.contextmanager
+def command_line_options(overrides: dict):
+    token = _command_line.set(dict(overrides))
+    try:
+        yield
+    finally:
+        _command_line.reset(token)
+
+
+def resolve(fit_arguments: dict) -> FitOptions:
+    """The options of one fit() call: its arguments, overridden by the command line."""
+    merged = {key: value for key, value in fit_arguments.items() if value is not None}
+    overrides = _command_line.get() or {}
+    if "steps" in overrides or "epochs" in overrides:
+        merged.pop("steps", None)
+        merged.pop("epochs", None)
+    merged.update({key: value for key, value in overrides.items() if value is not None})
+    return FitOptions(**merged)
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

@@ -1,0 +1,37 @@
+"""Cluster simulator: flexpar's step loop over many devices, with elastic events.
+
+The simulator runs the real balancer (``flexpar.balance``) on simulated
+timings, so that what it predicts for 1024 devices is what the library would
+do, with a closed-form cost model (``model.py``) that can be calibrated on
+measurements (``calibration.py``). See docs/simulator.md.
+
+Entry points: ``simulate_command`` (``flexpar simulate``), ``load_scenario``,
+``simulate``, ``simulate_all``, ``scalability``, ``calibrate``.
+"""
+
+from .calibration import Calibration, calibrate, predict_elastic_stalls, predict_step_seconds, relative_error
+from .cli import main, simulate_command
+from .engine import SimulationEvent, SimulationResult, simulate, simulate_all
+from .model import (
+    ElasticCosts,
+    ModelParameters,
+    NetworkModel,
+    RestartCosts,
+    WorkloadModel,
+    broadcast_seconds,
+    ring_all_reduce_seconds,
+    step_seconds,
+    uniform_assignment,
+)
+from .policies import POLICY_NAMES, BalanceSettings, Policy, make_policy
+from .scalability import ScalabilityResult, scalability, scaled_scenario
+from .scenario import DeviceSpec, Event, Scenario, ScalabilitySpec, load_scenario, parse_scenario, shipped_scenarios
+
+__all__ = [
+    "BalanceSettings", "Calibration", "DeviceSpec", "ElasticCosts", "Event", "ModelParameters", "NetworkModel",
+    "POLICY_NAMES", "Policy", "RestartCosts", "ScalabilityResult", "ScalabilitySpec", "Scenario",
+    "SimulationEvent", "SimulationResult", "WorkloadModel", "broadcast_seconds", "calibrate", "load_scenario",
+    "main", "make_policy", "parse_scenario", "predict_elastic_stalls", "predict_step_seconds", "relative_error",
+    "ring_all_reduce_seconds", "scalability", "scaled_scenario", "shipped_scenarios", "simulate",
+    "simulate_all", "simulate_command", "step_seconds", "uniform_assignment",
+]

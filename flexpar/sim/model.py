@@ -1,0 +1,291 @@
+"""The cost model of one training step and of elastic changes (pure, closed form).
+
+Everything the simulator charges for time comes from the functions here, so
+that a reader can check every figure by hand and so that calibration
+(``calibration.py``) has one place to fit. The model follows the real step loop
+of DESIGN.md section 3:
+
+1. each device runs its assigned virtual workers (VWs) one after another:
+   ``busy_i = count_i * seconds_per_vw_i``;
+2. one bucketed ring all-reduce of the gradient bytes, alpha-beta model::
+
+       all_reduce = buckets * 2 (n - 1) alpha + 2 (n - 1) / n * bytes / bandwidth
+
+   of which a fraction (``overlap_fraction``) can run while the device's last
+   VW is still in its backward pass, hidden up to that backward's length;
+3. one optimizer step (a fixed cost per step).
+
+``step = max_i(busy_i + all_reduce - hidden_i) + optimizer``: the all-reduce is
+a collective, so the step ends when the last device's share of it ends.
+
+Elastic costs: a process group formed in running processes costs
+``pg_formation_s + pg_formation_per_device_s * n`` (a rendezvous on one store
+grows with the members); a state broadcast costs
+``ceil(log2 n) * alpha + bytes / broadcast_bandwidth`` (a pipelined tree: the
+latency grows with the depth, the bytes cross each link once).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import numpy as np
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _check_non_negative(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        _require(
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0,
+            f"{owner}.{name}: expected a finite number >= 0, got {value!r}",
+        )
+
+
+def _check_positive(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        _require(
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0,
+            f"{owner}.{name}: expected a finite positive number, got {value!r}",
+        )
+
+
+@dataclass(frozen=True)
+class NetworkModel:
+    """Alpha-beta parameters of the collectives.
+
+    ``alpha_s``: latency of one message hop. ``bandwidth_bytes_per_s``: the
+    per-link bandwidth a ring all-reduce sees. ``broadcast_bandwidth_bytes_per_s``:
+    the same for the state broadcast to a joiner (kept separate because the
+    measured figures differ: a broadcast of a whole state in one call versus
+    many bucketed all-reduces). ``bucket_bytes``: gradient bucket size (each
+    bucket pays the latency term once). ``overlap_fraction`` in [0, 1]: the part
+    of the all-reduce that can run during the last VW's backward pass.
+    ``backward_fraction`` in [0, 1]: the share of a VW's compute time that is
+    backward (about 2/3 for the usual 1:2 forward:backward cost ratio), which
+    bounds how much communication can hide.
+    """
+
+    alpha_s: float = 20e-6
+    bandwidth_bytes_per_s: float = 10e9
+    broadcast_bandwidth_bytes_per_s: float = 10e9
+    bucket_bytes: float = 25e6
+    overlap_fraction: float = 0.0
+    backward_fraction: float = 2.0 / 3.0
+
+    def __post_init__(self) -> None:
+        _check_non_negative("network", alpha_s=self.alpha_s)
+        _check_positive(
+            "network",
+            bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
+            broadcast_bandwidth_bytes_per_s=self.broadcast_bandwidth_bytes_per_s,
+            bucket_bytes=self.bucket_bytes,
+        )
+        for name in ("overlap_fraction", "backward_fraction"):
+            value = getattr(self, name)
+            _require(
+                isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0,
+                f"network.{name}: expected a number in [0, 1], got {value!r}",
+            )
+
+
+@dataclass(frozen=True)
+class WorkloadModel:
+    """What one step moves and costs besides compute.
+
+    ``gradient_bytes``: bytes all-reduced per step (dense gradients).
+    ``state_bytes``: full training state a joiner receives (parameters,
+    buffers, optimizer state). ``optimizer_s``: the optimizer step, same on
+    every device. ``samples_per_vw``: samples in one VW (global batch / V), used
+    only to turn steps into samples per second.
+    """
+
+    gradient_bytes: float = 100e6
+    state_bytes: float = 300e6
+    optimizer_s: float = 0.0
+    samples_per_vw: int = 32
+
+    def __post_init__(self) -> None:
+        _check_non_negative(
+            "model", gradient_bytes=self.gradient_bytes, state_bytes=self.state_bytes, optimizer_s=self.optimizer_s
+        )
+        _require(
+            isinstance(self.samples_per_vw, int) and not isinstance(self.samples_per_vw, bool) and self.samples_per_vw >= 1,
+            f"model.samples_per_vw: expected an integer >= 1, got {self.samples_per_vw!r}",
+        )
+
+
+@dataclass(frozen=True)
+class ElasticCosts:
+    """Costs of flexpar's in-place elasticity (DESIGN.md section 4).
+
+    ``warmup_s``: a joiner's start, model build and warm-up step, off the
+    running devices' critical path. ``pg_formation_s`` (+ ``per_device`` times
+    the group size): forming a fresh process group in running processes.
+    ``detection_s``: from a peer's death to the survivors' error in the
+    collective.
+    """
+
+    warmup_s: float = 30.0
+    pg_formation_s: float = 0.01
+    pg_formation_per_device_s: float = 0.0
+    detection_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        _check_non_negative("elastic", **{field.name: getattr(self, field.name) for field in fields(self)})
+
+
+@dataclass(frozen=True)
+class RestartCosts:
+    """Costs of checkpoint-restart elasticity (torchrun-like).
+
+    On any membership change every worker process is stopped and started
+    again: ``process_start_s`` + ``import_s`` + ``rebuild_s`` (model, optimizer,
+    data) + checkpoint save (planned changes only) + ``checkpoint_load_s`` +
+    process group formation. The job also saves a checkpoint every
+    ``checkpoint_every_steps`` steps (``checkpoint_save_s`` each, blocking),
+    because after a failure it resumes from the last one and redoes the steps
+    since.
+    """
+
+    process_start_s: float = 5.0
+    import_s: float = 2.0
+    rebuild_s: float = 10.0
+    checkpoint_save_s: float = 5.0
+    checkpoint_load_s: float = 5.0
+    checkpoint_every_steps: int = 500
+
+    def __post_init__(self) -> None:
+        _check_non_negative(
+            "restart",
+            process_start_s=self.process_start_s,
+            import_s=self.import_s,
+            rebuild_s=self.rebuild_s,
+            checkpoint_save_s=self.checkpoint_save_s,
+            checkpoint_load_s=self.checkpoint_load_s,
+        )
+        _require(
+            isinstance(self.checkpoint_every_steps, int)
+            and not isinstance(self.checkpoint_every_steps, bool)
+            and self.checkpoint_every_steps >= 1,
+            f"restart.checkpoint_every_steps: expected an integer >= 1, got {self.checkpoint_every_steps!r}",
+        )
+
+    def relaunch_s(self) -> float:
+        """Process start, import and rebuild: what every restart pays before loading."""
+        return self.process_start_s + self.import_s + self.rebuild_s
+
+
+@dataclass(frozen=True)
+class ModelParameters:
+    """All cost-model parameters of a scenario; what calibration returns."""
+
+    network: NetworkModel = NetworkModel()
+    workload: WorkloadModel = WorkloadModel()
+    elastic: ElasticCosts = ElasticCosts()
+    restart: RestartCosts = RestartCosts()
+
+
+# --------------------------------------------------------------------------
+# closed-form costs
+# --------------------------------------------------------------------------
+
+
+def ring_all_reduce_seconds(devices: int, payload_bytes: float, network: NetworkModel) -> float:
+    """Alpha-beta time of a bucketed ring all-reduce over ``devices`` members.
+
+    Zero for one device (nothing to exchange). Each of the
+    ``ceil(bytes / bucket_bytes)`` buckets pays ``2 (n - 1)`` latencies; the
+    bytes pay the ring's ``2 (n - 1) / n`` factor once in total.
+    """
+    if devices <= 1 or payload_bytes <= 0:
+        return 0.0
+    buckets = max(1, math.ceil(payload_bytes / network.bucket_bytes))
+    latency = buckets * 2 * (devices - 1) * network.alpha_s
+    transfer = 2 * (devices - 1) / devices * payload_bytes / network.bandwidth_bytes_per_s
+    return latency + transfer
+
+
+def broadcast_seconds(devices: int, payload_bytes: float, network: NetworkModel) -> float:
+    """Time to broadcast ``payload_bytes`` from one member to the other ``devices - 1``."""
+    if devices <= 1 or payload_bytes <= 0:
+        return 0.0
+    depth = math.ceil(math.log2(devices))
+    return depth * network.alpha_s + payload_bytes / network.broadcast_bandwidth_bytes_per_s
+
+
+def pg_formation_seconds(devices: int, elastic: ElasticCosts) -> float:
+    """Forming a fresh process group of ``devices`` members in running processes."""
+    return elastic.pg_formation_s + elastic.pg_formation_per_device_s * devices
+
+
+def planned_restart_seconds(devices: int, parameters: ModelParameters) -> float:
+    """Stall of a planned checkpoint-restart (join or leave) into ``devices`` members."""
+    restart = parameters.restart
+    return (
+        restart.relaunch_s()
+        + restart.checkpoint_save_s
+        + restart.checkpoint_load_s
+        + pg_formation_seconds(devices, parameters.elastic)
+    )
+
+
+def failure_restart_seconds(devices: int, parameters: ModelParameters) -> float:
+    """Restart after a failure (no final save; detection and lost work come on top)."""
+    restart = parameters.restart
+    return restart.relaunch_s() + restart.checkpoint_load_s + pg_formation_seconds(devices, parameters.elastic)
+
+
+def join_stall_seconds(devices_after: int, parameters: ModelParameters) -> float:
+    """Stall of flexpar's in-place scale-out: a new group, then the state broadcast."""
+    return pg_formation_seconds(devices_after, parameters.elastic) + broadcast_seconds(
+        devices_after, parameters.workload.state_bytes, parameters.network
+    )
+
+
+def hidden_communication_seconds(
+    all_reduce_s: float, last_vw_seconds: np.ndarray, network: NetworkModel
+) -> np.ndarray:
+    """Per device: how much of the all-reduce hides behind its last VW's backward."""
+    return np.minimum(network.overlap_fraction * all_reduce_s, network.backward_fraction * last_vw_seconds)
+
+
+def device_critical_paths(
+    assignment: Sequence[int],
+    busy_seconds: np.ndarray,
+    devices_all_reduce_s: float,
+    parameters: ModelParameters,
+) -> np.ndarray:
+    """Per device: compute + exposed communication + optimizer, in seconds.
+
+    ``busy_seconds`` is each device's compute for its ``assignment`` VWs; its
+    last VW is taken to last ``busy / count`` (VWs of one device cost the same).
+    """
+    counts = np.asarray(assignment, dtype=float)
+    last_vw = busy_seconds / counts
+    hidden = hidden_communication_seconds(devices_all_reduce_s, last_vw, parameters.network)
+    return busy_seconds + devices_all_reduce_s - hidden + parameters.workload.optimizer_s
+
+
+def step_seconds(assignment: Sequence[int], seconds_per_vw: Sequence[float], parameters: ModelParameters) -> float:
+    """Closed-form, noise-free time of one step: the slowest device's critical path."""
+    counts = np.asarray(assignment, dtype=float)
+    busy = counts * np.asarray(seconds_per_vw, dtype=float)
+    all_reduce = ring_all_reduce_seconds(len(counts), parameters.workload.gradient_bytes, parameters.network)
+    return float(np.max(device_critical_paths(assignment, busy, all_reduce, parameters)))
+
+
+def uniform_assignment(devices: int, virtual_workers: int) -> tuple:
+    """DDP-style equal split: ``V // n`` each, the remainder one each to the first ranks."""
+    _require(devices >= 1, f"uniform split needs at least one device, got {devices}")
+    _require(
+        virtual_workers >= devices,
+        f"virtual_workers={virtual_workers} is fewer than the {devices} devices; every device needs one",
+    )
+    base, remainder = divmod(virtual_workers, devices)
+    return tuple(base + 1 if rank < remainder else base for rank in range(devices))

@@ -1,0 +1,187 @@
+"""Gradient synchronisation: one sum across devices per step.
+
+Dense gradients are summed in buckets (about `bucket_mb` each, in reverse
+parameter order, which is roughly the order backward produces them). During
+the last virtual worker's backward, a bucket is sent as soon as every gradient
+in it is final, so communication overlaps the rest of backward. Buckets are
+always launched in the same order on every device: collectives must match.
+
+The last bucket is not sent from a hook but from `finish()`, right after
+backward returns, with the step's small statistics vector appended to it
+(busy times, losses, the generation each device has seen). That is how the
+agreement on device-set changes rides inside a collective the step does
+anyway, at no extra round trip.
+
+Sparse gradients (`nn.Embedding(sparse=True)`) are summed as indices and
+values by `flexpar.sparse.all_reduce_sparse`, after the dense buckets.
+
+Every device adds `(1/V) * grad` of each of its VWs (the caller scales the
+loss), so the plain sum across devices is the mean over the global batch: no
+device count appears in the math.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flexpar.sparse import all_reduce_sparse, sparse_parameters
+
+
+class PeerFailure(Exception):
+    """A collective failed or timed out: a peer died, hung or left unannounced."""
+
+
+class _Bucket:
+    def __init__(self, parameters, index: int):
+        self.parameters = parameters
+        self.index = index
+        self.dtype = parameters[0].dtype
+        self.device = parameters[0].device
+        self.numel = sum(parameter.numel() for parameter in parameters)
+        self.buffer: Optional[torch.Tensor] = None
+        self.ready = 0
+        self.work = None
+
+
+class GradientSync:
+    """Sums gradients across the current process group. One instance per device."""
+
+    def __init__(self, model: nn.Module, device, bucket_mb: float = 25.0):
+        self.device = torch.device(device)
+        sparse = {id(parameter) for parameter in sparse_parameters(model)}
+        self.sparse = [p for p in model.parameters() if p.requires_grad and id(p) in sparse]
+        dense = [p for p in model.parameters() if p.requires_grad and id(p) not in sparse]
+        self.buckets = _make_buckets(list(reversed(dense)), int(bucket_mb * (1 << 20)))
+        self.bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.parameters}
+        self.world_size = 1
+        self.armed = False
+        self.next_launch = 0
+        for parameter in dense:
+            parameter.register_post_accumulate_grad_hook(self._on_gradient)
+
+    def start_generation(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget a step in flight (after a failure, or before a new step)."""
+        self.armed = False
+        self.next_launch = 0
+        for bucket in self.buckets:
+            bucket.ready = 0
+            bucket.work = None
+
+    def arm(self) -> None:
+        """The next backward is this step's last on this device: send buckets as they fill."""
+        self.armed = self.world_size > 1
+
+    def _on_gradient(self, parameter) -> None:
+        if not self.armed:
+            return
+        bucket = self.bucket_of[id(parameter)]
+        bucket.ready += 1
+        # Launch in bucket order; the final bucket waits for finish() and the stats.
+        while (
+            self.next_launch < len(self.buckets) - 1
+            and self.buckets[self.next_launch].ready == len(self.buckets[self.next_launch].parameters)
+        ):
+            self._launch(self.buckets[self.next_launch])
+            self.next_launch += 1
+
+    def _launch(self, bucket: _Bucket, stats: Optional[torch.Tensor] = None) -> None:
+        extra = 0 if stats is None else stats.numel()
+        if bucket.buffer is None or bucket.buffer.numel() != bucket.numel + extra:
+            bucket.buffer = torch.empty(bucket.numel + extra, dtype=bucket.dtype, device=bucket.device)
+        offset = 0
+        for parameter in bucket.parameters:
+            view = bucket.buffer[offset : offset + parameter.numel()]
+            if parameter.grad is None:
+                view.zero_()
+            else:
+                view.copy_(parameter.grad.reshape(-1))
+            offset += parameter.numel()
+        if stats is not None:
+            bucket.buffer[offset:].copy_(stats)
+        bucket.work = _collective(lambda: dist.all_reduce(bucket.buffer, async_op=True))
+
+    def finish(self, stats: torch.Tensor) -> torch.Tensor:
+        """Send what is left, wait for every sum, write the summed gradients back.
+
+        Returns the summed statistics vector (the same on every device).
+        """
+        self.armed = False
+        if self.world_size == 1:
+            return stats
+        carrier = self._stats_carrier(stats)
+        for bucket in self.buckets[self.next_launch :]:
+            self._launch(bucket, stats.to(bucket.device, bucket.dtype) if bucket is carrier else None)
+        self.next_launch = len(self.buckets)
+        separate = None
+        if carrier is None:
+            separate = stats.to(self.device, copy=True)
+            work = _collective(lambda: dist.all_reduce(separate, async_op=True))
+        for bucket in self.buckets:
+            _wait(bucket.work)
+            _unflatten(bucket)
+        if carrier is None:
+            _wait(work)
+            summed = separate
+        else:
+            summed = carrier.buffer[carrier.numel :].to(stats.dtype)
+        for parameter in self.sparse:
+            parameter.grad = _collective(lambda: all_reduce_sparse(parameter.grad, like=parameter))
+        return summed.cpu()
+
+    def _stats_carrier(self, stats):
+        """The final bucket carries the stats if its dtype holds them exactly enough."""
+        if not self.buckets:
+            return None
+        final = self.buckets[-1]
+        return final if final.dtype in (torch.float32, torch.float64) else None
+
+
+def _make_buckets(parameters, bucket_bytes: int) -> list:
+    buckets, current, size = [], [], 0
+    for parameter in parameters:
+        same_kind = not current or (
+            current[0].dtype == parameter.dtype and current[0].device == parameter.device
+        )
+        if current and (size >= bucket_bytes or not same_kind):
+            buckets.append(_Bucket(current, len(buckets)))
+            current, size = [], 0
+        current.append(parameter)
+        size += parameter.numel() * parameter.element_size()
+    if current:
+        buckets.append(_Bucket(current, len(buckets)))
+    return buckets
+
+
+def _unflatten(bucket: _Bucket) -> None:
+    offset = 0
+    for parameter in bucket.parameters:
+        summed = bucket.buffer[offset : offset + parameter.numel()].view_as(parameter)
+        if parameter.grad is None:
+            parameter.grad = summed.clone()
+        else:
+            parameter.grad.copy_(summed)
+        offset += parameter.numel()
+
+
+def _collective(call):
+    try:
+        return call()
+    except RuntimeError as error:  # gloo: connection reset / closed; NCCL: remote error
+        raise PeerFailure(str(error)) from error
+
+
+def _wait(work) -> None:
+    if work is None:
+        return
+    try:
+        work.wait()
+    except RuntimeError as error:  # also the process group's timeout for a hung peer
+        raise PeerFailure(str(error)) from error

@@ -1,0 +1,384 @@
+"""The step loop of one device.
+
+Lifecycle (`Phase`), with its transitions:
+
+    WARMING    -> WAITING     built the model, ran one forward/backward, told the coordinator
+    WAITING    -> FORMING     a published generation includes this device
+    FORMING    -> ACTIVE      the generation's process group formed; state is level
+    ACTIVE     -> FORMING     at a step boundary, all members agreed on a newer generation
+    ACTIVE     -> LEAVING     ... that leaves this device out (planned scale-in)
+    ACTIVE     -> RECOVERING  a collective failed (a peer died or hung)
+    FORMING    -> RECOVERING  forming or levelling the state failed
+    RECOVERING -> FORMING     the coordinator published the survivors' generation
+    RECOVERING -> LEAVING     ... without this device
+    any        -> DONE        the last step committed, or the job was stopped
+
+One step, from the top: `Worker.train` picks this device's VWs from the
+shared assignment, `Worker.run_step` runs them one after another (forward,
+`loss / V` backward; the last VW's backward sends gradient buckets as they
+fill), `GradientSync.finish` waits for the sums and the step's statistics,
+then the optimizer and scheduler step, and the statistics decide the next
+assignment and whether a new generation starts after this step.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import json
+import math
+import os
+import pickle
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from flexpar import balance, batching, control, state as training_state
+from flexpar.job import UserCodeError, build_model, build_optimizer, check_loss, model_digest, nonfinite_message
+from flexpar.loader import VirtualWorkerLoader
+from flexpar.sync import GradientSync, PeerFailure, _collective
+from flexpar.version import __version__
+
+
+class Phase(enum.Enum):
+    WARMING = "warming"
+    WAITING = "waiting"
+    FORMING = "forming"
+    ACTIVE = "active"
+    RECOVERING = "recovering"
+    LEAVING = "leaving"
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    """What a worker process needs to find its job; everything else comes from the store."""
+
+    host: str
+    port: int
+    device_id: str
+    secret: str
+    device: str = "cpu"
+    threads: int = 0
+    speed: float = 1.0
+    remote: bool = False
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The parts of FitOptions a worker needs, published by the driver with the job."""
+
+    total_steps: int
+    backend: str
+    timeout_s: float
+    bucket_mb: float
+    checkpoint_every: Optional[int]
+    checkpoint_dir: Optional[str]
+    resume_path: Optional[str]
+
+
+def main(args: WorkerArgs) -> None:
+    """Entry point of a worker process (local or joining)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    link = control.DeviceLink(args.host, args.port, args.device_id, timeout_s=60.0)
+    try:
+        try:
+            worker = Worker(args, link)
+        except ValueError as refusal:
+            if "secret" not in str(refusal):
+                raise
+            raise control.Evicted(str(refusal)) from None
+        worker.run()
+        code = 0
+    except control.JobStopped:
+        code = 0
+    except control.Evicted as refusal:
+        print(f"flexpar: device {args.device_id}: {refusal}", file=sys.stderr)
+        code = 3
+    except Exception as error:  # the user's code (or ours) raised: stop the job, say why once
+        link.events.send({"type": "error", "device_id": args.device_id,
+                          "message": _describe(error), "traceback": traceback.format_exc()})
+        code = 1
+    finally:
+        link.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown: DataLoader / gloo threads must not hang the exit
+
+
+def _describe(error: Exception) -> str:
+    if isinstance(error, UserCodeError):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
+
+
+class Worker:
+    def __init__(self, args: WorkerArgs, link: control.DeviceLink):
+        self.args = args
+        self.link = link
+        self.phase = Phase.WARMING
+        self.device = torch.device(args.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.job = pickle.loads(control.get_blob(link.store, "job/payload", args.secret))
+        self.settings = RunSettings(**control.get_json(link.store, "job/settings"))
+        self.model = build_model(self.job).to(self.device)
+        self.optimizer, self.scheduler = build_optimizer(self.job, self.model)
+        self.sync = GradientSync(self.model, self.device, self.settings.bucket_mb)
+        self.loader = VirtualWorkerLoader(self.job, self._plan, self.settings.total_steps)
+        self.balance_state = balance.BalanceState(seconds_per_vw={})
+        self.generation = 0
+        self.members: tuple = ()
+        self.rank = 0
+        self.assignment: tuple = ()
+        self.committed = -1
+        self.committed_wall = time.time()
+        self.salt = link.store.get("job/salt").decode()
+
+    # ------------------------------------------------------------ lifecycle
+
+    def run(self) -> None:
+        proof = control.join_proof(self.args.secret, self.args.device_id, self.salt)
+        self.link.send("announce", proof=proof, remote=self.args.remote)
+        warmup_s = self.warm_up()
+        self.link.send("ready", proof=proof, digest=model_digest(self.model),
+                       version=__version__, warmup_s=warmup_s)
+        self.phase = Phase.WAITING
+        generation, record = self.link.wait_for_generation(0, joining=True)
+        # Devices of generation 1 built the same model from the same seed: step 0 is
+        # committed everywhere. Later joiners hold nothing yet and receive the state.
+        self.committed = 0 if generation == 1 else -1
+        if generation == 1 and self.settings.resume_path and record["members"][0] == self.args.device_id:
+            self._restore(training_state.read_checkpoint(self.settings.resume_path, self.device))
+        while True:
+            try:
+                self.phase = Phase.FORMING
+                self.enter(generation, record)
+                self.phase = Phase.ACTIVE
+                generation = self.train()
+                if generation is None:
+                    self.finish()
+                    return
+                record = self.link.generation(generation)
+                if self.args.device_id not in record["members"]:
+                    self.phase = Phase.LEAVING
+                    return
+            except PeerFailure as failure:
+                self.phase = Phase.RECOVERING
+                self.sync.reset()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.link.send("failure", generation=generation, step=self.committed,
+                               error=str(failure)[:500])
+                _destroy_group()
+                generation, record = self.link.wait_for_generation(generation, joining=False)
+
+    def warm_up(self) -> float:
+        """One forward and backward of one VW, no update: pays start-up costs off the critical path."""
+        from flexpar.loader import load_batch
+
+        started = time.perf_counter()
+        indices = batching.virtual_worker_indices(
+            self.job.seed, 0, 0, len(self.job.dataset), self.job.global_batch, self.job.virtual_workers
+        )
+        batch = _to_device(load_batch(self.job, indices, batching.data_seed(self.job.seed, 0, 0)), self.device)
+        loss = self.job.loss(self.model, batch)
+        check_loss(loss, 0, 0)
+        loss.backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - started
+
+    def enter(self, generation: int, record: dict) -> None:
+        """Form the generation's process group and bring every member to the same state."""
+        self.link.check()
+        _destroy_group()
+        members = tuple(record["members"])
+        rank = members.index(self.args.device_id)
+        backend = self.settings.backend
+        _collective(lambda: dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"gen/{generation}/pg", self.link.store),
+            rank=rank,
+            world_size=len(members),
+            timeout=datetime.timedelta(seconds=self.settings.timeout_s),
+        ))
+        self.link.send("formed", generation=generation)
+        source, receivers, _ = _collective(
+            lambda: training_state.agree_on_source(self.committed, rank, len(members), self.device)
+        )
+        if receivers:
+            if rank == source:
+                data = training_state.to_bytes(self._capture())
+                _collective(lambda: training_state.send(data, receivers, self.device))
+            elif rank in receivers:
+                data = _collective(lambda: training_state.receive(source, self.device))
+                self._restore(training_state.from_bytes(data, self.device))
+        previous_members = self.members
+        self.generation, self.members, self.rank = generation, members, rank
+        self.sync.start_generation(len(members))
+        if rank == 0:
+            self._publish_generation_event(record, previous_members)
+
+    def finish(self) -> None:
+        self.phase = Phase.DONE
+        if self.rank == 0:
+            data = training_state.to_bytes({"model": self.model.state_dict(), "step": self.committed})
+            control.put_blob(self.link.store, "result", data, self.args.secret)
+            self.link.store.set("done", json.dumps({"step": self.committed}))
+
+    # ------------------------------------------------------------ training
+
+    def _plan(self, step: int) -> range:
+        """This device's VWs at `step` as currently known (the loader prefetches along it)."""
+        return batching.virtual_workers_of(self.assignment, self.rank) if self.assignment else range(0)
+
+    def train(self) -> Optional[int]:
+        """Run steps until the last one (returns None) or an agreed new generation (returns it)."""
+        while self.committed < self.settings.total_steps:
+            self.link.check()
+            assignment = balance.next_assignment(
+                self.balance_state, self.members, self.job.virtual_workers
+            )
+            if self.rank == 0 and self.assignment and assignment != self.assignment and \
+                    tuple(self.balance_state.device_ids) == self.members:
+                self._publish_event("rebalance", f"{list(self.assignment)} -> {list(assignment)}", 0.0)
+            self.assignment = assignment
+            step = self.committed
+            summed = self.run_step(step, batching.virtual_workers_of(assignment, self.rank))
+            world = len(self.members)
+            busy = summed[:world].tolist()
+            seen = summed[world : 2 * world].tolist()
+            loss = float(summed[2 * world])
+            bad = [int(value) for value in summed[2 * world + 1 : 3 * world + 1].tolist() if value > 0]
+            if bad:
+                raise UserCodeError(nonfinite_message(step, min(bad) - 1))
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.committed += 1
+            now = time.time()
+            step_time, self.committed_wall = now - self.committed_wall, now
+            self.balance_state = balance.observe(self.balance_state, self.members, assignment, busy)
+            if self.rank == 0:
+                self._publish_step(step, loss, step_time, busy, assignment)
+                self._maybe_checkpoint()
+            target = int(max(seen))
+            if target > self.generation:
+                return target
+        return None
+
+    def run_step(self, step: int, virtual_workers: range) -> torch.Tensor:
+        """Run this device's VWs of `step` and sum gradients and statistics across devices."""
+        job = self.job
+        world = len(self.members)
+        self.sync.reset()
+        busy = 0.0
+        loss_sum = 0.0
+        first_bad = 0
+        last = virtual_workers[-1]
+        for virtual_worker in virtual_workers:
+            started = time.perf_counter()
+            batch = _to_device(self.loader.batch(step, virtual_worker), self.device)
+            torch.manual_seed(batching.virtual_worker_seed(job.seed, step, virtual_worker))
+            if virtual_worker == last:
+                self.sync.arm()
+            loss = job.loss(self.model, batch)
+            value = check_loss(loss, step, virtual_worker)
+            if not math.isfinite(value) and not first_bad:
+                first_bad = virtual_worker + 1
+            (loss / job.virtual_workers).backward()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            elapsed = time.perf_counter() - started
+            speed = self.link.speed if self.link.speed is not None else self.args.speed
+            if speed < 1.0:
+                # Emulated slower device: stretch this VW's compute to 1/speed of it.
+                pause = elapsed * (1.0 / speed - 1.0)
+                time.sleep(pause)
+                elapsed += pause
+            busy += elapsed
+            loss_sum += value / job.virtual_workers
+        stats = torch.zeros(3 * world + 1, dtype=torch.float64)
+        stats[self.rank] = busy
+        stats[world + self.rank] = self.link.latest_generation
+        stats[2 * world] = loss_sum
+        stats[2 * world + 1 + self.rank] = first_bad
+        return self.sync.finish(stats.to(self.device))
+
+    # ------------------------------------------------------------ state
+
+    def _capture(self) -> dict:
+        extra = {"balance": balance.state_to_dict(self.balance_state), "committed_wall": self.committed_wall}
+        return training_state.capture(self.model, self.optimizer, self.scheduler, self.committed, extra)
+
+    def _restore(self, state: dict) -> None:
+        training_state.restore(self.model, self.optimizer, self.scheduler, state)
+        self.committed = int(state["step"])
+        extra = state.get("extra") or {}
+        if "balance" in extra:
+            self.balance_state = balance.state_from_dict(extra["balance"])
+        self.committed_wall = float(extra.get("committed_wall", self.committed_wall))
+
+    def _maybe_checkpoint(self) -> None:
+        every = self.settings.checkpoint_every
+        if every and self.committed % every == 0:
+            data = training_state.to_bytes(self._capture())
+            training_state.write_checkpoint(self.settings.checkpoint_dir, data, self.committed)
+
+    # ------------------------------------------------------------ metrics (rank 0)
+
+    def _publish_step(self, step, loss, step_time, busy, assignment) -> None:
+        self.link.publish({
+            "kind": "step", "step": step, "time": self.committed_wall,
+            "elapsed_s": 0.0,  # filled in by the driver, which knows the job's start
+            "loss": loss, "samples_per_s": self.job.global_batch / max(step_time, 1e-9),
+            "step_time_s": step_time, "generation": self.generation,
+            "devices": list(self.members), "assignment": list(assignment),
+            "busy_s": busy, "imbalance": balance.imbalance(busy),
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+        })
+
+    def _publish_event(self, event: str, detail: str, stall_s: float) -> None:
+        self.link.publish({
+            "kind": "event", "event": event, "step": self.committed, "time": time.time(),
+            "generation": self.generation, "devices": list(self.members),
+            "stall_s": stall_s, "detail": detail,
+        })
+
+    def _publish_generation_event(self, record: dict, previous_members: tuple) -> None:
+        stall = max(0.0, time.time() - self.committed_wall)
+        if record["failed"]:
+            self._publish_event("failure", "failed: " + ", ".join(record["failed"]), stall)
+        if record["left"]:
+            self._publish_event("leave", "left: " + ", ".join(record["left"]), stall)
+        if record["joined"]:
+            kind = "start" if self.generation == 1 else "join"
+            self._publish_event(kind, "joined: " + ", ".join(record["joined"]), 0.0 if kind == "start" else stall)
+
+
+def _destroy_group() -> None:
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a group broken by a dead peer may fail to tear down cleanly
+            pass
+
+
+def _to_device(batch, device):
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(item, device) for item in batch)
+    if isinstance(batch, dict):
+        return {key: _to_device(value, device) for key, value in batch.items()}
+    return batch
