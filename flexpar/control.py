@@ -185,11 +185,18 @@ class Coordinator:
             event = self._event_of(message, now)
             if event is not None:
                 self.apply(event)
-        for device_id in self.local_exits():
-            self.apply(ms.Exited(device_id, now))
-        for device_id in self._silent_remotes(now):
+        for device_id in list(self.local_exits()) + self._silent_remotes(now):
+            self._announce_death(device_id)
             self.apply(ms.Exited(device_id, now))
         self.apply(ms.Tick(now))
+
+    def _announce_death(self, device_id: str) -> None:
+        """Tell the members at once that a peer is gone, so nobody waits out a timeout."""
+        state = self.state
+        if device_id in state.members and device_id not in state.leaving:
+            key = f"gen/{state.generation}/dead"
+            dead = set(get_json(self.store, key)) if has(self.store, key) else set()
+            self.store.set(key, json.dumps(sorted(dead | {device_id})))
 
     def _event_of(self, message: dict, now: float):
         kind = message.get("type")
@@ -321,6 +328,7 @@ class DeviceLink:
         self.stop_reason: Optional[str] = None
         self.reply: Optional[str] = None
         self.speed: Optional[float] = None  # emulated speed set by the driver, if any
+        self.dead_members: frozenset = frozenset()  # peers of the latest generation known dead
         self._poll_s = poll_s
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._follow, name="flexpar-link", daemon=True)
@@ -335,6 +343,9 @@ class DeviceLink:
             try:
                 if has(store, "gen/latest"):
                     self.latest_generation = int(store.get("gen/latest"))
+                dead_key = f"gen/{self.latest_generation}/dead"
+                if has(store, dead_key):
+                    self.dead_members = frozenset(get_json(store, dead_key))
                 if has(store, "stop"):
                     self.stop_reason = store.get("stop").decode()
                 if has(store, f"speed/{self.device_id}"):
@@ -343,6 +354,7 @@ class DeviceLink:
                     self.reply = store.get(f"reply/{self.device_id}").decode()
                 while not self._outbox.empty():
                     metrics.send(self._outbox.get())
+                    self._outbox.task_done()
                 now = time.monotonic()
                 if now - last_beat > 0.5:
                     beats += 1
@@ -361,6 +373,11 @@ class DeviceLink:
     def publish(self, record: dict) -> None:
         """Queue a metrics record; the follower thread sends it, off the step's critical path."""
         self._outbox.put(record)
+
+    def flush(self) -> None:
+        """Wait until every queued record has been sent."""
+        if self._thread.is_alive():
+            self._outbox.join()
 
     def check(self) -> None:
         """Raise if the coordinator stopped the job or refused this device."""

@@ -76,6 +76,8 @@ class DriverLoop:
     def _relay_metrics(self) -> None:
         for record in self.metrics.receive():
             if record["kind"] == "step":
+                if self.steps and record["step"] <= self.steps[-1]["step"]:
+                    continue  # re-sent by a new rank 0 after a change
                 record["elapsed_s"] = max(0.0, record["time"] - self.started)
                 self.steps.append(record)
                 self._fire_schedule(record["step"] + 1)

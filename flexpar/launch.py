@@ -124,7 +124,8 @@ def run(job: Job, options: FitOptions) -> FitResult:
         if resume_path is None:
             raise ValueError(f"resume=True but {options.checkpoint_dir} holds no checkpoint (step-*.pt)")
     settings = RunSettings(total_steps, backend, options.timeout_s, options.bucket_mb,
-                           options.checkpoint_every, options.checkpoint_dir, resume_path)
+                           options.checkpoint_every, options.checkpoint_dir, resume_path,
+                           tuple((f.step, f.device, f.phase) for f in options.faults))
     secret = options.secret or secrets.token_hex(16)
     store = control.connect(options.host, options.port, options.timeout_s, server=True)
     address = f"{options.host}:{store.port}"

@@ -378,7 +378,7 @@ def format_event_line(record: Mapping[str, Any], previous_devices: Sequence[str]
     added, removed = device_change(previous_devices, record["devices"])
     change = " ".join([f"+{device_id}" for device_id in added] + [f"-{device_id}" for device_id in removed])
     parts = [
-        f"event {record['event']} before step {record['step']}",
+        f"event {record['event']} at step {record['step']}",
         f"generation {record['generation']}",
         f"{len(record['devices'])} devices" + (f" ({change})" if change else ""),
     ]
@@ -820,12 +820,11 @@ def _draw_strip(axis, generation_spans, end: float) -> None:
     axis.spines[["top", "right", "left"]].set_visible(False)
     axis.set_ylabel("events")
     for generation, start, stop in generation_spans:
-        # Narrow generations get no name: it would collide with the event labels.
-        if stop - start > 0.06 * end:
-            axis.text(
-                0.5 * (start + stop), 0.97, f"generation {generation}",
-                ha="center", va="top", fontsize=8, color="0.35",
-            )
+        # Narrow generations get a short name or none: it would collide with the event labels.
+        share = (stop - start) / end if end > 0 else 1.0
+        name = f"generation {generation}" if share > 0.13 else f"gen {generation}" if share > 0.06 else ""
+        if name:
+            axis.text(0.5 * (start + stop), 0.97, name, ha="center", va="top", fontsize=8, color="0.35")
 
 
 def _draw_throughput(axis, times, steps, gaps) -> None:
@@ -845,17 +844,29 @@ def _draw_loss(axis, times, steps, gaps) -> None:
     _style(axis, "loss")
 
 
+_MOST_DEVICE_LINES = 16
+
+
 def _draw_busy(axis, times, steps, gaps, devices, colors) -> None:
-    series = _per_device_series(steps, devices, "busy_s", math.nan)
-    show_devices = len(devices) <= 16
-    for device_id, values in zip(devices, series):
-        axis.plot(
-            *_broken_line(times, values, gaps),
-            color=colors[device_id],
-            linewidth=1.2,
-            label=device_id if show_devices else None,
-            **_markers(len(steps)),
-        )
+    if len(devices) <= _MOST_DEVICE_LINES:
+        series = _per_device_series(steps, devices, "busy_s", math.nan)
+        for device_id, values in zip(devices, series):
+            axis.plot(
+                *_broken_line(times, values, gaps),
+                color=colors[device_id],
+                linewidth=1.2,
+                label=device_id,
+                **_markers(len(steps)),
+            )
+    else:
+        # Dozens of overlapping lines say nothing; the spread across devices does.
+        lowest = [min(record["busy_s"]) for record in steps]
+        highest = [max(record["busy_s"]) for record in steps]
+        xs, lows = _broken_line(times, lowest, gaps)
+        _, highs = _broken_line(times, highest, gaps)
+        axis.fill_between(xs, lows, highs, color="#1f77b4", alpha=0.3, linewidth=0, label=f"min-max of {len(devices)} devices")
+        medians = [sorted(record["busy_s"])[len(record["busy_s"]) // 2] for record in steps]
+        axis.plot(*_broken_line(times, medians, gaps), color="#1f77b4", linewidth=1.0, label="median device")
     axis.plot(
         *_broken_line(times, [record["step_time_s"] for record in steps], gaps),
         color="black",
@@ -865,7 +876,7 @@ def _draw_busy(axis, times, steps, gaps, devices, colors) -> None:
     )
     mean_imbalance = sum(record["imbalance"] for record in steps) / len(steps)
     axis.legend(
-        title=f"devices\nmean imbalance {100.0 * mean_imbalance:.1f}%",
+        title=f"mean imbalance {100.0 * mean_imbalance:.1f}%",
         loc="upper left",
         bbox_to_anchor=(1.005, 1.0),
         fontsize=8,

@@ -71,6 +71,39 @@ def parse_speed_changes(text) -> tuple:
     return tuple(changes)
 
 
+FAULT_PHASES = ("forward", "backward", "sync", "transfer")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Fault injection for tests: kill -9 `device` at `step` during `phase`.
+
+    Phases: forward, backward, sync (with gradient buckets in flight), transfer
+    (while this device sends the training state to a joiner).
+    """
+
+    step: int
+    device: str
+    phase: str
+
+
+def parse_faults(text) -> tuple:
+    """'7:local-1:backward' -> (Fault(7, 'local-1', 'backward'),)."""
+    if not text:
+        return ()
+    if not isinstance(text, str):
+        return tuple(item if isinstance(item, Fault) else Fault(*item) for item in text)
+    faults = []
+    for part in text.split(","):
+        pieces = part.strip().split(":")
+        if len(pieces) != 3 or not pieces[0].isdigit() or pieces[2] not in FAULT_PHASES:
+            raise ValueError(
+                f"fault {part.strip()!r} is not STEP:DEVICE:PHASE with PHASE one of {', '.join(FAULT_PHASES)}"
+            )
+        faults.append(Fault(int(pieces[0]), pieces[1], pieces[2]))
+    return tuple(faults)
+
+
 @dataclass(frozen=True)
 class FitOptions:
     """Everything about a run that is not the model: length, devices, elasticity, output."""
@@ -82,6 +115,7 @@ class FitOptions:
     schedule: tuple = ()
     emulate_speeds: Optional[tuple] = None
     speed_changes: tuple = ()
+    faults: tuple = ()
     host: str = "127.0.0.1"
     port: int = 0
     timeout_s: float = 30.0
@@ -101,6 +135,7 @@ class FitOptions:
     def __post_init__(self):
         object.__setattr__(self, "schedule", parse_schedule(self.schedule))
         object.__setattr__(self, "speed_changes", parse_speed_changes(self.speed_changes))
+        object.__setattr__(self, "faults", parse_faults(self.faults))
         if self.emulate_speeds is not None:
             object.__setattr__(self, "emulate_speeds", _parse_speeds(self.emulate_speeds))
         if (self.steps is None) == (self.epochs is None):

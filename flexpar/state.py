@@ -67,12 +67,14 @@ def agree_on_source(committed_step: int, rank: int, world_size: int, device) -> 
     return source, receivers, latest
 
 
-def send(data: bytes, receivers: list, device) -> None:
+def send(data: bytes, receivers: list, device, after_size=None) -> None:
     """Send the state bytes to each receiver (size first, then the bytes)."""
     payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     for receiver in receivers:
         dist.send(size, receiver)
+        if after_size is not None:
+            after_size()
         dist.send(payload, receiver)
 
 

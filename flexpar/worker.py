@@ -29,6 +29,7 @@ import json
 import math
 import os
 import pickle
+import signal
 import sys
 import time
 import traceback
@@ -80,6 +81,7 @@ class RunSettings:
     checkpoint_every: Optional[int]
     checkpoint_dir: Optional[str]
     resume_path: Optional[str]
+    faults: tuple = ()  # (step, device_id, phase) triples: kill -9 there (tests only)
 
 
 def main(args: WorkerArgs) -> None:
@@ -132,7 +134,7 @@ class Worker:
         self.settings = RunSettings(**control.get_json(link.store, "job/settings"))
         self.model = build_model(self.job).to(self.device)
         self.optimizer, self.scheduler = build_optimizer(self.job, self.model)
-        self.sync = GradientSync(self.model, self.device, self.settings.bucket_mb)
+        self.sync = GradientSync(self.model, self.device, self.settings.bucket_mb, peer_lost=self._peer_lost)
         self.loader = VirtualWorkerLoader(self.job, self._plan, self.settings.total_steps)
         self.balance_state = balance.BalanceState(seconds_per_vw={})
         self.generation = 0
@@ -142,6 +144,26 @@ class Worker:
         self.committed = -1
         self.committed_wall = time.time()
         self.salt = link.store.get("job/salt").decode()
+        self.last_record: Optional[dict] = None
+        self.faults = {(int(step), phase) for step, device, phase in self.settings.faults
+                       if device == args.device_id}
+
+    def _peer_lost(self) -> Optional[str]:
+        """A member of this generation that the coordinator knows is dead, if any."""
+        if self.link.latest_generation != self.generation:
+            return None
+        lost = self.link.dead_members & set(self.members)
+        return min(lost) if lost else None
+
+    def _transfer_fault(self) -> None:
+        """A transfer fault fires at the first state transfer at or after its step."""
+        if any(phase == "transfer" and step <= self.committed for step, phase in self.faults):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _fault_point(self, phase: str, step: int) -> None:
+        """Fault injection by schedule: die here, as kill -9 would, if the schedule says so."""
+        if (step, phase) in self.faults:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -216,7 +238,9 @@ class Worker:
         if receivers:
             if rank == source:
                 data = training_state.to_bytes(self._capture())
-                _collective(lambda: training_state.send(data, receivers, self.device))
+                _collective(lambda: training_state.send(
+                    data, receivers, self.device,
+                    after_size=self._transfer_fault))
             elif rank in receivers:
                 data = _collective(lambda: training_state.receive(source, self.device))
                 self._restore(training_state.from_bytes(data, self.device))
@@ -224,6 +248,11 @@ class Worker:
         self.generation, self.members, self.rank = generation, members, rank
         self.sync.start_generation(len(members))
         if rank == 0:
+            if self.last_record is not None:
+                # The previous rank 0 may have died with this record unsent, or this
+                # device may have been brought level without committing it: send it
+                # again (the driver drops steps it already has).
+                self.link.publish(self.last_record)
             self._publish_generation_event(record, previous_members)
 
     def finish(self) -> None:
@@ -231,6 +260,7 @@ class Worker:
         if self.rank == 0:
             data = training_state.to_bytes({"model": self.model.state_dict(), "step": self.committed})
             control.put_blob(self.link.store, "result", data, self.args.secret)
+            self.link.flush()
             self.link.store.set("done", json.dumps({"step": self.committed}))
 
     # ------------------------------------------------------------ training
@@ -267,8 +297,9 @@ class Worker:
             now = time.time()
             step_time, self.committed_wall = now - self.committed_wall, now
             self.balance_state = balance.observe(self.balance_state, self.members, assignment, busy)
+            self.last_record = self._step_record(step, loss, step_time, busy, assignment)
             if self.rank == 0:
-                self._publish_step(step, loss, step_time, busy, assignment)
+                self.link.publish(self.last_record)
                 self._maybe_checkpoint()
             target = int(max(seen))
             if target > self.generation:
@@ -290,8 +321,11 @@ class Worker:
             torch.manual_seed(batching.virtual_worker_seed(job.seed, step, virtual_worker))
             if virtual_worker == last:
                 self.sync.arm()
+            self._fault_point("forward", step)
             loss = job.loss(self.model, batch)
             value = check_loss(loss, step, virtual_worker)
+            if (step, "backward") in self.faults and loss.requires_grad:
+                loss.register_hook(lambda grad: self._fault_point("backward", step))
             if not math.isfinite(value) and not first_bad:
                 first_bad = virtual_worker + 1
             (loss / job.virtual_workers).backward()
@@ -311,12 +345,13 @@ class Worker:
         stats[world + self.rank] = self.link.latest_generation
         stats[2 * world] = loss_sum
         stats[2 * world + 1 + self.rank] = first_bad
-        return self.sync.finish(stats.to(self.device))
+        return self.sync.finish(stats.to(self.device), before_wait=lambda: self._fault_point("sync", step))
 
     # ------------------------------------------------------------ state
 
     def _capture(self) -> dict:
-        extra = {"balance": balance.state_to_dict(self.balance_state), "committed_wall": self.committed_wall}
+        extra = {"balance": balance.state_to_dict(self.balance_state), "committed_wall": self.committed_wall,
+                 "last_record": json.dumps(self.last_record)}
         return training_state.capture(self.model, self.optimizer, self.scheduler, self.committed, extra)
 
     def _restore(self, state: dict) -> None:
@@ -326,6 +361,7 @@ class Worker:
         if "balance" in extra:
             self.balance_state = balance.state_from_dict(extra["balance"])
         self.committed_wall = float(extra.get("committed_wall", self.committed_wall))
+        self.last_record = json.loads(extra.get("last_record", "null"))
 
     def _maybe_checkpoint(self) -> None:
         every = self.settings.checkpoint_every
@@ -335,8 +371,11 @@ class Worker:
 
     # ------------------------------------------------------------ metrics (rank 0)
 
-    def _publish_step(self, step, loss, step_time, busy, assignment) -> None:
-        self.link.publish({
+    def _step_record(self, step, loss, step_time, busy, assignment) -> dict:
+        # Every device keeps the record of its last committed step; only rank 0
+        # publishes it. It travels with the state, so a rank 0 that was brought
+        # level after a failure can publish the step it did not commit itself.
+        return ({
             "kind": "step", "step": step, "time": self.committed_wall,
             "elapsed_s": 0.0,  # filled in by the driver, which knows the job's start
             "loss": loss, "samples_per_s": self.job.global_batch / max(step_time, 1e-9),

@@ -21,6 +21,8 @@ from flexpar.metrics import (
     event_label,
     plot_timeline,
     read_records,
+    stall_gaps,
+    step_spans,
     validate_record,
 )
 
@@ -295,6 +297,17 @@ def test_estimate_remaining_uses_the_mean_pace_since_the_first_step():
     assert estimate_remaining_s(0, 0.0, 59, 30.0, 60) == 0.0
 
 
+def test_step_spans_and_stall_gaps(records):
+    steps = [record for record in records if record["kind"] == "step"]
+    spans = step_spans(steps)
+    assert all(start < end for start, end in spans)
+    assert all(previous[1] <= current[0] + 1e-12 for previous, current in zip(spans, spans[1:]))
+    gaps = stall_gaps(spans)
+    # Exactly the steps preceded by a stall (a rebalance without stall is no gap).
+    stalled = {step for step, _event, _devices, stall in CHANGES if stall > 0}
+    assert [position + 1 for position, gap in enumerate(gaps) if gap] == sorted(stalled)
+
+
 # --- live display -------------------------------------------------------------------
 
 
@@ -392,6 +405,25 @@ def test_plot_timeline_renders_a_png(tmp_path, metrics_file):
     width, height = png_size(data)
     assert 800 <= width <= 3000 and 800 <= height <= 3000
     assert len(data) > 10_000
+
+
+def test_plot_timeline_with_many_devices_and_no_events(tmp_path):
+    path = tmp_path / "many.jsonl"
+    devices = [f"sim-{index}" for index in range(20)]
+    with MetricsWriter(path) as writer:
+        for step in range(30):
+            busy = [0.01 * (1 + index % 3) for index in range(len(devices))]
+            writer.write(
+                {
+                    "kind": "step", "step": step, "time": START_TIME + 0.05 * (step + 1),
+                    "elapsed_s": 0.05 * (step + 1), "loss": 1.0 / (step + 1), "samples_per_s": 5000.0,
+                    "step_time_s": 0.05, "generation": 1, "devices": devices, "assignment": [2] * 20,
+                    "busy_s": busy, "imbalance": 2 / 3, "lr": 0.1,
+                }
+            )
+    output = tmp_path / "many.png"
+    plot_timeline(path, output)
+    assert png_size(output.read_bytes())[0] > 800
 
 
 def test_plot_timeline_without_step_records(tmp_path, records):

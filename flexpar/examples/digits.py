@@ -24,7 +24,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 CLASSES = 10
 IMAGE_SIDE = 8
@@ -115,7 +115,7 @@ def loss_fn(model: nn.Module, batch) -> torch.Tensor:
 
 
 def evaluate(model: nn.Module, dataset, batch_size: int = 512) -> float:
-    """Fraction of `dataset` that `model` classifies correctly, in [0, 1].
+    """Fraction of `dataset` (any map-style dataset of (image, label)) classified correctly.
 
     Runs in eval mode (no dropout) without gradients and restores the model's
     previous mode, so it can be called in the middle of training.
@@ -127,8 +127,7 @@ def evaluate(model: nn.Module, dataset, batch_size: int = 512) -> float:
     correct = 0
     try:
         with torch.no_grad():
-            for start in range(0, len(dataset), batch_size):
-                images, labels = dataset[start : start + batch_size]
+            for images, labels in DataLoader(dataset, batch_size=batch_size):
                 correct += int((model(images).argmax(dim=1) == labels).sum())
     finally:
         model.train(was_training)

@@ -25,7 +25,7 @@ def simulate_command(
     scenario_path,
     plot_path=None,
     json_path=None,
-    out: TextIO = sys.stdout,
+    out: Optional[TextIO] = None,
     *,
     scalability_sweep: bool = False,
     plot: bool = True,
@@ -37,9 +37,11 @@ def simulate_command(
     ``<name>-simulation.png`` (``<name>-scalability.png`` for the sweep) in the
     current folder; ``plot=False`` writes none. ``scalability_sweep=True`` runs
     throughput versus device count (the scenario's ``[scalability]`` table)
-    instead of the scenario itself. Returns the exit status: 0, or 2 for a bad
+    instead of the scenario itself. ``out``: where the table goes (default
+    ``sys.stdout`` at call time). Returns the exit status: 0, or 2 for a bad
     scenario file (the error, naming the field, goes to stderr).
     """
+    out = sys.stdout if out is None else out
     try:
         scenario = load_scenario(str(scenario_path))
     except ValueError as error:
@@ -87,12 +89,8 @@ def _plot_scalability(sweep, path):
     return plot_scalability(sweep, path)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="flexpar simulate",
-        description="Simulate a cluster scenario under flexpar, uniform split (DDP) and checkpoint-restart.",
-        epilog=f"shipped scenarios: {', '.join(shipped_scenarios())}",
-    )
+def add_simulate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``simulate``'s arguments to ``parser`` (e.g. a subcommand parser of ``flexpar``)."""
     parser.add_argument("scenario", help="scenario TOML file, or the name of a shipped scenario")
     parser.add_argument("-o", "--output", dest="plot_path", help="plot file (PNG); default <name>-simulation.png")
     parser.add_argument("--json", dest="json_path", help="write the results as JSON here")
@@ -101,9 +99,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    arguments = build_parser().parse_args(argv)
+def run_from_arguments(arguments: argparse.Namespace) -> int:
+    """``simulate_command`` from arguments parsed with ``add_simulate_arguments``."""
     return simulate_command(
         arguments.scenario, arguments.plot_path, arguments.json_path,
         scalability_sweep=arguments.scalability, plot=not arguments.no_plot,
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return add_simulate_arguments(argparse.ArgumentParser(
+        prog="flexpar simulate",
+        description="Simulate a cluster scenario under flexpar, uniform split (DDP) and checkpoint-restart.",
+        epilog=f"shipped scenarios: {', '.join(shipped_scenarios())}",
+    ))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return run_from_arguments(build_parser().parse_args(argv))

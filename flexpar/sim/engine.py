@@ -39,7 +39,7 @@ from flexpar import balance
 
 from .model import device_critical_paths, ring_all_reduce_seconds
 from .policies import Policy, make_policy
-from .scenario import DeviceSpec, Event, Scenario
+from .scenario import Event, Scenario
 
 
 @dataclass(frozen=True)
@@ -228,9 +228,12 @@ class _Simulation:
 
     # ---------------------------------------------------------------- events
 
-    def record(self, kind: str, device_ids: Sequence[str] = (), stall_s: float = 0.0, detail: str = "") -> None:
+    def record(self, kind: str, device_ids: Sequence[str] = (), stall_s: float = 0.0, detail: str = "",
+               time_s: Optional[float] = None) -> None:
+        """Log an event at ``time_s`` (default: now), when it took effect, before its stall."""
+        when = self.clock if time_s is None else time_s
         self.events.append(
-            SimulationEvent(self.clock, self.committed, kind, tuple(device_ids), stall_s, len(self.active), detail)
+            SimulationEvent(when, self.committed, kind, tuple(device_ids), stall_s, len(self.active), detail)
         )
 
     def _next_time_event(self) -> Optional[Tuple[float, int, Event]]:
@@ -307,11 +310,12 @@ class _Simulation:
             len(changes.joined), len(changes.left), len(changes.failed), len(self.active), self.parameters
         )
         stall = in_flight_lost_s + (cost.stall_s if self.active else 0.0)
+        took_effect = self.clock
         self.clock += cost.stall_s if self.active else 0.0
         self.stall_s += stall
         for kind, ids in (("failure", changes.failed), ("leave", changes.left), ("join", changes.joined)):
             if ids:
-                self.record(kind, ids, stall_s=stall, detail=f"{len(self.active)} devices after")
+                self.record(kind, ids, stall_s=stall, detail=f"{len(self.active)} devices after", time_s=took_effect)
                 stall = 0.0  # one boundary, one stall: charge it to the first record only
         if cost.rolls_back:
             self._roll_back()
@@ -347,7 +351,7 @@ class _Simulation:
             return False
         resume = max(self.clock, min(candidates))
         self.stall_s += resume - self.clock
-        self.record("idle", (), stall_s=resume - self.clock, detail="no devices; waiting")
+        self.record("idle", (), stall_s=resume - self.clock, detail="no devices; waiting")  # from now
         self.clock = resume
         return True
 
@@ -436,13 +440,13 @@ class _Simulation:
         if every is None or self.committed % every or self.committed >= self.scenario.steps:
             return
         save = self.parameters.restart.checkpoint_save_s
+        if save > 0:
+            self.record("checkpoint", (), stall_s=save)
         self.clock += save
         self.stall_s += save
         self.checkpoint_s += save
         self.last_checkpoint_step = self.committed
         self.work_since_checkpoint_s = 0.0
-        if save > 0:
-            self.record("checkpoint", (), stall_s=save)
 
     def _skippable_steps(self, step_seconds: float) -> int:
         """How many identical steps can be committed at once from here (0: none)."""

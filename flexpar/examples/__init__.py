@@ -1,0 +1,14 @@
+"""Packaged demos: real training on data that ships with a package.
+
+- `flexpar.examples.digits`: a small CNN on scikit-learn's 8x8 handwritten
+  digits (needs scikit-learn: ``pip install flexpar[examples]``).
+- `flexpar.examples.tiny_lm`: a byte-level causal transformer on the Python
+  standard library's own source files (needs nothing beyond torch).
+
+Each module defines its pieces (model factory, optimizer factory, loss,
+dataset) at module level, so worker processes can import them by name, plus
+`build_job()` and `main(argv)`. The submodules are not imported here, so that
+importing one demo never pulls in the other's dependencies.
+"""
+
+__all__ = ["digits", "tiny_lm"]

@@ -1,0 +1,89 @@
+"""Elastic device sets: scripted joins and leaves, and kill -9 at named points.
+
+Every run must end with the parameters of the failure-free, fixed-device
+reference, and every step must have consumed its global batch exactly once.
+"""
+
+import json
+
+import pytest
+
+import pieces
+
+STEPS = 40
+
+
+def _records(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def _device_counts(records):
+    """The sequence of device-set sizes the step records went through."""
+    counts = []
+    for record in records:
+        if record["kind"] == "step" and (not counts or counts[-1] != len(record["devices"])):
+            counts.append(len(record["devices"]))
+    return counts
+
+
+def _passes_through(counts, expected):
+    """`expected` appears in order in `counts` (two joiners may arrive one generation apart)."""
+    position = 0
+    for count in counts:
+        if position < len(expected) and count == expected[position]:
+            position += 1
+    return position == len(expected) and counts[0] == expected[0] and counts[-1] == expected[-1]
+
+
+def _assert_every_step_once(records, steps):
+    committed = [record["step"] for record in records if record["kind"] == "step"]
+    assert committed == list(range(steps)), "each step commits exactly once, in order"
+    for record in records:
+        if record["kind"] == "step":
+            assert sum(record["assignment"]) == 6 and min(record["assignment"]) >= 1
+
+
+@pytest.mark.parametrize(
+    "devices,schedule,expected_counts",
+    [(1, "1:+2,16:-1,26:-1", [1, 3, 2, 1]), (2, "1:-1,12:+2", [2, 1, 3])],
+    ids=["1-3-2-1", "2-1-3"],
+)
+def test_schedule_matches_fixed_device_run(train, metrics_file, devices, schedule, expected_counts):
+    job = pieces.make_job(virtual_workers=6, delay_s=0.02)
+    model, summary = train(job, steps=STEPS, devices=devices, schedule=schedule, max_devices=3)
+    records = _records(metrics_file)
+    assert _passes_through(_device_counts(records), expected_counts), _device_counts(records)
+    _assert_every_step_once(records, STEPS)
+    pieces.assert_same_parameters(model, pieces.reference(job, STEPS))
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "sync"])
+def test_kill_during_step_loses_nothing(train, metrics_file, phase):
+    job = pieces.make_job(virtual_workers=6, delay_s=0.01)
+    model, summary = train(job, steps=20, devices=3, faults=f"7:local-1:{phase}")
+    records = _records(metrics_file)
+    failures = [r for r in records if r["kind"] == "event" and r["event"] == "failure"]
+    assert len(failures) == 1 and "local-1" in failures[0]["detail"]
+    assert failures[0]["step"] == 7, "the step in flight is redone, nothing committed is lost"
+    assert _device_counts(records) == [3, 2]
+    _assert_every_step_once(records, 20)
+    pieces.assert_same_parameters(model, pieces.reference(job, 20))
+
+
+def test_kill_source_during_state_transfer(train, metrics_file):
+    job = pieces.make_job(virtual_workers=6, delay_s=0.02)
+    model, summary = train(job, steps=STEPS, devices=2, schedule="2:+1", faults="0:local-0:transfer")
+    records = _records(metrics_file)
+    events = [r["event"] for r in records if r["kind"] == "event"]
+    assert "failure" in events
+    assert _device_counts(records)[-1] == 2  # local-1 and the joiner local-2 remain
+    _assert_every_step_once(records, STEPS)
+    pieces.assert_same_parameters(model, pieces.reference(job, STEPS))
+
+
+def test_last_device_dying_stops_with_a_clear_message(train):
+    import flexpar
+
+    job = pieces.make_job(virtual_workers=2)
+    with pytest.raises(flexpar.TrainingError, match="no worker is left"):
+        train(job, steps=10, devices=1, faults="3:local-0:forward")
