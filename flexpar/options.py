@@ -244,7 +244,7 @@ def resolve(fit_arguments: dict) -> FitOptions:
     """The options of one fit() call: its arguments, overridden by the command line."""
     merged = {key: value for key, value in fit_arguments.items() if value is not None}
     overrides = _command_line.get() or {}
-    if "steps" in overrides or "epochs" in overrides:
+    if overrides.get("steps") is not None or overrides.get("epochs") is not None:
         merged.pop("steps", None)
         merged.pop("epochs", None)
     merged.update({key: value for key, value in overrides.items() if value is not None})

@@ -211,10 +211,14 @@ class Worker:
             self.job.seed, 0, 0, len(self.job.dataset), self.job.global_batch, self.job.virtual_workers
         )
         batch = _to_device(load_batch(self.job, indices, batching.data_seed(self.job.seed, 0, 0)), self.device)
+        buffers = [buffer.clone() for buffer in self.model.buffers()]  # BatchNorm must not count it
         loss = self.job.loss(self.model, batch)
         check_loss(loss, 0, 0)
         loss.backward()
         self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for buffer, saved in zip(self.model.buffers(), buffers):
+                buffer.copy_(saved)
         return time.perf_counter() - started
 
     def enter(self, generation: int, record: dict) -> None:
@@ -289,6 +293,8 @@ class Worker:
             bad = [int(value) for value in summed[2 * world + 1 : 3 * world + 1].tolist() if value > 0]
             if bad:
                 raise UserCodeError(nonfinite_message(step, min(bad) - 1))
+            if world > 1:
+                self._set_buffers(summed[3 * world + 1 :] / world)
             self.optimizer.step()
             if self.scheduler is not None:
                 self.scheduler.step()
@@ -340,12 +346,36 @@ class Worker:
                 elapsed += pause
             busy += elapsed
             loss_sum += value / job.virtual_workers
-        stats = torch.zeros(3 * world + 1, dtype=torch.float64)
+        buffers = self._buffer_vector() if world > 1 else torch.zeros(0, dtype=torch.float64)
+        stats = torch.zeros(3 * world + 1 + buffers.numel(), dtype=torch.float64)
+        stats[3 * world + 1 :] = buffers
         stats[self.rank] = busy
         stats[world + self.rank] = self.link.latest_generation
         stats[2 * world] = loss_sum
         stats[2 * world + 1 + self.rank] = first_bad
         return self.sync.finish(stats.to(self.device), before_wait=lambda: self._fault_point("sync", step))
+
+    # ------------------------------------------------------------ buffers
+
+    # The BatchNorm rule: normalisation uses each VW's own batch statistics, so
+    # gradients and parameters do not depend on the device set. Running
+    # statistics (buffers) are updated by each device over its own VWs and then
+    # averaged across devices every step, riding in the statistics vector. With
+    # one device they equal the single-process run exactly; with several, they
+    # are the mean of per-device running averages (close, not identical).
+
+    def _buffer_vector(self) -> torch.Tensor:
+        buffers = [buffer.detach().reshape(-1).to("cpu", torch.float64) for buffer in self.model.buffers()]
+        return torch.cat(buffers) if buffers else torch.zeros(0, dtype=torch.float64)
+
+    def _set_buffers(self, averaged: torch.Tensor) -> None:
+        offset = 0
+        for buffer in self.model.buffers():
+            part = averaged[offset : offset + buffer.numel()].view(buffer.shape)
+            if not buffer.dtype.is_floating_point:
+                part = part.round()
+            buffer.copy_(part.to(buffer.device, buffer.dtype))
+            offset += buffer.numel()
 
     # ------------------------------------------------------------ state
 

@@ -1,0 +1,124 @@
+"""Small, stable helpers shared by the flexpar benchmarks.
+
+Every benchmark measures "ours vs baseline" side by side in one invocation,
+alternating the runs, and reports medians. The helpers here promise:
+
+- ``median(values)``: the median of a non-empty sequence of numbers.
+- ``Timer``: a context manager measuring wall-clock seconds (``perf_counter``).
+- ``alternate(runners, repeats)``: calls each runner in turn, ``repeats`` rounds,
+  and returns ``{name: [result, ...]}`` in call order.
+- ``ratio(numerator, denominator)``: a float, or ``None`` when undefined.
+- ``write_json(path, data)``: writes ``data`` as indented JSON, creating folders;
+  does nothing when ``path`` is ``None``.
+- ``print_table(rows, columns, title)``: prints a plain aligned text table.
+- ``free_port()``: a TCP port on 127.0.0.1 that was free at the time of asking.
+- ``base_parser(description)``: an argparse parser with ``--json`` and ``--quick``.
+- ``cpu_count()``: the number of cores this process may run on.
+
+Keep this module small: other benchmarks import it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+
+
+def median(values: Sequence[float]) -> float:
+    """Return the median of a non-empty sequence of numbers."""
+    if not values:
+        raise ValueError("median of an empty sequence")
+    return float(statistics.median(values))
+
+
+class Timer:
+    """Context manager measuring elapsed wall-clock seconds in ``seconds``."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def __enter__(self) -> "Timer":
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.seconds = time.perf_counter() - self._start
+
+
+def alternate(runners: Mapping[str, Callable[[], Any]], repeats: int) -> Dict[str, List[Any]]:
+    """Run each runner once per round, in the mapping's order, for ``repeats`` rounds.
+
+    Alternating (A, B, A, B, ...) rather than (A, A, B, B) spreads slow drifts
+    of the machine (thermal, background load) over both sides evenly.
+    """
+    results: Dict[str, List[Any]] = {name: [] for name in runners}
+    for _ in range(repeats):
+        for name, runner in runners.items():
+            results[name].append(runner())
+    return results
+
+
+def ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
+    """Return numerator / denominator, or None when either is missing or the denominator is 0."""
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    return float(numerator) / float(denominator)
+
+
+def write_json(path: Optional[str], data: Any) -> None:
+    """Write ``data`` as indented JSON to ``path`` (folders created); no-op when path is None."""
+    if path is None:
+        return
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def _format_cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def print_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], title: str = "") -> None:
+    """Print ``rows`` (mappings) as an aligned text table with the given column order."""
+    cells = [[_format_cell(row.get(column)) for column in columns] for row in rows]
+    widths = [max([len(column)] + [len(line[index]) for line in cells]) for index, column in enumerate(columns)]
+    if title:
+        print(title)
+    print("  ".join(column.ljust(width) for column, width in zip(columns, widths)))
+    print("  ".join("-" * width for width in widths))
+    for line in cells:
+        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)))
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free when asked (another process may take it later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    """Return an argparse parser that already has ``--json PATH`` and ``--quick``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--json", metavar="PATH", default=None, help="write the results as JSON here")
+    parser.add_argument("--quick", action="store_true", help="small, fast version for smoke testing")
+    return parser
+
+
+def cpu_count() -> int:
+    """Return the number of cores this process may run on (at least 1)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)

@@ -1,0 +1,517 @@
+"""Tests of flexpar.balance: exact min-max assignment, smoothing, hysteresis.
+
+The optimum is checked two independent ways: against brute force over every
+split for small cases, and against a threshold certificate (no split can finish
+every device strictly earlier) for large ones.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import math
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flexpar.balance import (
+    MINIMUM_SECONDS_PER_VW,
+    BalanceState,
+    imbalance,
+    next_assignment,
+    observe,
+    optimal_assignment,
+    predicted_step_seconds,
+    state_from_dict,
+    state_to_dict,
+)
+
+BALANCE_SOURCE = Path(__file__).resolve().parent.parent / "flexpar" / "balance.py"
+
+# Per-VW times: arbitrary floats, plus a few round values so that ties (equal
+# products k * s_i on different devices) come up often and the tie-break is
+# exercised.
+seconds_values = st.one_of(
+    st.floats(min_value=1e-3, max_value=1e3, allow_nan=False, allow_infinity=False),
+    st.sampled_from([0.25, 0.5, 1.0, 1.5, 2.0, 3.0]),
+)
+
+
+@st.composite
+def small_problems(draw):
+    """(seconds, V) with at most 4 devices and V <= 9: small enough for brute force."""
+    seconds = draw(st.lists(seconds_values, min_size=1, max_size=4))
+    virtual_workers = draw(st.integers(min_value=len(seconds), max_value=9))
+    return seconds, virtual_workers
+
+
+@st.composite
+def problems(draw, max_devices=32, max_extra=200):
+    seconds = draw(st.lists(seconds_values, min_size=1, max_size=max_devices))
+    virtual_workers = len(seconds) + draw(st.integers(min_value=0, max_value=max_extra))
+    return seconds, virtual_workers
+
+
+def device_names(count):
+    return tuple(f"local-{index}" for index in range(count))
+
+
+def all_splits(virtual_workers, device_count):
+    """Every tuple of device_count counts >= 1 that sums to virtual_workers."""
+    for cuts in itertools.combinations(range(1, virtual_workers), device_count - 1):
+        bounds = (0,) + cuts + (virtual_workers,)
+        yield tuple(high - low for low, high in zip(bounds, bounds[1:]))
+
+
+def brute_force_best(seconds, virtual_workers):
+    return min(predicted_step_seconds(split, seconds) for split in all_splits(virtual_workers, len(seconds)))
+
+
+def is_certified_optimal(assignment, seconds):
+    """True when no split of sum(assignment) VWs can have a smaller maximum.
+
+    With maximum M, a split finishing strictly before M can give device i only
+    the k with k * s_i < M (at least 1 VW, so M must exceed every s_i). If those
+    add up to fewer than V, no split beats M. Independent of the greedy.
+    """
+    virtual_workers = sum(assignment)
+    maximum = predicted_step_seconds(assignment, seconds)
+    if maximum <= max(seconds):
+        return True  # every split pays max(s) for the slowest device's first VW
+    fits = 0
+    for device_seconds in seconds:
+        count = max(0, math.ceil(maximum / device_seconds) - 1)
+        while (count + 1) * device_seconds < maximum:  # correct any float slop of ceil
+            count += 1
+        while count > 0 and count * device_seconds >= maximum:
+            count -= 1
+        fits += count
+    return fits < virtual_workers
+
+
+def run_steps(state, device_ids, virtual_workers, true_seconds, rounds, hysteresis=0.05):
+    """Feed exact busy times (count * true seconds) through observe/next_assignment."""
+    history = []
+    for _ in range(rounds):
+        assignment = next_assignment(state, device_ids, virtual_workers, hysteresis=hysteresis)
+        history.append(assignment)
+        busy = [count * seconds for count, seconds in zip(assignment, true_seconds)]
+        state = observe(state, device_ids, assignment, busy)
+    return state, history
+
+
+# --------------------------------------------------------------------------
+# optimal_assignment
+# --------------------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(small_problems())
+def test_optimal_assignment_matches_brute_force(problem):
+    seconds, virtual_workers = problem
+    assignment = optimal_assignment(seconds, virtual_workers)
+    assert predicted_step_seconds(assignment, seconds) == brute_force_best(seconds, virtual_workers)
+
+
+@settings(max_examples=200, deadline=None)
+@given(problems())
+def test_optimal_assignment_is_a_valid_certified_optimum(problem):
+    seconds, virtual_workers = problem
+    assignment = optimal_assignment(seconds, virtual_workers)
+    assert len(assignment) == len(seconds)
+    assert all(isinstance(count, int) and count >= 1 for count in assignment)
+    assert sum(assignment) == virtual_workers
+    assert is_certified_optimal(assignment, seconds)
+
+
+def test_certificate_rejects_a_suboptimal_split():
+    # The certificate itself must be able to fail, or the test above proves nothing.
+    assert not is_certified_optimal((3, 1), [1.0, 1.0])
+    assert is_certified_optimal((2, 2), [1.0, 1.0])
+
+
+def test_optimal_assignment_at_the_stated_scale():
+    device_count, virtual_workers = 1024, 4096
+    seconds = [0.5 + (rank * 7919 % 1000) / 1000 for rank in range(device_count)]
+    assignment = optimal_assignment(seconds, virtual_workers)
+    assert sum(assignment) == virtual_workers and min(assignment) >= 1
+    assert is_certified_optimal(assignment, seconds)
+
+
+def test_faster_device_gets_proportionally_more():
+    assert optimal_assignment([1.0, 2.0], 12) == (8, 4)
+    assert optimal_assignment([1.0, 1.0, 2.0, 1.0], 16) == (5, 5, 2, 4)
+
+
+def test_ties_go_to_the_lower_rank():
+    assert optimal_assignment([1.0, 1.0, 1.0], 5) == (2, 2, 1)
+    assert optimal_assignment([1.0, 1.0, 1.0], 3) == (1, 1, 1)
+    assert optimal_assignment([2.0, 1.0], 3) == (1, 2)
+
+
+def test_every_device_gets_one_even_when_hopelessly_slow():
+    assert optimal_assignment([1.0, 1000.0, 1.0], 10) == (5, 1, 4)
+
+
+def test_non_positive_times_count_as_the_minimum():
+    zero = optimal_assignment([0.0, 1.0], 4)
+    negative = optimal_assignment([-3.0, 1.0], 4)
+    floor = optimal_assignment([MINIMUM_SECONDS_PER_VW, 1.0], 4)
+    assert zero == negative == floor == (3, 1)
+    assert optimal_assignment([0.0, 0.0, 0.0], 7) == (3, 2, 2)
+    assert predicted_step_seconds((2, 1), [0.0, -1.0]) == 2 * MINIMUM_SECONDS_PER_VW
+
+
+# --------------------------------------------------------------------------
+# determinism
+# --------------------------------------------------------------------------
+
+
+@settings(max_examples=100, deadline=None)
+@given(problems(max_devices=16, max_extra=64))
+def test_equal_input_gives_equal_output(problem):
+    seconds, virtual_workers = problem
+    first = optimal_assignment(list(seconds), virtual_workers)
+    second = optimal_assignment(tuple(float(value) for value in seconds), virtual_workers)
+    assert first == second
+
+
+def test_state_does_not_depend_on_insertion_order():
+    ids = device_names(5)
+    values = {device_id: 0.1 * (index + 1) for index, device_id in enumerate(ids)}
+    forward = BalanceState(dict(values))
+    backward = BalanceState(dict(reversed(list(values.items()))))
+    assert forward == backward
+    assert list(forward.seconds_per_vw) == list(backward.seconds_per_vw) == sorted(ids)
+    assert next_assignment(forward, ids, 23) == next_assignment(backward, ids, 23)
+    assert json.dumps(state_to_dict(forward)) == json.dumps(state_to_dict(backward))
+
+
+_DETERMINISM_SCRIPT = r"""
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("balance_under_test", sys.argv[1])
+balance = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = balance
+spec.loader.exec_module(balance)
+ids = tuple(f"host{index % 3}-{index}" for index in range(12))
+state = balance.BalanceState({device_id: 0.01 * (1 + index % 5) for index, device_id in enumerate(ids[:9])})
+results = [balance.optimal_assignment([0.013 * (1 + index % 4) for index in range(12)], 101)]
+for step in range(5):
+    assignment = balance.next_assignment(state, ids, 101)
+    results.append(assignment)
+    busy = [count * 0.011 * (1 + index % 3) for index, count in enumerate(assignment)]
+    state = balance.observe(state, ids, assignment, busy, smoothing=0.3)
+print(repr(results), repr(balance.state_to_dict(state)))
+"""
+
+
+def test_same_result_under_different_hash_seeds():
+    # Every device computes the assignment independently; a result that depended
+    # on string hashing (set or dict order) would differ between processes.
+    outputs = set()
+    for hash_seed in ("1", "2", "12345"):
+        environment = dict(os.environ, PYTHONHASHSEED=hash_seed)
+        completed = subprocess.run(
+            [sys.executable, "-c", _DETERMINISM_SCRIPT, str(BALANCE_SOURCE)],
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        outputs.add(completed.stdout)
+    assert len(outputs) == 1
+
+
+# --------------------------------------------------------------------------
+# next_assignment: hysteresis, device-set changes, unknown devices
+# --------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    problems(max_devices=16, max_extra=100),
+    st.data(),
+)
+def test_small_noise_keeps_the_current_optimum(problem, data):
+    seconds, virtual_workers = problem
+    ids = device_names(len(seconds))
+    current = optimal_assignment(seconds, virtual_workers)
+    factors = data.draw(st.lists(st.floats(min_value=0.99, max_value=1.01), min_size=len(seconds), max_size=len(seconds)))
+    noisy = {device_id: value * factor for device_id, value, factor in zip(ids, seconds, factors)}
+    state = BalanceState(noisy, ids, current)
+    assert next_assignment(state, ids, virtual_workers, hysteresis=0.05) == current
+
+
+def test_hysteresis_keeps_a_near_optimal_assignment_and_drops_a_poor_one():
+    ids = device_names(2)
+    state_near = BalanceState({"local-0": 1.0, "local-1": 1.04}, ids, (4, 4))
+    # (4, 4) costs 4.16 and is the optimum itself (5 * 1.0 > 4.16): kept.
+    assert next_assignment(state_near, ids, 8) == (4, 4)
+    # Current (5, 3) costs 5.0; optimum (4, 4) costs 4.16: 16.8% better -> switch.
+    state_poor = BalanceState({"local-0": 1.0, "local-1": 1.04}, ids, (5, 3))
+    assert next_assignment(state_poor, ids, 8, hysteresis=0.05) == (4, 4)
+    # Same situation, but a 20% hysteresis tolerates it.
+    assert next_assignment(state_poor, ids, 8, hysteresis=0.2) == (5, 3)
+
+
+def test_hysteresis_boundary_is_relative_to_the_current_time():
+    ids = device_names(2)
+    # Current (3, 1) costs 3.0, optimum (2, 2) costs 2.0: 1/3 better.
+    state = BalanceState({"local-0": 1.0, "local-1": 1.0}, ids, (3, 1))
+    assert next_assignment(state, ids, 4, hysteresis=0.3) == (2, 2)
+    assert next_assignment(state, ids, 4, hysteresis=0.34) == (3, 1)
+
+
+def test_zero_hysteresis_switches_whenever_strictly_better_but_not_on_a_tie():
+    ids = device_names(3)
+    # (1, 2, 1) and the greedy's (2, 1, 1) both cost 2.0: keep the current one.
+    tied = BalanceState({device_id: 1.0 for device_id in ids}, ids, (1, 2, 1))
+    assert next_assignment(tied, ids, 4, hysteresis=0.0) == (1, 2, 1)
+    worse = BalanceState({"local-0": 1.0, "local-1": 1.0, "local-2": 1.01}, ids, (1, 1, 2))
+    assert next_assignment(worse, ids, 4, hysteresis=0.0) == (2, 1, 1)
+
+
+def test_changed_device_set_always_gets_the_optimum():
+    seconds = {"local-0": 1.0, "local-1": 1.0, "local-2": 1.0}
+    state = BalanceState(seconds, ("local-0", "local-1"), (3, 3))
+    # A device left: its VWs go to the rest even though hysteresis is huge.
+    assert next_assignment(state, ("local-0",), 6, hysteresis=0.99) == (6,)
+    # A device joined.
+    assert next_assignment(state, ("local-0", "local-1", "local-2"), 6, hysteresis=0.99) == (2, 2, 2)
+    # Same members, different rank order: counts are aligned by rank, so recompute.
+    skewed = BalanceState({"local-0": 1.0, "local-1": 3.0}, ("local-0", "local-1"), (4, 2))
+    assert next_assignment(skewed, ("local-1", "local-0"), 6, hysteresis=0.99) == (1, 5)
+
+
+def test_no_previous_assignment_or_new_virtual_worker_count_gets_the_optimum():
+    ids = device_names(2)
+    fresh = BalanceState({"local-0": 1.0, "local-1": 2.0})
+    assert next_assignment(fresh, ids, 12, hysteresis=0.99) == (8, 4)
+    previous = BalanceState({"local-0": 1.0, "local-1": 2.0}, ids, (3, 3))
+    assert next_assignment(previous, ids, 12, hysteresis=0.99) == (8, 4)
+    assert next_assignment(BalanceState(), ids, 5) == (3, 2)
+
+
+def test_unknown_devices_get_the_median_of_the_known_ones():
+    known = {"a": 1.0, "b": 3.0, "c": 2.0}
+    state = BalanceState(known)
+    # Odd count: median 2.0.
+    assert next_assignment(state, ("a", "b", "c", "new"), 40) == optimal_assignment([1.0, 3.0, 2.0, 2.0], 40)
+    # Even count: mean of the middle two, (1 + 3) / 2 = 2.0; a device of another
+    # generation ("c") does not count towards this set's median.
+    assert next_assignment(state, ("a", "new", "b"), 40) == optimal_assignment([1.0, 2.0, 3.0], 40)
+    # Odd median differs from the mean: 1, 2, 9 -> 2, not 4.
+    skewed = BalanceState({"a": 1.0, "b": 2.0, "c": 9.0})
+    assert next_assignment(skewed, ("a", "b", "c", "new"), 60) == optimal_assignment([1.0, 2.0, 9.0, 2.0], 60)
+
+
+def test_no_known_device_gives_the_uniform_split():
+    state = BalanceState({"departed": 0.5})
+    assert next_assignment(state, ("x", "y", "z"), 7) == (3, 2, 2)
+    assert next_assignment(BalanceState(), ("x", "y", "z"), 9) == (3, 3, 3)
+
+
+# --------------------------------------------------------------------------
+# observe: smoothing
+# --------------------------------------------------------------------------
+
+
+def test_observe_applies_the_smoothing_formula_and_records_the_step():
+    state = BalanceState({"a": 1.0, "b": 2.0, "gone": 7.0})
+    updated = observe(state, ("a", "b", "new"), (2, 4, 5), (3.0, 4.0, 2.5), smoothing=0.25)
+    assert updated.seconds_per_vw["a"] == 0.25 * 1.5 + 0.75 * 1.0
+    assert updated.seconds_per_vw["b"] == 0.25 * 1.0 + 0.75 * 2.0
+    assert updated.seconds_per_vw["new"] == 0.5  # first measurement taken as is
+    assert updated.seconds_per_vw["gone"] == 7.0  # not observed: untouched
+    assert updated.device_ids == ("a", "b", "new")
+    assert updated.assignment == (2, 4, 5)
+    assert state.seconds_per_vw["a"] == 1.0  # the input state is not modified
+
+
+def test_observe_with_full_smoothing_trusts_the_latest_step():
+    state = BalanceState({"a": 10.0})
+    assert observe(state, ("a",), (4,), (2.0,), smoothing=1.0).seconds_per_vw["a"] == 0.5
+
+
+def test_observe_survives_zero_and_negative_busy_times():
+    updated = observe(BalanceState(), ("a", "b"), (1, 2), (0.0, -0.5))
+    assert updated.seconds_per_vw["a"] == MINIMUM_SECONDS_PER_VW
+    assert updated.seconds_per_vw["b"] == MINIMUM_SECONDS_PER_VW
+    # Both floored times are equal, so the current (1, 2) ties the greedy's (2, 1): kept.
+    assert next_assignment(updated, ("a", "b"), 3) == (1, 2)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.floats(min_value=1e-3, max_value=1e3),
+    st.floats(min_value=1e-3, max_value=1e3),
+    st.floats(min_value=0.05, max_value=0.95),
+)
+def test_smoothing_converges_geometrically_toward_a_new_speed(old, new, smoothing):
+    state = BalanceState({"a": old}, ("a",), (3,))
+    gap = initial_gap = abs(old - new)
+    for _ in range(60):
+        state = observe(state, ("a",), (3,), (3 * new,), smoothing=smoothing)
+        remaining = abs(state.seconds_per_vw["a"] - new)
+        # Each step removes a `smoothing` share of the gap (up to float rounding).
+        assert remaining <= (1 - smoothing) * gap + 1e-12 * max(old, new)
+        gap = remaining
+    assert gap <= (1 - smoothing) ** 60 * initial_gap + 1e-10 * max(old, new)
+
+
+# --------------------------------------------------------------------------
+# convergence of the whole loop after a slowdown
+# --------------------------------------------------------------------------
+
+
+def test_device_slowing_by_half_reaches_the_new_optimum_within_ten_rounds():
+    ids = device_names(4)
+    virtual_workers = 16
+    before = [1.0, 1.0, 1.0, 1.0]
+    state = BalanceState(dict(zip(ids, before)), ids, optimal_assignment(before, virtual_workers))
+    after = [1.0, 1.0, 2.0, 1.0]
+    target = optimal_assignment(after, virtual_workers)
+    assert target == (5, 5, 2, 4) != state.assignment
+    state, history = run_steps(state, ids, virtual_workers, after, rounds=10)
+    assert target in history
+    # Once reached, it stays: the following assignments are all the target.
+    assert all(assignment == target for assignment in history[history.index(target):])
+    assert next_assignment(state, ids, virtual_workers) == target
+
+
+@settings(max_examples=100, deadline=None)
+@given(problems(max_devices=12, max_extra=60), st.data())
+def test_device_slowing_by_half_gets_within_hysteresis_of_the_optimum(problem, data):
+    # Hysteresis may legitimately keep a split that is slightly worse than the
+    # exact optimum, so the general promise is: after 10 rounds of exact
+    # measurements the split is within the hysteresis (plus the remaining
+    # smoothing error, 2**-11 relative) of the optimum for the true speeds.
+    before, virtual_workers = problem
+    ids = device_names(len(before))
+    slowed = data.draw(st.integers(min_value=0, max_value=len(before) - 1))
+    after = [seconds * (2.0 if rank == slowed else 1.0) for rank, seconds in enumerate(before)]
+    state = BalanceState(dict(zip(ids, before)), ids, optimal_assignment(before, virtual_workers))
+    hysteresis = 0.05
+    state, _ = run_steps(state, ids, virtual_workers, after, rounds=10, hysteresis=hysteresis)
+    final = next_assignment(state, ids, virtual_workers, hysteresis=hysteresis)
+    best = predicted_step_seconds(optimal_assignment(after, virtual_workers), after)
+    error = 2.0**-10
+    assert predicted_step_seconds(final, after) <= best * (1 + error) / ((1 - hysteresis) * (1 - error))
+
+
+# --------------------------------------------------------------------------
+# imbalance and predicted_step_seconds
+# --------------------------------------------------------------------------
+
+
+def test_imbalance_examples():
+    assert imbalance([2.0, 1.0]) == 0.5
+    assert imbalance([3.0, 3.0, 3.0]) == 0.0
+    assert imbalance([4.0, 1.0, 3.0]) == 0.75
+    assert imbalance([0.0, 0.0]) == 0.0
+    assert imbalance([5.0]) == 0.0
+    assert imbalance([2.0, -1.0]) == 1.0  # a negative busy time counts as 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(min_value=0.0, max_value=1e6), min_size=1, max_size=20))
+def test_imbalance_formula(busy):
+    value = imbalance(busy)
+    if max(busy) == 0.0:
+        assert value == 0.0
+    else:
+        assert value == (max(busy) - min(busy)) / max(busy)
+    assert 0.0 <= value <= 1.0
+
+
+def test_predicted_step_seconds_is_the_slowest_device():
+    assert predicted_step_seconds((3, 1, 2), [1.0, 5.0, 2.0]) == 5.0
+    assert predicted_step_seconds((3, 1, 2), [1.0, 0.5, 2.0]) == 4.0
+
+
+# --------------------------------------------------------------------------
+# state: round trips and validation
+# --------------------------------------------------------------------------
+
+
+@st.composite
+def states(draw):
+    ids = draw(st.lists(st.text(min_size=1, max_size=8), unique=True, max_size=6))
+    seconds = {
+        device_id: draw(st.floats(min_value=1e-6, max_value=1e6, allow_nan=False, allow_infinity=False))
+        for device_id in ids
+    }
+    active = tuple(draw(st.permutations(ids)))[: draw(st.integers(min_value=0, max_value=len(ids)))]
+    assignment = tuple(draw(st.integers(min_value=1, max_value=50)) for _ in active)
+    return BalanceState(seconds, active, assignment)
+
+
+@settings(max_examples=200, deadline=None)
+@given(states())
+def test_state_dict_round_trip(state):
+    data = state_to_dict(state)
+    assert state_from_dict(data) == state
+    assert state_from_dict(json.loads(json.dumps(data))) == state  # plain JSON types only
+    assert pickle.loads(pickle.dumps(state)) == state
+    assert copy.deepcopy(state) == state
+
+
+def test_state_is_immutable():
+    state = BalanceState({"a": 1.0}, ("a",), (2,))
+    with pytest.raises(AttributeError):
+        state.assignment = (3,)
+    with pytest.raises(TypeError):
+        state.seconds_per_vw["a"] = 2.0
+
+
+def test_state_floors_non_positive_times():
+    state = BalanceState({"a": 0.0, "b": -2.0, "c": 0.5})
+    assert dict(state.seconds_per_vw) == {"a": MINIMUM_SECONDS_PER_VW, "b": MINIMUM_SECONDS_PER_VW, "c": 0.5}
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: optimal_assignment([1.0, 1.0, 1.0], 2), r"virtual_workers=2 is fewer than the 3 devices"),
+        (lambda: optimal_assignment([], 4), r"seconds_per_vw is empty"),
+        (lambda: optimal_assignment([1.0, float("nan")], 4), r"seconds_per_vw\[1\]=nan is not finite"),
+        (lambda: optimal_assignment([1.0, float("inf")], 4), r"seconds_per_vw\[1\]=inf is not finite"),
+        (lambda: optimal_assignment([1.0, "2"], 4), r"seconds_per_vw\[1\]='2' is not a number"),
+        (lambda: optimal_assignment([1.0], 2.5), r"virtual_workers=2.5 is not an integer"),
+        (lambda: optimal_assignment([1.0], 0), r"virtual_workers=0 is below the minimum of 1"),
+        (lambda: predicted_step_seconds((1, 2), [1.0]), r"assignment has 2 entries but seconds_per_vw has 1"),
+        (lambda: imbalance([]), r"busy_seconds is empty"),
+        (lambda: imbalance([1.0, float("nan")]), r"busy_seconds\[1\]=nan"),
+        (lambda: next_assignment(BalanceState(), ("a", "b", "c"), 2), r"virtual_workers=2 is fewer than the 3 devices"),
+        (lambda: next_assignment(BalanceState(), ("a", "a"), 4), r"more than once: \['a'\]"),
+        (lambda: next_assignment(BalanceState(), (), 4), r"device_ids is empty"),
+        (lambda: next_assignment(BalanceState(), "ab", 4), r"not one string"),
+        (lambda: next_assignment(BalanceState(), ("a",), 4, hysteresis=1.0), r"hysteresis=1.0 must be"),
+        (lambda: next_assignment(BalanceState(), ("a",), 4, hysteresis=-0.1), r"hysteresis=-0.1 must be"),
+        (lambda: observe(BalanceState(), ("a", "b"), (1,), (1.0, 1.0)), r"device_ids \(2\), assignment \(1\)"),
+        (lambda: observe(BalanceState(), ("a",), (0,), (1.0,)), r"assignment\[0\]=0 is below the minimum of 1"),
+        (lambda: observe(BalanceState(), ("a",), (1,), (1.0,), smoothing=0.0), r"smoothing=0.0 must be"),
+        (lambda: observe(BalanceState(), ("a",), (1,), (1.0,), smoothing=1.5), r"smoothing=1.5 must be"),
+        (lambda: BalanceState({"a": 1.0}, ("a", "b"), (1,)), r"assignment has 1 entries but device_ids has 2"),
+        (lambda: BalanceState({"a": float("nan")}), r"seconds_per_vw\['a'\]=nan"),
+        (lambda: BalanceState({3: 1.0}), r"seconds_per_vw keys\[0\]=3 is not a string"),
+        (lambda: BalanceState({}, ("a",), (0,)), r"assignment\[0\]=0 is below the minimum"),
+        (lambda: state_from_dict({"seconds_per_vw": {}, "device_ids": []}), r"lacks the key\(s\) \['assignment'\]"),
+        (
+            lambda: state_from_dict({"seconds_per_vw": {}, "device_ids": [], "assignment": [], "extra": 1}),
+            r"unknown key\(s\) \['extra'\]",
+        ),
+        (lambda: state_from_dict([1, 2]), r"must be a mapping"),
+    ],
+)
+def test_bad_input_is_refused_with_the_numbers(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()

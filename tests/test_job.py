@@ -1,0 +1,149 @@
+"""The user's side: bad input gets one clear error, before workers start where possible."""
+
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import flexpar
+import pieces
+from flexpar import batching
+
+
+def test_global_batch_not_divisible():
+    with pytest.raises(ValueError, match=r"global_batch=48 is not divisible by virtual_workers=5"):
+        pieces.make_job(virtual_workers=5)
+
+
+def test_micro_batch_sets_virtual_workers():
+    job = flexpar.Job(model=pieces.make_model, optimizer=pieces.sgd, loss=pieces.Loss(),
+                      dataset=pieces.make_dataset(), global_batch=48, micro_batch=12)
+    assert job.virtual_workers == 4
+
+
+def test_dataset_shorter_than_one_batch():
+    with pytest.raises(ValueError, match=r"dataset has 40 samples, fewer than one global batch of 48"):
+        pieces.make_job(dataset=pieces.make_dataset(40))
+
+
+def broken_model():
+    raise ZeroDivisionError("bad layer size")
+
+
+def test_model_factory_error_is_raised_once_in_the_driver(train):
+    job = pieces.make_job(model=broken_model)
+    with pytest.raises(ZeroDivisionError, match="bad layer size"):
+        train(job, steps=2, devices=2)
+
+
+def vector_loss(model, batch):
+    inputs, labels = batch
+    return nn.functional.cross_entropy(model(inputs), labels, reduction="none")
+
+
+def test_non_scalar_loss(train):
+    job = flexpar.Job(model=pieces.make_model, optimizer=pieces.sgd, loss=vector_loss,
+                      dataset=pieces.make_dataset(), global_batch=48, virtual_workers=4)
+    with pytest.raises(flexpar.UserCodeError, match=r"must return a scalar tensor.*returned \(12,\)"):
+        train(job, steps=2, devices=2)
+
+
+def test_lambda_pieces_are_named(train):
+    job = flexpar.Job(model=lambda: nn.Linear(12, 3), optimizer=pieces.sgd, loss=pieces.Loss(),
+                      dataset=pieces.make_dataset(), global_batch=48, virtual_workers=4)
+    with pytest.raises(flexpar.UserCodeError, match=r"model= cannot be sent.*define model at module level"):
+        train(job, steps=2, devices=2)
+
+
+def test_more_devices_than_cores(train):
+    job = pieces.make_job()
+    with pytest.raises(ValueError, match=r"asked for 64 CPU devices but this machine has \d+ cores"):
+        train(job, steps=2, devices=64, oversubscribe=False)
+
+
+def test_bad_schedule_is_refused_before_start():
+    with pytest.raises(ValueError, match=r"schedule leaves 0 devices after step 3"):
+        flexpar.FitOptions(steps=5, devices=1, schedule="3:-1").validate_devices(1, 2, "cpu")
+    with pytest.raises(ValueError, match="is not STEP:"):
+        flexpar.FitOptions(steps=5, schedule="3:x")
+
+
+def _poisoned_dataset():
+    dataset = pieces.make_dataset()
+    dataset.tensors[0][100, 0] = float("nan")
+    return dataset
+
+
+def test_nonfinite_loss_names_step_and_virtual_worker(train):
+    job = pieces.make_job(dataset=_poisoned_dataset())
+    size = len(job.dataset)
+    where = next(
+        (step, virtual_worker)
+        for step in range(size // job.global_batch)
+        for virtual_worker in range(job.virtual_workers)
+        if 100 in batching.virtual_worker_indices(job.seed, step, virtual_worker, size, 48, 4)
+    )
+    if where == (0, 0):
+        pytest.skip("the poisoned sample falls in the driver's first-batch check")
+    with pytest.raises(flexpar.TrainingError,
+                       match=rf"not finite .* at step {where[0]}, virtual worker {where[1]}"):
+        train(job, steps=size // job.global_batch, devices=2)
+
+
+def test_missing_main_guard_gives_a_clear_error(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(pieces.__file__.rsplit('/', 1)[0])!r})
+        import pieces
+        job = pieces.make_job()
+        job.fit(steps=2, devices=2, oversubscribe=True, display=False, metrics={str(tmp_path / 'm.jsonl')!r})
+    """))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert 'if __name__ == "__main__":' in result.stderr
+
+
+# ---------------------------------------------------------------- BatchNorm
+
+
+def make_batchnorm_model():
+    return nn.Sequential(nn.Linear(pieces.FEATURES, 16), nn.BatchNorm1d(16), nn.Tanh(),
+                         nn.Linear(16, pieces.CLASSES))
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_batchnorm_rule(train, devices):
+    """Parameters match the reference on any device set; buffers exactly on one device,
+    and as the average of per-device running statistics on several."""
+    job = pieces.make_job(model=make_batchnorm_model, virtual_workers=4)
+    model, _ = train(job, steps=6, devices=devices)
+    expected = pieces.reference(job, 6)
+    for (name, got), (_, want) in zip(model.named_parameters(), expected.named_parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=name)
+    running_mean, reference_mean = model[1].running_mean, expected[1].running_mean
+    if devices == 1:
+        torch.testing.assert_close(running_mean, reference_mean, rtol=1e-5, atol=1e-7)
+    else:
+        # Each device's running average saw half the VWs: same direction, smaller steps.
+        similarity = torch.nn.functional.cosine_similarity(running_mean, reference_mean, dim=0)
+        assert similarity > 0.95 and running_mean.norm() < reference_mean.norm()
+        assert int(model[1].num_batches_tracked) == 6 * 4 // devices
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def test_checkpoint_and_resume(train, tmp_path):
+    job = pieces.make_job(optimizer=pieces.adamw)
+    checkpoints = tmp_path / "checkpoints"
+    train(job, steps=6, devices=2, checkpoint_every=3, checkpoint_dir=str(checkpoints))
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000003.pt", "step-00000006.pt"]
+    (checkpoints / "step-00000006.pt").unlink()  # as if the job died after step 3... then resumed
+    model, summary = train(job, steps=10, devices=1, checkpoint_dir=str(checkpoints), resume=True)
+    assert summary["steps"] == 10
+    pieces.assert_same_parameters(model, pieces.reference(job, 10))
