@@ -45,30 +45,44 @@ def balanced_run(tmp_path_factory):
     return job, model, records
 
 
-def _expected_assignment():
-    """The optimum for the known relative speeds: per-VW time is 1 / speed."""
-    optimum = optimal_assignment([1.0 / speed for speed in SPEEDS], VIRTUAL_WORKERS)
-    # V = 8 over speeds 1 : 0.5 : 0.25 has a unique optimum (5, 2, 1), predicted
-    # 5 time units; the next best splits cost 6 units. That 20% margin is far
-    # above the balancer's 5% hysteresis, so the checks are about convergence
-    # and stability, not about a tie-break between equally good splits.
-    assert optimum == (5, 2, 1)
+def _speed_of(device_id):
+    """Emulated speed of a local device: `local-i` runs at SPEEDS[i]."""
+    return SPEEDS[int(device_id.rsplit("-", 1)[1])]
+
+
+def _expected_assignment(record):
+    """The optimum for the known relative speeds, in the record's rank order.
+
+    Ranks follow the order in which the devices became ready, not their
+    names, so the expectation is built per record from its `devices`.
+    """
+    optimum = optimal_assignment([1.0 / _speed_of(device) for device in record["devices"]], VIRTUAL_WORKERS)
+    # V = 8 over speeds 1 : 0.5 : 0.25 has a unique optimum (5, 2, 1 VWs for
+    # the devices of speed 1, 0.5, 0.25), predicted 5 time units; the next best
+    # splits cost 6 units. That 20% margin is far above the balancer's 5%
+    # hysteresis, so the checks are about convergence and stability, not about
+    # a tie-break between equally good splits.
+    by_speed = {_speed_of(device): count for device, count in zip(record["devices"], optimum)}
+    assert by_speed == {1.0: 5, 0.5: 2, 0.25: 1}
     return list(optimum)
 
 
 def _assignments(records):
-    return [record["assignment"] for record in records]
+    return [dict(zip(record["devices"], record["assignment"])) for record in records]
+
+
+def _is_optimal(record):
+    return record["assignment"] == _expected_assignment(record)
 
 
 def _first_optimal_step(records):
-    expected = _expected_assignment()
-    return next((index for index, assignment in enumerate(_assignments(records)) if assignment == expected), None)
+    return next((index for index, record in enumerate(records) if _is_optimal(record)), None)
 
 
 def test_every_step_commits_on_the_three_devices(balanced_run):
     _, _, records = balanced_run
     assert [record["step"] for record in records] == list(range(STEPS))
-    assert all(record["devices"] == ["local-0", "local-1", "local-2"] for record in records)
+    assert all(sorted(record["devices"]) == ["local-0", "local-1", "local-2"] for record in records)
     assert all(sum(record["assignment"]) == VIRTUAL_WORKERS for record in records)
 
 
@@ -76,7 +90,7 @@ def test_optimal_assignment_is_reached_within_ten_steps(balanced_run):
     _, _, records = balanced_run
     first = _first_optimal_step(records)
     assert first is not None and first <= WITHIN_STEPS, (
-        f"optimal assignment {_expected_assignment()} not reached within {WITHIN_STEPS} steps: "
+        f"optimal assignment (5, 2, 1 VWs at speeds 1, 0.5, 0.25) not reached within {WITHIN_STEPS} steps: "
         f"{_assignments(records)}"
     )
 
@@ -85,16 +99,13 @@ def test_assignment_stays_optimal_once_reached(balanced_run):
     _, _, records = balanced_run
     first = _first_optimal_step(records)
     assert first is not None, f"never optimal: {_assignments(records)}"
-    departures = [
-        (record["step"], record["assignment"], [round(busy, 3) for busy in record["busy_s"]])
-        for record in records[first:]
-        if record["assignment"] != _expected_assignment()
-    ]
-    previous_busy = {record["step"]: [round(busy, 3) for busy in record["busy_s"]] for record in records}
+    departures = [record["step"] for record in records[first:] if not _is_optimal(record)]
+    # On failure, show what the balancer saw: each step's devices, assignment and busy seconds.
+    trace = [(record["step"], record["devices"], record["assignment"], [round(busy, 3) for busy in record["busy_s"]])
+             for record in records]
     assert not departures, (
-        f"the assignment left the optimum {_expected_assignment()} after step {first}; "
-        f"(step, assignment, busy_s) of the departures: {departures}; busy_s of the steps before each: "
-        f"{[previous_busy.get(step - 1) for step, _, _ in departures]}"
+        f"the assignment left the optimum (first reached at step {first}) at steps {departures}; "
+        f"(step, devices, assignment, busy_s): {trace}"
     )
 
 

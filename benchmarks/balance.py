@@ -1,0 +1,496 @@
+"""Load balancing over devices of unequal speed: flexpar vs a uniform split vs the ideal.
+
+Four local devices run at emulated relative speeds 1, 1, 0.5, 0.25 (a device
+of speed s stretches each virtual worker's (VW's) compute to 1/s of it, by
+sleeping after it). A step is V = 32 VWs. Three things run side by side,
+alternating, in one invocation:
+
+- **ideal**: a plain single-process loop (one thread, speed 1) over the same
+  32 VWs gives the single-device step time; the ideal step time of the four
+  devices is that divided by the sum of their speeds (2.75).
+- **flexpar**: `Job.fit(devices=4, emulate_speeds=...)` as is, balancer on.
+  The same run also measures a mid-run slowdown: device local-0 drops to
+  speed 0.5 at step 100 (`speed_changes="100:0=0.5"`).
+- **uniform**: what DDP does. flexpar has no option to hold its balancer
+  fixed, so this is real torch DDP (`mp.spawn`, gloo, one process per device),
+  8 VWs per rank accumulated under `no_sync()` with the same emulated speeds
+  applied the same way in its loop.
+
+Figures (medians over rounds of per-round ratios):
+
+- `efficiency_vs_ideal` = ideal step time / flexpar step time (goal >= 0.92)
+- `speedup_vs_uniform` = DDP step time / flexpar step time (goal >= 2.5)
+- `imbalance_median`: median of the step records' `imbalance` (goal <= 0.08)
+- `rebalance_steps`: steps after the slowdown until a moving median of
+  `step_time_s` is within 5% of the new ideal (goal <= 10); see
+  `rebalance_steps_for` for which ideal.
+
+The machine caveat: four device processes share two cores. So that the
+emulated devices do not mostly measure CPU contention, each VW is a real
+forward/backward of an MLP (a few ms on one thread) plus a fixed sleep inside
+the loss that stands for accelerator time (`--kernel-ms`). Slow devices then
+mostly sleep, and the CPU demand of the four devices stays below two cores.
+All three contenders run the identical loss, so the ratios compare like with
+like; the ideal is measured alone, so the contention that remains counts
+against flexpar.
+
+Run: `python benchmarks/balance.py [--quick] [--json PATH]`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, replace
+from typing import List, Optional, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as torch_mp  # noqa: E402
+from torch import nn  # noqa: E402
+
+import flexpar  # noqa: E402
+from common import base_parser, free_port, median, print_table, ratio, write_json  # noqa: E402
+from flexpar.balance import optimal_assignment, predicted_step_seconds  # noqa: E402
+from flexpar.metrics import read_records  # noqa: E402
+
+# ---------------------------------------------------------------- workload
+# Module level, so flexpar workers and DDP ranks import them by reference.
+
+INPUTS = 256
+HIDDEN = 512
+CLASSES = 10
+MICRO_BATCH = 16
+DATASET_SIZE = 4096
+SEED = 0
+
+
+def make_dataset(size: int = DATASET_SIZE, seed: int = SEED):
+    """Synthetic classification data: labels are the argmax of a fixed projection."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(size, INPUTS, generator=generator)
+    projection = torch.randn(INPUTS, CLASSES, generator=generator)
+    return torch.utils.data.TensorDataset(inputs, (inputs @ projection).argmax(dim=1))
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(INPUTS, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES)
+    )
+
+
+def make_optimizer(parameters):
+    return torch.optim.SGD(parameters, lr=0.05, momentum=0.9)
+
+
+class EmulatedKernelLoss:
+    """Cross-entropy of a real forward pass, plus `kernel_s` of sleep standing for device time."""
+
+    def __init__(self, kernel_s: float):
+        self.kernel_s = kernel_s
+
+    def __call__(self, model, batch):
+        inputs, labels = batch
+        loss = nn.functional.cross_entropy(model(inputs), labels)
+        time.sleep(self.kernel_s)
+        return loss
+
+
+def stretch_to_speed(elapsed_s: float, speed: float) -> float:
+    """Emulate a device of relative `speed`: sleep so that `elapsed_s` of work takes elapsed_s / speed.
+
+    The same rule as flexpar's worker (sleep (1/speed - 1) x the VW's measured
+    compute, after it); returns the stretched duration.
+    """
+    if speed >= 1.0:
+        return elapsed_s
+    pause = elapsed_s * (1.0 / speed - 1.0)
+    time.sleep(pause)
+    return elapsed_s + pause
+
+
+# ---------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class Config:
+    speeds: tuple = (1.0, 1.0, 0.5, 0.25)
+    virtual_workers: int = 32
+    kernel_ms: float = 20.0
+    rounds: int = 3
+    flexpar_steps: int = 140  # steps [warmup_steps, change_step) measure the balanced state
+    warmup_steps: int = 10
+    change_step: int = 100
+    changed_device: int = 0
+    changed_speed: float = 0.5
+    ddp_steps: int = 12
+    single_steps: int = 6
+    moving_window: int = 3
+    tolerance: float = 0.05
+
+    @property
+    def global_batch(self) -> int:
+        return self.virtual_workers * MICRO_BATCH
+
+    @property
+    def devices(self) -> int:
+        return len(self.speeds)
+
+    @property
+    def changed_speeds(self) -> tuple:
+        speeds = list(self.speeds)
+        speeds[self.changed_device] = self.changed_speed
+        return tuple(speeds)
+
+
+QUICK = dict(rounds=1, flexpar_steps=36, warmup_steps=5, change_step=20, ddp_steps=5, single_steps=3)
+
+
+def make_job(config: Config) -> flexpar.Job:
+    return flexpar.Job(
+        model=make_model, optimizer=make_optimizer, loss=EmulatedKernelLoss(config.kernel_ms / 1000.0),
+        dataset=make_dataset(), global_batch=config.global_batch, virtual_workers=config.virtual_workers,
+        seed=SEED,
+    )
+
+
+# ---------------------------------------------------------------- the ideal: one device alone
+
+
+def run_single_device(config: Config) -> dict:
+    """Median step time of a plain loop on one thread (speed 1) over all V VWs of each step."""
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # what each of the four device processes gets on this machine
+    try:
+        torch.manual_seed(SEED)
+        model = make_model()
+        optimizer = make_optimizer(model.parameters())
+        loss_of = EmulatedKernelLoss(config.kernel_ms / 1000.0)
+        loader = torch.utils.data.DataLoader(make_dataset(), batch_size=MICRO_BATCH, shuffle=True, drop_last=True)
+        batches = _endless(loader)
+        step_times = []
+        for _ in range(config.single_steps + 1):  # the first step warms up and is dropped
+            started = time.perf_counter()
+            for _ in range(config.virtual_workers):
+                (loss_of(model, next(batches)) / config.virtual_workers).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step_times.append(time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(previous_threads)
+    step_s = median(step_times[1:])
+    return {"step_s": step_s, "seconds_per_vw": step_s / config.virtual_workers}
+
+
+def _endless(loader):
+    """Batches of `loader`, epoch after epoch (DistributedSampler needs set_epoch)."""
+    for epoch in itertools.count():
+        sampler = getattr(loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        yield from loader
+
+
+# ---------------------------------------------------------------- uniform: torch DDP
+
+
+def _ddp_rank(rank: int, config: Config, port: int, result_path: str) -> None:
+    """One DDP process: V / world VWs per step, the first ones under no_sync()."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    world = config.devices
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(SEED)
+        model = nn.parallel.DistributedDataParallel(make_model())
+        optimizer = make_optimizer(model.parameters())
+        loss_of = EmulatedKernelLoss(config.kernel_ms / 1000.0)
+        dataset = make_dataset()
+        sampler = torch.utils.data.distributed.DistributedSampler(
+            dataset, num_replicas=world, rank=rank, shuffle=True, seed=SEED, drop_last=True
+        )
+        loader = torch.utils.data.DataLoader(dataset, batch_size=MICRO_BATCH, sampler=sampler, drop_last=True)
+        batches = _endless(loader)
+        speed = config.speeds[rank]
+        per_rank = config.virtual_workers // world
+        step_times, busy_times = [], []
+        dist.barrier()
+        last = time.perf_counter()
+        for _ in range(config.ddp_steps):
+            busy = 0.0
+            compute = 0.0  # this step's measured VW times before stretching
+            for index in range(per_rank):
+                final = index == per_rank - 1
+                if final and index:
+                    # The last VW's backward also waits for the all-reduce, so its
+                    # measured time includes other ranks' time: stretch it by the
+                    # mean of this step's earlier VWs instead, before it runs.
+                    typical = compute / index
+                    busy += stretch_to_speed(typical, speed) - typical
+                started = time.perf_counter()
+                with nullcontext() if final else model.no_sync():
+                    (loss_of(model, next(batches)) / per_rank).backward()
+                elapsed = time.perf_counter() - started
+                compute += elapsed
+                busy += elapsed if final else stretch_to_speed(elapsed, speed)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            now = time.perf_counter()
+            step_times.append(now - last)
+            busy_times.append(busy)
+            last = now
+        gathered = [None] * world
+        dist.all_gather_object(gathered, busy_times)
+        if rank == 0:
+            with open(result_path, "w") as handle:
+                json.dump({"step_times": step_times, "busy_times": gathered}, handle)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_uniform_ddp(config: Config) -> dict:
+    """Median step time of torch DDP over the emulated devices (equal shares), warm-up dropped."""
+    with tempfile.TemporaryDirectory() as folder:
+        result_path = os.path.join(folder, "ddp.json")
+        # start_processes is what mp.spawn calls; a fork server imports torch once
+        # instead of once per rank (start-up is not timed, this only saves wall time).
+        torch_mp.start_processes(_ddp_rank, args=(config, free_port(), result_path), nprocs=config.devices,
+                                 join=True, start_method="forkserver")
+        with open(result_path) as handle:
+            result = json.load(handle)
+    skip = min(2, config.ddp_steps - 1)
+    busy_per_rank = [median(times[skip:]) for times in result["busy_times"]]
+    return {"step_s": median(result["step_times"][skip:]), "busy_s": busy_per_rank}
+
+
+# ---------------------------------------------------------------- flexpar
+
+
+def run_flexpar(config: Config, folder: str, round_index: int) -> List[dict]:
+    """Step records of one balanced run with the mid-run slowdown."""
+    metrics = os.path.join(folder, f"flexpar-{round_index}.jsonl")
+    make_job(config).fit(
+        steps=config.flexpar_steps, devices=config.devices, emulate_speeds=list(config.speeds),
+        speed_changes=f"{config.change_step}:{config.changed_device}={config.changed_speed}",
+        oversubscribe=True, metrics=metrics, display=False, quiet=True,
+    )
+    return [record for record in read_records(metrics) if record["kind"] == "step"]
+
+
+def _device_index(device_id: str) -> int:
+    return int(device_id.rsplit("-", 1)[1])
+
+
+def balanced_figures(records: Sequence[dict], config: Config) -> dict:
+    """Medians over the balanced window [warmup_steps, change_step): step time, imbalance,
+    per-device seconds per VW and VWs (both by device index local-0, local-1, ...)."""
+    window = [record for record in records if config.warmup_steps <= record["step"] < config.change_step]
+    per_vw = [[] for _ in range(config.devices)]
+    counts = [[] for _ in range(config.devices)]
+    for record in window:
+        for device_id, count, busy in zip(record["devices"], record["assignment"], record["busy_s"]):
+            per_vw[_device_index(device_id)].append(busy / count)
+            counts[_device_index(device_id)].append(count)
+    return {
+        "step_s": median([record["step_time_s"] for record in window]),
+        "imbalance": median([record["imbalance"] for record in window]),
+        "seconds_per_vw": [median(values) for values in per_vw],
+        "assignment": [median(values) for values in counts],
+    }
+
+
+# ---------------------------------------------------------------- ideals and the slowdown
+
+
+def whole_vw_optimum_units(speeds: Sequence[float], virtual_workers: int) -> float:
+    """Best step time, in single-device VW times, of any split into whole VWs."""
+    seconds = [1.0 / speed for speed in speeds]
+    return predicted_step_seconds(optimal_assignment(seconds, virtual_workers), seconds)
+
+
+def imbalance_floor(speeds: Sequence[float], virtual_workers: int) -> float:
+    """Smallest `(max - min) / max` of exact busy times that any whole-VW split can have."""
+    best = 1.0
+    for cuts in itertools.combinations(range(1, virtual_workers), len(speeds) - 1):
+        counts = [b - a for a, b in zip((0,) + cuts, cuts + (virtual_workers,))]
+        busy = [count / speed for count, speed in zip(counts, speeds)]
+        best = min(best, (max(busy) - min(busy)) / max(busy))
+    return best
+
+
+def rebalance_steps_for(step_times: Sequence[float], change_step: int, target_s: float, window: int,
+                        tolerance: float) -> Optional[int]:
+    """Steps from `change_step` until the moving median of `window` step times, starting
+    at that step, is within `tolerance` of `target_s`; None if it never is."""
+    for step in range(change_step, len(step_times) - window + 1):
+        if median(step_times[step:step + window]) <= (1.0 + tolerance) * target_s:
+            return step - change_step
+    return None
+
+
+def slowdown_figures(records: Sequence[dict], config: Config, single_seconds_per_vw: float) -> dict:
+    """Rebalance steps after the slowdown, against two readings of "the new ideal".
+
+    `whole_vw`: the best split into whole VWs at the new speeds (V = 32 over
+    speeds 0.5, 1, 0.5, 0.25 cannot do better than 15 single-device VW times,
+    5.5% above the continuous bound). `continuous`: sum of speeds x the
+    single-device rate, the definition of efficiency_vs_ideal; being within 5%
+    of it is impossible at this V, so it is reported but not the headline.
+    """
+    step_times = [record["step_time_s"] for record in sorted(records, key=lambda record: record["step"])]
+    whole_vw_s = whole_vw_optimum_units(config.changed_speeds, config.virtual_workers) * single_seconds_per_vw
+    continuous_s = config.virtual_workers * single_seconds_per_vw / sum(config.changed_speeds)
+    after = step_times[config.change_step:]
+    settled = after[len(after) // 2:]
+    return {
+        "rebalance_steps": rebalance_steps_for(step_times, config.change_step, whole_vw_s,
+                                               config.moving_window, config.tolerance),
+        "rebalance_steps_vs_continuous_ideal": rebalance_steps_for(
+            step_times, config.change_step, continuous_s, config.moving_window, config.tolerance),
+        "new_ideal_whole_vw_s": whole_vw_s,
+        "new_ideal_continuous_s": continuous_s,
+        "settled_step_s": median(settled) if settled else None,
+        "step_times_after_change": after[:20],
+        "assignments_after_change": [record["assignment"] for record in records
+                                     if config.change_step <= record["step"] < config.change_step + 20],
+    }
+
+
+# ---------------------------------------------------------------- one round, the report
+
+
+def run_round(config: Config, folder: str, round_index: int) -> dict:
+    """One round, in the order ideal, uniform, flexpar; returns its figures."""
+    single = run_single_device(config)
+    uniform = run_uniform_ddp(config)
+    records = run_flexpar(config, folder, round_index)
+    balanced = balanced_figures(records, config)
+    ideal_step_s = single["step_s"] / sum(config.speeds)
+    return {
+        "single_step_s": single["step_s"],
+        "single_seconds_per_vw": single["seconds_per_vw"],
+        "ideal_step_s": ideal_step_s,
+        "uniform_step_s": uniform["step_s"],
+        "uniform_busy_s": uniform["busy_s"],
+        "flexpar_step_s": balanced["step_s"],
+        "efficiency_vs_ideal": ratio(ideal_step_s, balanced["step_s"]),
+        "speedup_vs_uniform": ratio(uniform["step_s"], balanced["step_s"]),
+        "imbalance": balanced["imbalance"],
+        "seconds_per_vw": balanced["seconds_per_vw"],
+        "assignment": balanced["assignment"],
+        **slowdown_figures(records, config, single["seconds_per_vw"]),
+    }
+
+
+def summarise(config: Config, rounds: List[dict]) -> dict:
+    """The JSON document: headline medians, goals, simulator inputs, and every round."""
+    def median_of(key):
+        values = [result[key] for result in rounds if result[key] is not None]
+        return median(values) if values else None
+
+    figures = {
+        "efficiency_vs_ideal": median_of("efficiency_vs_ideal"),
+        "speedup_vs_uniform": median_of("speedup_vs_uniform"),
+        "imbalance_median": median_of("imbalance"),
+        "rebalance_steps": median_of("rebalance_steps"),
+    }
+    ceiling_units = whole_vw_optimum_units(config.speeds, config.virtual_workers)
+    return {
+        **figures,
+        "goals": {"efficiency_vs_ideal": ">= 0.92", "speedup_vs_uniform": ">= 2.5",
+                  "imbalance_median": "<= 0.08", "rebalance_steps": "<= 10"},
+        # Inputs for the simulator's validation: per device (local-0, local-1, ...).
+        "devices": config.devices,
+        "virtual_workers": config.virtual_workers,
+        "speeds": list(config.speeds),
+        "seconds_per_vw": [median([result["seconds_per_vw"][index] for result in rounds])
+                           for index in range(config.devices)],
+        "step_time_s": median_of("flexpar_step_s"),
+        "assignment": [median([result["assignment"][index] for result in rounds])
+                       for index in range(config.devices)],
+        # What whole VWs allow at all, with exact speeds: the ceilings of the goals.
+        "efficiency_ceiling_whole_vws": config.virtual_workers / sum(config.speeds) / ceiling_units,
+        "speedup_ceiling_whole_vws": (config.virtual_workers / config.devices / min(config.speeds)) / ceiling_units,
+        "imbalance_floor_whole_vws": imbalance_floor(config.speeds, config.virtual_workers),
+        "imbalance_of_optimal_assignment": _imbalance_of_optimum(config.speeds, config.virtual_workers),
+        "rebalance_steps_vs_continuous_ideal": median_of("rebalance_steps_vs_continuous_ideal"),
+        "single_device_seconds_per_vw": median_of("single_seconds_per_vw"),
+        "ideal_step_s": median_of("ideal_step_s"),
+        "uniform_step_s": median_of("uniform_step_s"),
+        "config": asdict(config),
+        "rounds": rounds,
+    }
+
+
+def _imbalance_of_optimum(speeds, virtual_workers) -> float:
+    """Imbalance of flexpar's `optimal_assignment` for the exact speeds (its tie-break included)."""
+    counts = optimal_assignment([1.0 / speed for speed in speeds], virtual_workers)
+    busy = [count / speed for count, speed in zip(counts, speeds)]
+    return (max(busy) - min(busy)) / max(busy)
+
+
+def print_report(summary: dict) -> None:
+    columns = ["round", "ideal_s", "flexpar_s", "uniform_s", "efficiency", "speedup", "imbalance",
+               "rebalance_steps"]
+    rows = [
+        {"round": index + 1, "ideal_s": result["ideal_step_s"], "flexpar_s": result["flexpar_step_s"],
+         "uniform_s": result["uniform_step_s"], "efficiency": result["efficiency_vs_ideal"],
+         "speedup": result["speedup_vs_uniform"], "imbalance": result["imbalance"],
+         "rebalance_steps": result["rebalance_steps"]}
+        for index, result in enumerate(summary["rounds"])
+    ]
+    rows.append({"round": "median", "ideal_s": summary["ideal_step_s"], "flexpar_s": summary["step_time_s"],
+                 "uniform_s": summary["uniform_step_s"], "efficiency": summary["efficiency_vs_ideal"],
+                 "speedup": summary["speedup_vs_uniform"], "imbalance": summary["imbalance_median"],
+                 "rebalance_steps": summary["rebalance_steps"]})
+    config = summary["config"]
+    print_table(rows, columns, title=(
+        f"load balancing: speeds {config['speeds']}, V={config['virtual_workers']}, step times in seconds "
+        f"(ideal = single device / {sum(config['speeds'])}; uniform = torch DDP, equal shares)"))
+    print()
+    goals = [
+        {"figure": key, "measured": summary[key], "goal": goal, "whole-VW limit": limit}
+        for key, goal, limit in [
+            ("efficiency_vs_ideal", ">= 0.92", summary["efficiency_ceiling_whole_vws"]),
+            ("speedup_vs_uniform", ">= 2.5", summary["speedup_ceiling_whole_vws"]),
+            ("imbalance_median", "<= 0.08", summary["imbalance_floor_whole_vws"]),
+            ("rebalance_steps", "<= 10", None),
+        ]
+    ]
+    print_table(goals, ["figure", "measured", "goal", "whole-VW limit"])
+    print(f"per-device seconds per VW (local-0..): {[round(value, 4) for value in summary['seconds_per_vw']]}; "
+          f"median assignment {summary['assignment']}; imbalance of the exact optimum "
+          f"{summary['imbalance_of_optimal_assignment']:.3f}")
+
+
+def main(argv=None) -> dict:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 3, quick 1)")
+    parser.add_argument("--kernel-ms", type=float, default=None, help="emulated device time per VW (default 20)")
+    options = parser.parse_args(argv)
+    config = replace(Config(), **QUICK) if options.quick else Config()
+    if options.rounds is not None:
+        config = replace(config, rounds=options.rounds)
+    if options.kernel_ms is not None:
+        config = replace(config, kernel_ms=options.kernel_ms)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as folder:
+        rounds = [run_round(config, folder, index) for index in range(config.rounds)]
+    summary = summarise(config, rounds)
+    summary["wall_s"] = time.perf_counter() - started
+    print_report(summary)
+    write_json(options.json, summary)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,389 @@
+"""Overhead of flexpar against the real thing, measured side by side.
+
+Three figures, each a ratio of medians over alternating runs in this one
+invocation:
+
+- ``ddp_ratio``: steady-state samples/s of flexpar on 2 CPU devices
+  (``virtual_workers=2``: one VW per device, so the same per-device batch) over
+  torch ``DistributedDataParallel`` on 2 ranks (``torch.multiprocessing.spawn``,
+  gloo, ``DistributedSampler``, the standard loop). Goal >= 0.97.
+- ``accumulation_ratio``: samples/s of flexpar on 1 device with
+  ``virtual_workers=16`` over the textbook gradient-accumulation loop in one
+  process (16 micro-batches, ``(loss / 16).backward()``, one step). Goal >= 0.97.
+- ``memory_ratio_16x``: peak RSS of the flexpar worker process at a 16x global
+  batch over its peak RSS at 1x (the same micro-batch). Goal <= 1.05.
+
+Steady state: start-up is excluded by timing only steps ``skip .. steps-1``,
+from the commit time of step ``skip - 1`` to that of step ``steps - 1``, on
+both sides (flexpar: the ``time`` of its step records; the baselines: the
+wall clock right after ``optimizer.step()`` and ``zero_grad()``, the point at
+which flexpar stamps a commit).
+
+Threads: flexpar gives each CPU device ``cores // devices`` torch threads; each
+DDP rank and the accumulation loop get the same.
+
+Peak RSS of a worker: a background thread in this (driver) process scans
+/proc for the driver's descendants every 20 ms and keeps the largest
+``VmHWM`` (the kernel's high-water mark of resident memory, monotonic over a
+process's life) of every worker. Workers are the descendants that are neither
+the fork server (the driver's direct child that forks them) nor
+multiprocessing's resource tracker. A high-water mark only rises, so the last
+value read before a worker exits misses at most the growth of its last 20 ms,
+in which it only sends the model back and exits.
+
+Run: ``python benchmarks/overhead.py [--quick] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as torch_multiprocessing
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import alternate, base_parser, cpu_count, free_port, median, print_table, ratio, write_json  # noqa: E402
+
+import flexpar  # noqa: E402
+from flexpar.metrics import read_records  # noqa: E402
+
+ACCUMULATION = 16  # VWs (micro-batches) per step in the accumulation comparison
+
+
+# ---------------------------------------------------------------- configuration
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Sizes of one benchmark run; the full run and --quick differ only here."""
+
+    features: int
+    hidden: int
+    hidden_layers: int
+    classes: int
+    per_device_batch: int  # DDP comparison: samples per device per step
+    micro_batch: int  # accumulation comparison: samples per VW / micro-batch
+    steps: int  # steps per run
+    skip: int  # leading steps excluded from timing (start-up)
+    repeats: int  # alternating rounds
+    dataset_size: int
+
+    def parameter_count(self) -> int:
+        return sum(parameter.numel() for parameter in MLPFactory(self)().parameters())
+
+
+FULL = Config(features=1024, hidden=2048, hidden_layers=3, classes=10, per_device_batch=64,
+              micro_batch=8, steps=20, skip=5, repeats=3, dataset_size=4096)
+QUICK = Config(features=256, hidden=512, hidden_layers=2, classes=10, per_device_batch=32,
+               micro_batch=4, steps=10, skip=3, repeats=1, dataset_size=1024)
+
+
+# ---------------------------------------------------------------- shared training pieces
+# Module level, so that flexpar's worker processes (which import this script)
+# and DDP's spawned ranks find them by name.
+
+
+class MLPFactory:
+    """Builds the benchmark MLP: ``hidden_layers`` Linear+ReLU layers, then a classifier."""
+
+    def __init__(self, config: Config):
+        self.config = config
+
+    def __call__(self) -> nn.Module:
+        config = self.config
+        layers: List[nn.Module] = []
+        width = config.features
+        for _ in range(config.hidden_layers):
+            layers += [nn.Linear(width, config.hidden), nn.ReLU()]
+            width = config.hidden
+        layers.append(nn.Linear(width, config.classes))
+        return nn.Sequential(*layers)
+
+
+def make_optimizer(parameters):
+    return torch.optim.SGD(parameters, lr=0.01, momentum=0.9)
+
+
+def classification_loss(model, batch):
+    inputs, labels = batch
+    return nn.functional.cross_entropy(model(inputs), labels)
+
+
+def make_dataset(config: Config) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(config.dataset_size, config.features, generator=generator)
+    labels = torch.randint(0, config.classes, (config.dataset_size,), generator=generator)
+    return TensorDataset(inputs, labels)
+
+
+def steady_samples_per_s(commit_times: List[float], skip: int, samples_per_step: int) -> float:
+    """Samples/s over steps ``skip ..``: from the commit of step skip-1 to the last commit."""
+    if len(commit_times) <= skip:
+        raise ValueError(f"only {len(commit_times)} steps committed; need more than skip={skip}")
+    span = commit_times[-1] - commit_times[skip - 1]
+    return samples_per_step * (len(commit_times) - skip) / span
+
+
+# ---------------------------------------------------------------- peak RSS of workers
+
+
+def _children_of() -> Dict[int, List[int]]:
+    """Parent pid -> child pids, for every process visible in /proc."""
+    children: Dict[int, List[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                # The command name (field 2) may hold spaces; the parent pid follows its ')'.
+                parent = int(handle.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    return children
+
+
+def _command_line(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _peak_rss_bytes(pid: int) -> Optional[int]:
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def worker_pids(driver_pid: int) -> List[int]:
+    """Descendants of the driver that are training workers (see the module docstring)."""
+    children = _children_of()
+    found: List[int] = []
+    pending = [(child, 1) for child in children.get(driver_pid, [])]
+    while pending:
+        pid, depth = pending.pop()
+        pending += [(child, depth + 1) for child in children.get(pid, [])]
+        command = _command_line(pid)
+        if "resource_tracker" in command or (depth == 1 and "forkserver" in command):
+            continue
+        found.append(pid)
+    return found
+
+
+class PeakMemoryWatcher:
+    """Context manager: ``peaks`` maps each worker pid seen to its largest VmHWM in bytes."""
+
+    def __init__(self, interval_s: float = 0.02):
+        self.interval_s = interval_s
+        self.peaks: Dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        driver = os.getpid()
+        while not self._stop.is_set():
+            for pid in worker_pids(driver):
+                peak = _peak_rss_bytes(pid)
+                if peak is not None:
+                    self.peaks[pid] = max(peak, self.peaks.get(pid, 0))
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> "PeakMemoryWatcher":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def largest(self) -> Optional[int]:
+        return max(self.peaks.values()) if self.peaks else None
+
+
+# ---------------------------------------------------------------- flexpar side
+
+
+def flexpar_run(config: Config, devices: int, virtual_workers: int, global_batch: int, work_dir: str) -> dict:
+    """One flexpar fit(); returns steady samples/s and the largest worker peak RSS."""
+    job = flexpar.Job(
+        model=MLPFactory(config), optimizer=make_optimizer, loss=classification_loss,
+        dataset=make_dataset(config), global_batch=global_batch, virtual_workers=virtual_workers, seed=0,
+    )
+    metrics_path = tempfile.mktemp(suffix=".jsonl", dir=work_dir)
+    with PeakMemoryWatcher() as watcher:
+        job.fit(steps=config.steps, devices=devices, metrics=metrics_path, display=False, quiet=True,
+                run_dir=work_dir)
+    steps = sorted((r for r in read_records(metrics_path) if r["kind"] == "step"), key=lambda r: r["step"])
+    commit_times = [record["time"] for record in steps]
+    return {
+        "samples_per_s": steady_samples_per_s(commit_times, config.skip, global_batch),
+        "peak_rss_bytes": watcher.largest(),
+    }
+
+
+# ---------------------------------------------------------------- DDP side
+
+
+def _ddp_rank(rank: int, world_size: int, port: int, config: Config, result_path: str) -> None:
+    """One DDP rank: the standard loop of the torch DDP tutorial, timing each commit."""
+    torch.set_num_threads(max(1, cpu_count() // world_size))
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    torch.manual_seed(0)
+    model = DistributedDataParallel(MLPFactory(config)())
+    optimizer = make_optimizer(model.parameters())
+    dataset = make_dataset(config)
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
+    loader = DataLoader(dataset, batch_size=config.per_device_batch, sampler=sampler, drop_last=True)
+    commit_times: List[float] = []
+    epoch = 0
+    while len(commit_times) < config.steps:
+        sampler.set_epoch(epoch)
+        for inputs, labels in loader:
+            loss = nn.functional.cross_entropy(model(inputs), labels)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            commit_times.append(time.time())
+            if len(commit_times) == config.steps:
+                break
+        epoch += 1
+    if rank == 0:
+        Path(result_path).write_text(" ".join(repr(value) for value in commit_times))
+    dist.destroy_process_group()
+
+
+def ddp_run(config: Config, world_size: int, work_dir: str) -> dict:
+    """One DDP job of ``world_size`` ranks started with torch.multiprocessing.spawn."""
+    result_path = tempfile.mktemp(suffix=".txt", dir=work_dir)
+    torch_multiprocessing.spawn(
+        _ddp_rank, args=(world_size, free_port(), config, result_path), nprocs=world_size, join=True
+    )
+    commit_times = [float(value) for value in Path(result_path).read_text().split()]
+    samples_per_step = config.per_device_batch * world_size
+    return {"samples_per_s": steady_samples_per_s(commit_times, config.skip, samples_per_step)}
+
+
+# ---------------------------------------------------------------- accumulation loop side
+
+
+def accumulation_loop_run(config: Config) -> dict:
+    """The textbook gradient-accumulation loop in this process, with flexpar's thread count."""
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(cpu_count())  # one device: flexpar gives its worker every core
+    try:
+        torch.manual_seed(0)
+        model = MLPFactory(config)()
+        optimizer = make_optimizer(model.parameters())
+        loader = DataLoader(make_dataset(config), batch_size=config.micro_batch, shuffle=True, drop_last=True)
+        commit_times: List[float] = []
+        while len(commit_times) < config.steps:
+            micro_batches = 0
+            for inputs, labels in loader:
+                loss = nn.functional.cross_entropy(model(inputs), labels)
+                (loss / ACCUMULATION).backward()
+                micro_batches += 1
+                if micro_batches % ACCUMULATION == 0:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    commit_times.append(time.time())
+                    if len(commit_times) == config.steps:
+                        break
+    finally:
+        torch.set_num_threads(previous_threads)
+    samples_per_step = config.micro_batch * ACCUMULATION
+    return {"samples_per_s": steady_samples_per_s(commit_times, config.skip, samples_per_step)}
+
+
+# ---------------------------------------------------------------- main
+
+
+def measure(config: Config, work_dir: str) -> dict:
+    """All runs, alternating ours and the baseline within each comparison; medians."""
+    devices = 2
+    ddp = alternate({
+        "flexpar": lambda: flexpar_run(config, devices, devices, config.per_device_batch * devices, work_dir),
+        "ddp": lambda: ddp_run(config, devices, work_dir),
+    }, config.repeats)
+    accumulation = alternate({
+        "flexpar_16x": lambda: flexpar_run(config, 1, ACCUMULATION, config.micro_batch * ACCUMULATION, work_dir),
+        "loop_16x": lambda: accumulation_loop_run(config),
+        "flexpar_1x": lambda: flexpar_run(config, 1, 1, config.micro_batch, work_dir),
+    }, config.repeats)
+
+    def median_of(runs, key):
+        values = [run[key] for run in runs if run.get(key) is not None]
+        return median(values) if values else None
+
+    figures = {
+        "flexpar_2dev_samples_per_s": median_of(ddp["flexpar"], "samples_per_s"),
+        "ddp_2dev_samples_per_s": median_of(ddp["ddp"], "samples_per_s"),
+        "flexpar_16x_samples_per_s": median_of(accumulation["flexpar_16x"], "samples_per_s"),
+        "loop_16x_samples_per_s": median_of(accumulation["loop_16x"], "samples_per_s"),
+        "flexpar_16x_peak_rss_bytes": median_of(accumulation["flexpar_16x"], "peak_rss_bytes"),
+        "flexpar_1x_peak_rss_bytes": median_of(accumulation["flexpar_1x"], "peak_rss_bytes"),
+    }
+    figures["ddp_ratio"] = ratio(figures["flexpar_2dev_samples_per_s"], figures["ddp_2dev_samples_per_s"])
+    figures["accumulation_ratio"] = ratio(figures["flexpar_16x_samples_per_s"], figures["loop_16x_samples_per_s"])
+    figures["memory_ratio_16x"] = ratio(figures["flexpar_16x_peak_rss_bytes"], figures["flexpar_1x_peak_rss_bytes"])
+    figures["runs"] = {"ddp_comparison": ddp, "accumulation_comparison": accumulation}
+    return figures
+
+
+def report(figures: dict, config: Config) -> None:
+    mib = 1 << 20
+
+    def in_mib(value):
+        return None if value is None else value / mib
+
+    rows = [
+        {"comparison": "2 devices vs DDP (samples/s)", "flexpar": figures["flexpar_2dev_samples_per_s"],
+         "baseline": figures["ddp_2dev_samples_per_s"], "ratio": figures["ddp_ratio"], "goal": ">= 0.97"},
+        {"comparison": "1 device, 16 VWs vs accumulation loop (samples/s)",
+         "flexpar": figures["flexpar_16x_samples_per_s"], "baseline": figures["loop_16x_samples_per_s"],
+         "ratio": figures["accumulation_ratio"], "goal": ">= 0.97"},
+        {"comparison": "worker peak RSS, 16x over 1x global batch (MiB)",
+         "flexpar": in_mib(figures["flexpar_16x_peak_rss_bytes"]),
+         "baseline": in_mib(figures["flexpar_1x_peak_rss_bytes"]),
+         "ratio": figures["memory_ratio_16x"], "goal": "<= 1.05"},
+    ]
+    title = (f"flexpar overhead: MLP of {config.parameter_count() / 1e6:.1f}M parameters, "
+             f"{config.repeats} alternating rounds, medians, steps {config.skip}..{config.steps - 1} timed, "
+             f"{cpu_count()} cores")
+    print_table(rows, ["comparison", "flexpar", "baseline", "ratio", "goal"], title)
+
+
+def main() -> None:
+    parser = base_parser(__doc__.split("\n\n")[0])
+    arguments = parser.parse_args()
+    config = QUICK if arguments.quick else FULL
+    with tempfile.TemporaryDirectory(prefix="flexpar-overhead-") as work_dir:
+        figures = measure(config, work_dir)
+    report(figures, config)
+    figures["config"] = dataclasses.asdict(config)
+    figures["parameters"] = config.parameter_count()
+    figures["cores"] = cpu_count()
+    write_json(arguments.json, figures)
+
+
+if __name__ == "__main__":
+    main()

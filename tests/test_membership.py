@@ -1,0 +1,114 @@
+"""The control plane's decisions, as pure data: decide(state, event) -> (state, actions)."""
+
+from flexpar import membership as ms
+
+
+def _run(state, *events):
+    actions = []
+    for event in events:
+        state, more = ms.decide(state, event)
+        actions.extend(more)
+    return state, actions
+
+
+def _published(actions):
+    return [a for a in actions if isinstance(a, ms.Publish)]
+
+
+def _started(initial=2, maximum=4):
+    state = ms.Membership(initial_devices=initial, max_devices=maximum, grace_s=5.0)
+    state, actions = _run(state, ms.Start(initial))
+    assert actions == [ms.SpawnLocal(tuple(f"local-{i}" for i in range(initial)))]
+    state, actions = _run(state, *[ms.Ready(f"local-{i}") for i in range(initial)])
+    assert _published(actions)[0].members == tuple(f"local-{i}" for i in range(initial))
+    state, _ = _run(state, *[ms.Formed(f"local-{i}", 1) for i in range(initial)])
+    return state
+
+
+def test_generation_one_waits_for_all_initial_devices():
+    state = ms.Membership(initial_devices=2, max_devices=2, grace_s=5.0)
+    state, actions = _run(state, ms.Start(2), ms.Ready("local-1"))
+    assert not _published(actions)
+    state, actions = _run(state, ms.Ready("local-0"))
+    assert _published(actions) == [ms.Publish(1, ("local-1", "local-0"), ("local-1", "local-0"), (), ())]
+
+
+def test_join_appends_and_keeps_ranks():
+    state = _started()
+    state, actions = _run(state, ms.ScaleBy(1))
+    assert actions == [ms.SpawnLocal(("local-2",))]
+    state, actions = _run(state, ms.Ready("local-2"))
+    assert _published(actions)[0].members == ("local-0", "local-1", "local-2")
+    assert _published(actions)[0].joined == ("local-2",)
+
+
+def test_one_generation_in_formation_at_a_time():
+    state = _started()
+    state, actions = _run(state, ms.ScaleBy(2), ms.Ready("local-2"))
+    assert _published(actions)[0].generation == 2
+    state, actions = _run(state, ms.Ready("local-3"))
+    assert not _published(actions), "generation 2 has not formed yet"
+    state, actions = _run(state, *[ms.Formed(d, 2) for d in ("local-0", "local-1", "local-2")])
+    assert _published(actions)[0].members == ("local-0", "local-1", "local-2", "local-3")
+
+
+def test_planned_leave_drops_the_newest_member():
+    state = _started(initial=3)
+    state, actions = _run(state, ms.ScaleBy(-1))
+    assert _published(actions)[0].members == ("local-0", "local-1")
+    assert _published(actions)[0].left == ("local-2",)
+
+
+def test_leave_cancels_devices_still_starting_first():
+    state = _started()
+    state, actions = _run(state, ms.ScaleBy(1), ms.ScaleBy(-1))
+    assert ms.Evict("local-2", "the schedule removed it before it was admitted") in actions
+    assert not _published(actions)
+
+
+def test_at_least_one_device_stays():
+    state = _started(initial=1)
+    state, actions = _run(state, ms.ScaleBy(-1))
+    assert any(isinstance(a, ms.Note) for a in actions) and not _published(actions)
+
+
+def test_max_devices_refuses_joiners():
+    state = _started(initial=2, maximum=2)
+    state, actions = _run(state, ms.Announced("hostb-1"))
+    assert isinstance(actions[0], ms.Refuse) and "--max-devices 2" in actions[0].reason
+
+
+def test_refused_ready_is_not_admitted():
+    state = _started()
+    state, actions = _run(state, ms.Announced("hostb-1"), ms.Ready("hostb-1", problem="model differs"))
+    assert actions == [ms.Refuse("hostb-1", "model differs")]
+
+
+def test_failure_rebuilds_from_survivors_once_all_are_accounted():
+    state = _started(initial=3)
+    state, actions = _run(state, ms.FailureReported("local-0", 1, now=10.0))
+    assert not _published(actions)
+    state, actions = _run(state, ms.Exited("local-1", now=10.1), ms.FailureReported("local-2", 1, now=10.2))
+    assert _published(actions) == [ms.Publish(2, ("local-0", "local-2"), (), (), ("local-1",))]
+
+
+def test_silent_member_is_evicted_after_grace():
+    state = _started(initial=3)
+    state, _ = _run(state, ms.FailureReported("local-0", 1, now=10.0), ms.FailureReported("local-2", 1, now=10.0))
+    state, actions = _run(state, ms.Tick(now=12.0))
+    assert not _published(actions)
+    state, actions = _run(state, ms.Tick(now=15.5))
+    assert ms.Evict("local-1") in actions
+    assert _published(actions)[0].members == ("local-0", "local-2")
+
+
+def test_last_device_lost_stops_the_job():
+    state = _started(initial=1)
+    state, actions = _run(state, ms.Exited("local-0", now=1.0))
+    assert any(isinstance(a, ms.StopJob) and "no worker is left" in a.reason for a in actions)
+
+
+def test_stale_failure_reports_are_ignored():
+    state = _started()
+    state, actions = _run(state, ms.FailureReported("local-0", 7, now=1.0))
+    assert actions == [] and state.failure_since is None
