@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -58,7 +58,7 @@ import torch.multiprocessing as torch_mp  # noqa: E402
 from torch import nn  # noqa: E402
 
 import flexpar  # noqa: E402
-from common import base_parser, free_port, median, print_table, ratio, write_json  # noqa: E402
+from common import base_parser, cpu_count, free_port, median, print_table, ratio, write_json  # noqa: E402
 from flexpar.balance import optimal_assignment, predicted_step_seconds  # noqa: E402
 from flexpar.metrics import read_records  # noqa: E402
 
@@ -166,7 +166,7 @@ def make_job(config: Config) -> flexpar.Job:
 
 
 def run_single_device(config: Config) -> dict:
-    """Median step time of a plain loop on one thread (speed 1) over all V VWs of each step."""
+    """Step times (warm-up dropped) of a plain loop on one thread (speed 1) over all V VWs of each step."""
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(1)  # what each of the four device processes gets on this machine
     try:
@@ -186,8 +186,7 @@ def run_single_device(config: Config) -> dict:
             step_times.append(time.perf_counter() - started)
     finally:
         torch.set_num_threads(previous_threads)
-    step_s = median(step_times[1:])
-    return {"step_s": step_s, "seconds_per_vw": step_s / config.virtual_workers}
+    return {"step_times": step_times[1:]}
 
 
 def _endless(loader):
@@ -369,10 +368,19 @@ def slowdown_figures(records: Sequence[dict], config: Config, single_seconds_per
 
 
 def run_round(config: Config, folder: str, round_index: int) -> dict:
-    """One round, in the order ideal, uniform, flexpar; returns its figures."""
-    single = run_single_device(config)
+    """One round: ideal, uniform, ideal again, flexpar; returns its figures.
+
+    The single-device loop runs twice per round (its step time drifts with the
+    load of the machine) and the round's ideal is the median of both runs' steps.
+    """
+    single_times = []
+    started = time.perf_counter()
+    single_times += run_single_device(config)["step_times"]
     uniform = run_uniform_ddp(config)
+    single_times += run_single_device(config)["step_times"]
     records = run_flexpar(config, folder, round_index)
+    _progress(f"round {round_index + 1}/{config.rounds} done in {time.perf_counter() - started:.0f} s")
+    single = {"step_s": median(single_times), "seconds_per_vw": median(single_times) / config.virtual_workers}
     balanced = balanced_figures(records, config)
     ideal_step_s = single["step_s"] / sum(config.speeds)
     return {
@@ -472,21 +480,45 @@ def print_report(summary: dict) -> None:
           f"{summary['imbalance_of_optimal_assignment']:.3f}")
 
 
+def _progress(message: str) -> None:
+    print(f"balance: {message}", file=sys.stderr, flush=True)
+
+
+def _preload_fork_server() -> None:
+    """Have the fork server (used by flexpar's workers and by the DDP ranks) import torch once.
+
+    flexpar's launcher asks for the same modules when it starts the server; the
+    DDP baseline starts its ranks from the same server, so neither pays seconds
+    of `import torch` per process. Start-up is outside every timed window.
+    """
+    multiprocessing.set_forkserver_preload(
+        ["torch", "torch.distributed", "torch.optim", "torch.nn.parallel", "flexpar.worker"]
+    )
+
+
 def main(argv=None) -> dict:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 3, quick 1)")
     parser.add_argument("--kernel-ms", type=float, default=None, help="emulated device time per VW (default 20)")
+    parser.add_argument("--keep-metrics", metavar="DIR", default=None,
+                        help="keep flexpar's metrics files (flexpar-ROUND.jsonl) in DIR")
     options = parser.parse_args(argv)
     config = replace(Config(), **QUICK) if options.quick else Config()
     if options.rounds is not None:
         config = replace(config, rounds=options.rounds)
     if options.kernel_ms is not None:
         config = replace(config, kernel_ms=options.kernel_ms)
+    _preload_fork_server()
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as folder:
+    # Other work on the machine moves every figure here; the load is recorded with them.
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = options.keep_metrics or scratch
+        os.makedirs(folder, exist_ok=True)
         rounds = [run_round(config, folder, index) for index in range(config.rounds)]
     summary = summarise(config, rounds)
     summary["wall_s"] = time.perf_counter() - started
+    summary["load_average_1min"] = {"before": load_before, "after": os.getloadavg()[0], "cores": cpu_count()}
     print_report(summary)
     write_json(options.json, summary)
     return summary

@@ -13,22 +13,25 @@ invocation:
 - ``memory_ratio_16x``: peak RSS of the flexpar worker process at a 16x global
   batch over its peak RSS at 1x (the same micro-batch). Goal <= 1.05.
 
-Steady state: start-up is excluded by timing only steps ``skip .. steps-1``,
-from the commit time of step ``skip - 1`` to that of step ``steps - 1``, on
+Steady state: start-up is excluded by timing only steps ``skip .. steps-1``.
+A step's duration is the gap between its commit and the previous one, on
 both sides (flexpar: the ``time`` of its step records; the baselines: the
 wall clock right after ``optimizer.step()`` and ``zero_grad()``, the point at
-which flexpar stamps a commit).
+which flexpar stamps a commit). A run's samples/s is samples per step over
+its median step duration (the mean over the span is kept in the JSON too);
+the figure is the median over rounds. The load average at start and end goes
+into the JSON: on a shared machine, read the ratios with it.
 
 Threads: flexpar gives each CPU device ``cores // devices`` torch threads; each
 DDP rank and the accumulation loop get the same.
 
-Peak RSS of a worker: a background thread in this (driver) process scans
-/proc for the driver's descendants every 20 ms and keeps the largest
+Peak RSS of a worker: a background thread in this (driver) process walks
+the driver's descendants in /proc every 50 ms and keeps the largest
 ``VmHWM`` (the kernel's high-water mark of resident memory, monotonic over a
 process's life) of every worker. Workers are the descendants that are neither
 the fork server (the driver's direct child that forks them) nor
 multiprocessing's resource tracker. A high-water mark only rises, so the last
-value read before a worker exits misses at most the growth of its last 20 ms,
+value read before a worker exits misses at most the growth of its last 50 ms,
 in which it only sends the model back and exits.
 
 Run: ``python benchmarks/overhead.py [--quick] [--json PATH]``.
@@ -84,7 +87,7 @@ class Config:
 
 
 FULL = Config(features=1024, hidden=2048, hidden_layers=3, classes=10, per_device_batch=64,
-              micro_batch=8, steps=20, skip=5, repeats=3, dataset_size=4096)
+              micro_batch=8, steps=16, skip=4, repeats=3, dataset_size=4096)
 QUICK = Config(features=256, hidden=512, hidden_layers=2, classes=10, per_device_batch=32,
                micro_batch=4, steps=10, skip=3, repeats=1, dataset_size=1024)
 
@@ -127,30 +130,48 @@ def make_dataset(config: Config) -> TensorDataset:
     return TensorDataset(inputs, labels)
 
 
-def steady_samples_per_s(commit_times: List[float], skip: int, samples_per_step: int) -> float:
-    """Samples/s over steps ``skip ..``: from the commit of step skip-1 to the last commit."""
-    if len(commit_times) <= skip:
-        raise ValueError(f"only {len(commit_times)} steps committed; need more than skip={skip}")
-    span = commit_times[-1] - commit_times[skip - 1]
-    return samples_per_step * (len(commit_times) - skip) / span
+def step_durations(commit_times: List[float], skip: int) -> List[float]:
+    """Wall seconds of steps ``skip ..``: the gaps between consecutive commits."""
+    if skip < 1 or len(commit_times) <= skip:
+        raise ValueError(f"{len(commit_times)} steps committed; need skip >= 1 and more steps than skip={skip}")
+    return [later - earlier for earlier, later in zip(commit_times[skip - 1 :], commit_times[skip:])]
+
+
+def throughput(commit_times: List[float], skip: int, samples_per_step: int) -> dict:
+    """Steady-state samples/s of one run, two ways.
+
+    ``samples_per_s`` (the figure the ratios use): samples per step over the
+    median step duration of steps ``skip ..``; a median, because this machine
+    is shared and a step now and then is stretched by someone else's work.
+    ``mean_samples_per_s``: over the whole span of those steps, for reference.
+    """
+    durations = step_durations(commit_times, skip)
+    return {
+        "samples_per_s": samples_per_step / median(durations),
+        "mean_samples_per_s": samples_per_step * len(durations) / sum(durations),
+    }
 
 
 # ---------------------------------------------------------------- peak RSS of workers
 
 
-def _children_of() -> Dict[int, List[int]]:
-    """Parent pid -> child pids, for every process visible in /proc."""
-    children: Dict[int, List[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+def _children(pid: int) -> List[int]:
+    """Child pids of ``pid``, from /proc/PID/task/TID/children (one small read per thread).
+
+    Reading only the driver's own tree keeps the watcher cheap: it shares the
+    machine with the processes it measures.
+    """
+    children: List[int] = []
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return children
+    for thread in threads:
         try:
-            with open(f"/proc/{entry}/stat") as handle:
-                # The command name (field 2) may hold spaces; the parent pid follows its ')'.
-                parent = int(handle.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
+            with open(f"/proc/{pid}/task/{thread}/children") as handle:
+                children += [int(child) for child in handle.read().split()]
+        except (OSError, ValueError):
             continue
-        children.setdefault(parent, []).append(int(entry))
     return children
 
 
@@ -175,12 +196,11 @@ def _peak_rss_bytes(pid: int) -> Optional[int]:
 
 def worker_pids(driver_pid: int) -> List[int]:
     """Descendants of the driver that are training workers (see the module docstring)."""
-    children = _children_of()
     found: List[int] = []
-    pending = [(child, 1) for child in children.get(driver_pid, [])]
+    pending = [(child, 1) for child in _children(driver_pid)]
     while pending:
         pid, depth = pending.pop()
-        pending += [(child, depth + 1) for child in children.get(pid, [])]
+        pending += [(child, depth + 1) for child in _children(pid)]
         command = _command_line(pid)
         if "resource_tracker" in command or (depth == 1 and "forkserver" in command):
             continue
@@ -191,7 +211,7 @@ def worker_pids(driver_pid: int) -> List[int]:
 class PeakMemoryWatcher:
     """Context manager: ``peaks`` maps each worker pid seen to its largest VmHWM in bytes."""
 
-    def __init__(self, interval_s: float = 0.02):
+    def __init__(self, interval_s: float = 0.05):
         self.interval_s = interval_s
         self.peaks: Dict[int, int] = {}
         self._stop = threading.Event()
@@ -233,10 +253,7 @@ def flexpar_run(config: Config, devices: int, virtual_workers: int, global_batch
                 run_dir=work_dir)
     steps = sorted((r for r in read_records(metrics_path) if r["kind"] == "step"), key=lambda r: r["step"])
     commit_times = [record["time"] for record in steps]
-    return {
-        "samples_per_s": steady_samples_per_s(commit_times, config.skip, global_batch),
-        "peak_rss_bytes": watcher.largest(),
-    }
+    return {**throughput(commit_times, config.skip, global_batch), "peak_rss_bytes": watcher.largest()}
 
 
 # ---------------------------------------------------------------- DDP side
@@ -280,7 +297,7 @@ def ddp_run(config: Config, world_size: int, work_dir: str) -> dict:
     )
     commit_times = [float(value) for value in Path(result_path).read_text().split()]
     samples_per_step = config.per_device_batch * world_size
-    return {"samples_per_s": steady_samples_per_s(commit_times, config.skip, samples_per_step)}
+    return throughput(commit_times, config.skip, samples_per_step)
 
 
 # ---------------------------------------------------------------- accumulation loop side
@@ -311,7 +328,7 @@ def accumulation_loop_run(config: Config) -> dict:
     finally:
         torch.set_num_threads(previous_threads)
     samples_per_step = config.micro_batch * ACCUMULATION
-    return {"samples_per_s": steady_samples_per_s(commit_times, config.skip, samples_per_step)}
+    return throughput(commit_times, config.skip, samples_per_step)
 
 
 # ---------------------------------------------------------------- main
@@ -376,9 +393,12 @@ def main() -> None:
     parser = base_parser(__doc__.split("\n\n")[0])
     arguments = parser.parse_args()
     config = QUICK if arguments.quick else FULL
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="flexpar-overhead-") as work_dir:
         figures = measure(config, work_dir)
+    figures["load_average_before_after"] = [load_before[0], os.getloadavg()[0]]
     report(figures, config)
+    print(f"load average (1 min) before/after: {load_before[0]:.2f} / {os.getloadavg()[0]:.2f}")
     figures["config"] = dataclasses.asdict(config)
     figures["parameters"] = config.parameter_count()
     figures["cores"] = cpu_count()

@@ -12,7 +12,7 @@ pays nothing for flexpar):
   membership change, which makes torchrun stop every worker and start a fresh
   set, loses at most the step in flight.
 
-Rank 0 appends JSON lines to `--log`: one `start` record per worker set (with
+Rank 0 appends JSON lines to `--records`: one `start` record per worker set (with
 the wall times at which the process started, finished `import torch`, formed
 the process group, built the model, loaded the checkpoint and built DDP) and
 one `step` record per committed step. The benchmark reads the stall from them.
@@ -46,7 +46,7 @@ def make_model(features: int = FEATURES, hidden: int = 4096, classes: int = CLAS
 
 
 def make_small_model() -> nn.Module:
-    """The --quick model: the same shape of network, about 1.6M parameters."""
+    """The --quick model: the same shape of network, about 3.2M parameters."""
     return make_model(hidden=1024)
 
 
@@ -98,7 +98,7 @@ def main() -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     parser = argparse.ArgumentParser(description="checkpoint-restart DDP worker (run under torchrun)")
-    parser.add_argument("--log", required=True)
+    parser.add_argument("--records", required=True)
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--stop-file", required=True)
     parser.add_argument("--global-batch", type=int, default=24)
@@ -124,7 +124,7 @@ def main() -> None:
     ddp = DistributedDataParallel(model)  # broadcasts rank 0's parameters to the others
     ddp_ready = time.time()
     if rank == 0:
-        _log(args.log, {
+        _log(args.records, {
             "kind": "start", "world": world, "step": step, "process_started": PROCESS_STARTED,
             "imported": IMPORTED, "group_formed": group_formed, "model_built": model_built,
             "loaded": loaded, "ddp_ready": ddp_ready,
@@ -146,7 +146,7 @@ def main() -> None:
             committed = time.time()
             _save_checkpoint(args.checkpoint, model, optimizer, step)
             saved = time.time()
-            _log(args.log, {"kind": "step", "step": step - 1, "time": committed, "world": world,
+            _log(args.records, {"kind": "step", "step": step - 1, "time": committed, "world": world,
                             "step_time_s": committed - previous, "save_s": saved - committed})
             previous = saved
         else:

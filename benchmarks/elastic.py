@@ -1,0 +1,580 @@
+"""Elastic changes on a 25M-parameter Adam job: flexpar vs torchrun checkpoint-restart.
+
+    python benchmarks/elastic.py [--json PATH] [--quick] [--rounds N]
+
+One invocation measures, alternating flexpar and baseline rounds:
+
+- flexpar, one `fit()` per round on 2 CPU processes (oversubscribed: 3 processes
+  on 2 cores at the peak) with the schedule "+1" (scale out 2->3), a kill -9 of
+  the joiner during backward (failure 3->2), "+1" again, then "-1" (planned
+  scale in 3->2).
+- the baseline, torchrun's own elastic mode (`--nnodes=2:3`, c10d rendezvous,
+  one worker per agent): two agents train, a third agent joins on the same host,
+  torchrun stops every worker and starts a fresh set, which imports torch,
+  rebuilds the model, loads the checkpoint and re-forms the process group
+  (`restart_worker.py`).
+- the physical floor: a plain gloo broadcast of the state's bytes (parameters
+  + Adam state, as torch.save writes them) between local processes, and where
+  flexpar's own transfer path spends its time (serialise, copy, send, load).
+
+Stall, for both sides, from the step records: the gap between the last commit
+before the change and the first commit after it, minus a normal step of the
+new device set. flexpar's own figure (`stall_s` of the event record, rank 0's
+time from its last commit until the new group formed and the state is level)
+is reported beside it. Every figure is the median over the rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import restart_worker  # noqa: E402  (the job's pieces, plain torch)
+from restart_worker import adam, cross_entropy, make_dataset  # noqa: E402
+
+try:  # shared helpers written alongside; local fallbacks keep this file standalone
+    from common import base_parser, free_port, median, print_table, write_json  # noqa: E402
+except ImportError:  # pragma: no cover
+    import argparse
+    import socket
+    import statistics
+
+    def median(values):
+        return float(statistics.median(values))
+
+    def free_port():
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            return probe.getsockname()[1]
+
+    def base_parser(description):
+        parser = argparse.ArgumentParser(description=description)
+        parser.add_argument("--json", metavar="PATH", default=None)
+        parser.add_argument("--quick", action="store_true")
+        return parser
+
+    def write_json(path, data):
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+    def print_table(rows, columns, title=""):
+        print(title)
+        for row in rows:
+            print("  ".join(str(row.get(column)) for column in columns))
+
+
+WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "restart_worker.py")
+GLOBAL_BATCH = 24
+VIRTUAL_WORKERS = 6  # splits evenly over 2 and 3 devices
+
+
+class Settings:
+    """The size of one invocation: full (default) or --quick."""
+
+    def __init__(self, quick: bool, rounds: int):
+        self.quick = quick
+        self.model_name = "small" if quick else "full"
+        self.rounds = rounds
+        # flexpar schedule: step indices of the changes, spaced so that each change
+        # has settled (joiner admitted, failure recovered) before the next fires.
+        self.join_step, self.fault_step, self.rejoin_step, self.leave_step = 3, 8, 11, 16
+        self.steps = 20
+        self.baseline_old_steps = 3   # old set's steps before the third agent starts
+        self.baseline_new_steps = 4   # new set's steps before the baseline stops
+        self.broadcast_repeats = 1 if quick else 3
+
+    @property
+    def schedule(self) -> str:
+        return f"{self.join_step}:+1,{self.rejoin_step}:+1,{self.leave_step}:-1"
+
+    @property
+    def faults(self) -> str:
+        return f"{self.fault_step}:local-2:backward"  # local-2 is the first joiner
+
+
+def model_factory(settings: Settings):
+    return restart_worker.MODELS[settings.model_name]
+
+
+# ----------------------------------------------------------------- step records
+
+
+def _commit_intervals(times: dict, steps) -> list:
+    return [times[step] - times[step - 1] for step in steps if step in times and step - 1 in times]
+
+
+def normal_step_s(step_records: list, generation: int, first_step: int) -> float:
+    """Median commit-to-commit interval of `generation`, its first step excluded."""
+    times = {record["step"]: record["time"] for record in step_records}
+    later = [r["step"] for r in step_records if r["generation"] == generation and r["step"] > first_step]
+    intervals = _commit_intervals(times, later)
+    if not intervals:  # a generation too short to have a steady step: use everything else
+        intervals = _commit_intervals(times, [step for step in times if step != first_step])
+    return median(intervals) if intervals else float("nan")
+
+
+def measure_change(step_records: list, event: dict, request_step) -> dict:
+    """One change, as the step records show it.
+
+    `event["step"]` is the first step of the new device set; `request_step`
+    is the step at which the driver fired the schedule entry (its request is
+    the commit of the step before), or None for a failure.
+    """
+    times = {record["step"]: record["time"] for record in step_records}
+    first = event["step"]
+    generation = next(r["generation"] for r in step_records if r["step"] == first)
+    gap = times[first] - times[first - 1]
+    normal = normal_step_s(step_records, generation, first)
+    measured = {
+        "first_new_step": first, "event_stall_s": event["stall_s"], "commit_gap_s": gap,
+        "normal_step_s": normal, "stall_s": max(0.0, gap - normal), "detail": event["detail"],
+    }
+    if request_step is not None:
+        measured["request_step"] = request_step
+        measured["request_to_first_step_s"] = times[first] - times[request_step - 1]
+    return measured
+
+
+def analyse_flexpar(records: list, settings: Settings) -> dict:
+    """The four changes of one flexpar round, matched to the schedule and the fault."""
+    steps = [r for r in records if r["kind"] == "step"]
+    events = [r for r in records if r["kind"] == "event"]
+    joins = [e for e in events if e["event"] == "join"]
+    failures = [e for e in events if e["event"] == "failure"]
+    leaves = [e for e in events if e["event"] == "leave"]
+    found = {}
+    first_join = next((e for e in joins if e["step"] <= settings.fault_step), None)
+    second_join = next((e for e in joins if e["step"] > settings.fault_step), None)
+    if first_join:
+        found["scale_out"] = measure_change(steps, first_join, settings.join_step)
+    if failures:
+        found["failure"] = measure_change(steps, failures[0], None)
+    if second_join:
+        found["scale_out_again"] = measure_change(steps, second_join, settings.rejoin_step)
+    if leaves:
+        found["scale_in"] = measure_change(steps, leaves[0], settings.leave_step)
+    two = [r for r in steps if len(r["devices"]) == 2]
+    three = [r for r in steps if len(r["devices"]) == 3]
+    found["step_time_2_s"] = _steady_step_s(steps, two)
+    found["step_time_3_s"] = _steady_step_s(steps, three)
+    found["device_counts"] = _device_counts(steps)
+    return found
+
+
+def _steady_step_s(all_steps: list, subset: list) -> float:
+    """Median interval over steps of `subset` whose predecessor ran in the same generation."""
+    generation_of = {r["step"]: r["generation"] for r in all_steps}
+    times = {r["step"]: r["time"] for r in all_steps}
+    steady = [r["step"] for r in subset if r["step"] >= 2 and generation_of.get(r["step"] - 1) == r["generation"]]
+    intervals = _commit_intervals(times, steady)
+    return median(intervals) if intervals else float("nan")
+
+
+def _device_counts(step_records: list) -> list:
+    counts = []
+    for record in step_records:
+        if not counts or counts[-1] != len(record["devices"]):
+            counts.append(len(record["devices"]))
+    return counts
+
+
+# ----------------------------------------------------------------- flexpar side
+
+
+def flexpar_round(settings: Settings, workdir: str, index: int) -> dict:
+    """One fit() with scale out, failure, scale out, scale in; its changes measured."""
+    import flexpar
+    from flexpar.metrics import read_records
+
+    job = flexpar.Job(
+        model=model_factory(settings), optimizer=adam, loss=cross_entropy, dataset=make_dataset(),
+        global_batch=GLOBAL_BATCH, virtual_workers=VIRTUAL_WORKERS, seed=0,
+    )
+    metrics = os.path.join(workdir, f"flexpar-{index}.jsonl")
+    started = time.perf_counter()
+    job.fit(
+        # max_devices=4: the schedule's validator counts 2+1+1 and does not know that the
+        # fault removes the first joiner before the second "+1"; at most 3 ever run.
+        steps=settings.steps, devices=2, max_devices=4, schedule=settings.schedule,
+        faults=settings.faults, oversubscribe=True, metrics=metrics, display=False, quiet=True,
+        timeout_s=30.0,
+    )
+    result = analyse_flexpar(read_records(metrics), settings)
+    result["wall_s"] = time.perf_counter() - started
+    result["metrics"] = metrics
+    return result
+
+
+# ---------------------------------------------------------------- baseline side
+
+
+def _read_lines(path: str) -> list:
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.endswith("\n")]
+
+
+def _wait_for(predicate, timeout_s: float, agents: list, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"torchrun baseline: timed out waiting for {what}")
+        if any(agent.poll() not in (None, 0) for agent in agents):
+            raise RuntimeError(f"torchrun baseline: an agent exited early while waiting for {what}")
+        time.sleep(0.05)
+
+
+def _stop_agents(agents: list) -> None:
+    """End only the agents this round started (each leads its own process group)."""
+    for agent in agents:
+        if agent.poll() is None:
+            try:
+                os.killpg(agent.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        agent.wait()
+
+
+def torchrun_command(settings: Settings, port: int, run_id: str, files: dict) -> list:
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes=2:3", "--nproc-per-node=1",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
+        # Without it, the first two agents would wait 30 s for a third before starting.
+        "--rdzv-conf=last_call_timeout=1",
+        "--max-restarts=3", "--monitor-interval=0.1",
+        WORKER_SCRIPT, "--records", files["log"], "--checkpoint", files["checkpoint"],
+        "--stop-file", files["stop"], "--global-batch", str(GLOBAL_BATCH),
+        "--model", settings.model_name, "--threads", "1",
+    ]
+
+
+def torchrun_environment() -> dict:
+    environment = dict(os.environ)
+    # torch 2.13's agents cache the shared TCPStore's address from the first
+    # rendezvous round; a node that joins later reads it afresh and waits forever
+    # for MASTER_ADDR (the "role_info" rendezvous timeout). This documented
+    # opt-out makes every round publish it again, which is what elastic joins need.
+    environment["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    environment["OMP_NUM_THREADS"] = "1"
+    environment["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(WORKER_SCRIPT)] + [p for p in environment.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
+    return environment
+
+
+def torchrun_round(settings: Settings, workdir: str, index: int) -> dict:
+    """Two torchrun agents train; a third joins; the workers restart from the checkpoint."""
+    folder = os.path.join(workdir, f"torchrun-{index}")
+    os.makedirs(folder, exist_ok=True)
+    files = {name: os.path.join(folder, name) for name in ("log", "checkpoint", "stop")}
+    port = free_port()
+    command = torchrun_command(settings, port, f"elastic-bench-{os.getpid()}-{index}", files)
+    environment = torchrun_environment()
+    agents = []
+
+    def start_agent(number: int):
+        output = open(os.path.join(folder, f"agent-{number}.log"), "w")
+        agents.append(subprocess.Popen(command, env=environment, stdout=output, stderr=subprocess.STDOUT,
+                                       start_new_session=True))
+
+    def steps_with(world: int) -> int:
+        return sum(1 for r in _read_lines(files["log"]) if r["kind"] == "step" and r["world"] == world)
+
+    started = time.perf_counter()
+    try:
+        start_agent(0)
+        start_agent(1)
+        _wait_for(lambda: steps_with(2) >= settings.baseline_old_steps, 180, agents, "the first two workers")
+        requested = time.time()
+        start_agent(2)
+        _wait_for(lambda: steps_with(3) >= settings.baseline_new_steps, 180, agents, "the restarted workers")
+        Path(files["stop"]).touch()
+        deadline = time.monotonic() + 60
+        while any(agent.poll() is None for agent in agents) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        _stop_agents(agents)
+    result = analyse_torchrun(_read_lines(files["log"]), requested)
+    result["wall_s"] = time.perf_counter() - started
+    return result
+
+
+def analyse_torchrun(records: list, requested: float) -> dict:
+    """Stall and its parts, from the last old-set commit to the first new-set commit."""
+    steps = [r for r in records if r["kind"] == "step"]
+    old = [r for r in steps if r["world"] == 2]
+    new = [r for r in steps if r["world"] == 3]
+    start = next(r for r in records if r["kind"] == "start" and r["world"] == 3)
+    last_old, first_new = old[-1]["time"], new[0]["time"]
+    intervals = [b["time"] - a["time"] for a, b in zip(new, new[1:])]
+    normal = median(intervals) if intervals else float("nan")
+    gap = first_new - last_old
+    return {
+        "commit_gap_s": gap, "normal_step_s": normal, "stall_s": max(0.0, gap - normal),
+        "request_to_first_step_s": first_new - requested,
+        "steps_lost": old[-1]["step"] + 1 - start["step"],
+        "step_time_2_s": median([b["time"] - a["time"] for a, b in zip(old, old[1:])]) if len(old) > 1 else None,
+        "save_s": median([r["save_s"] for r in steps]),
+        "parts_s": {
+            "stop_and_rendezvous": start["process_started"] - last_old,
+            "import_torch": start["imported"] - start["process_started"],
+            "form_process_group": start["group_formed"] - start["imported"],
+            "build_model": start["model_built"] - start["group_formed"],
+            "load_checkpoint": start["loaded"] - start["model_built"],
+            "build_ddp": start["ddp_ready"] - start["loaded"],
+            "first_step": first_new - start["ddp_ready"],
+        },
+    }
+
+
+# ------------------------------------------------------ floor and transfer parts
+
+
+def trained_state(settings: Settings):
+    """Model and Adam after one step, so the optimizer holds its full state."""
+    torch.manual_seed(0)
+    model = model_factory(settings)()
+    optimizer = adam(model.parameters())
+    inputs, labels = make_dataset()[:4]
+    cross_entropy(model, (inputs, labels)).backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _timed(function):
+    started = time.perf_counter()
+    value = function()
+    return value, time.perf_counter() - started
+
+
+def _floor_worker(rank: int, world: int, port: int, model_name: str, repeats: int, results) -> None:
+    """One process of the floor measurement; rank 0 reports every figure it measured."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from flexpar import state as training_state
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=120))
+    settings = Settings(quick=model_name == "small", rounds=1)
+    model, optimizer = trained_state(settings)
+    figures = {"pg_first_s": [], "pg_again_s": [], "broadcast_3_s": [], "send_2_s": [],
+               "flexpar_serialise_s": [], "flexpar_send_s": [], "flexpar_receive_s": [],
+               "flexpar_deserialise_s": [], "flexpar_restore_s": []}
+
+    def form(name: str, key: str) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        _, seconds = _timed(lambda: dist.init_process_group(
+            "gloo", store=dist.PrefixStore(name, store), rank=rank, world_size=world))
+        dist.barrier()
+        figures[key].append(seconds)
+
+    form("pg/0", "pg_first_s")
+    data = training_state.to_bytes(training_state.capture(model, optimizer, None, 1, {}))
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    for repeat in range(repeats):
+        form(f"pg/{repeat + 1}", "pg_again_s")  # a fresh group in running processes, as flexpar does
+        # Floor 1: one broadcast from rank 0 to the two others.
+        dist.barrier()
+        _, seconds = _timed(lambda: dist.broadcast(payload, 0))
+        figures["broadcast_3_s"].append(_slowest(seconds))
+        # Floor 2: the same bytes from one process to one other (what a joiner needs).
+        dist.barrier()
+        if rank == 0:
+            _, seconds = _timed(lambda: dist.send(payload, 1))
+        elif rank == 1:
+            _, seconds = _timed(lambda: dist.recv(payload, 0))
+        else:
+            seconds = 0.0
+        figures["send_2_s"].append(_slowest(seconds))
+        # flexpar's own path, function by function, rank 0 -> rank 1.
+        dist.barrier()
+        parts = {"flexpar_serialise_s": 0.0, "flexpar_send_s": 0.0, "flexpar_receive_s": 0.0,
+                 "flexpar_deserialise_s": 0.0, "flexpar_restore_s": 0.0}
+        if rank == 0:
+            captured, parts["flexpar_serialise_s"] = _timed(lambda: training_state.to_bytes(
+                training_state.capture(model, optimizer, None, 1, {})))
+            _, parts["flexpar_send_s"] = _timed(lambda: training_state.send(captured, [1], torch.device("cpu")))
+        elif rank == 1:
+            received, parts["flexpar_receive_s"] = _timed(lambda: training_state.receive(0, torch.device("cpu")))
+            loaded, parts["flexpar_deserialise_s"] = _timed(
+                lambda: training_state.from_bytes(received, torch.device("cpu")))
+            _, parts["flexpar_restore_s"] = _timed(
+                lambda: training_state.restore(model, optimizer, None, loaded))
+        for key, seconds in parts.items():
+            figures[key].append(_slowest(seconds))
+    if rank == 0:
+        results.put({"state_bytes": len(data), **figures})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _slowest(seconds: float) -> float:
+    """The largest of every rank's figure: a transfer ends when its last receiver has it."""
+    import torch.distributed as dist
+
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value.item())
+
+
+def measure_floor(settings: Settings) -> dict:
+    """Broadcast floor, process-group formation and flexpar's transfer parts (3 processes)."""
+    # A fork server that has imported torch (flexpar's fit() already started one)
+    # keeps three `import torch` off this measurement's wall time.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "torch._dynamo", "flexpar.state"])
+    results = context.Queue()
+    port = free_port()
+    processes = [context.Process(target=_floor_worker, name=f"elastic-floor-{rank}",
+                                 args=(rank, 3, port, settings.model_name, settings.broadcast_repeats, results))
+                 for rank in range(3)]
+    for process in processes:
+        process.start()
+    try:
+        figures = results.get(timeout=300)
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    return {key: (median(value) if isinstance(value, list) else value) for key, value in figures.items()}
+
+
+# ------------------------------------------------------------------- reporting
+
+
+def _medians(rounds: list, change: str, key: str):
+    values = [r[change][key] for r in rounds if change in r and key in r[change]]
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return median(values) if values else None
+
+
+def _plain_medians(rounds: list, key: str):
+    values = [r[key] for r in rounds if r.get(key) is not None and not math.isnan(r[key])]
+    return median(values) if values else None
+
+
+def summarise(settings, flexpar_rounds, torchrun_rounds, floor, parameter_count) -> dict:
+    scale_out = [dict(r["scale_out"]) for r in flexpar_rounds if "scale_out" in r]
+    scale_out += [dict(r["scale_out_again"]) for r in flexpar_rounds if "scale_out_again" in r]
+    scale_out_stall = median([c["stall_s"] for c in scale_out]) if scale_out else None
+    restart_stall = _plain_medians(torchrun_rounds, "stall_s")
+    step_time = _plain_medians(flexpar_rounds, "step_time_2_s")
+    scale_in_stall = _medians(flexpar_rounds, "scale_in", "stall_s")
+    return {
+        "baseline": (
+            "torchrun elastic (python -m torch.distributed.run --nnodes=2:3 --nproc-per-node=1, c10d "
+            "rendezvous on 127.0.0.1, a third agent joins on the same host; DDP over gloo, checkpoint "
+            "(torch.save of model+optimizer) after every step, loaded by the restarted workers). It "
+            "needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: without it, torch 2.13 agents reuse the "
+            "first round's cached store address and the joining agent times out (role_info / "
+            "MASTER_ADDR), which is the failure shared/DESIGN.md records."
+        ),
+        "model": settings.model_name, "parameter_count": parameter_count,
+        "state_bytes": floor["state_bytes"], "global_batch": GLOBAL_BATCH,
+        "virtual_workers": VIRTUAL_WORKERS, "rounds": settings.rounds,
+        "scale_out_stall_s": scale_out_stall,
+        "scale_out_event_stall_s": median([c["event_stall_s"] for c in scale_out]) if scale_out else None,
+        "scale_out_request_to_first_step_s": (
+            median([c["request_to_first_step_s"] for c in scale_out]) if scale_out else None),
+        "restart_stall_s": restart_stall,
+        "restart_request_to_first_step_s": _plain_medians(torchrun_rounds, "request_to_first_step_s"),
+        "restart_step_time_s": _plain_medians(torchrun_rounds, "normal_step_s"),
+        "scale_out_speedup": (restart_stall / scale_out_stall) if restart_stall and scale_out_stall else None,
+        "scale_in_stall_s": scale_in_stall,
+        "scale_in_event_stall_s": _medians(flexpar_rounds, "scale_in", "event_stall_s"),
+        "scale_in_request_to_first_step_s": _medians(flexpar_rounds, "scale_in", "request_to_first_step_s"),
+        "scale_in_goal_s": (step_time + 0.2) if step_time is not None else None,
+        "step_time_s": step_time,
+        "step_time_3_devices_s": _plain_medians(flexpar_rounds, "step_time_3_s"),
+        "failure_resume_s": _medians(flexpar_rounds, "failure", "stall_s"),
+        "failure_event_stall_s": _medians(flexpar_rounds, "failure", "event_stall_s"),
+        "failure_commit_gap_s": _medians(flexpar_rounds, "failure", "commit_gap_s"),
+        "broadcast_s": floor["send_2_s"],
+        "broadcast_3_processes_s": floor["broadcast_3_s"],
+        "process_group_formation_s": floor["pg_again_s"],
+        "flexpar_transfer_parts_s": {key[len("flexpar_"):]: value for key, value in floor.items()
+                                     if key.startswith("flexpar_")},
+        "restart_parts_s": {key: median([r["parts_s"][key] for r in torchrun_rounds])
+                            for key in (torchrun_rounds[0]["parts_s"] if torchrun_rounds else {})},
+        "flexpar_rounds": flexpar_rounds, "torchrun_rounds": torchrun_rounds,
+    }
+
+
+def print_report(summary: dict) -> None:
+    rows = [
+        {"figure": "scale out 2->3: stall (step records)", "flexpar": summary["scale_out_stall_s"],
+         "torchrun restart": summary["restart_stall_s"], "note": f"speedup {_fmt(summary['scale_out_speedup'])}x (goal >= 10)"},
+        {"figure": "scale out 2->3: stall (event stall_s)", "flexpar": summary["scale_out_event_stall_s"]},
+        {"figure": "scale out: request -> first new step", "flexpar": summary["scale_out_request_to_first_step_s"],
+         "torchrun restart": summary["restart_request_to_first_step_s"]},
+        {"figure": "scale in 3->2: stall (step records)", "flexpar": summary["scale_in_stall_s"],
+         "note": f"goal <= one step + 0.2 = {_fmt(summary['scale_in_goal_s'])}"},
+        {"figure": "scale in 3->2: stall (event stall_s)", "flexpar": summary["scale_in_event_stall_s"]},
+        {"figure": "scale in: request -> first new step", "flexpar": summary["scale_in_request_to_first_step_s"]},
+        {"figure": "failure 3->2 (kill -9): stall (step records)", "flexpar": summary["failure_resume_s"]},
+        {"figure": "failure 3->2: stall (event stall_s)", "flexpar": summary["failure_event_stall_s"]},
+        {"figure": "step time, 2 devices", "flexpar": summary["step_time_s"],
+         "torchrun restart": summary["restart_step_time_s"], "note": "baseline: 3 workers, incl. checkpoint save"},
+        {"figure": "step time, 3 devices (on 2 cores)", "flexpar": summary["step_time_3_devices_s"]},
+        {"figure": "floor: gloo send of the state, 1 -> 1", "flexpar": summary["broadcast_s"],
+         "note": f"{summary['state_bytes'] / 1e6:.0f} MB"},
+        {"figure": "floor: gloo broadcast, 1 -> 2", "flexpar": summary["broadcast_3_processes_s"]},
+        {"figure": "new process group in running processes", "flexpar": summary["process_group_formation_s"]},
+    ]
+    print_table(rows, ["figure", "flexpar", "torchrun restart", "note"],
+                title=f"\nElastic changes, {summary['parameter_count'] / 1e6:.1f}M parameters + Adam, "
+                      f"medians of {summary['rounds']} rounds (seconds)")
+    print("\nflexpar state transfer, by part (seconds):",
+          ", ".join(f"{k} {v:.3f}" for k, v in summary["flexpar_transfer_parts_s"].items()))
+    print("torchrun restart stall, by part (seconds):",
+          ", ".join(f"{k} {v:.3f}" for k, v in summary["restart_parts_s"].items()))
+    print(f"\nbaseline: {summary['baseline']}")
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=None, help="flexpar/baseline rounds (default 3, quick 1)")
+    args = parser.parse_args()
+    settings = Settings(args.quick, args.rounds or (1 if args.quick else 3))
+    parameter_count = sum(p.numel() for p in model_factory(settings)().parameters())
+    workdir = tempfile.mkdtemp(prefix="flexpar-elastic-")
+    print(f"elastic benchmark: {parameter_count / 1e6:.1f}M parameters, Adam, {settings.rounds} round(s); "
+          f"files in {workdir}", flush=True)
+    flexpar_rounds, torchrun_rounds = [], []
+    for index in range(settings.rounds):  # alternating: flexpar, baseline, flexpar, ...
+        flexpar_rounds.append(flexpar_round(settings, workdir, index))
+        print(f"  round {index}: flexpar done in {flexpar_rounds[-1]['wall_s']:.0f} s, "
+              f"device counts {flexpar_rounds[-1]['device_counts']}", flush=True)
+        torchrun_rounds.append(torchrun_round(settings, workdir, index))
+        print(f"  round {index}: torchrun done in {torchrun_rounds[-1]['wall_s']:.0f} s", flush=True)
+    floor = measure_floor(settings)
+    summary = summarise(settings, flexpar_rounds, torchrun_rounds, floor, parameter_count)
+    print_report(summary)
+    write_json(args.json, summary)
+
+
+if __name__ == "__main__":
+    main()
