@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import multiprocessing
 import os
 import sys
@@ -336,32 +337,51 @@ def rebalance_steps_for(step_times: Sequence[float], change_step: int, target_s:
     return None
 
 
-def slowdown_figures(records: Sequence[dict], config: Config, single_seconds_per_vw: float) -> dict:
-    """Rebalance steps after the slowdown, against two readings of "the new ideal".
+def slowdown_figures(records: Sequence[dict], config: Config, balanced_step_s: float,
+                     single_seconds_per_vw: float) -> dict:
+    """Steps to re-balance after the slowdown, against three readings of "the new ideal".
 
-    `whole_vw`: the best split into whole VWs at the new speeds (V = 32 over
-    speeds 0.5, 1, 0.5, 0.25 cannot do better than 15 single-device VW times,
-    5.5% above the continuous bound). `continuous`: sum of speeds x the
-    single-device rate, the definition of efficiency_vs_ideal; being within 5%
-    of it is impossible at this V, so it is reported but not the headline.
+    - `rebalance_steps` (the headline): the new ideal is this run's own balanced
+      step time before the change, scaled by how much the best whole-VW split
+      slows down with the new speeds (12 -> 15 single-device VW times for
+      V = 32, speeds 1, 1, 0.5, 0.25 -> 0.5, 1, 0.5, 0.25). It carries the same
+      per-step costs (all-reduce, optimizer, host contention) as the steps it is
+      compared with, so the 5% measures re-balancing and not constant costs.
+    - `rebalance_steps_vs_single_device_ideal`: the best whole-VW split priced
+      with the single-device VW time measured alone (no per-step costs at all).
+    - `rebalance_steps_vs_continuous_ideal`: sum of the new speeds x the
+      single-device rate, as in efficiency_vs_ideal. Whole VWs cannot get
+      within 5% of it at this V (15 vs 14.2 units), so it is reported only.
     """
     step_times = [record["step_time_s"] for record in sorted(records, key=lambda record: record["step"])]
-    whole_vw_s = whole_vw_optimum_units(config.changed_speeds, config.virtual_workers) * single_seconds_per_vw
-    continuous_s = config.virtual_workers * single_seconds_per_vw / sum(config.changed_speeds)
+    old_units = whole_vw_optimum_units(config.speeds, config.virtual_workers)
+    new_units = whole_vw_optimum_units(config.changed_speeds, config.virtual_workers)
+    targets = {
+        "rebalance_steps": balanced_step_s * new_units / old_units,
+        "rebalance_steps_vs_single_device_ideal": new_units * single_seconds_per_vw,
+        "rebalance_steps_vs_continuous_ideal":
+            config.virtual_workers * single_seconds_per_vw / sum(config.changed_speeds),
+    }
+    figures = {
+        name: rebalance_steps_for(step_times, config.change_step, target_s, config.moving_window,
+                                  config.tolerance)
+        for name, target_s in targets.items()
+    }
     after = step_times[config.change_step:]
     settled = after[len(after) // 2:]
     return {
-        "rebalance_steps": rebalance_steps_for(step_times, config.change_step, whole_vw_s,
-                                               config.moving_window, config.tolerance),
-        "rebalance_steps_vs_continuous_ideal": rebalance_steps_for(
-            step_times, config.change_step, continuous_s, config.moving_window, config.tolerance),
-        "new_ideal_whole_vw_s": whole_vw_s,
-        "new_ideal_continuous_s": continuous_s,
+        **figures,
+        "new_ideal_s": targets,
         "settled_step_s": median(settled) if settled else None,
         "step_times_after_change": after[:20],
-        "assignments_after_change": [record["assignment"] for record in records
+        "assignments_after_change": [dict(zip(record["devices"], record["assignment"])) for record in records
                                      if config.change_step <= record["step"] < config.change_step + 20],
     }
+
+
+def measured_rates_ideal_s(seconds_per_vw: Sequence[float], virtual_workers: int) -> float:
+    """Continuous ideal step time from the devices' own measured per-VW times: V / sum of rates."""
+    return virtual_workers / sum(1.0 / seconds for seconds in seconds_per_vw)
 
 
 # ---------------------------------------------------------------- one round, the report
@@ -391,11 +411,15 @@ def run_round(config: Config, folder: str, round_index: int) -> dict:
         "uniform_busy_s": uniform["busy_s"],
         "flexpar_step_s": balanced["step_s"],
         "efficiency_vs_ideal": ratio(ideal_step_s, balanced["step_s"]),
+        # The same with each device's rate as measured in this run (host contention
+        # included in the rates): what is left is balancing and per-step costs.
+        "efficiency_vs_measured_rates": ratio(
+            measured_rates_ideal_s(balanced["seconds_per_vw"], config.virtual_workers), balanced["step_s"]),
         "speedup_vs_uniform": ratio(uniform["step_s"], balanced["step_s"]),
         "imbalance": balanced["imbalance"],
         "seconds_per_vw": balanced["seconds_per_vw"],
         "assignment": balanced["assignment"],
-        **slowdown_figures(records, config, single["seconds_per_vw"]),
+        **slowdown_figures(records, config, balanced["step_s"], single["seconds_per_vw"]),
     }
 
 
@@ -405,11 +429,17 @@ def summarise(config: Config, rounds: List[dict]) -> dict:
         values = [result[key] for result in rounds if result[key] is not None]
         return median(values) if values else None
 
+    def median_steps(key):
+        # A round that never got within the target counts as "never" (infinitely
+        # many steps), not as a missing value: the median is then None if most did not.
+        middle = median([math.inf if result[key] is None else result[key] for result in rounds])
+        return None if math.isinf(middle) else middle
+
     figures = {
         "efficiency_vs_ideal": median_of("efficiency_vs_ideal"),
         "speedup_vs_uniform": median_of("speedup_vs_uniform"),
         "imbalance_median": median_of("imbalance"),
-        "rebalance_steps": median_of("rebalance_steps"),
+        "rebalance_steps": median_steps("rebalance_steps"),
     }
     ceiling_units = whole_vw_optimum_units(config.speeds, config.virtual_workers)
     return {
@@ -430,7 +460,9 @@ def summarise(config: Config, rounds: List[dict]) -> dict:
         "speedup_ceiling_whole_vws": (config.virtual_workers / config.devices / min(config.speeds)) / ceiling_units,
         "imbalance_floor_whole_vws": imbalance_floor(config.speeds, config.virtual_workers),
         "imbalance_of_optimal_assignment": _imbalance_of_optimum(config.speeds, config.virtual_workers),
-        "rebalance_steps_vs_continuous_ideal": median_of("rebalance_steps_vs_continuous_ideal"),
+        "rebalance_steps_vs_single_device_ideal": median_steps("rebalance_steps_vs_single_device_ideal"),
+        "rebalance_steps_vs_continuous_ideal": median_steps("rebalance_steps_vs_continuous_ideal"),
+        "efficiency_vs_measured_rates": median_of("efficiency_vs_measured_rates"),
         "single_device_seconds_per_vw": median_of("single_seconds_per_vw"),
         "ideal_step_s": median_of("ideal_step_s"),
         "uniform_step_s": median_of("uniform_step_s"),
@@ -472,9 +504,13 @@ def print_report(summary: dict) -> None:
             ("speedup_vs_uniform", ">= 2.5", summary["speedup_ceiling_whole_vws"]),
             ("imbalance_median", "<= 0.08", summary["imbalance_floor_whole_vws"]),
             ("rebalance_steps", "<= 10", None),
+            ("efficiency_vs_measured_rates", "(no goal)", summary["efficiency_ceiling_whole_vws"]),
+            ("rebalance_steps_vs_single_device_ideal", "(no goal)", None),
+            ("rebalance_steps_vs_continuous_ideal", "(no goal)", None),
         ]
     ]
     print_table(goals, ["figure", "measured", "goal", "whole-VW limit"])
+    print("('-' for rebalance steps: the moving median never got within 5% of that ideal)")
     print(f"per-device seconds per VW (local-0..): {[round(value, 4) for value in summary['seconds_per_vw']]}; "
           f"median assignment {summary['assignment']}; imbalance of the exact optimum "
           f"{summary['imbalance_of_optimal_assignment']:.3f}")
