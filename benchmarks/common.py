@@ -14,6 +14,8 @@ alternating the runs, and reports medians. The helpers here promise:
 - ``free_port()``: a TCP port on 127.0.0.1 that was free at the time of asking.
 - ``base_parser(description)``: an argparse parser with ``--json`` and ``--quick``.
 - ``cpu_count()``: the number of cores this process may run on.
+- ``step_durations(commit_times, skip)``: seconds of steps ``skip ..`` from the
+  wall-clock times at which each step committed (steady state: start-up excluded).
 
 Keep this module small: other benchmarks import it.
 """
@@ -122,3 +124,17 @@ def cpu_count() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
         return max(1, os.cpu_count() or 1)
+
+
+def step_durations(commit_times: Sequence[float], skip: int) -> List[float]:
+    """Seconds of steps ``skip .. len-1``: gaps between consecutive commit times.
+
+    ``commit_times[i]`` is when step ``i`` committed; step ``i`` lasted
+    ``commit_times[i] - commit_times[i - 1]``. Steps before ``skip`` (start-up)
+    are left out; ``skip`` must be at least 1 and below ``len(commit_times)``.
+    """
+    if skip < 1 or len(commit_times) <= skip:
+        raise ValueError(
+            f"{len(commit_times)} steps committed; need skip >= 1 and more steps than skip={skip}"
+        )
+    return [later - earlier for earlier, later in zip(commit_times[skip - 1 :], commit_times[skip:])]

@@ -92,9 +92,15 @@ class Settings:
         # has settled (joiner admitted, failure recovered) before the next fires.
         self.join_step, self.fault_step, self.rejoin_step, self.leave_step = 3, 8, 11, 16
         self.steps = 20
-        self.baseline_old_steps = 3   # old set's steps before the third agent starts
-        self.baseline_new_steps = 4   # new set's steps before the baseline stops
-        self.broadcast_repeats = 1 if quick else 3
+        # The third agent starts once the old set has committed a step (it then needs
+        # seconds of `import torch` before it reaches the rendezvous, while the old
+        # set trains on); the new set runs 3 steps: 2 intervals give a normal step.
+        self.baseline_old_steps = 1
+        self.baseline_new_steps = 3
+        self.broadcast_repeats = 1 if quick else 2
+        # Rounds are repeated while time allows: no new round starts that would push
+        # the run past this (the floor measurement, ~30 s, comes after the rounds).
+        self.budget_s = 330.0
 
     @property
     def schedule(self) -> str:
@@ -258,7 +264,7 @@ def torchrun_command(settings: Settings, port: int, run_id: str, files: dict) ->
         "--rdzv-conf=last_call_timeout=1",
         "--max-restarts=3", "--monitor-interval=0.1",
         WORKER_SCRIPT, "--records", files["log"], "--checkpoint", files["checkpoint"],
-        "--stop-file", files["stop"], "--global-batch", str(GLOBAL_BATCH),
+        "--global-batch", str(GLOBAL_BATCH),
         "--model", settings.model_name, "--threads", "1",
     ]
 
@@ -281,7 +287,7 @@ def torchrun_round(settings: Settings, workdir: str, index: int) -> dict:
     """Two torchrun agents train; a third joins; the workers restart from the checkpoint."""
     folder = os.path.join(workdir, f"torchrun-{index}")
     os.makedirs(folder, exist_ok=True)
-    files = {name: os.path.join(folder, name) for name in ("log", "checkpoint", "stop")}
+    files = {name: os.path.join(folder, name) for name in ("log", "checkpoint")}
     port = free_port()
     command = torchrun_command(settings, port, f"elastic-bench-{os.getpid()}-{index}", files)
     environment = torchrun_environment()
@@ -296,21 +302,28 @@ def torchrun_round(settings: Settings, workdir: str, index: int) -> dict:
         return sum(1 for r in _read_lines(files["log"]) if r["kind"] == "step" and r["world"] == world)
 
     started = time.perf_counter()
+    timeline = {}  # seconds since the round started, for seeing where a round's time goes
+
+    def mark(name: str) -> None:
+        timeline[name] = time.perf_counter() - started
+
     try:
         start_agent(0)
         start_agent(1)
         _wait_for(lambda: steps_with(2) >= settings.baseline_old_steps, 180, agents, "the first two workers")
+        mark("old_set_training")
         requested = time.time()
         start_agent(2)
         _wait_for(lambda: steps_with(3) >= settings.baseline_new_steps, 180, agents, "the restarted workers")
-        Path(files["stop"]).touch()
-        deadline = time.monotonic() + 60
-        while any(agent.poll() is None for agent in agents) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        mark("new_set_done")
     finally:
+        # The figures are in: end agents and workers now rather than wait seconds
+        # for torchrun's exit barrier, which measures nothing.
         _stop_agents(agents)
+        mark("agents_stopped")
     result = analyse_torchrun(_read_lines(files["log"]), requested)
     result["wall_s"] = time.perf_counter() - started
+    result["timeline_s"] = timeline
     return result
 
 
@@ -334,7 +347,8 @@ def analyse_torchrun(records: list, requested: float) -> dict:
             "stop_and_rendezvous": start["process_started"] - last_old,
             "import_torch": start["imported"] - start["process_started"],
             "form_process_group": start["group_formed"] - start["imported"],
-            "build_model": start["model_built"] - start["group_formed"],
+            # Mostly torch.optim's first use, which imports torch._dynamo.
+            "build_model_and_optimizer": start["model_built"] - start["group_formed"],
             "load_checkpoint": start["loaded"] - start["model_built"],
             "build_ddp": start["ddp_ready"] - start["loaded"],
             "first_step": first_new - start["ddp_ready"],
@@ -362,68 +376,110 @@ def _timed(function):
     return value, time.perf_counter() - started
 
 
+def _state_tensors(model, optimizer) -> list:
+    """Every tensor of the training state that a joiner must receive, in a fixed order."""
+    tensors = [tensor for tensor in model.state_dict().values()]
+    for parameter in model.parameters():
+        state = optimizer.state[parameter]
+        tensors += [state[key] for key in sorted(state) if torch.is_tensor(state[key])]
+    return tensors
+
+
 def _floor_worker(rank: int, world: int, port: int, model_name: str, repeats: int, results) -> None:
     """One process of the floor measurement; rank 0 reports every figure it measured."""
     import datetime
 
     import torch.distributed as dist
 
-    from flexpar import state as training_state
-
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=120))
-    settings = Settings(quick=model_name == "small", rounds=1)
-    model, optimizer = trained_state(settings)
-    figures = {"pg_first_s": [], "pg_again_s": [], "broadcast_3_s": [], "send_2_s": [],
-               "flexpar_serialise_s": [], "flexpar_send_s": [], "flexpar_receive_s": [],
-               "flexpar_deserialise_s": [], "flexpar_restore_s": []}
+    model, optimizer = trained_state(Settings(quick=model_name == "small", rounds=1))
+    figures: dict = {}
 
-    def form(name: str, key: str) -> None:
+    def record(key: str, seconds: float) -> None:
+        figures.setdefault(key, []).append(_slowest(seconds))
+
+    def form(name: str) -> float:
         if dist.is_initialized():
             dist.destroy_process_group()
         _, seconds = _timed(lambda: dist.init_process_group(
             "gloo", store=dist.PrefixStore(name, store), rank=rank, world_size=world))
         dist.barrier()
-        figures[key].append(seconds)
+        return seconds
 
-    form("pg/0", "pg_first_s")
+    record("pg_first_s", form("pg/0"))
+    from flexpar import state as training_state
+
     data = training_state.to_bytes(training_state.capture(model, optimizer, None, 1, {}))
     payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     for repeat in range(repeats):
-        form(f"pg/{repeat + 1}", "pg_again_s")  # a fresh group in running processes, as flexpar does
-        # Floor 1: one broadcast from rank 0 to the two others.
-        dist.barrier()
-        _, seconds = _timed(lambda: dist.broadcast(payload, 0))
-        figures["broadcast_3_s"].append(_slowest(seconds))
-        # Floor 2: the same bytes from one process to one other (what a joiner needs).
-        dist.barrier()
-        if rank == 0:
-            _, seconds = _timed(lambda: dist.send(payload, 1))
-        elif rank == 1:
-            _, seconds = _timed(lambda: dist.recv(payload, 0))
-        else:
-            seconds = 0.0
-        figures["send_2_s"].append(_slowest(seconds))
-        # flexpar's own path, function by function, rank 0 -> rank 1.
-        dist.barrier()
-        parts = {"flexpar_serialise_s": 0.0, "flexpar_send_s": 0.0, "flexpar_receive_s": 0.0,
-                 "flexpar_deserialise_s": 0.0, "flexpar_restore_s": 0.0}
-        if rank == 0:
-            captured, parts["flexpar_serialise_s"] = _timed(lambda: training_state.to_bytes(
-                training_state.capture(model, optimizer, None, 1, {})))
-            _, parts["flexpar_send_s"] = _timed(lambda: training_state.send(captured, [1], torch.device("cpu")))
-        elif rank == 1:
-            received, parts["flexpar_receive_s"] = _timed(lambda: training_state.receive(0, torch.device("cpu")))
-            loaded, parts["flexpar_deserialise_s"] = _timed(
-                lambda: training_state.from_bytes(received, torch.device("cpu")))
-            _, parts["flexpar_restore_s"] = _timed(
-                lambda: training_state.restore(model, optimizer, None, loaded))
-        for key, seconds in parts.items():
-            figures[key].append(_slowest(seconds))
+        record("pg_again_s", form(f"pg/{repeat + 1}"))  # a fresh group in running processes, as flexpar does
+        _floor_transfers(rank, payload, record)
+        _flexpar_transfer(rank, model, optimizer, record)
+        _direct_transfer(rank, _state_tensors(model, optimizer), record)
     if rank == 0:
         results.put({"state_bytes": len(data), **figures})
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _floor_transfers(rank: int, payload: torch.Tensor, record) -> None:
+    """The state's bytes by plain gloo: broadcast 1 -> 2, and send 1 -> 1 (what one joiner needs)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    _, seconds = _timed(lambda: dist.broadcast(payload, 0))
+    record("broadcast_3_s", seconds)
+    dist.barrier()
+    seconds = 0.0
+    if rank == 0:
+        _, seconds = _timed(lambda: dist.send(payload, 1))
+    elif rank == 1:
+        _, seconds = _timed(lambda: dist.recv(payload, 0))
+    record("send_2_s", seconds)
+
+
+def _flexpar_transfer(rank: int, model, optimizer, record) -> None:
+    """flexpar's own path (flexpar.state), function by function, rank 0 -> rank 1.
+
+    Besides the calls themselves, the two whole-buffer copies inside send()
+    (`bytearray(data)`) and receive() (`.numpy().tobytes()`) are timed on their own.
+    """
+    import torch.distributed as dist
+
+    from flexpar import state as training_state
+
+    cpu = torch.device("cpu")
+    parts = dict.fromkeys(("flexpar_serialise_s", "flexpar_send_s", "flexpar_receive_s",
+                           "flexpar_deserialise_s", "flexpar_restore_s", "copy_in_send_s",
+                           "copy_in_receive_s"), 0.0)
+    dist.barrier()
+    if rank == 0:
+        data, parts["flexpar_serialise_s"] = _timed(lambda: training_state.to_bytes(
+            training_state.capture(model, optimizer, None, 1, {})))
+        _, parts["flexpar_send_s"] = _timed(lambda: training_state.send(data, [1], cpu))
+        _, parts["copy_in_send_s"] = _timed(lambda: torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    elif rank == 1:
+        received, parts["flexpar_receive_s"] = _timed(lambda: training_state.receive(0, cpu))
+        loaded, parts["flexpar_deserialise_s"] = _timed(lambda: training_state.from_bytes(received, cpu))
+        _, parts["flexpar_restore_s"] = _timed(lambda: training_state.restore(model, optimizer, None, loaded))
+        fresh = torch.ones(len(received), dtype=torch.uint8)  # content does not matter, size does
+        _, parts["copy_in_receive_s"] = _timed(lambda: fresh.numpy().tobytes())
+    for key, seconds in parts.items():
+        record(key, seconds)
+
+
+def _direct_transfer(rank: int, tensors: list, record) -> None:
+    """What a copy-free path would cost: each state tensor sent straight into the receiver's own."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    seconds = 0.0
+    if rank == 0:
+        _, seconds = _timed(lambda: [dist.send(tensor, 1) for tensor in tensors])
+    elif rank == 1:
+        _, seconds = _timed(lambda: [dist.recv(tensor, 0) for tensor in tensors])
+    record("direct_tensor_send_s", seconds)
 
 
 def _slowest(seconds: float) -> float:
@@ -511,8 +567,10 @@ def summarise(settings, flexpar_rounds, torchrun_rounds, floor, parameter_count)
         "broadcast_s": floor["send_2_s"],
         "broadcast_3_processes_s": floor["broadcast_3_s"],
         "process_group_formation_s": floor["pg_again_s"],
-        "flexpar_transfer_parts_s": {key[len("flexpar_"):]: value for key, value in floor.items()
-                                     if key.startswith("flexpar_")},
+        "flexpar_transfer_parts_s": {key.replace("flexpar_", ""): floor[key] for key in (
+            "flexpar_serialise_s", "flexpar_send_s", "copy_in_send_s", "flexpar_receive_s",
+            "copy_in_receive_s", "flexpar_deserialise_s", "flexpar_restore_s")},
+        "direct_tensor_send_s": floor["direct_tensor_send_s"],
         "restart_parts_s": {key: median([r["parts_s"][key] for r in torchrun_rounds])
                             for key in (torchrun_rounds[0]["parts_s"] if torchrun_rounds else {})},
         "flexpar_rounds": flexpar_rounds, "torchrun_rounds": torchrun_rounds,
@@ -538,6 +596,8 @@ def print_report(summary: dict) -> None:
         {"figure": "floor: gloo send of the state, 1 -> 1", "flexpar": summary["broadcast_s"],
          "note": f"{summary['state_bytes'] / 1e6:.0f} MB"},
         {"figure": "floor: gloo broadcast, 1 -> 2", "flexpar": summary["broadcast_3_processes_s"]},
+        {"figure": "state tensors sent straight into the joiner's", "flexpar": summary["direct_tensor_send_s"],
+         "note": "no torch.save / copies: what a fix would cost"},
         {"figure": "new process group in running processes", "flexpar": summary["process_group_formation_s"]},
     ]
     print_table(rows, ["figure", "flexpar", "torchrun restart", "note"],
@@ -556,7 +616,8 @@ def _fmt(value) -> str:
 
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=None, help="flexpar/baseline rounds (default 3, quick 1)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="most flexpar/baseline rounds (default 3 while they fit in ~5.5 min, quick 1)")
     args = parser.parse_args()
     settings = Settings(args.quick, args.rounds or (1 if args.quick else 3))
     parameter_count = sum(p.numel() for p in model_factory(settings)().parameters())
@@ -564,14 +625,21 @@ def main() -> None:
     print(f"elastic benchmark: {parameter_count / 1e6:.1f}M parameters, Adam, {settings.rounds} round(s); "
           f"files in {workdir}", flush=True)
     flexpar_rounds, torchrun_rounds = [], []
+    started = time.perf_counter()
     for index in range(settings.rounds):  # alternating: flexpar, baseline, flexpar, ...
+        elapsed = time.perf_counter() - started
+        if index >= 2 and elapsed * (index + 1) / index > settings.budget_s:
+            print(f"  stopping after {index} rounds: another would pass the {settings.budget_s:.0f} s budget")
+            break
         flexpar_rounds.append(flexpar_round(settings, workdir, index))
         print(f"  round {index}: flexpar done in {flexpar_rounds[-1]['wall_s']:.0f} s, "
               f"device counts {flexpar_rounds[-1]['device_counts']}", flush=True)
         torchrun_rounds.append(torchrun_round(settings, workdir, index))
         print(f"  round {index}: torchrun done in {torchrun_rounds[-1]['wall_s']:.0f} s", flush=True)
     floor = measure_floor(settings)
+    settings.rounds = len(flexpar_rounds)
     summary = summarise(settings, flexpar_rounds, torchrun_rounds, floor, parameter_count)
+    summary["wall_s"] = time.perf_counter() - started
     print_report(summary)
     write_json(args.json, summary)
 

@@ -84,15 +84,6 @@ def _save_checkpoint(path: str, model, optimizer, step: int) -> None:
     os.replace(temporary, path)
 
 
-def _stop_requested(stop_file: str) -> bool:
-    """Every rank must stop at the same step: one tiny all-reduce of the flag."""
-    import torch.distributed as dist
-
-    flag = torch.tensor([1.0 if os.path.exists(stop_file) else 0.0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
-
-
 def main() -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -100,7 +91,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="checkpoint-restart DDP worker (run under torchrun)")
     parser.add_argument("--records", required=True)
     parser.add_argument("--checkpoint", required=True)
-    parser.add_argument("--stop-file", required=True)
+    parser.add_argument("--max-steps", type=int, default=200,
+                        help="a safety stop; the benchmark ends the workers once it has measured")
     parser.add_argument("--global-batch", type=int, default=24)
     parser.add_argument("--model", choices=sorted(MODELS), default="full")
     parser.add_argument("--threads", type=int, default=1)
@@ -132,7 +124,8 @@ def main() -> None:
     dataset = make_dataset()
     per_rank = args.global_batch // world
     previous = time.time()
-    while not _stop_requested(args.stop_file):
+    last_save_s = 0.0
+    while step < args.max_steps:
         # The same global batch at every world size: rank r takes its slice of it.
         start = (step * args.global_batch) % (len(dataset) - args.global_batch + 1)
         indices = range(start + rank * per_rank, start + (rank + 1) * per_rank)
@@ -143,14 +136,14 @@ def main() -> None:
         optimizer.step()
         step += 1
         if rank == 0:
+            # Recorded before the save: a worker stopped during the save loses this
+            # step (the checkpoint still holds the one before), and `steps_lost` shows it.
             committed = time.time()
-            _save_checkpoint(args.checkpoint, model, optimizer, step)
-            saved = time.time()
             _log(args.records, {"kind": "step", "step": step - 1, "time": committed, "world": world,
-                            "step_time_s": committed - previous, "save_s": saved - committed})
-            previous = saved
-        else:
-            previous = time.time()
+                                "step_time_s": committed - previous, "save_s": last_save_s})
+            _save_checkpoint(args.checkpoint, model, optimizer, step)
+            last_save_s = time.time() - committed
+        previous = time.time()
     dist.destroy_process_group()
 
 

@@ -56,8 +56,12 @@ def command_run(arguments) -> int:
     overrides = {field: getattr(arguments, field) for field in _RUN_FIELDS}
     overrides["secret"] = read_secret(arguments.secret_file) if arguments.secret_file else None
     # Check the flags now, before the script runs (steps are the script's business).
-    options_module.FitOptions(**{**{k: v for k, v in overrides.items() if v is not None}, "steps": 1,
-                                 "epochs": None})
+    try:
+        options_module.FitOptions(**{**{k: v for k, v in overrides.items() if v is not None}, "steps": 1,
+                                     "epochs": None})
+    except ValueError as error:
+        print(f"flexpar run: {error}", file=sys.stderr)
+        return 2
     path = os.path.abspath(arguments.script)
     if not os.path.exists(path):
         print(f"flexpar run: no such script: {arguments.script}", file=sys.stderr)

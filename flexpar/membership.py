@@ -310,7 +310,9 @@ def _advance(state: Membership):
         if len(state.waiting) >= state.initial_devices or (
             state.waiting and not state.starting
         ):
-            return _publish(state, members=state.waiting, joined=state.waiting, left=(), failed=())
+            # The first device set in id order, whoever warmed up first: ranks are predictable.
+            members = tuple(sorted(state.waiting, key=_id_order))
+            return _publish(state, members=members, joined=members, left=(), failed=())
         if not state.waiting and not state.starting and state.dead:
             return _stop(state, "no device could start; see the messages above (a script whose fit() call is not under `if __name__ == \"__main__\":` stops its workers this way)")
         return state, ()
@@ -324,6 +326,12 @@ def _advance(state: Membership):
             state, members=members, joined=state.waiting, left=state.leaving, failed=()
         )
     return state, ()
+
+
+def _id_order(device_id: str):
+    """'local-10' after 'local-9': the name, then its number."""
+    name, _, number = device_id.rpartition("-")
+    return (name, int(number)) if number.isdigit() else (device_id, -1)
 
 
 def _recover(state: Membership):

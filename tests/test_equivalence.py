@@ -20,3 +20,10 @@ def test_scheduler_steps_once_per_step(train):
     job = pieces.make_job(lr_scheduler=pieces.step_decay, virtual_workers=4)
     model, _ = train(job, steps=9, devices=2)
     pieces.assert_same_parameters(model, pieces.reference(job, 9))
+
+
+def test_dataloader_workers_keep_the_result(train):
+    """num_workers passes through to torch's DataLoader; prefetching along the plan changes nothing."""
+    job = pieces.make_job(virtual_workers=6, num_workers=1)
+    model, _ = train(job, steps=6, devices=2)
+    pieces.assert_same_parameters(model, pieces.reference(job, 6))

@@ -77,6 +77,7 @@ def _start_flexpar(*arguments, env=None):
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.timeout(400)
 def test_refusals_scale_and_status(tmp_path):
     port, secret = _free_port(), uuid.uuid4().hex
     metrics = tmp_path / "metrics.jsonl"
@@ -146,6 +147,7 @@ def namespace():
     subprocess.run(["ip", "link", "del", host_side], capture_output=True)
 
 
+@pytest.mark.timeout(400)
 def test_joiner_on_another_host(tmp_path, namespace):
     port, secret = _free_port(), uuid.uuid4().hex
     metrics, output = tmp_path / "metrics.jsonl", tmp_path / "model.pt"

@@ -30,7 +30,7 @@ def test_generation_one_waits_for_all_initial_devices():
     state, actions = _run(state, ms.Start(2), ms.Ready("local-1"))
     assert not _published(actions)
     state, actions = _run(state, ms.Ready("local-0"))
-    assert _published(actions) == [ms.Publish(1, ("local-1", "local-0"), ("local-1", "local-0"), (), ())]
+    assert _published(actions) == [ms.Publish(1, ("local-0", "local-1"), ("local-0", "local-1"), (), ())]
 
 
 def test_join_appends_and_keeps_ranks():

@@ -1,0 +1,635 @@
+"""Simulator validation: calibrate flexpar.sim on this machine, then predict the benchmarks' figures.
+
+    python benchmarks/sim_validation.py [--quick] [--json PATH]
+    python benchmarks/sim_validation.py --balance-json A [--balance-metrics DIR] --elastic-json B --json PATH
+
+Without input JSONs it runs `benchmarks/balance.py` and `benchmarks/elastic.py`
+(their `--quick` versions with `--quick`) as subprocesses. It always runs its
+own small calibration measurement (the "probe": four gloo processes, about ten
+seconds) for the costs the benchmarks do not measure apart from the figures
+to predict.
+
+Which measured figure calibrates which model parameter, and which are predicted
+(a figure that calibrates is never also a prediction):
+
+| model parameter | calibrated from |
+|---|---|
+| seconds per VW of each device | balance.py `seconds_per_vw`: busy time / VWs of each device, as flexpar's workers report it (compute only, no waiting) |
+| per-step compute noise (sigma) | the spread of the same per-step busy / VW samples (balance.py's metrics files) |
+| gradient bytes | the balance model's parameter count x 4 |
+| all-reduce bandwidth | probe: gloo all-reduce of those bytes over 4 processes |
+| optimizer_s | probe: the balance job's optimizer step |
+| pg_formation_s | elastic.py `process_group_formation_s` (a fresh group in running processes) |
+| state bytes, broadcast bandwidth | elastic.py `state_bytes` and its `flexpar_transfer_parts_s` (flexpar's own transfer path - serialise, send, deserialise, restore - timed on its own, outside fit()) |
+| detection_s | probe: a peer killed with SIGKILL during an all-reduce, until the survivors' error |
+| lost compute of the failed step | elastic.py's metrics: survivors' busy time of a 3-device step |
+
+Predicted (counted in `max_relative_error`, goal <= 0.15): balance.py's
+balanced flexpar step time (`step_time_s`), its torch-DDP uniform step time
+(`uniform_step_s`), flexpar's settled step time after the slowdown
+(`settled_step_s`); elastic.py's scale-out, scale-in and failure stalls
+(`scale_out_stall_s`, `scale_in_stall_s`, `failure_resume_s`, all from step
+records). Diagnostic rows (not counted, chosen before measuring, to show where
+the model is sensitive): the same step times with each device's seconds per VW
+taken from the single-device loop divided by its emulated speed, and the
+scale-out stall with the broadcast priced at the raw gloo send floor.
+
+The simulation uses the real balancer (`flexpar.balance`) through
+`flexpar.sim.simulate`, with the benchmark's own step windows and its slowdown
+as a simulator event.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Mapping, Optional, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+from common import base_parser, median, print_table, write_json  # noqa: E402
+from flexpar.sim import DeviceSpec, Event, Scenario, calibrate, predict_elastic_stalls, relative_error, simulate  # noqa: E402
+
+BENCHMARKS = os.path.dirname(os.path.abspath(__file__))
+GOAL = 0.15
+# Steps the simulation runs in each window: long enough that the median of a
+# noisy simulated window does not depend on the draw (the benchmark's own
+# windows are shorter; the quantity compared is the median either way).
+SIMULATED_WINDOW_STEPS = 400
+SIMULATED_WARMUP_STEPS = 10
+
+
+# ------------------------------------------------------------------ comparisons (pure)
+
+
+@dataclass
+class Comparison:
+    """One predicted figure against its measurement."""
+
+    figure: str
+    predicted: Optional[float]
+    measured: Optional[float]
+    counted: bool
+    model: str  # what the prediction is made of
+    relative_error: Optional[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.relative_error = error_of(self.predicted, self.measured)
+
+
+def error_of(predicted: Optional[float], measured: Optional[float]) -> Optional[float]:
+    """|predicted - measured| / |measured|; None when either is missing or the measurement is 0."""
+    if predicted is None or measured is None or measured == 0:
+        return None
+    if not (math.isfinite(predicted) and math.isfinite(measured)):
+        return None
+    return relative_error(predicted, measured)
+
+
+def verdict(comparisons: Sequence[Comparison], goal: float = GOAL) -> dict:
+    """The headline: the largest relative error of the counted rows, and whether the goal holds.
+
+    A counted row without a relative error (a missing input, or a measured 0)
+    makes the goal not met: it cannot be shown to hold.
+    """
+    counted = [row for row in comparisons if row.counted]
+    errors = [row.relative_error for row in counted if row.relative_error is not None]
+    every = [row.relative_error for row in comparisons if row.relative_error is not None]
+    undefined = [row.figure for row in counted if row.relative_error is None]
+    worst = max(errors) if errors else None
+    return {
+        "max_relative_error": worst,
+        "max_relative_error_all_rows": max(every) if every else None,
+        "goal": f"<= {goal:g}",
+        "goal_met": bool(counted) and not undefined and worst is not None and worst <= goal,
+        "rows_over_goal": [row.figure for row in counted
+                           if row.relative_error is not None and row.relative_error > goal],
+        "rows_without_error": undefined,
+    }
+
+
+def noise_sigma(samples_by_device: Mapping[str, Sequence[float]]) -> float:
+    """Lognormal sigma of per-step compute noise: per device, half the 16-84 percentile
+    range of log(seconds per VW) (which is sigma for lognormal data), then the median
+    over devices. Devices with fewer than 3 samples are skipped; 0.0 when none is left.
+
+    Quantiles rather than a standard deviation: a step's time is the slowest device's,
+    so what matters is the upper middle of each device's distribution, not a rare outlier.
+    """
+    spreads = []
+    for values in samples_by_device.values():
+        values = [value for value in values if value > 0]
+        if len(values) < 3:
+            continue
+        low, high = np.percentile(np.log(values), [16, 84])
+        spreads.append(float(high - low) / 2.0)
+    return float(np.median(spreads)) if spreads else 0.0
+
+
+def per_vw_samples(step_records: Sequence[dict], first_step: int, end_step: int) -> Dict[str, List[float]]:
+    """busy / VWs of each device, per step record with first_step <= step < end_step."""
+    samples: Dict[str, List[float]] = {}
+    for record in step_records:
+        if first_step <= record["step"] < end_step:
+            for device_id, count, busy in zip(record["devices"], record["assignment"], record["busy_s"]):
+                if count > 0:
+                    samples.setdefault(device_id, []).append(busy / count)
+    return samples
+
+
+def transfer_path_seconds(parts: Mapping[str, float]) -> Optional[float]:
+    """flexpar's state transfer, source to level receiver: serialise + send + deserialise + restore.
+
+    `receive_s` is left out: the receiver starts waiting while the source is still
+    serialising, so it overlaps `serialise_s` and `send_s`.
+    """
+    keys = ("serialise_s", "send_s", "deserialise_s", "restore_s")
+    if not parts or any(parts.get(key) is None for key in keys):
+        return None
+    return float(sum(parts[key] for key in keys))
+
+
+def failed_step_compute_s(records: Sequence[dict]) -> Optional[float]:
+    """Compute the survivors had done in the step a failure killed, estimated from the steps before it.
+
+    flexpar's survivors learn of a failure when they reach the step's all-reduce,
+    i.e. after their own VWs: the step in flight is lost up to there. Per step of
+    the generation that failed (its first step left out when there are others:
+    a new set's first step is slow), the slowest survivor's busy time; the median.
+    """
+    failure = next((r for r in records if r["kind"] == "event" and r["event"] == "failure"), None)
+    if failure is None:
+        return None
+    steps = [r for r in records if r["kind"] == "step" and r["step"] < failure["step"]]
+    if not steps:
+        return None
+    generation = steps[-1]["generation"]
+    same = [r for r in steps if r["generation"] == generation]
+    if len(same) > 1:
+        same = same[1:]
+    survivors = set(failure["devices"])
+    values = []
+    for record in same:
+        busy = [b for device_id, b in zip(record["devices"], record["busy_s"]) if device_id in survivors]
+        if busy:
+            values.append(max(busy))
+    return median(values) if values else None
+
+
+# ------------------------------------------------------------------ inputs: the two benchmarks
+
+
+def run_benchmark(script: str, json_path: str, quick: bool, extra: Sequence[str] = ()) -> dict:
+    """Run benchmarks/<script> as a subprocess writing `json_path`; return its JSON."""
+    command = [sys.executable, os.path.join(BENCHMARKS, script), "--json", json_path, *extra]
+    if quick:
+        command.append("--quick")
+    _progress(f"running {' '.join(os.path.basename(part) if part.endswith('.py') else part for part in command[1:])}")
+    started = time.perf_counter()
+    completed = subprocess.run(command, stdout=sys.stderr, stderr=sys.stderr)
+    if completed.returncode != 0:
+        raise RuntimeError(f"{script} exited with status {completed.returncode}")
+    _progress(f"{script} took {time.perf_counter() - started:.0f} s")
+    return load_json(json_path)
+
+
+def load_json(path: str) -> dict:
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def read_step_records(path: str) -> List[dict]:
+    """Records of a flexpar metrics file (JSON lines); [] when it is gone."""
+    if not path or not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+# ------------------------------------------------------------------ the probe: costs measured apart
+
+
+def _probe_worker(rank: int, world: int, port: int, repeats: int, results) -> None:
+    """One probe process: all-reduce and optimizer timings of the balance job, then a kill.
+
+    The last rank kills itself with SIGKILL while the others wait in an
+    all-reduce; each survivor reports how long its error took to surface. The
+    store lives in the parent, so that it outlives every probe process.
+    """
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    import balance as balance_benchmark  # the balance job's model and optimizer, by reference
+
+    torch.set_num_threads(1)  # as each device process of the benchmark
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=dist.PrefixStore("probe", store), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=10))
+    torch.manual_seed(rank)
+    model = balance_benchmark.make_model()
+    optimizer = balance_benchmark.make_optimizer(model.parameters())
+    parameter_count = sum(parameter.numel() for parameter in model.parameters())
+    gradient = torch.randn(parameter_count)
+
+    def slowest(seconds: float) -> float:
+        value = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return float(value.item())
+
+    all_reduce_s, optimizer_s = [], []
+    for repeat in range(repeats + 2):  # the first two warm up
+        dist.barrier()
+        started = time.perf_counter()
+        dist.all_reduce(gradient)
+        elapsed = slowest(time.perf_counter() - started)
+        for parameter in model.parameters():
+            parameter.grad = torch.randn_like(parameter)
+        dist.barrier()
+        started = time.perf_counter()
+        optimizer.step()
+        stepped = slowest(time.perf_counter() - started)
+        if repeat >= 2:
+            all_reduce_s.append(elapsed)
+            optimizer_s.append(stepped)
+    if rank == 0:
+        results.put({"kind": "timings", "parameter_count": parameter_count, "world": world,
+                     "all_reduce_s": median(all_reduce_s), "optimizer_s": median(optimizer_s)})
+    dist.barrier()
+    if rank == world - 1:
+        time.sleep(0.3)  # let the others enter the all-reduce first
+        store.set("probe/killed_at", repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        dist.all_reduce(gradient)
+        surfaced = None
+    except Exception:  # gloo raises RuntimeError (connection reset / closed) or times out
+        surfaced = time.time()
+    detection = None if surfaced is None else surfaced - float(store.get("probe/killed_at").decode())
+    results.put({"kind": "detection", "rank": rank, "detection_s": detection})
+    os._exit(0)  # the group is broken: skip its teardown
+
+
+def run_probe(world: int = 4, repeats: int = 10) -> dict:
+    """All-reduce time, optimizer time and failure detection, measured in `world` fresh processes."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from common import free_port
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed", "torch.optim"])
+    results = context.Queue()
+    processes = [context.Process(target=_probe_worker, name=f"sim-probe-{rank}",
+                                 args=(rank, world, port, repeats, results)) for rank in range(world)]
+    _progress(f"probe: {world} gloo processes (all-reduce, optimizer step, kill -9 detection)")
+    for process in processes:
+        process.start()
+    timings, detections = None, []
+    try:
+        deadline = time.monotonic() + 180
+        while (timings is None or len(detections) < world - 1) and time.monotonic() < deadline:
+            try:
+                message = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except Exception:
+                break
+            if message["kind"] == "timings":
+                timings = message
+            else:
+                detections.append(message["detection_s"])
+    finally:
+        for process in processes:
+            process.join(timeout=20)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        del store  # closes the probe's store server
+    if timings is None:
+        raise RuntimeError("the calibration probe did not report its timings")
+    surfaced = [value for value in detections if value is not None]
+    # Recovery starts when the last survivor knows: the slowest survivor's detection.
+    timings["detection_s"] = max(surfaced) if surfaced else None
+    timings["detection_by_survivor_s"] = detections
+    return timings
+
+
+# ------------------------------------------------------------------ balance: step times
+
+
+def balance_step_records(metrics_dir: Optional[str]) -> List[List[dict]]:
+    """Step records of each flexpar round that balance.py kept (flexpar-ROUND.jsonl)."""
+    if not metrics_dir:
+        return []
+    rounds = []
+    for path in sorted(glob.glob(os.path.join(metrics_dir, "flexpar-*.jsonl"))):
+        rounds.append([r for r in read_step_records(path) if r["kind"] == "step"])
+    return [records for records in rounds if records]
+
+
+def balance_noise(balance: dict, rounds: Sequence[Sequence[dict]]) -> Optional[float]:
+    """Noise sigma from the balanced window's per-step busy / VW (pooled over rounds); None without records."""
+    config = balance["config"]
+    pooled: Dict[str, List[float]] = {}
+    for records in rounds:
+        for device_id, values in per_vw_samples(records, config["warmup_steps"], config["change_step"]).items():
+            pooled.setdefault(device_id, []).extend(values)
+    return noise_sigma(pooled) if pooled else None
+
+
+def simulated_step_times(table: Sequence[float], calibration, virtual_workers: int, policy: str, noise: float,
+                         slowdown: Optional[tuple] = None) -> np.ndarray:
+    """Per-step times of one simulated run: a balanced window, then (optionally) a slowdown and another window.
+
+    `slowdown` = (device index, factor): that device's seconds per VW are
+    multiplied by `factor` before step SIMULATED_WARMUP_STEPS + SIMULATED_WINDOW_STEPS.
+    """
+    change = SIMULATED_WARMUP_STEPS + SIMULATED_WINDOW_STEPS
+    events = ()
+    if slowdown is not None:
+        device, factor = slowdown
+        events = (Event("slowdown", (f"local-{device}",), at_step=change, factor=factor),)
+    scenario = Scenario(
+        name="sim-validation", steps=change + (SIMULATED_WINDOW_STEPS if slowdown else 0),
+        virtual_workers=virtual_workers,
+        devices=tuple(DeviceSpec(f"local-{index}", seconds) for index, seconds in enumerate(table)),
+        events=events, parameters=calibration.parameters, policies=(policy,), noise=noise, seed=0,
+    )
+    result = simulate(scenario, policy)
+    return np.repeat(result.segment_step_s, result.segment_steps)
+
+
+def predict_balance(balance: dict, table: Sequence[float], calibration, noise: float) -> dict:
+    """Predicted medians, with the benchmark's windows: flexpar balanced, DDP uniform, flexpar after the slowdown.
+
+    - balanced: the steps after the warm-up, before the slowdown;
+    - after the slowdown: the second half of the steps after it (balance.py's `settled_step_s`);
+    - uniform: DDP's equal split; its first two steps dropped, as balance.py does.
+    """
+    config = balance["config"]
+    virtual_workers = balance["virtual_workers"]
+    factor = config["speeds"][config["changed_device"]] / config["changed_speed"]
+    flexpar_times = simulated_step_times(table, calibration, virtual_workers, "flexpar", noise,
+                                         slowdown=(config["changed_device"], factor))
+    change = SIMULATED_WARMUP_STEPS + SIMULATED_WINDOW_STEPS
+    after = flexpar_times[change:]
+    uniform_times = simulated_step_times(table, calibration, virtual_workers, "uniform", noise)
+    return {
+        "flexpar_step_s": float(np.median(flexpar_times[SIMULATED_WARMUP_STEPS:change])),
+        "settled_step_s": float(np.median(after[len(after) // 2:])),
+        "uniform_step_s": float(np.median(uniform_times[2:])),
+    }
+
+
+def balance_calibration(balance: dict, probe: dict, table: Sequence[float]):
+    return calibrate({
+        "seconds_per_vw": list(table), "devices": balance["devices"], "virtual_workers": balance["virtual_workers"],
+        "parameter_count": probe["parameter_count"], "all_reduce_s": probe["all_reduce_s"],
+        "optimizer_s": probe["optimizer_s"],
+    })
+
+
+def compare_balance(balance: dict, probe: dict, noise: Optional[float]) -> tuple:
+    """Counted and diagnostic rows for balance.py, and the calibration that made them."""
+    measured_settled = median([r["settled_step_s"] for r in balance["rounds"] if r.get("settled_step_s") is not None]) \
+        if any(r.get("settled_step_s") is not None for r in balance["rounds"]) else None
+    measured = {"flexpar_step_s": balance["step_time_s"], "uniform_step_s": balance["uniform_step_s"],
+                "settled_step_s": measured_settled}
+    names = {
+        "flexpar_step_s": "balance: flexpar step, balanced (step_time_s)",
+        "uniform_step_s": "balance: torch DDP step, uniform split (uniform_step_s)",
+        "settled_step_s": "balance: flexpar step after local-0 slows (settled_step_s)",
+    }
+    sigma = noise or 0.0
+    measured_table = list(balance["seconds_per_vw"])
+    calibration = balance_calibration(balance, probe, measured_table)
+    predicted = predict_balance(balance, measured_table, calibration, sigma)
+    rows = [Comparison(names[key], predicted[key], measured[key], True,
+                       "real balancer on measured s/VW per device, all-reduce + optimizer (probe), noise")
+            for key in names]
+    single = balance.get("single_device_seconds_per_vw")
+    if single:
+        single_table = [single / speed for speed in balance["speeds"]]
+        single_calibration = balance_calibration(balance, probe, single_table)
+        single_predicted = predict_balance(balance, single_table, single_calibration, sigma)
+        rows += [Comparison(names[key] + " [s/VW = single device / speed]", single_predicted[key], measured[key],
+                            False, "as above, s/VW from the single-device loop / emulated speed")
+                 for key in names]
+    return rows, calibration, predicted
+
+
+# ------------------------------------------------------------------ elastic: stalls
+
+
+def compare_elastic(elastic: dict, probe: dict) -> tuple:
+    """Counted and diagnostic rows for elastic.py, the calibration, and the lost compute it used."""
+    parts = elastic.get("flexpar_transfer_parts_s") or {}
+    transfer_s = transfer_path_seconds(parts)
+    measured_inputs = {
+        "devices": 2,  # the job runs on 2 devices before each change
+        "state_bytes": elastic["state_bytes"], "broadcast_bytes": elastic["state_bytes"],
+        "pg_formation_s": elastic["process_group_formation_s"],
+        "broadcast_s": transfer_s, "detection_s": probe.get("detection_s"),
+    }
+    calibration = calibrate(measured_inputs)
+    out = predict_elastic_stalls(calibration, devices_before=2)
+    shrink = predict_elastic_stalls(calibration, devices_before=3)
+    lost = [failed_step_compute_s(read_step_records(r.get("metrics", ""))) for r in elastic.get("flexpar_rounds", [])]
+    lost = [value for value in lost if value is not None]
+    lost_s = median(lost) if lost else None
+    failure = None if lost_s is None or probe.get("detection_s") is None else shrink["failure_resume_s"] + lost_s
+    rows = [
+        Comparison("elastic: scale-out 2->3 stall (scale_out_stall_s)", out["scale_out_stall_s"],
+                   elastic.get("scale_out_stall_s"), True, "group formation + state transfer (flexpar's path)"),
+        Comparison("elastic: scale-in 3->2 stall (scale_in_stall_s)", shrink["scale_in_stall_s"],
+                   elastic.get("scale_in_stall_s"), True, "one group formation"),
+        Comparison("elastic: failure 3->2 stall (failure_resume_s)", failure, elastic.get("failure_resume_s"), True,
+                   "lost compute of the step in flight + detection (probe) + group formation"),
+    ]
+    floor = calibrate({**measured_inputs, "broadcast_s": elastic.get("broadcast_s")})
+    rows.append(Comparison("elastic: scale-out 2->3 stall [transfer = raw gloo send floor]",
+                           predict_elastic_stalls(floor, devices_before=2)["scale_out_stall_s"],
+                           elastic.get("scale_out_stall_s"), False, "group formation + state bytes at gloo's bandwidth"))
+    return rows, calibration, {"transfer_path_s": transfer_s, "failed_step_compute_s": lost_s,
+                               "failed_step_compute_by_round_s": lost}
+
+
+# ------------------------------------------------------------------ report
+
+
+def calibration_rows(balance: dict, probe: dict, noise: Optional[float], balance_cal, elastic_cal, elastic_extra) -> list:
+    """What calibrates what, with the values used."""
+    network, workload, elastic_costs = balance_cal.parameters.network, balance_cal.parameters.workload, \
+        elastic_cal.parameters.elastic
+    return [
+        {"parameter": "seconds per VW, local-0..", "value": [round(v, 5) for v in balance["seconds_per_vw"]],
+         "from": "balance.py seconds_per_vw (busy / VWs, balanced window)"},
+        {"parameter": "noise sigma", "value": noise,
+         "from": "spread of per-step busy / VW (balance.py metrics)" if noise is not None
+         else "no metrics files: 0 (noise-free)"},
+        {"parameter": "gradient bytes (balance)", "value": workload.gradient_bytes,
+         "from": f"balance model: {probe['parameter_count']} parameters x 4"},
+        {"parameter": "all-reduce bandwidth B/s", "value": network.bandwidth_bytes_per_s,
+         "from": f"probe: all_reduce_s = {probe['all_reduce_s']:.4g} over {probe['world']} processes"},
+        {"parameter": "optimizer_s", "value": workload.optimizer_s, "from": "probe: the balance job's optimizer step"},
+        {"parameter": "pg_formation_s", "value": elastic_costs.pg_formation_s,
+         "from": "elastic.py process_group_formation_s"},
+        {"parameter": "broadcast bandwidth B/s", "value": elastic_cal.parameters.network.broadcast_bandwidth_bytes_per_s,
+         "from": f"elastic.py state_bytes / transfer path {_fmt(elastic_extra['transfer_path_s'])} s "
+                 "(serialise+send+deserialise+restore)"},
+        {"parameter": "detection_s", "value": elastic_costs.detection_s,
+         "from": "probe: SIGKILL during all-reduce -> survivors' error (slowest survivor)"},
+        {"parameter": "lost compute, failed step", "value": elastic_extra["failed_step_compute_s"],
+         "from": "elastic.py metrics: survivors' busy in 3-device steps"},
+    ]
+
+
+def explanations(comparisons: Sequence[Comparison], balance: dict, elastic: dict, elastic_extra: dict) -> List[str]:
+    """Where the model is off, for each counted row over the goal (and why, as far as the data shows)."""
+    notes = []
+    by_name = {row.figure: row for row in comparisons}
+    for row in comparisons:
+        if not row.counted or row.relative_error is None or row.relative_error <= GOAL:
+            continue
+        direction = "over" if row.predicted > row.measured else "under"
+        text = (f"{row.figure}: predicted {row.predicted:.4g} s vs measured {row.measured:.4g} s "
+                f"({direction} by {row.relative_error:.0%}). ")
+        if "uniform" in row.figure:
+            single = balance.get("single_device_seconds_per_vw")
+            slowest = max(balance["seconds_per_vw"])
+            text += (f"DDP's step is its slowest rank's {balance['virtual_workers'] // balance['devices']} VWs. "
+                     f"That rank's s/VW as flexpar measured it with {min(balance['assignment']):g} VWs per step "
+                     f"({slowest:.4g} s) does not carry over to 8 VWs: per-step costs inside the timed VW "
+                     "(the first VW after the all-reduce, data fetch, bucket launch) are stretched by the "
+                     "emulation's 1/speed and shared by fewer VWs. The model assumes one cost per VW "
+                     "whatever the count.")
+            if single:
+                text += f" (single-device s/VW / speed gives {single / min(balance['speeds']):.4g} s.)"
+        elif "scale-in" in row.figure:
+            text += ("The model's scale-in is one group formation, measured at "
+                     f"{elastic['process_group_formation_s']:.3g} s in quiet processes; in fit() the "
+                     f"boundary costs {_fmt(elastic.get('scale_in_event_stall_s'))} s by flexpar's own "
+                     "event record. The model has no term for members reaching the boundary at different "
+                     "times (3 processes on 2 cores: the members' optimizer steps finish apart, and the new "
+                     "group waits for the last) nor for the first step of the new set.")
+        elif "failure" in row.figure:
+            text += (f"Of it, {_fmt(elastic_extra['failed_step_compute_s'])} s is the lost compute of the step "
+                     "in flight (estimated from neighbouring steps, which are noisy on this machine); the rest "
+                     "is detection and a new group. The coordinator's own latency (noticing the exit, "
+                     "publishing the survivors' generation) is not in the model.")
+        elif "scale-out" in row.figure:
+            text += ("The model is group formation + the state transfer timed on its own; in fit() the "
+                     "transfer competes with the other processes for the 2 cores, and the first step of the "
+                     "new set (new assignment, loader prefetch) is not in the model.")
+        elif "step" in row.figure:
+            text += ("The step model is max over devices of (VWs x s/VW x noise + all-reduce) + optimizer; "
+                     "on 2 shared cores the per-step costs outside the measured busy time (coordination, "
+                     "host contention) are larger than the probe's all-reduce and optimizer.")
+        notes.append(text)
+    floor_row = next((row for row in comparisons if "raw gloo" in row.figure), None)
+    counted_out = by_name.get("elastic: scale-out 2->3 stall (scale_out_stall_s)")
+    if floor_row and floor_row.relative_error is not None and counted_out is not None:
+        notes.append(f"Priced at the raw gloo send ({_fmt(elastic.get('broadcast_s'))} s for "
+                     f"{elastic['state_bytes'] / 1e6:.0f} MB), the scale-out would be predicted at "
+                     f"{floor_row.predicted:.3g} s (error {floor_row.relative_error:.0%}): flexpar's transfer is "
+                     f"dominated by torch.save / torch.load of the state, not by the bytes on the wire.")
+    return notes
+
+
+def print_report(document: dict) -> None:
+    print_table(document["calibration"], ["parameter", "value", "from"],
+                title="\nCalibration (measured figures -> model parameters; none of these is predicted)")
+    rows = [{"figure": row["figure"], "predicted": row["predicted"], "measured": row["measured"],
+             "rel. error": row["relative_error"], "counted": "yes" if row["counted"] else "diagnostic"}
+            for row in document["comparisons"]]
+    print_table(rows, ["figure", "predicted", "measured", "rel. error", "counted"],
+                title="\nPredicted vs measured (seconds)")
+    summary = document["summary"]
+    print(f"\nmax_relative_error (counted rows): {_fmt(summary['max_relative_error'])} "
+          f"(goal {summary['goal']}): {'met' if summary['goal_met'] else 'NOT met'}; "
+          f"all rows: {_fmt(summary['max_relative_error_all_rows'])}")
+    for note in document["notes"]:
+        print(f"- {note}")
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def _progress(message: str) -> None:
+    sys.stdout.flush()
+    print(f"sim_validation: {message}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------ main
+
+
+def gather_inputs(options, scratch: str) -> tuple:
+    """The two benchmarks' JSON (given, or run now) and balance.py's metrics folder, if any."""
+    metrics_dir = options.balance_metrics
+    if options.balance_json:
+        balance = load_json(options.balance_json)
+    else:
+        metrics_dir = os.path.join(scratch, "balance-metrics")
+        os.makedirs(metrics_dir, exist_ok=True)
+        balance = run_benchmark("balance.py", os.path.join(scratch, "balance.json"), options.quick,
+                                ["--keep-metrics", metrics_dir])
+    if options.elastic_json:
+        elastic = load_json(options.elastic_json)
+    else:
+        elastic = run_benchmark("elastic.py", os.path.join(scratch, "elastic.json"), options.quick)
+    return balance, elastic, metrics_dir
+
+
+def main(argv=None) -> dict:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--balance-json", metavar="PATH", help="balance.py's JSON (default: run it now)")
+    parser.add_argument("--balance-metrics", metavar="DIR",
+                        help="balance.py's --keep-metrics folder, for the noise (default: the run's own)")
+    parser.add_argument("--elastic-json", metavar="PATH", help="elastic.py's JSON (default: run it now)")
+    options = parser.parse_args(argv)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="flexpar-sim-validation-") as scratch:
+        balance, elastic, metrics_dir = gather_inputs(options, scratch)
+        probe = run_probe(world=balance["devices"])
+        noise = balance_noise(balance, balance_step_records(metrics_dir))
+        balance_rows, balance_cal, balance_predicted = compare_balance(balance, probe, noise)
+    elastic_rows, elastic_cal, elastic_extra = compare_elastic(elastic, probe)
+    comparisons = balance_rows + elastic_rows
+    document = {
+        **verdict(comparisons),
+        "comparisons": [asdict(row) for row in comparisons],
+        "calibration": calibration_rows(balance, probe, noise, balance_cal, elastic_cal, elastic_extra),
+        "calibration_sources": {"balance": dict(balance_cal.sources), "elastic": dict(elastic_cal.sources)},
+        "probe": probe,
+        "noise_sigma": noise,
+        "elastic_inputs": elastic_extra,
+        "inputs": {"balance_json": options.balance_json or "(run now)", "elastic_json": options.elastic_json or "(run now)",
+                   "balance_metrics": metrics_dir, "quick": options.quick,
+                   "balance_load_average_1min": balance.get("load_average_1min")},
+        "notes": explanations(comparisons, balance, elastic, elastic_extra),
+        "wall_s": time.perf_counter() - started,
+    }
+    document["summary"] = {key: document[key] for key in verdict(comparisons)}
+    print_report(document)
+    write_json(options.json, document)
+    return document
+
+
+if __name__ == "__main__":
+    main()
