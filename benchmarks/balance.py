@@ -2,39 +2,48 @@
 
 Four local devices run at emulated relative speeds 1, 1, 0.5, 0.25 (a device
 of speed s stretches each virtual worker's (VW's) compute to 1/s of it, by
-sleeping after it). A step is V = 32 VWs. Three things run side by side,
-alternating, in one invocation:
+sleeping after it). A step is V = 32 VWs. Each round runs, in turn:
 
-- **ideal**: a plain single-process loop (one thread, speed 1) over the same
-  32 VWs gives the single-device step time; the ideal step time of the four
-  devices is that divided by the sum of their speeds (2.75).
+- **ideal**: a plain single-process loop (speed 1, the torch threads of one
+  device process) over the same 32 VWs per step, twice per round. The ideal
+  step time of the four devices is its step time / the sum of speeds (2.75).
+- **uniform**: what DDP does, equal shares. flexpar has no option to hold its
+  balancer fixed, so this is real torch DDP (`torch.multiprocessing`, gloo, one
+  process per device), 8 VWs per rank accumulated under `no_sync()`, with the
+  emulated speeds applied the same way in its loop.
 - **flexpar**: `Job.fit(devices=4, emulate_speeds=...)` as is, balancer on.
-  The same run also measures a mid-run slowdown: device local-0 drops to
-  speed 0.5 at step 100 (`speed_changes="100:0=0.5"`).
-- **uniform**: what DDP does. flexpar has no option to hold its balancer
-  fixed, so this is real torch DDP (`mp.spawn`, gloo, one process per device),
-  8 VWs per rank accumulated under `no_sync()` with the same emulated speeds
-  applied the same way in its loop.
+  Steps [10, 100) measure the balanced state; then device local-0 drops to
+  speed 0.5 (`speed_changes="100:0=0.5"`) and the run measures the recovery.
 
-Figures (medians over rounds of per-round ratios):
+Figures (JSON keys; medians over rounds of per-round ratios):
 
 - `efficiency_vs_ideal` = ideal step time / flexpar step time (goal >= 0.92)
 - `speedup_vs_uniform` = DDP step time / flexpar step time (goal >= 2.5)
-- `imbalance_median`: median of the step records' `imbalance` (goal <= 0.08)
-- `rebalance_steps`: steps after the slowdown until a moving median of
-  `step_time_s` is within 5% of the new ideal (goal <= 10); see
-  `rebalance_steps_for` for which ideal.
+- `imbalance_median`: median `imbalance` of flexpar's step records (goal <= 0.08)
+- `rebalance_steps`: steps after the slowdown until the moving median of 3
+  `step_time_s` is within 5% of the new ideal (goal <= 10); which ideal, and
+  two stricter readings, in `slowdown_figures`.
+- for the simulator's validation: `seconds_per_vw` (per device, local-0
+  first, measured by flexpar in the balanced window), `step_time_s`,
+  `virtual_workers`, `devices`; also `speeds` and `assignment`.
+
+Whole VWs bound what any balancer can reach here, and the JSON says so:
+the best split of 32 VWs (12, 12, 6, 2 or equivalents) takes 12 single-device
+VW times against 32 / 2.75 = 11.6, so efficiency <= 0.97 and speedup <= 2.67;
+no split of 32 VWs has an imbalance below 1/12 = 0.083 (above the goal), and
+the one `optimal_assignment` picks, (12, 12, 6, 2), has 0.33.
 
 The machine caveat: four device processes share two cores. So that the
 emulated devices do not mostly measure CPU contention, each VW is a real
-forward/backward of an MLP (a few ms on one thread) plus a fixed sleep inside
-the loss that stands for accelerator time (`--kernel-ms`). Slow devices then
-mostly sleep, and the CPU demand of the four devices stays below two cores.
+forward/backward of an MLP (about 2-5 ms on one thread) plus a fixed 20 ms
+sleep inside the loss that stands for accelerator time (`--kernel-ms`). Slow
+devices then mostly sleep, and the four devices need well under two cores.
 All three contenders run the identical loss, so the ratios compare like with
 like; the ideal is measured alone, so the contention that remains counts
-against flexpar.
+against flexpar (`efficiency_vs_measured_rates` divides it out). Other load on
+the machine moves every figure; the JSON records the load average.
 
-Run: `python benchmarks/balance.py [--quick] [--json PATH]`.
+Run: `python benchmarks/balance.py [--quick] [--json PATH] [--keep-metrics DIR]`.
 """
 
 from __future__ import annotations
@@ -155,6 +164,12 @@ class Config:
 QUICK = dict(rounds=1, flexpar_steps=36, warmup_steps=5, change_step=20, ddp_steps=5, single_steps=3)
 
 
+def threads_per_device(config: Config) -> int:
+    """Torch threads of one device process: what flexpar's launcher gives each CPU worker
+    (cores // devices, at least 1); the single-device loop and the DDP ranks use the same."""
+    return max(1, cpu_count() // config.devices)
+
+
 def make_job(config: Config) -> flexpar.Job:
     return flexpar.Job(
         model=make_model, optimizer=make_optimizer, loss=EmulatedKernelLoss(config.kernel_ms / 1000.0),
@@ -167,9 +182,10 @@ def make_job(config: Config) -> flexpar.Job:
 
 
 def run_single_device(config: Config) -> dict:
-    """Step times (warm-up dropped) of a plain loop on one thread (speed 1) over all V VWs of each step."""
+    """Step times (warm-up dropped) of a plain loop at speed 1 over all V VWs of each step,
+    with the torch threads one device process gets."""
     previous_threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # what each of the four device processes gets on this machine
+    torch.set_num_threads(threads_per_device(config))
     try:
         torch.manual_seed(SEED)
         model = make_model()
@@ -206,7 +222,7 @@ def _ddp_rank(rank: int, config: Config, port: int, result_path: str) -> None:
     """One DDP process: V / world VWs per step, the first ones under no_sync()."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads_per_device(config))
     world = config.devices
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -281,7 +297,8 @@ def run_flexpar(config: Config, folder: str, round_index: int) -> List[dict]:
     make_job(config).fit(
         steps=config.flexpar_steps, devices=config.devices, emulate_speeds=list(config.speeds),
         speed_changes=f"{config.change_step}:{config.changed_device}={config.changed_speed}",
-        oversubscribe=True, metrics=metrics, display=False, quiet=True,
+        # gloo on CPU processes even where GPUs exist: the devices are emulated.
+        backend="gloo", oversubscribe=True, metrics=metrics, display=False, quiet=True,
     )
     return [record for record in read_records(metrics) if record["kind"] == "step"]
 

@@ -96,7 +96,12 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=24)
     parser.add_argument("--model", choices=sorted(MODELS), default="full")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--pid-folder", default=None,
+                        help="each worker leaves its pid here, so the benchmark can always clean up")
     args = parser.parse_args()
+    if args.pid_folder:
+        os.makedirs(args.pid_folder, exist_ok=True)
+        open(os.path.join(args.pid_folder, str(os.getpid())), "w").close()
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")

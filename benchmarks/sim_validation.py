@@ -119,33 +119,76 @@ def verdict(comparisons: Sequence[Comparison], goal: float = GOAL) -> dict:
     }
 
 
-def noise_sigma(samples_by_device: Mapping[str, Sequence[float]]) -> float:
+def noise_sigma(log_deviations_by_device: Mapping[str, Sequence[float]]) -> float:
     """Lognormal sigma of per-step compute noise: per device, half the 16-84 percentile
-    range of log(seconds per VW) (which is sigma for lognormal data), then the median
-    over devices. Devices with fewer than 3 samples are skipped; 0.0 when none is left.
+    range of its log deviations (which is sigma for lognormal data), then the median over
+    devices. Devices with fewer than 3 values are skipped; 0.0 when none is left.
 
     Quantiles rather than a standard deviation: a step's time is the slowest device's,
     so what matters is the upper middle of each device's distribution, not a rare outlier.
     """
     spreads = []
-    for values in samples_by_device.values():
-        values = [value for value in values if value > 0]
+    for values in log_deviations_by_device.values():
         if len(values) < 3:
             continue
-        low, high = np.percentile(np.log(values), [16, 84])
+        low, high = np.percentile(np.asarray(values, dtype=float), [16, 84])
         spreads.append(float(high - low) / 2.0)
     return float(np.median(spreads)) if spreads else 0.0
 
 
-def per_vw_samples(step_records: Sequence[dict], first_step: int, end_step: int) -> Dict[str, List[float]]:
-    """busy / VWs of each device, per step record with first_step <= step < end_step."""
-    samples: Dict[str, List[float]] = {}
+def per_vw_samples(step_records: Sequence[dict], first_step: int, end_step: int) -> List[Dict[str, float]]:
+    """Per step record with first_step <= step < end_step: {device_id: busy / VWs}."""
+    steps = []
     for record in step_records:
         if first_step <= record["step"] < end_step:
-            for device_id, count, busy in zip(record["devices"], record["assignment"], record["busy_s"]):
-                if count > 0:
-                    samples.setdefault(device_id, []).append(busy / count)
-    return samples
+            steps.append({device_id: busy / count for device_id, count, busy
+                          in zip(record["devices"], record["assignment"], record["busy_s"])
+                          if count > 0 and busy > 0})
+    return steps
+
+
+def independent_log_deviations(steps: Sequence[Mapping[str, float]]) -> Dict[str, List[float]]:
+    """Each device's log(seconds per VW) deviation that the other devices did not share that step.
+
+    log x[d, s] = device level + step factor + independent part. The step factor
+    (the median over devices of their deviations from their own medians) is
+    whatever slowed or sped up every device at once, e.g. other load on the host;
+    it moves every device's busy time, hence the step time, by the same ratio, so
+    it does not make the slowest device slower than the others. The simulator's
+    noise is independent per device and step, so only the rest is its noise.
+    (With few devices the step factor absorbs a little of the independent part.)
+    """
+    logs: Dict[str, List[tuple]] = {}
+    for index, step in enumerate(steps):
+        for device_id, value in step.items():
+            logs.setdefault(device_id, []).append((index, math.log(value)))
+    levels = {device_id: float(np.median([value for _, value in pairs])) for device_id, pairs in logs.items()}
+    by_step: Dict[int, Dict[str, float]] = {}
+    for device_id, pairs in logs.items():
+        for index, value in pairs:
+            by_step.setdefault(index, {})[device_id] = value - levels[device_id]
+    deviations: Dict[str, List[float]] = {}
+    for index, values in by_step.items():
+        if len(values) < 2:
+            continue  # one device alone cannot tell its own noise from the host's
+        shared = float(np.median(list(values.values())))
+        for device_id, value in values.items():
+            deviations.setdefault(device_id, []).append(value - shared)
+    return deviations
+
+
+def affine_cost(counts: Sequence[int], busy: Sequence[float]) -> Optional[tuple]:
+    """Least-squares (seconds per VW, fixed seconds per step) of busy = a x count + b.
+
+    None unless at least two different counts were seen (a and b cannot be told
+    apart otherwise) and the fitted a is positive.
+    """
+    if len(set(counts)) < 2:
+        return None
+    slope, intercept = np.polyfit(np.asarray(counts, dtype=float), np.asarray(busy, dtype=float), 1)
+    if slope <= 0:
+        return None
+    return float(slope), float(intercept)
 
 
 def transfer_path_seconds(parts: Mapping[str, float]) -> Optional[float]:
@@ -279,6 +322,8 @@ def _probe_worker(rank: int, world: int, port: int, repeats: int, results) -> No
         surfaced = time.time()
     detection = None if surfaced is None else surfaced - float(store.get("probe/killed_at").decode())
     results.put({"kind": "detection", "rank": rank, "detection_s": detection})
+    results.close()
+    results.join_thread()  # the queue's feeder thread must deliver before _exit
     os._exit(0)  # the group is broken: skip its teardown
 
 
@@ -323,8 +368,9 @@ def run_probe(world: int = 4, repeats: int = 10) -> dict:
     if timings is None:
         raise RuntimeError("the calibration probe did not report its timings")
     surfaced = [value for value in detections if value is not None]
-    # Recovery starts when the last survivor knows: the slowest survivor's detection.
-    timings["detection_s"] = max(surfaced) if surfaced else None
+    # The first survivor's error starts the recovery: in flexpar it reports the
+    # failure and the coordinator tells the others (it also sees the exit itself).
+    timings["detection_s"] = min(surfaced) if surfaced else None
     timings["detection_by_survivor_s"] = detections
     return timings
 
@@ -346,10 +392,33 @@ def balance_noise(balance: dict, rounds: Sequence[Sequence[dict]]) -> Optional[f
     """Noise sigma from the balanced window's per-step busy / VW (pooled over rounds); None without records."""
     config = balance["config"]
     pooled: Dict[str, List[float]] = {}
-    for records in rounds:
-        for device_id, values in per_vw_samples(records, config["warmup_steps"], config["change_step"]).items():
+    for records in rounds:  # each round's own device levels; the deviations are pooled
+        steps = per_vw_samples(records, config["warmup_steps"], config["change_step"])
+        for device_id, values in independent_log_deviations(steps).items():
             pooled.setdefault(device_id, []).extend(values)
     return noise_sigma(pooled) if pooled else None
+
+
+def fixed_step_costs(balance: dict, rounds: Sequence[Sequence[dict]]) -> List[Optional[tuple]]:
+    """Per device index: (seconds per VW, fixed seconds per step) fitted on flexpar's own steps.
+
+    Uses every step after the warm-up where the device's speed did not change
+    (for the slowed device: the steps before the slowdown); the counts vary
+    there because the balancer moves VWs. None where they did not vary.
+    """
+    config = balance["config"]
+    samples: Dict[int, tuple] = {index: ([], []) for index in range(balance["devices"])}
+    for records in rounds:
+        for record in records:
+            if record["step"] < config["warmup_steps"]:
+                continue
+            for device_id, count, busy in zip(record["devices"], record["assignment"], record["busy_s"]):
+                index = int(device_id.rsplit("-", 1)[1])
+                if index == config["changed_device"] and record["step"] >= config["change_step"]:
+                    continue
+                samples[index][0].append(count)
+                samples[index][1].append(busy)
+    return [affine_cost(*samples[index]) for index in range(balance["devices"])]
 
 
 def simulated_step_times(table: Sequence[float], calibration, virtual_workers: int, policy: str, noise: float,
@@ -404,7 +473,7 @@ def balance_calibration(balance: dict, probe: dict, table: Sequence[float]):
     })
 
 
-def compare_balance(balance: dict, probe: dict, noise: Optional[float]) -> tuple:
+def compare_balance(balance: dict, probe: dict, noise: Optional[float], rounds: Sequence[Sequence[dict]] = ()) -> tuple:
     """Counted and diagnostic rows for balance.py, and the calibration that made them."""
     measured_settled = median([r["settled_step_s"] for r in balance["rounds"] if r.get("settled_step_s") is not None]) \
         if any(r.get("settled_step_s") is not None for r in balance["rounds"]) else None
@@ -430,7 +499,19 @@ def compare_balance(balance: dict, probe: dict, noise: Optional[float]) -> tuple
         rows += [Comparison(names[key] + " [s/VW = single device / speed]", single_predicted[key], measured[key],
                             False, "as above, s/VW from the single-device loop / emulated speed")
                  for key in names]
-    return rows, calibration, predicted
+    fits = fixed_step_costs(balance, rounds) if rounds else []
+    if fits and all(fit is not None for fit in fits):
+        # DDP runs V / n VWs on every device: price each VW at that count.
+        per_rank = balance["virtual_workers"] // balance["devices"]
+        affine_table = [max(1e-6, slope + intercept / per_rank) for slope, intercept in fits]
+        affine_calibration = balance_calibration(balance, probe, affine_table)
+        affine_predicted = predict_balance(balance, affine_table, affine_calibration, sigma)
+        rows.append(Comparison(names["uniform_step_s"] + " [s/VW = a + b / (V/n), affine fit of flexpar's steps]",
+                               affine_predicted["uniform_step_s"], measured["uniform_step_s"], False,
+                               "busy = a x VWs + b per device, fitted on flexpar's steps, priced at DDP's count"))
+    return rows, calibration, {"predicted": predicted,
+                               "affine_fits": [None if fit is None else {"seconds_per_vw": fit[0], "fixed_s": fit[1]}
+                                               for fit in fits]}
 
 
 # ------------------------------------------------------------------ elastic: stalls
@@ -480,7 +561,7 @@ def calibration_rows(balance: dict, probe: dict, noise: Optional[float], balance
         {"parameter": "seconds per VW, local-0..", "value": [round(v, 5) for v in balance["seconds_per_vw"]],
          "from": "balance.py seconds_per_vw (busy / VWs, balanced window)"},
         {"parameter": "noise sigma", "value": noise,
-         "from": "spread of per-step busy / VW (balance.py metrics)" if noise is not None
+         "from": "spread of per-step busy / VW not shared by the other devices (balance.py metrics)" if noise is not None
          else "no metrics files: 0 (noise-free)"},
         {"parameter": "gradient bytes (balance)", "value": workload.gradient_bytes,
          "from": f"balance model: {probe['parameter_count']} parameters x 4"},
@@ -493,13 +574,14 @@ def calibration_rows(balance: dict, probe: dict, noise: Optional[float], balance
          "from": f"elastic.py state_bytes / transfer path {_fmt(elastic_extra['transfer_path_s'])} s "
                  "(serialise+send+deserialise+restore)"},
         {"parameter": "detection_s", "value": elastic_costs.detection_s,
-         "from": "probe: SIGKILL during all-reduce -> survivors' error (slowest survivor)"},
+         "from": "probe: SIGKILL during all-reduce -> first survivor's error"},
         {"parameter": "lost compute, failed step", "value": elastic_extra["failed_step_compute_s"],
          "from": "elastic.py metrics: survivors' busy in 3-device steps"},
     ]
 
 
-def explanations(comparisons: Sequence[Comparison], balance: dict, elastic: dict, elastic_extra: dict) -> List[str]:
+def explanations(comparisons: Sequence[Comparison], balance: dict, elastic: dict, elastic_extra: dict,
+                 balance_extra: Optional[dict] = None) -> List[str]:
     """Where the model is off, for each counted row over the goal (and why, as far as the data shows)."""
     notes = []
     by_name = {row.figure: row for row in comparisons}
@@ -520,6 +602,11 @@ def explanations(comparisons: Sequence[Comparison], balance: dict, elastic: dict
                      "whatever the count.")
             if single:
                 text += f" (single-device s/VW / speed gives {single / min(balance['speeds']):.4g} s.)"
+            fits = (balance_extra or {}).get("affine_fits") or []
+            slow = int(np.argmax(balance["seconds_per_vw"]))
+            if len(fits) > slow and fits[slow] is not None:
+                text += (f" Fitted on flexpar's own steps at varying counts, local-{slow} costs "
+                         f"{fits[slow]['seconds_per_vw']:.4g} s per VW + {fits[slow]['fixed_s']:.4g} s per step.")
         elif "scale-in" in row.figure:
             text += ("The model's scale-in is one group formation, measured at "
                      f"{elastic['process_group_formation_s']:.3g} s in quiet processes; in fit() the "
@@ -607,8 +694,9 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="flexpar-sim-validation-") as scratch:
         balance, elastic, metrics_dir = gather_inputs(options, scratch)
         probe = run_probe(world=balance["devices"])
-        noise = balance_noise(balance, balance_step_records(metrics_dir))
-        balance_rows, balance_cal, balance_predicted = compare_balance(balance, probe, noise)
+        balance_rounds = balance_step_records(metrics_dir)
+        noise = balance_noise(balance, balance_rounds)
+        balance_rows, balance_cal, balance_extra = compare_balance(balance, probe, noise, balance_rounds)
     elastic_rows, elastic_cal, elastic_extra = compare_elastic(elastic, probe)
     comparisons = balance_rows + elastic_rows
     document = {
@@ -619,10 +707,11 @@ def main(argv=None) -> dict:
         "probe": probe,
         "noise_sigma": noise,
         "elastic_inputs": elastic_extra,
+        "balance_affine_fits_by_device": balance_extra["affine_fits"],
         "inputs": {"balance_json": options.balance_json or "(run now)", "elastic_json": options.elastic_json or "(run now)",
-                   "balance_metrics": metrics_dir, "quick": options.quick,
+                   "balance_metrics": metrics_dir if options.balance_metrics else "(temporary, removed)", "quick": options.quick,
                    "balance_load_average_1min": balance.get("load_average_1min")},
-        "notes": explanations(comparisons, balance, elastic, elastic_extra),
+        "notes": explanations(comparisons, balance, elastic, elastic_extra, balance_extra),
         "wall_s": time.perf_counter() - started,
     }
     document["summary"] = {key: document[key] for key in verdict(comparisons)}

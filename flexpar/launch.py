@@ -22,7 +22,7 @@ import torch
 
 from flexpar import control, membership, state as training_state
 from flexpar.job import (
-    FitResult, Job, TrainingError, UserCodeError, build_model, build_optimizer, first_batch_check,
+    FitResult, Job, build_model, build_optimizer, first_batch_check,
     model_digest, pickle_pieces,
 )
 from flexpar.options import FitOptions, cpu_count

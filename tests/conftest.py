@@ -3,7 +3,6 @@ job (worker processes over gloo) with a time limit and always cleans up: fit()
 kills its workers when it returns or raises, and the fixture checks none is left."""
 
 import multiprocessing
-import os
 
 import pytest
 

@@ -1,6 +1,5 @@
 """The command line: `flexpar run` maps onto fit() one to one; `flexpar plot` draws the metrics."""
 
-import json
 import os
 import subprocess
 import sys
@@ -25,7 +24,11 @@ def test_run_overrides_the_script_and_plot_draws_it(tmp_path):
                          capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr
     assert "steps 4 generations 1" in run.stdout
-    steps = [json.loads(line) for line in metrics.read_text().splitlines() if '"kind":"step"' in line]
+    from flexpar.metrics import read_records
+
+    records = read_records(metrics)  # every record of the run validates against the schema
+    steps = [record for record in records if record["kind"] == "step"]
+    assert [r["event"] for r in records if r["kind"] == "event"] == ["start"]
     assert [len(record["devices"]) for record in steps] == [2, 2, 2, 2]
     plot = subprocess.run([sys.executable, "-m", "flexpar", "plot", str(metrics), "-o", str(picture)],
                           capture_output=True, text=True, timeout=120)

@@ -1,6 +1,5 @@
 """The user's side: bad input gets one clear error, before workers start where possible."""
 
-import math
 import subprocess
 import sys
 import textwrap
