@@ -1,6 +1,6 @@
 """Elastic changes on a 25M-parameter Adam job: flexpar vs torchrun checkpoint-restart.
 
-    python benchmarks/elastic.py [--json PATH] [--quick] [--rounds N]
+    python benchmarks/elastic.py [--json PATH] [--quick] [--rounds N (at most; default 3)]
 
 One invocation measures, alternating flexpar and baseline rounds:
 
@@ -26,6 +26,7 @@ is reported beside it. Every figure is the median over the rounds.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import multiprocessing
@@ -35,46 +36,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-
-import restart_worker  # noqa: E402  (the job's pieces, plain torch)
-from restart_worker import adam, cross_entropy, make_dataset  # noqa: E402
-
-try:  # shared helpers written alongside; local fallbacks keep this file standalone
-    from common import base_parser, free_port, median, print_table, write_json  # noqa: E402
-except ImportError:  # pragma: no cover
-    import argparse
-    import socket
-    import statistics
-
-    def median(values):
-        return float(statistics.median(values))
-
-    def free_port():
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            return probe.getsockname()[1]
-
-    def base_parser(description):
-        parser = argparse.ArgumentParser(description=description)
-        parser.add_argument("--json", metavar="PATH", default=None)
-        parser.add_argument("--quick", action="store_true")
-        return parser
-
-    def write_json(path, data):
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-    def print_table(rows, columns, title=""):
-        print(title)
-        for row in rows:
-            print("  ".join(str(row.get(column)) for column in columns))
-
+import restart_worker
+import torch
+from common import base_parser, free_port, median, print_table, write_json
+from restart_worker import adam, cross_entropy, make_dataset
 
 WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "restart_worker.py")
 GLOBAL_BATCH = 24
@@ -245,22 +213,17 @@ def _wait_for(predicate, timeout_s: float, agents: list, what: str) -> None:
 
 
 def _stop_agents(agents: list, pid_folder: str) -> None:
-    """End the agents this round started, then any of their workers still alive.
+    """End the agents this round started, then their workers (the figures are in by now).
 
-    SIGTERM first: a torchrun agent then stops its workers itself. Workers run
-    in sessions of their own, so a worker whose agent was killed outright would
-    live on; each one left its pid in `pid_folder`, and is ended by that pid.
+    Agents first, so that none can start a replacement worker; then each worker
+    by the pid it left in `pid_folder` (workers run in sessions of their own, so
+    they outlive a killed agent). A graceful stop would cost seconds of torchrun's
+    shutdown per round and measure nothing.
     """
     for agent in agents:
         if agent.poll() is None:
-            agent.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 15
-    for agent in agents:
-        try:
-            agent.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
             agent.kill()
-            agent.wait()
+        agent.wait()
     for name in os.listdir(pid_folder) if os.path.isdir(pid_folder) else ():
         _kill_worker(int(name))
 
@@ -309,11 +272,12 @@ def torchrun_round(settings: Settings, workdir: str, index: int) -> dict:
     port = free_port()
     command = torchrun_command(settings, port, f"elastic-bench-{os.getpid()}-{index}", files)
     environment = torchrun_environment()
-    agents, outputs = [], []
+    agents = []
+    outputs = contextlib.ExitStack()  # the agents' log files, closed when the round ends
 
     def start_agent(number: int):
-        outputs.append(open(os.path.join(folder, f"agent-{number}.log"), "w"))
-        agents.append(subprocess.Popen(command, env=environment, stdout=outputs[-1], stderr=subprocess.STDOUT,
+        output = outputs.enter_context(open(os.path.join(folder, f"agent-{number}.log"), "w"))  # noqa: SIM115
+        agents.append(subprocess.Popen(command, env=environment, stdout=output, stderr=subprocess.STDOUT,
                                        start_new_session=True))  # its own group: no terminal signals
 
     def steps_with(world: int) -> int:
@@ -335,11 +299,8 @@ def torchrun_round(settings: Settings, workdir: str, index: int) -> dict:
         _wait_for(lambda: steps_with(3) >= settings.baseline_new_steps, 180, agents, "the restarted workers")
         mark("new_set_done")
     finally:
-        # The figures are in: end agents and workers now rather than wait seconds
-        # for torchrun's exit barrier, which measures nothing.
         _stop_agents(agents, files["pids"])
-        for output in outputs:
-            output.close()
+        outputs.close()
         mark("agents_stopped")
     for leftover in (files["checkpoint"], files["checkpoint"] + ".tmp"):  # hundreds of MB each
         if os.path.exists(leftover):
@@ -365,7 +326,7 @@ def analyse_torchrun(records: list, requested: float) -> dict:
         "request_to_first_step_s": first_new - requested,
         "steps_lost": old[-1]["step"] + 1 - start["step"],
         "step_time_2_s": median([b["time"] - a["time"] for a, b in zip(old, old[1:])]) if len(old) > 1 else None,
-        "save_s": median([r["save_s"] for r in steps]),
+        "save_s": median([r["save_s"] for r in steps if r["save_s"] > 0] or [0.0]),  # 0: a set's first
         "parts_s": {
             "stop_and_rendezvous": start["process_started"] - last_old,
             "import_torch": start["imported"] - start["process_started"],
@@ -401,7 +362,7 @@ def _timed(function):
 
 def _state_tensors(model, optimizer) -> list:
     """Every tensor of the training state that a joiner must receive, in a fixed order."""
-    tensors = [tensor for tensor in model.state_dict().values()]
+    tensors = list(model.state_dict().values())
     for parameter in model.parameters():
         state = optimizer.state[parameter]
         tensors += [state[key] for key in sorted(state) if torch.is_tensor(state[key])]
@@ -430,7 +391,7 @@ def _floor_worker(rank: int, world: int, port: int, model_name: str, repeats: in
         dist.barrier()
         return seconds
 
-    record("pg_first_s", form("pg/0"))
+    form("pg/0")  # the first group of a process also pays gloo's start-up: not what flexpar pays
     from flexpar import state as training_state
 
     data = training_state.to_bytes(training_state.capture(model, optimizer, None, 1, {}))
@@ -589,13 +550,19 @@ def summarise(settings, flexpar_rounds, torchrun_rounds, floor, parameter_count)
         "step_time_3_devices_s": _plain_medians(flexpar_rounds, "step_time_3_s"),
         "failure_resume_s": _medians(flexpar_rounds, "failure", "stall_s"),
         "failure_event_stall_s": _medians(flexpar_rounds, "failure", "event_stall_s"),
-        "failure_commit_gap_s": _medians(flexpar_rounds, "failure", "commit_gap_s"),
+        "failure_last_commit_to_first_step_s": _medians(flexpar_rounds, "failure", "commit_gap_s"),
         "broadcast_s": floor["send_2_s"],
         "broadcast_3_processes_s": floor["broadcast_3_s"],
         "process_group_formation_s": floor["pg_again_s"],
+        # The calls of flexpar.state, one after another on the critical path except
+        # receive_s, which starts waiting while the source still serialises.
         "flexpar_transfer_parts_s": {key.replace("flexpar_", ""): floor[key] for key in (
-            "flexpar_serialise_s", "flexpar_send_s", "copy_in_send_s", "flexpar_receive_s",
-            "copy_in_receive_s", "flexpar_deserialise_s", "flexpar_restore_s")},
+            "flexpar_serialise_s", "flexpar_send_s", "flexpar_receive_s", "flexpar_deserialise_s",
+            "flexpar_restore_s")},
+        # Whole-buffer copies inside those calls (already counted in them): bytearray(data)
+        # in send(), .numpy().tobytes() in receive(), after the bytes have arrived.
+        "flexpar_transfer_copies_s": {"in_send_s": floor["copy_in_send_s"],
+                                      "in_receive_s": floor["copy_in_receive_s"]},
         "direct_tensor_send_s": floor["direct_tensor_send_s"],
         "restart_parts_s": {key: median([r["parts_s"][key] for r in torchrun_rounds])
                             for key in (torchrun_rounds[0]["parts_s"] if torchrun_rounds else {})},
@@ -632,7 +599,9 @@ def print_report(summary: dict) -> None:
                 title=f"\nElastic changes, {summary['parameter_count'] / 1e6:.1f}M parameters + Adam, "
                       f"medians of {summary['rounds']} rounds (seconds)")
     print("\nflexpar state transfer, by part (seconds):",
-          ", ".join(f"{k} {v:.3f}" for k, v in summary["flexpar_transfer_parts_s"].items()))
+          ", ".join(f"{k} {v:.3f}" for k, v in summary["flexpar_transfer_parts_s"].items()),
+          "| of which whole-buffer copies:",
+          ", ".join(f"{k} {v:.3f}" for k, v in summary["flexpar_transfer_copies_s"].items()))
     print("torchrun restart stall, by part (seconds):",
           ", ".join(f"{k} {v:.3f}" for k, v in summary["restart_parts_s"].items()))
     print(f"\nbaseline: {summary['baseline']}")

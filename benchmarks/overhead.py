@@ -94,7 +94,7 @@ class Config:
 
 
 FULL = Config(features=1024, hidden=2048, hidden_layers=3, classes=10, per_device_batch=64,
-              micro_batch=8, steps=16, skip=4, repeats=3, dataset_size=4096)
+              micro_batch=4, steps=14, skip=4, repeats=3, dataset_size=4096)
 QUICK = Config(features=256, hidden=512, hidden_layers=2, classes=10, per_device_batch=32,
                micro_batch=4, steps=10, skip=3, repeats=1, dataset_size=1024)
 

@@ -22,12 +22,12 @@ import time
 
 PROCESS_STARTED = time.time()  # before `import torch`: the restart pays that import
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
+import argparse
+import json
+import os
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
 IMPORTED = time.time()
 

@@ -136,6 +136,7 @@ class BalanceState:
     seconds_per_vw: Mapping[str, float] = field(default_factory=dict)
     device_ids: Tuple[str, ...] = ()
     assignment: Tuple[int, ...] = ()
+    recent: Mapping[str, Tuple[float, ...]] = field(default_factory=dict)  # last raw measurements
 
     def __post_init__(self) -> None:
         seconds: Dict[str, float] = {}
@@ -149,6 +150,11 @@ class BalanceState:
                 f"assignment has {len(assignment)} entries but device_ids has {len(device_ids)}; "
                 "they must be aligned by rank"
             )
+        recent = {
+            device_id: tuple(_finite_seconds(v, f"recent[{device_id!r}]") for v in self.recent[device_id])
+            for device_id in sorted(_device_id_tuple(list(self.recent), "recent keys"))
+        }
+        object.__setattr__(self, "recent", MappingProxyType(recent))
         # Frozen: the normalised values go in through object.__setattr__.
         object.__setattr__(self, "seconds_per_vw", MappingProxyType(seconds))
         object.__setattr__(self, "device_ids", device_ids)
@@ -170,6 +176,7 @@ def state_to_dict(state: BalanceState) -> dict:
         "seconds_per_vw": dict(state.seconds_per_vw),
         "device_ids": list(state.device_ids),
         "assignment": list(state.assignment),
+        "recent": {device_id: list(values) for device_id, values in state.recent.items()},
     }
 
 
@@ -180,7 +187,7 @@ def state_from_dict(data: Mapping[str, Any]) -> BalanceState:
     missing = [key for key in _STATE_KEYS if key not in data]
     if missing:
         raise ValueError(f"balance state lacks the key(s) {missing}; it needs {list(_STATE_KEYS)}")
-    unknown = sorted(str(key) for key in data if key not in _STATE_KEYS)
+    unknown = sorted(str(key) for key in data if key not in _STATE_KEYS + ("recent",))
     if unknown:
         raise ValueError(f"balance state has unknown key(s) {unknown}; it takes only {list(_STATE_KEYS)}")
     if not isinstance(data["seconds_per_vw"], Mapping):
@@ -191,6 +198,7 @@ def state_from_dict(data: Mapping[str, Any]) -> BalanceState:
         seconds_per_vw=dict(data["seconds_per_vw"]),
         device_ids=tuple(data["device_ids"]),
         assignment=tuple(data["assignment"]),
+        recent={device_id: tuple(values) for device_id, values in dict(data.get("recent", {})).items()},
     )
 
 
@@ -241,7 +249,35 @@ def optimal_assignment(seconds_per_vw: Sequence[float], virtual_workers: int) ->
         # Recompute as a product (not a running sum) so the value is exactly
         # (count + 1) * seconds, the same float the proof and the tests use.
         heapq.heapreplace(next_finish, ((counts[rank] + 1) * seconds[rank], rank))
-    return tuple(counts)
+    return _raise_the_minimum(counts, seconds, virtual_workers)
+
+
+def _raise_the_minimum(counts: List[int], seconds: List[float], virtual_workers: int) -> Tuple[int, ...]:
+    """Among splits as fast as `counts`, the one whose least busy device is busiest.
+
+    Many splits often share the optimal step time; the greedy's tie-break
+    picks one that may leave a device idle much of the step, which the
+    reported imbalance then shows although nothing runs slower. Give every
+    device one more VW where that stays within the optimal step time, then take
+    back the surplus one VW at a time from the device that stays busiest
+    without it (ties: higher rank, so lower ranks keep more, as in the greedy).
+    The step time never grows.
+    """
+    step = max(count * device_seconds for count, device_seconds in zip(counts, seconds))
+    # Each device may take at most one VW more than the greedy gave it: that covers
+    # the ties the greedy breaks badly and keeps this pass O(n log n).
+    caps = [count + 1 if (count + 1) * device_seconds <= step else count
+            for count, device_seconds in zip(counts, seconds)]
+    # A heap of (minus the busy time left after giving one back, minus rank).
+    candidates = [(-(cap - 1) * seconds[rank], -rank) for rank, cap in enumerate(caps) if cap > 1]
+    heapq.heapify(candidates)
+    for _ in range(sum(caps) - virtual_workers):
+        _, negative_rank = heapq.heappop(candidates)
+        rank = -negative_rank
+        caps[rank] -= 1
+        if caps[rank] > 1:
+            heapq.heappush(candidates, (-(caps[rank] - 1) * seconds[rank], -rank))
+    return tuple(caps)
 
 
 def predicted_step_seconds(assignment: Sequence[int], seconds_per_vw: Sequence[float]) -> float:
@@ -349,6 +385,7 @@ def observe(
     assignment: Sequence[int],
     busy_seconds: Sequence[float],
     smoothing: float = 0.5,
+    window: int = 3,
 ) -> BalanceState:
     """Fold one step's measurements into a new state.
 
@@ -360,6 +397,11 @@ def observe(
     value as is. ``smoothing=1`` trusts only the latest step. Devices not in
     ``device_ids`` keep their old values. The returned state records
     ``device_ids`` and ``assignment`` as the last assignment.
+
+    Outliers: what is smoothed is the median of the device's last ``window``
+    raw measurements (kept in ``recent``), so one step slowed by a hiccup of
+    the host does not move the assignment, while a lasting change of speed
+    shows after ``window // 2 + 1`` steps. ``window=1`` smooths the raw values.
     """
     device_ids = _device_id_tuple(device_ids, "device_ids")
     counts = _assignment_tuple(assignment, "assignment", minimum=1)
@@ -373,9 +415,12 @@ def observe(
     if not 0.0 < weight <= 1.0:
         raise ValueError(f"smoothing={weight} must be above 0 and at most 1 (it is the weight of the new measurement)")
 
+    window = _count(window, "window", minimum=1)
     seconds = dict(state.seconds_per_vw)
+    recent = dict(state.recent)
     for device_id, count, device_busy in zip(device_ids, counts, busy):
-        measured = _usable_seconds(device_busy / count)
+        recent[device_id] = (recent.get(device_id, ()) + (_usable_seconds(device_busy / count),))[-window:]
+        measured = _median(recent[device_id])
         old = seconds.get(device_id)
         seconds[device_id] = measured if old is None else weight * measured + (1.0 - weight) * old
-    return BalanceState(seconds_per_vw=seconds, device_ids=device_ids, assignment=counts)
+    return BalanceState(seconds_per_vw=seconds, device_ids=device_ids, assignment=counts, recent=recent)

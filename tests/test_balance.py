@@ -515,3 +515,28 @@ def test_state_floors_non_positive_times():
 def test_bad_input_is_refused_with_the_numbers(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+from flexpar import balance  # noqa: E402  (module-level helpers below use the namespace)
+
+
+def test_one_outlier_step_does_not_move_the_assignment():
+    devices = ("a", "b", "c")
+    true_seconds = [1.0, 2.0, 4.0]
+    state = balance.BalanceState(seconds_per_vw={})
+    assignment = balance.next_assignment(state, devices, 8)
+    for step in range(12):
+        busy = [count * seconds for count, seconds in zip(assignment, true_seconds)]
+        if step == 6:
+            busy[0] *= 3.0  # the host stalled device a for one step
+        state = balance.observe(state, devices, assignment, busy)
+        following = balance.next_assignment(state, devices, 8)
+        if step >= 2:
+            assert following == balance.optimal_assignment(true_seconds, 8), step
+        assignment = following
+
+
+def test_equally_fast_splits_prefer_the_most_even_one():
+    # (12, 12, 6, 2) and (12, 11, 6, 3) both take 12 units; the second leaves nobody idle.
+    assert balance.optimal_assignment([1.0, 1.0, 2.0, 4.0], 32) == (12, 11, 6, 3)
+    assert balance.imbalance([12.0, 11.0, 12.0, 12.0]) < balance.imbalance([12.0, 12.0, 12.0, 8.0])

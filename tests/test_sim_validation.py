@@ -1,0 +1,116 @@
+"""Tests of the pure parts of benchmarks/sim_validation.py (no processes, no benchmarks run)."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import sim_validation as validation  # noqa: E402
+from flexpar.sim import calibrate  # noqa: E402
+
+
+def test_error_of_is_relative_and_undefined_without_a_measurement():
+    assert validation.error_of(1.1, 1.0) == pytest.approx(0.1)
+    assert validation.error_of(0.9, 1.0) == pytest.approx(0.1)
+    assert validation.error_of(None, 1.0) is None
+    assert validation.error_of(1.0, None) is None
+    assert validation.error_of(0.5, 0.0) is None
+    assert validation.error_of(math.inf, 1.0) is None
+
+
+def test_verdict_counts_only_counted_rows_and_needs_every_one_defined():
+    rows = [
+        validation.Comparison("a", 1.05, 1.0, True, "m"),
+        validation.Comparison("b", 2.0, 1.0, False, "diagnostic"),
+    ]
+    summary = validation.verdict(rows)
+    assert summary["max_relative_error"] == pytest.approx(0.05)
+    assert summary["max_relative_error_all_rows"] == pytest.approx(1.0)
+    assert summary["goal_met"] is True
+    rows.append(validation.Comparison("c", None, 1.0, True, "missing input"))
+    summary = validation.verdict(rows)
+    assert summary["goal_met"] is False
+    assert summary["rows_without_error"] == ["c"]
+    rows.append(validation.Comparison("d", 1.3, 1.0, True, "m"))
+    assert validation.verdict(rows)["rows_over_goal"] == ["d"]
+
+
+def test_noise_sigma_recovers_a_lognormal_sigma():
+    generator = np.random.default_rng(0)
+    deviations = {f"d{index}": list(generator.normal(0.0, 0.1, 2000)) for index in range(4)}
+    assert validation.noise_sigma(deviations) == pytest.approx(0.1, rel=0.08)
+    assert validation.noise_sigma({"short": [0.1, 0.2]}) == 0.0
+
+
+def test_independent_deviations_drop_what_all_devices_share():
+    # Every device slowed by the same factor in a step: no independent noise at all.
+    factors = [1.0, 1.5, 0.8, 1.2]
+    steps = [{"a": 0.1 * factor, "b": 0.3 * factor, "c": 0.2 * factor} for factor in factors]
+    deviations = validation.independent_log_deviations(steps)
+    assert all(abs(value) < 1e-12 for values in deviations.values() for value in values)
+    # One device alone slower in one step: only it deviates (by the log of the ratio, less the median share).
+    steps = [{"a": 0.1, "b": 0.3, "c": 0.2} for _ in range(5)]
+    steps[2] = {"a": 0.2, "b": 0.3, "c": 0.2}
+    deviations = validation.independent_log_deviations(steps)
+    assert deviations["a"][2] == pytest.approx(math.log(2.0))
+    assert deviations["b"][2] == pytest.approx(0.0)
+
+
+def test_per_vw_samples_takes_the_window_and_divides_by_the_count():
+    records = [
+        {"step": step, "devices": ["local-1", "local-0"], "assignment": [2, 4], "busy_s": [0.2, 0.8]}
+        for step in range(6)
+    ]
+    samples = validation.per_vw_samples(records, 2, 5)
+    assert len(samples) == 3
+    assert samples[0] == {"local-1": pytest.approx(0.1), "local-0": pytest.approx(0.2)}
+
+
+def test_transfer_path_is_serialise_send_deserialise_restore():
+    parts = {"serialise_s": 0.4, "send_s": 0.8, "receive_s": 1.5, "deserialise_s": 0.3, "restore_s": 0.05}
+    assert validation.transfer_path_seconds(parts) == pytest.approx(1.55)
+    assert validation.transfer_path_seconds({"send_s": 1.0}) is None
+    assert validation.transfer_path_seconds({}) is None
+
+
+def _step(step, generation, devices, busy):
+    return {"kind": "step", "step": step, "generation": generation, "devices": devices,
+            "assignment": [2] * len(devices), "busy_s": busy}
+
+
+def test_failed_step_compute_is_the_slowest_survivors_busy_of_the_failed_generation():
+    records = [
+        _step(0, 1, ["a", "b"], [0.9, 0.9]),
+        _step(1, 2, ["a", "b", "c"], [5.0, 5.0, 5.0]),  # first step of the set: left out
+        _step(2, 2, ["a", "b", "c"], [0.4, 0.6, 9.0]),  # c is the one that fails: not a survivor
+        _step(3, 2, ["a", "b", "c"], [0.5, 0.3, 9.0]),
+        {"kind": "event", "event": "failure", "step": 4, "devices": ["a", "b"]},
+        _step(4, 3, ["a", "b"], [0.9, 0.9]),
+    ]
+    assert validation.failed_step_compute_s(records) == pytest.approx(0.55)
+    assert validation.failed_step_compute_s([r for r in records if r["kind"] == "step"]) is None
+
+
+def test_ddp_slowest_seconds_per_vw_is_the_median_over_rounds():
+    balance = {"virtual_workers": 8, "devices": 2,
+               "rounds": [{"uniform_busy_s": [0.4, 0.8]}, {"uniform_busy_s": [0.4, 1.2]}, {}]}
+    assert validation.ddp_slowest_seconds_per_vw(balance) == pytest.approx(0.25)
+
+
+def test_predict_balance_noise_free_matches_the_closed_form():
+    balance = {"virtual_workers": 6, "devices": 2,
+               "config": {"speeds": [1.0, 1.0], "changed_device": 0, "changed_speed": 0.5}}
+    table = [0.1, 0.2]
+    calibration = calibrate({"seconds_per_vw": table, "devices": 2, "virtual_workers": 6,
+                             "gradient_bytes": 1e6, "all_reduce_s": 0.01, "optimizer_s": 0.005})
+    predicted = validation.predict_balance(balance, table, calibration, noise=0.0)
+    # Balanced: 4 x 0.1 vs 2 x 0.2 -> 0.4; uniform 3 + 3 -> 0.6; local-0 at 0.2 -> 3 + 3 -> 0.6.
+    assert predicted["flexpar_step_s"] == pytest.approx(0.4 + 0.01 + 0.005, rel=1e-6)
+    assert predicted["uniform_step_s"] == pytest.approx(0.6 + 0.01 + 0.005, rel=1e-6)
+    assert predicted["settled_step_s"] == pytest.approx(0.6 + 0.01 + 0.005, rel=1e-6)
