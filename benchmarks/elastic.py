@@ -57,9 +57,17 @@ class Settings:
         self.model_name = "small" if quick else "full"
         self.rounds = rounds
         # flexpar schedule: step indices of the changes, spaced so that each change
-        # has settled (joiner admitted, failure recovered) before the next fires.
-        self.join_step, self.fault_step, self.rejoin_step, self.leave_step = 3, 8, 11, 16
-        self.steps = 20
+        # has settled before the next fires. A joiner needs seconds (start, import the
+        # script, build, warm up) before it is admitted: about 3 full-size steps, or
+        # 12 of the quick model's short ones; `lead` leaves room beyond that, since the
+        # fault can only fire once the joiner trains, and a "-1" that fires before
+        # the second joiner is admitted would cancel it instead of removing it.
+        lead = 16 if quick else 6
+        self.join_step = 3
+        self.fault_step = self.join_step + lead
+        self.rejoin_step = self.fault_step + 3
+        self.leave_step = self.rejoin_step + lead
+        self.steps = self.leave_step + 4
         # The third agent starts once the old set has committed a step (it then needs
         # seconds of `import torch` before it reaches the rendezvous, while the old
         # set trains on); the new set runs 3 steps: 2 intervals give a normal step.
@@ -130,14 +138,12 @@ def analyse_flexpar(records: list, settings: Settings) -> dict:
     failures = [e for e in events if e["event"] == "failure"]
     leaves = [e for e in events if e["event"] == "leave"]
     found = {}
-    first_join = next((e for e in joins if e["step"] <= settings.fault_step), None)
-    second_join = next((e for e in joins if e["step"] > settings.fault_step), None)
-    if first_join:
-        found["scale_out"] = measure_change(steps, first_join, settings.join_step)
+    if joins:
+        found["scale_out"] = measure_change(steps, joins[0], settings.join_step)
     if failures:
         found["failure"] = measure_change(steps, failures[0], None)
-    if second_join:
-        found["scale_out_again"] = measure_change(steps, second_join, settings.rejoin_step)
+    if len(joins) > 1:
+        found["scale_out_again"] = measure_change(steps, joins[1], settings.rejoin_step)
     if leaves:
         found["scale_in"] = measure_change(steps, leaves[0], settings.leave_step)
     two = [r for r in steps if len(r["devices"]) == 2]
@@ -145,6 +151,8 @@ def analyse_flexpar(records: list, settings: Settings) -> dict:
     found["step_time_2_s"] = _steady_step_s(steps, two)
     found["step_time_3_s"] = _steady_step_s(steps, three)
     found["device_counts"] = _device_counts(steps)
+    # Anything else means a change fired before the one before it had settled.
+    found["as_planned"] = found["device_counts"] == [2, 3, 2, 3, 2]
     return found
 
 
@@ -629,8 +637,10 @@ def main() -> None:
             print(f"  stopping after {index} rounds: another would pass the {settings.budget_s:.0f} s budget")
             break
         flexpar_rounds.append(flexpar_round(settings, workdir, index))
-        print(f"  round {index}: flexpar done in {flexpar_rounds[-1]['wall_s']:.0f} s, "
-              f"device counts {flexpar_rounds[-1]['device_counts']}", flush=True)
+        done = flexpar_rounds[-1]
+        print(f"  round {index}: flexpar done in {done['wall_s']:.0f} s, device counts "
+              f"{done['device_counts']}" + ("" if done["as_planned"] else
+                                           " (NOT as planned 2,3,2,3,2: a joiner was late)"), flush=True)
         torchrun_rounds.append(torchrun_round(settings, workdir, index))
         print(f"  round {index}: torchrun done in {torchrun_rounds[-1]['wall_s']:.0f} s", flush=True)
     floor = measure_floor(settings)

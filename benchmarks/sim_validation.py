@@ -549,8 +549,10 @@ def compare_elastic(elastic: dict, probe: dict) -> tuple:
                                "group formation + state bytes at gloo's send bandwidth"))
     noise = [step_interval_noise_s(read_step_records(r.get("metrics", ""))) for r in elastic.get("flexpar_rounds", [])]
     noise = [value for value in noise if value is not None]
-    by_round = {key: [r[change]["stall_s"] for r in elastic.get("flexpar_rounds", []) if change in r]
-                for key, change in (("scale_out", "scale_out"), ("scale_in", "scale_in"), ("failure", "failure"))}
+    # elastic.py's scale-out figure is the median over both joins of every round.
+    changes = {"scale_out": ("scale_out", "scale_out_again"), "scale_in": ("scale_in",), "failure": ("failure",)}
+    by_round = {key: [r[change]["stall_s"] for r in elastic.get("flexpar_rounds", []) for change in names if change in r]
+                for key, names in changes.items()}
     return rows, calibration, {"transfer_path_s": transfer_s, "failed_step_compute_s": lost_s,
                                "failed_step_compute_by_round_s": lost,
                                "step_interval_noise_s": median(noise) if noise else None,
@@ -621,7 +623,7 @@ def _why(row: Comparison, balance, elastic, elastic_extra, balance_extra, probe)
         text += (f" Resolution: a stall from step records is a gap minus a normal step; one step's time varies by "
                  f"about {noise:.2g} s here (robust spread of commit intervals)")
         if key and rounds.get(key):
-            text += f", and the rounds measured {', '.join(f'{value:.3g}' for value in rounds[key])} s"
+            text += f", and the single changes measured {', '.join(f'{value:.3g}' for value in rounds[key])} s"
         text += "."
     return text
 
@@ -651,9 +653,21 @@ def _why_stall(row: Comparison, elastic: dict, elastic_extra: dict, probe: dict)
                 "the step in flight (from neighbouring steps' busy times); the rest is detection and a new "
                 "group. The coordinator's latency (noticing the exit, publishing the survivors' generation) "
                 "and a slower or faster first step after the change are not in the model.")
-    return ("The model is group formation + the state transfer timed on its own; in fit() the transfer "
-            "shares the 2 cores with the other processes, and the first step of the new set (new "
-            "assignment, loader restart) is not in the model.")
+    parts = elastic.get("flexpar_transfer_parts_s") or {}
+    source_side = (parts.get("serialise_s") or 0.0) + (parts.get("send_s") or 0.0)
+    text = (f"The model is group formation + flexpar's transfer path timed on its own "
+            f"({_fmt(elastic_extra.get('transfer_path_s'))} s, of which serialise + send "
+            f"{source_side:.3g} s). ")
+    event = elastic.get("scale_out_event_stall_s")
+    if event is not None:
+        alone = source_side + (elastic.get("process_group_formation_s") or 0.0)
+        text += (f"In fit(), flexpar's event record (rank 0, the source: new group, serialise, send; not the "
+                 f"joiner's deserialise and restore) puts that part at {event:.3g} s against {alone:.3g} s "
+                 "alone: ")
+        text += ("the same calls run slower inside the job (3 processes on 2 cores, the joiner freshly "
+                 "started). " if event > alone else
+                 "the calls timed alone ran slower than inside the job (other load at that moment). ")
+    return text + "The first step of the new set (new assignment, loader restart) is not in the model either."
 
 
 def _why_uniform(balance: dict) -> str:
@@ -759,6 +773,8 @@ def main(argv=None) -> dict:
                    "balance_metrics": metrics_dir if options.balance_metrics else "(temporary, removed)", "quick": options.quick,
                    "balance_load_average_1min": balance.get("load_average_1min")},
         "notes": explanations(comparisons, balance, elastic, elastic_extra, balance_extra, probe),
+        # The inputs themselves, so that a run can be re-checked with --balance-json / --elastic-json.
+        "benchmark_results": {"balance": balance, "elastic": elastic},
         "wall_s": time.perf_counter() - started,
     }
     document["summary"] = {key: document[key] for key in verdict(comparisons)}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import warnings
 from typing import Optional
 
 import torch
@@ -69,7 +70,10 @@ def agree_on_source(committed_step: int, rank: int, world_size: int, device) -> 
 
 def send(data: bytes, receivers: list, device, after_size=None) -> None:
     """Send the state bytes to each receiver (size first, then the bytes)."""
-    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    # gloo only reads the buffer: no copy into a writable bytearray.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "the given buffer is not writable"
+        payload = torch.frombuffer(data, dtype=torch.uint8).to(device)
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     for receiver in receivers:
         dist.send(size, receiver)
