@@ -46,20 +46,29 @@ import json
 import math
 import multiprocessing
 import os
+import queue
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import numpy as np  # noqa: E402
+import numpy as np
+from common import base_parser, median, print_table, write_json
 
-from common import base_parser, median, print_table, write_json  # noqa: E402
-from flexpar.sim import DeviceSpec, Event, Scenario, calibrate, predict_elastic_stalls, relative_error, simulate  # noqa: E402
+from flexpar.sim import (
+    DeviceSpec,
+    Event,
+    Scenario,
+    calibrate,
+    predict_elastic_stalls,
+    relative_error,
+    simulate,
+)
 
 BENCHMARKS = os.path.dirname(os.path.abspath(__file__))
 GOAL = 0.15
@@ -78,17 +87,17 @@ class Comparison:
     """One predicted figure against its measurement."""
 
     figure: str
-    predicted: Optional[float]
-    measured: Optional[float]
+    predicted: float | None
+    measured: float | None
     counted: bool
     model: str  # what the prediction is made of
-    relative_error: Optional[float] = field(init=False)
+    relative_error: float | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.relative_error = error_of(self.predicted, self.measured)
 
 
-def error_of(predicted: Optional[float], measured: Optional[float]) -> Optional[float]:
+def error_of(predicted: float | None, measured: float | None) -> float | None:
     """|predicted - measured| / |measured|; None when either is missing or the measurement is 0."""
     if predicted is None or measured is None or measured == 0:
         return None
@@ -136,7 +145,7 @@ def noise_sigma(log_deviations_by_device: Mapping[str, Sequence[float]]) -> floa
     return float(np.median(spreads)) if spreads else 0.0
 
 
-def per_vw_samples(step_records: Sequence[dict], first_step: int, end_step: int) -> List[Dict[str, float]]:
+def per_vw_samples(step_records: Sequence[dict], first_step: int, end_step: int) -> list[dict[str, float]]:
     """Per step record with first_step <= step < end_step: {device_id: busy / VWs}."""
     steps = []
     for record in step_records:
@@ -147,7 +156,7 @@ def per_vw_samples(step_records: Sequence[dict], first_step: int, end_step: int)
     return steps
 
 
-def independent_log_deviations(steps: Sequence[Mapping[str, float]]) -> Dict[str, List[float]]:
+def independent_log_deviations(steps: Sequence[Mapping[str, float]]) -> dict[str, list[float]]:
     """Each device's log(seconds per VW) deviation that the other devices did not share that step.
 
     log x[d, s] = device level + step factor + independent part. The step factor
@@ -158,16 +167,16 @@ def independent_log_deviations(steps: Sequence[Mapping[str, float]]) -> Dict[str
     noise is independent per device and step, so only the rest is its noise.
     (With few devices the step factor absorbs a little of the independent part.)
     """
-    logs: Dict[str, List[tuple]] = {}
+    logs: dict[str, list[tuple]] = {}
     for index, step in enumerate(steps):
         for device_id, value in step.items():
             logs.setdefault(device_id, []).append((index, math.log(value)))
     levels = {device_id: float(np.median([value for _, value in pairs])) for device_id, pairs in logs.items()}
-    by_step: Dict[int, Dict[str, float]] = {}
+    by_step: dict[int, dict[str, float]] = {}
     for device_id, pairs in logs.items():
         for index, value in pairs:
             by_step.setdefault(index, {})[device_id] = value - levels[device_id]
-    deviations: Dict[str, List[float]] = {}
+    deviations: dict[str, list[float]] = {}
     for index, values in by_step.items():
         if len(values) < 2:
             continue  # one device alone cannot tell its own noise from the host's
@@ -177,7 +186,7 @@ def independent_log_deviations(steps: Sequence[Mapping[str, float]]) -> Dict[str
     return deviations
 
 
-def transfer_path_seconds(parts: Mapping[str, float]) -> Optional[float]:
+def transfer_path_seconds(parts: Mapping[str, float]) -> float | None:
     """flexpar's state transfer, source to level receiver: serialise + send + deserialise + restore.
 
     `receive_s` is left out: the receiver starts waiting while the source is still
@@ -189,7 +198,7 @@ def transfer_path_seconds(parts: Mapping[str, float]) -> Optional[float]:
     return float(sum(parts[key] for key in keys))
 
 
-def failed_step_compute_s(records: Sequence[dict]) -> Optional[float]:
+def failed_step_compute_s(records: Sequence[dict]) -> float | None:
     """Compute the survivors had done in the step a failure killed, estimated from the steps before it.
 
     flexpar's survivors learn of a failure when they reach the step's all-reduce,
@@ -216,7 +225,7 @@ def failed_step_compute_s(records: Sequence[dict]) -> Optional[float]:
     return median(values) if values else None
 
 
-def step_interval_noise_s(records: Sequence[dict]) -> Optional[float]:
+def step_interval_noise_s(records: Sequence[dict]) -> float | None:
     """Robust spread (1.4826 x median absolute deviation) of commit-to-commit intervals.
 
     Within each generation, its first step left out (it carries the change), each
@@ -225,7 +234,7 @@ def step_interval_noise_s(records: Sequence[dict]) -> Optional[float]:
     about this much. None with fewer than 3 intervals.
     """
     steps = sorted((r for r in records if r["kind"] == "step"), key=lambda r: r["step"])
-    by_generation: Dict[int, List[float]] = {}
+    by_generation: dict[int, list[float]] = {}
     for previous, current in zip(steps, steps[1:]):
         if current["generation"] == previous["generation"] and current["step"] == previous["step"] + 1:
             by_generation.setdefault(current["generation"], []).append(current["time"] - previous["time"])
@@ -248,7 +257,7 @@ def run_benchmark(script: str, json_path: str, quick: bool, extra: Sequence[str]
         command.append("--quick")
     _progress(f"running {' '.join(os.path.basename(part) if part.endswith('.py') else part for part in command[1:])}")
     started = time.perf_counter()
-    completed = subprocess.run(command, stdout=sys.stderr, stderr=sys.stderr)
+    completed = subprocess.run(command, stdout=sys.stderr, stderr=sys.stderr, check=False)
     if completed.returncode != 0:
         raise RuntimeError(f"{script} exited with status {completed.returncode}")
     _progress(f"{script} took {time.perf_counter() - started:.0f} s")
@@ -260,7 +269,7 @@ def load_json(path: str) -> dict:
         return json.load(handle)
 
 
-def read_step_records(path: str) -> List[dict]:
+def read_step_records(path: str) -> list[dict]:
     """Records of a flexpar metrics file (JSON lines); [] when it is gone."""
     if not path or not os.path.exists(path):
         return []
@@ -280,10 +289,9 @@ def _probe_worker(rank: int, world: int, port: int, repeats: int, results) -> No
     """
     import datetime
 
+    import balance as balance_benchmark  # the balance job's model and optimizer, by reference
     import torch
     import torch.distributed as dist
-
-    import balance as balance_benchmark  # the balance job's model and optimizer, by reference
 
     torch.set_num_threads(1)  # as each device process of the benchmark
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
@@ -338,7 +346,7 @@ def _probe_worker(rank: int, world: int, port: int, repeats: int, results) -> No
     try:
         dist.all_reduce(gradient)
         surfaced = None
-    except Exception:  # gloo raises RuntimeError (connection reset / closed) or times out
+    except RuntimeError:  # gloo: connection reset / closed, or its timeout (DistError is one too)
         surfaced = time.time()
     detection = None if surfaced is None else surfaced - float(store.get("probe/killed_at").decode())
     results.put({"kind": "detection", "rank": rank, "detection_s": detection})
@@ -352,7 +360,6 @@ def run_probe(world: int = 4, repeats: int = 10) -> dict:
     import datetime
 
     import torch.distributed as dist
-
     from common import free_port
 
     port = free_port()
@@ -372,7 +379,7 @@ def run_probe(world: int = 4, repeats: int = 10) -> dict:
         while (timings is None or len(detections) < world - 1) and time.monotonic() < deadline:
             try:
                 message = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except Exception:
+            except queue.Empty:
                 break
             if message["kind"] == "timings":
                 timings = message
@@ -398,7 +405,7 @@ def run_probe(world: int = 4, repeats: int = 10) -> dict:
 # ------------------------------------------------------------------ balance: step times
 
 
-def balance_step_records(metrics_dir: Optional[str]) -> List[List[dict]]:
+def balance_step_records(metrics_dir: str | None) -> list[list[dict]]:
     """Step records of each flexpar round that balance.py kept (flexpar-ROUND.jsonl)."""
     if not metrics_dir:
         return []
@@ -408,10 +415,10 @@ def balance_step_records(metrics_dir: Optional[str]) -> List[List[dict]]:
     return [records for records in rounds if records]
 
 
-def balance_noise(balance: dict, rounds: Sequence[Sequence[dict]]) -> Optional[float]:
+def balance_noise(balance: dict, rounds: Sequence[Sequence[dict]]) -> float | None:
     """Noise sigma from the balanced window's per-step busy / VW (pooled over rounds); None without records."""
     config = balance["config"]
-    pooled: Dict[str, List[float]] = {}
+    pooled: dict[str, list[float]] = {}
     for records in rounds:  # each round's own device levels; the deviations are pooled
         steps = per_vw_samples(records, config["warmup_steps"], config["change_step"])
         for device_id, values in independent_log_deviations(steps).items():
@@ -420,7 +427,7 @@ def balance_noise(balance: dict, rounds: Sequence[Sequence[dict]]) -> Optional[f
 
 
 def simulated_step_times(table: Sequence[float], calibration, virtual_workers: int, policy: str, noise: float,
-                         slowdown: Optional[tuple] = None) -> np.ndarray:
+                         slowdown: tuple | None = None) -> np.ndarray:
     """Per-step times of one simulated run: a balanced window, then (optionally) a slowdown and another window.
 
     `slowdown` = (device index, factor): that device's seconds per VW are
@@ -471,7 +478,7 @@ def balance_calibration(balance: dict, probe: dict, table: Sequence[float]):
     })
 
 
-def compare_balance(balance: dict, probe: dict, noise: Optional[float]) -> tuple:
+def compare_balance(balance: dict, probe: dict, noise: float | None) -> tuple:
     """Counted and diagnostic rows for balance.py, and the calibration that made them."""
     settled = [r["settled_step_s"] for r in balance.get("rounds", []) if r.get("settled_step_s") is not None]
     measured = {"flexpar_step_s": balance["step_time_s"], "uniform_step_s": balance["uniform_step_s"],
@@ -562,7 +569,7 @@ def compare_elastic(elastic: dict, probe: dict) -> tuple:
 # ------------------------------------------------------------------ report
 
 
-def calibration_rows(balance: dict, elastic_raw: dict, probe: dict, noise: Optional[float], balance_cal, elastic_cal,
+def calibration_rows(balance: dict, elastic_raw: dict, probe: dict, noise: float | None, balance_cal, elastic_cal,
                      elastic_extra) -> list:
     """What calibrates what, with the values used."""
     network, workload, elastic_costs = balance_cal.parameters.network, balance_cal.parameters.workload, \
@@ -592,7 +599,7 @@ def calibration_rows(balance: dict, elastic_raw: dict, probe: dict, noise: Optio
 
 
 def explanations(comparisons: Sequence[Comparison], balance: dict, elastic: dict, elastic_extra: dict,
-                 balance_extra: dict, probe: dict) -> List[str]:
+                 balance_extra: dict, probe: dict) -> list[str]:
     """Where the model is off: a note for each counted row over the goal, from the data at hand."""
     notes = []
     for row in comparisons:
@@ -601,6 +608,8 @@ def explanations(comparisons: Sequence[Comparison], balance: dict, elastic: dict
             head = (f"{row.figure}: predicted {row.predicted:.4g} s vs measured {row.measured:.4g} s "
                     f"({direction} by {row.relative_error:.0%}). ")
             notes.append(head + _why(row, balance, elastic, elastic_extra, balance_extra, probe))
+        elif row.counted and row.relative_error is None:
+            notes.append(_why_undefined(row, elastic_extra))
     floor_row = next((row for row in comparisons if "raw gloo" in row.figure), None)
     if floor_row is not None and floor_row.relative_error is not None:
         notes.append(f"Priced at the raw gloo send ({_fmt(elastic.get('broadcast_s'))} s for "
@@ -625,6 +634,21 @@ def _why(row: Comparison, balance, elastic, elastic_extra, balance_extra, probe)
         if key and rounds.get(key):
             text += f", and the single changes measured {', '.join(f'{value:.3g}' for value in rounds[key])} s"
         text += "."
+    return text
+
+
+def _why_undefined(row: Comparison, elastic_extra: dict) -> str:
+    """A counted row with no relative error: say which side is missing and what that means."""
+    if row.predicted is None:
+        return f"{row.figure}: no prediction (an input it needs is missing), so the goal cannot be shown to hold."
+    if row.measured is None:
+        return f"{row.figure}: the benchmark did not report it, so the goal cannot be shown to hold."
+    text = (f"{row.figure}: measured {row.measured:.3g} s, predicted {row.predicted:.3g} s; a relative error to "
+            "0 is undefined, so the goal counts as not met.")
+    noise = elastic_extra.get("step_interval_noise_s")
+    if row.measured == 0 and noise is not None:
+        text += (" elastic.py clips gap - normal step at 0: the change cost less than one step's jitter "
+                 f"(about {noise:.2g} s here); see the event stall_s row for flexpar's own timing of it.")
     return text
 
 
@@ -692,7 +716,7 @@ def _why_uniform(balance: dict) -> str:
                    "the split and the step model themselves.")
 
 
-def ddp_slowest_seconds_per_vw(balance: dict) -> Optional[float]:
+def ddp_slowest_seconds_per_vw(balance: dict) -> float | None:
     """Median over rounds of DDP's slowest rank's busy time / its VWs (its busy has no waiting in it)."""
     per_rank = balance["virtual_workers"] // balance["devices"]
     values = [max(r["uniform_busy_s"]) / per_rank for r in balance.get("rounds", []) if r.get("uniform_busy_s")]

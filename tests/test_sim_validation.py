@@ -11,8 +11,9 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
-import sim_validation as validation  # noqa: E402
-from flexpar.sim import calibrate  # noqa: E402
+import sim_validation as validation
+
+from flexpar.sim import calibrate
 
 
 def test_error_of_is_relative_and_undefined_without_a_measurement():
