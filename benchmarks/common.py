@@ -138,3 +138,44 @@ def step_durations(commit_times: Sequence[float], skip: int) -> List[float]:
             f"{len(commit_times)} steps committed; need skip >= 1 and more steps than skip={skip}"
         )
     return [later - earlier for earlier, later in zip(commit_times[skip - 1 :], commit_times[skip:])]
+
+
+def ddp_training_rank(rank: int, world_size: int, port: int, build_model, make_optimizer, dataset,
+                      per_device_batch: int, steps: int, result_path: str) -> None:
+    """One torch DDP rank running the standard loop of the DDP tutorial, timing each commit.
+
+    The baseline of the overhead and sparse benchmarks: gloo, DistributedSampler,
+    `cores // world_size` threads (what flexpar gives each CPU device). Rank 0
+    writes the commit times to `result_path`.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    torch.set_num_threads(max(1, cpu_count() // world_size))
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    torch.manual_seed(0)
+    model = DistributedDataParallel(build_model())
+    optimizer = make_optimizer(model.parameters())
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
+    loader = DataLoader(dataset, batch_size=per_device_batch, sampler=sampler, drop_last=True)
+    commit_times = []
+    epoch = 0
+    while len(commit_times) < steps:
+        sampler.set_epoch(epoch)
+        for inputs, labels in loader:
+            loss = nn.functional.cross_entropy(model(inputs), labels)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            commit_times.append(time.time())
+            if len(commit_times) == steps:
+                break
+        epoch += 1
+    if rank == 0:
+        Path(result_path).write_text(" ".join(repr(value) for value in commit_times))
+    dist.destroy_process_group()

@@ -39,19 +39,17 @@ import dataclasses
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import List
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as torch_multiprocessing
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
+    ddp_training_rank,
     alternate, base_parser, cpu_count, free_port, median, print_table, ratio, step_durations, write_json,
 )
 
@@ -212,32 +210,8 @@ def wire_bytes(config: Config, nnz_per_rank: List[int]) -> dict:
 
 def _ddp_rank(rank: int, world_size: int, port: int, config: Config, result_path: str) -> None:
     """One DDP rank with the dense model: the standard loop, timing each commit."""
-    torch.set_num_threads(max(1, cpu_count() // world_size))  # what flexpar gives each device
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    torch.manual_seed(0)
-    model = DistributedDataParallel(ModelFactory(config, sparse=False)())
-    optimizer = make_optimizer(model.parameters())
-    dataset = make_dataset(config)
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
-    loader = DataLoader(dataset, batch_size=config.per_device_batch, sampler=sampler, drop_last=True)
-    commit_times: List[float] = []
-    epoch = 0
-    while len(commit_times) < config.steps:
-        sampler.set_epoch(epoch)
-        for rows, labels in loader:
-            loss = nn.functional.cross_entropy(model(rows), labels)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            commit_times.append(time.time())
-            if len(commit_times) == config.steps:
-                break
-        epoch += 1
-    if rank == 0:
-        Path(result_path).write_text(" ".join(repr(value) for value in commit_times))
-    dist.destroy_process_group()
+    ddp_training_rank(rank, world_size, port, ModelFactory(config, sparse=False), make_optimizer, make_dataset(config),
+                      config.per_device_batch, config.steps, result_path)
 
 
 def ddp_dense_run(config: Config, work_dir: str) -> dict:
