@@ -21,25 +21,31 @@ class ScheduleChange:
     delta: int
 
 
-def parse_schedule(text: Union[str, Sequence, None]) -> tuple:
-    """'100:+1,200:-2' -> (ScheduleChange(100, 1), ScheduleChange(200, -2))."""
-    if text is None or text == "":
+def _parse_entries(text, entry_type, parse_entry) -> tuple:
+    """A comma-separated option as a tuple of `entry_type`.
+
+    `text` may be empty/None (no entries), a string of comma-separated entries
+    (each given to `parse_entry`, which raises ValueError with its own message),
+    or already a sequence of entries or of their fields (from Python callers).
+    """
+    if not text:
         return ()
     if not isinstance(text, str):
-        return tuple(
-            item if isinstance(item, ScheduleChange) else ScheduleChange(*item) for item in text
-        )
-    changes = []
-    for part in text.split(","):
-        step_text, _, delta_text = part.strip().partition(":")
-        try:
-            change = ScheduleChange(int(step_text), int(delta_text))
-        except ValueError:
-            raise ValueError(
-                f"schedule entry {part.strip()!r} is not STEP:+N or STEP:-N (e.g. '100:+1,200:-2')"
-            ) from None
-        changes.append(change)
-    return tuple(changes)
+        return tuple(item if isinstance(item, entry_type) else entry_type(*item) for item in text)
+    return tuple(parse_entry(part.strip()) for part in text.split(","))
+
+
+def parse_schedule(text: Union[str, Sequence, None]) -> tuple:
+    """'100:+1,200:-2' -> (ScheduleChange(100, 1), ScheduleChange(200, -2))."""
+    return _parse_entries(text, ScheduleChange, _schedule_entry)
+
+
+def _schedule_entry(part: str) -> ScheduleChange:
+    step_text, _, delta_text = part.partition(":")
+    try:
+        return ScheduleChange(int(step_text), int(delta_text))
+    except ValueError:
+        raise ValueError(f"schedule entry {part!r} is not STEP:+N or STEP:-N (e.g. '100:+1,200:-2')") from None
 
 
 @dataclass(frozen=True)
@@ -53,22 +59,19 @@ class SpeedChange:
 
 def parse_speed_changes(text) -> tuple:
     """'100:0=0.5' -> (SpeedChange(100, 0, 0.5),): an emulation aid for tests and benchmarks."""
-    if not text:
-        return ()
-    if not isinstance(text, str):
-        return tuple(item if isinstance(item, SpeedChange) else SpeedChange(*item) for item in text)
-    changes = []
-    for part in text.split(","):
-        try:
-            step_text, rest = part.strip().split(":")
-            device_text, speed_text = rest.split("=")
-            change = SpeedChange(int(step_text), int(device_text), float(speed_text))
-        except ValueError:
-            raise ValueError(f"speed change {part.strip()!r} is not STEP:DEVICE=SPEED (e.g. '100:0=0.5')") from None
-        if not 0 < change.speed <= 1 or change.step < 0 or change.device < 0:
-            raise ValueError(f"speed change {part.strip()!r}: speed in (0, 1], step and device >= 0")
-        changes.append(change)
-    return tuple(changes)
+    return _parse_entries(text, SpeedChange, _speed_entry)
+
+
+def _speed_entry(part: str) -> SpeedChange:
+    try:
+        step_text, rest = part.split(":")
+        device_text, speed_text = rest.split("=")
+        change = SpeedChange(int(step_text), int(device_text), float(speed_text))
+    except ValueError:
+        raise ValueError(f"speed change {part!r} is not STEP:DEVICE=SPEED (e.g. '100:0=0.5')") from None
+    if not 0 < change.speed <= 1 or change.step < 0 or change.device < 0:
+        raise ValueError(f"speed change {part!r}: speed in (0, 1], step and device >= 0")
+    return change
 
 
 FAULT_PHASES = ("forward", "backward", "sync", "transfer")
@@ -89,19 +92,14 @@ class Fault:
 
 def parse_faults(text) -> tuple:
     """'7:local-1:backward' -> (Fault(7, 'local-1', 'backward'),)."""
-    if not text:
-        return ()
-    if not isinstance(text, str):
-        return tuple(item if isinstance(item, Fault) else Fault(*item) for item in text)
-    faults = []
-    for part in text.split(","):
-        pieces = part.strip().split(":")
-        if len(pieces) != 3 or not pieces[0].isdigit() or pieces[2] not in FAULT_PHASES:
-            raise ValueError(
-                f"fault {part.strip()!r} is not STEP:DEVICE:PHASE with PHASE one of {', '.join(FAULT_PHASES)}"
-            )
-        faults.append(Fault(int(pieces[0]), pieces[1], pieces[2]))
-    return tuple(faults)
+    return _parse_entries(text, Fault, _fault_entry)
+
+
+def _fault_entry(part: str) -> Fault:
+    pieces = part.split(":")
+    if len(pieces) != 3 or not pieces[0].isdigit() or pieces[2] not in FAULT_PHASES:
+        raise ValueError(f"fault {part!r} is not STEP:DEVICE:PHASE with PHASE one of {', '.join(FAULT_PHASES)}")
+    return Fault(int(pieces[0]), pieces[1], pieces[2])
 
 
 @dataclass(frozen=True)
@@ -169,7 +167,6 @@ class FitOptions:
 
     def validate_devices(self, initial: int, available: int, kind: str) -> int:
         """The maximum device count, after checking every count the schedule reaches."""
-        maximum = self.max_devices or max(initial, available if kind == "cuda" else initial)
         count = initial
         counts = [initial]
         for change in sorted(self.schedule, key=lambda change: change.step):
@@ -181,7 +178,8 @@ class FitOptions:
                     "must stay"
                 )
         peak = max(counts)
-        maximum = max(maximum, peak) if self.max_devices is None else maximum
+        # Without --max-devices: what the schedule reaches, or every GPU of this host.
+        maximum = self.max_devices or max(peak, available if kind == "cuda" else peak)
         if peak > maximum:
             raise ValueError(
                 f"the schedule reaches {peak} devices but max_devices={maximum}; raise --max-devices"

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from flexpar import balance, batching, control, state as training_state
 from flexpar.job import UserCodeError, build_model, build_optimizer, check_loss, model_digest, nonfinite_message
-from flexpar.loader import VirtualWorkerLoader
+from flexpar.loader import VirtualWorkerLoader, load_batch
 from flexpar.sync import GradientSync, PeerFailure, _collective
 from flexpar.version import __version__
 
@@ -204,8 +204,6 @@ class Worker:
 
     def warm_up(self) -> float:
         """One forward and backward of one VW, no update: pays start-up costs off the critical path."""
-        from flexpar.loader import load_batch
-
         started = time.perf_counter()
         indices = batching.virtual_worker_indices(
             self.job.seed, 0, 0, len(self.job.dataset), self.job.global_batch, self.job.virtual_workers
