@@ -28,10 +28,12 @@ Figures (JSON keys; medians over rounds of per-round ratios):
   `virtual_workers`, `devices`; also `speeds` and `assignment`.
 
 Whole VWs bound what any balancer can reach here, and the JSON says so:
-the best split of 32 VWs (12, 12, 6, 2 or equivalents) takes 12 single-device
-VW times against 32 / 2.75 = 11.6, so efficiency <= 0.97 and speedup <= 2.67;
-no split of 32 VWs has an imbalance below 1/12 = 0.083 (above the goal), and
-the one `optimal_assignment` picks, (12, 12, 6, 2), has 0.33.
+the best split of 32 VWs takes 12 single-device VW times against
+32 / 2.75 = 11.6, so efficiency <= 0.97 and speedup <= 2.67; no split of 32
+VWs has an imbalance below 1/12 = 0.083 (above the goal). Among the splits
+that fast, `optimal_assignment` picks the most even, (12, 11, 6, 3), which has
+exactly that 1/12. `--virtual-workers 64` shows the finer granularity: the
+floor there is 1/24 (23, 23, 12, 6 or equivalents).
 
 The machine caveat: four device processes share two cores. So that the
 emulated devices do not mostly measure CPU contention, each VW is a real
@@ -43,7 +45,8 @@ like; the ideal is measured alone, so the contention that remains counts
 against flexpar (`efficiency_vs_measured_rates` divides it out). Other load on
 the machine moves every figure; the JSON records the load average.
 
-Run: `python benchmarks/balance.py [--quick] [--json PATH] [--keep-metrics DIR]`.
+Run: `python benchmarks/balance.py [--quick] [--json PATH] [--keep-metrics DIR]
+[--virtual-workers V]`.
 """
 
 from __future__ import annotations
@@ -553,6 +556,8 @@ def main(argv=None) -> dict:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 3, quick 1)")
     parser.add_argument("--kernel-ms", type=float, default=None, help="emulated device time per VW (default 20)")
+    parser.add_argument("--virtual-workers", type=int, default=None,
+                        help="VWs per step (default 32; a multiple of the 4 devices, for the uniform split)")
     parser.add_argument("--keep-metrics", metavar="DIR", default=None,
                         help="keep flexpar's metrics files (flexpar-ROUND.jsonl) in DIR")
     options = parser.parse_args(argv)
@@ -561,6 +566,11 @@ def main(argv=None) -> dict:
         config = replace(config, rounds=options.rounds)
     if options.kernel_ms is not None:
         config = replace(config, kernel_ms=options.kernel_ms)
+    if options.virtual_workers is not None:
+        if options.virtual_workers % config.devices:
+            parser.error(f"--virtual-workers {options.virtual_workers}: the uniform (DDP) split needs a multiple "
+                         f"of the {config.devices} devices, e.g. {config.devices * max(1, options.virtual_workers // config.devices)}")
+        config = replace(config, virtual_workers=options.virtual_workers)
     _preload_fork_server()
     started = time.perf_counter()
     # Other work on the machine moves every figure here; the load is recorded with them.
