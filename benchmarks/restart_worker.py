@@ -21,13 +21,14 @@ one `step` record per committed step. The benchmark reads the stall from them.
 import time
 
 PROCESS_STARTED = time.time()  # before `import torch`: the restart pays that import
+# The imports below follow the clock start on purpose (hence noqa: E402).
 
-import argparse  # noqa: E402 - after the clock starts, on purpose
-import json  # noqa: E402 - after the clock starts, on purpose
-import os  # noqa: E402 - after the clock starts, on purpose
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
 
-import torch  # noqa: E402 - after the clock starts, on purpose
-from torch import nn  # noqa: E402 - after the clock starts, on purpose
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 IMPORTED = time.time()
 
