@@ -19,7 +19,7 @@ Which measured figure calibrates which model parameter, and which are predicted
 | gradient bytes | the balance model's parameter count x 4 |
 | all-reduce bandwidth | probe: gloo all-reduce of those bytes over 4 processes |
 | optimizer_s | probe: the balance job's optimizer step |
-| pg_formation_s | elastic.py `process_group_formation_s` (a fresh group in running processes) + probe: destroying the old group |
+| pg_formation_s, pg_formation_per_device_s | probe: a boundary without a state transfer (flexpar's `retire_group`, a fresh group, the two small agreement all-reduces) in groups of 2 and 3 running processes, timed by the member that arrives last |
 | state bytes, broadcast bandwidth | elastic.py `state_bytes` and its `flexpar_transfer_parts_s` (flexpar's own transfer path - serialise, send, deserialise, restore - timed on its own, outside fit()) |
 | detection_s | probe: a peer killed with SIGKILL during an all-reduce, until the first survivor's error |
 | lost compute of the failed step | elastic.py's metrics: survivors' busy time of a 3-device step |
@@ -27,9 +27,11 @@ Which measured figure calibrates which model parameter, and which are predicted
 Predicted (counted in `max_relative_error`, goal <= 0.15): balance.py's
 balanced flexpar step time (`step_time_s`), its torch-DDP uniform step time
 (`uniform_step_s`), flexpar's settled step time after the slowdown
-(`settled_step_s`); elastic.py's scale-out, scale-in and failure stalls
-(`scale_out_stall_s`, `scale_in_stall_s`, `failure_resume_s`, all from step
-records). Diagnostic rows (not counted, chosen before measuring, to show where
+(`settled_step_s`); elastic.py's scale-out and failure stalls from step
+records (`scale_out_stall_s`, `failure_resume_s`) and its scale-in stall from
+flexpar's boundary record (`scale_in_event_stall_s`: a few milliseconds,
+which step records cannot resolve when one step's time varies by tens of
+milliseconds; the step-record figure is shown as a diagnostic row). Diagnostic rows (not counted, chosen before measuring, to show where
 the model is sensitive): the same step times with each device's seconds per VW
 taken from the single-device loop divided by its emulated speed, and the
 scale-out stall with the broadcast priced at the raw gloo send floor.
@@ -323,21 +325,11 @@ def _probe_worker(rank: int, world: int, port: int, repeats: int, results) -> No
         if repeat >= 2:
             all_reduce_s.append(elapsed)
             optimizer_s.append(stepped)
-    # A boundary in flexpar destroys the old group and forms the next one in the
-    # same processes; elastic.py's floor times the forming only.
-    dist.barrier()
-    started = time.perf_counter()
-    dist.destroy_process_group()
-    destroyed = time.perf_counter() - started
-    started = time.perf_counter()
-    dist.init_process_group("gloo", store=dist.PrefixStore("probe/next", store), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=10))
-    formed = time.perf_counter() - started
-    destroyed, formed = slowest(destroyed), slowest(formed)
+    boundaries = _probe_boundaries(rank, world, store, repeats)
     if rank == 0:
         results.put({"kind": "timings", "parameter_count": parameter_count, "world": world,
-                     "all_reduce_s": median(all_reduce_s), "optimizer_s": median(optimizer_s),
-                     "pg_destroy_s": destroyed, "pg_form_s": formed})
+                     "all_reduce_s": median(all_reduce_s), "optimizer_s": median(optimizer_s)})
+    results.put({"kind": "boundaries", "rank": rank, "seconds": boundaries})
     dist.barrier()
     if rank == world - 1:
         time.sleep(0.3)  # let the others enter the all-reduce first
@@ -355,8 +347,61 @@ def _probe_worker(rank: int, world: int, port: int, repeats: int, results) -> No
     os._exit(0)  # the group is broken: skip its teardown
 
 
+def _probe_boundaries(rank: int, world: int, store, repeats: int) -> dict:
+    """What a flexpar boundary without a state transfer costs, for groups of 2 .. world processes.
+
+    Each repeat does what a boundary does from a commit on when nobody needs
+    the state (`Worker.run` and `Worker.enter`): read the generation's record
+    from the store, retire the old group (flexpar's own `retire_group`), form
+    a fresh one, report it formed, agree on the source, and find the latest
+    commit. Every member times it
+    from its own arrival, so the member that arrives last - whose time is
+    the boundary's cost, as flexpar's stall counts it - times the least.
+    Ranks outside a group size's members skip to the next size. The last
+    group formed, of all `world` processes, is left for the kill.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    from flexpar import control, state as training_state
+    from flexpar.sync import retire_group
+
+    if rank == 0:
+        store.set("probe/generation", json.dumps({"members": list(range(world)), "failed": [], "left": []}))
+    events = control.Channel(store, "probe/events")
+    seconds: dict = {}
+    for size in range(2, world + 1):
+        for repeat in range(repeats):
+            if rank >= size:
+                continue
+            started = time.perf_counter()
+            control.get_json(store, "probe/generation")  # the new generation's record
+            retire_group([])
+            dist.init_process_group("gloo", store=dist.PrefixStore(f"probe/{size}/{repeat}", store), rank=rank,
+                                    world_size=size, timeout=datetime.timedelta(seconds=30))
+            events.send({"type": "formed", "device_id": f"probe-{rank}", "generation": repeat})
+            training_state.agree_on_source(0, rank, size, "cpu")
+            training_state.latest_commit(time.time(), size, "cpu")
+            seconds.setdefault(size, []).append(time.perf_counter() - started)
+    retire_group([])
+    dist.init_process_group("gloo", store=dist.PrefixStore("probe/kill", store), rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=10))
+    return seconds
+
+
+def boundary_seconds(per_rank: Sequence[Mapping[int, Sequence[float]]]) -> dict[int, float]:
+    """Per group size: the median over repeats of the least member time (the last arrival's)."""
+    sizes = sorted({size for seconds in per_rank for size in seconds})
+    result = {}
+    for size in sizes:
+        series = [seconds[size] for seconds in per_rank if size in seconds]
+        result[size] = median([min(values) for values in zip(*series)])
+    return result
+
+
 def run_probe(world: int = 4, repeats: int = 10) -> dict:
-    """All-reduce time, optimizer time and failure detection, measured in `world` fresh processes."""
+    """All-reduce time, optimizer time, boundary cost and failure detection, in `world` fresh processes."""
     import datetime
 
     import torch.distributed as dist
@@ -370,19 +415,22 @@ def run_probe(world: int = 4, repeats: int = 10) -> dict:
     results = context.Queue()
     processes = [context.Process(target=_probe_worker, name=f"sim-probe-{rank}",
                                  args=(rank, world, port, repeats, results)) for rank in range(world)]
-    _progress(f"probe: {world} gloo processes (all-reduce, optimizer step, kill -9 detection)")
+    _progress(f"probe: {world} gloo processes (all-reduce, optimizer step, boundaries, kill -9 detection)")
     for process in processes:
         process.start()
-    timings, detections = None, []
+    timings, detections, boundaries = None, [], []
     try:
         deadline = time.monotonic() + 180
-        while (timings is None or len(detections) < world - 1) and time.monotonic() < deadline:
+        while (timings is None or len(detections) < world - 1 or len(boundaries) < world) \
+                and time.monotonic() < deadline:
             try:
                 message = results.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
                 break
             if message["kind"] == "timings":
                 timings = message
+            elif message["kind"] == "boundaries":
+                boundaries.append(message["seconds"])
             else:
                 detections.append(message["detection_s"])
     finally:
@@ -399,6 +447,7 @@ def run_probe(world: int = 4, repeats: int = 10) -> dict:
     # failure and the coordinator tells the others (it also sees the exit itself).
     timings["detection_s"] = min(surfaced) if surfaced else None
     timings["detection_by_survivor_s"] = detections
+    timings["boundary_s_by_size"] = boundary_seconds(boundaries) if len(boundaries) == world else {}
     return timings
 
 
@@ -520,8 +569,7 @@ def compare_elastic(elastic: dict, probe: dict) -> tuple:
     measured_inputs = {
         "devices": 2,  # the job runs on 2 devices before each change
         "state_bytes": elastic["state_bytes"], "broadcast_bytes": elastic["state_bytes"],
-        # elastic.py's floor times forming a group; a flexpar boundary also destroys the old one.
-        "pg_formation_s": elastic["process_group_formation_s"] + (probe.get("pg_destroy_s") or 0.0),
+        **boundary_calibration(elastic, probe),
         "broadcast_s": transfer_s, "detection_s": probe.get("detection_s"),
     }
     calibration = calibrate(measured_inputs)
@@ -535,18 +583,25 @@ def compare_elastic(elastic: dict, probe: dict) -> tuple:
         Comparison("elastic: scale-out 2->3 stall (scale_out_stall_s)",
                    out["scale_out_stall_s"] if transfer_s is not None else None,
                    elastic.get("scale_out_stall_s"), True, "group formation + state transfer (flexpar's path)"),
-        Comparison("elastic: scale-in 3->2 stall (scale_in_stall_s)", shrink["scale_in_stall_s"],
-                   elastic.get("scale_in_stall_s"), True, "one group formation"),
+        # A scale-in stall of milliseconds is far below what step records resolve
+        # (one step's time varies by tens of ms here): it is counted from flexpar's
+        # boundary record, which times it directly.
+        Comparison("elastic: scale-in 3->2 stall (scale_in_event_stall_s)", shrink["scale_in_stall_s"],
+                   elastic.get("scale_in_event_stall_s"), True,
+                   "one boundary without a transfer (probe) vs the event record: last member's commit -> all level"),
         Comparison("elastic: failure 3->2 stall (failure_resume_s)", failure, elastic.get("failure_resume_s"), True,
                    "lost compute of the step in flight + detection (probe) + group formation"),
     ]
     rows += [
-        Comparison("elastic: scale-in 3->2 [flexpar's event stall_s]", shrink["scale_in_stall_s"],
-                   elastic.get("scale_in_event_stall_s"), False,
-                   "one group formation vs rank 0's last commit -> group formed, state level"),
+        Comparison("elastic: scale-in 3->2 [step records: gap - normal step]", shrink["scale_in_stall_s"],
+                   elastic.get("scale_in_stall_s"), False, "as the counted row vs step records"),
+        Comparison("elastic: scale-out 2->3 [flexpar's event stall_s]",
+                   out["scale_out_stall_s"] if transfer_s is not None else None,
+                   elastic.get("scale_out_event_stall_s"), False,
+                   "as the counted row vs the event record: last member's commit -> all level"),
         Comparison("elastic: failure 3->2 [flexpar's event stall_s]", failure,
                    elastic.get("failure_event_stall_s"), False,
-                   "as the counted row vs rank 0's last commit -> survivors' group formed"),
+                   "as the counted row vs the event record: last commit -> survivors level"),
     ]
     if elastic.get("broadcast_s"):
         floor = calibrate({**measured_inputs, "broadcast_s": elastic["broadcast_s"]})
@@ -564,6 +619,25 @@ def compare_elastic(elastic: dict, probe: dict) -> tuple:
                                "failed_step_compute_by_round_s": lost,
                                "step_interval_noise_s": median(noise) if noise else None,
                                "stall_s_by_round": by_round}
+
+
+def boundary_calibration(elastic: dict, probe: dict) -> dict:
+    """Group formation (base + per device) from the probe's boundaries of 2 and 3 processes.
+
+    Those are the group sizes elastic.py forms (3 after a join, 2 after a
+    leave or a failure). Without them, elastic.py's fresh-group figure (3
+    processes, formation only) stands in for every size.
+    """
+    sizes = {int(size): seconds for size, seconds in (probe.get("boundary_s_by_size") or {}).items()}
+    if 2 in sizes and 3 in sizes:
+        per_device = sizes[3] - sizes[2]
+        base = sizes[2] - 2 * per_device
+        if base < 0 or per_device < 0:
+            # The model's costs are >= 0: fit a line through the origin instead
+            # (least squares over both sizes), which misses each point a little.
+            per_device, base = (2 * sizes[2] + 3 * sizes[3]) / 13.0, 0.0
+        return {"pg_formation_s": base, "pg_formation_per_device_s": per_device}
+    return {"pg_formation_s": elastic["process_group_formation_s"]}
 
 
 # ------------------------------------------------------------------ report
@@ -585,9 +659,11 @@ def calibration_rows(balance: dict, elastic_raw: dict, probe: dict, noise: float
         {"parameter": "all-reduce bandwidth B/s", "value": network.bandwidth_bytes_per_s,
          "from": f"probe: all_reduce_s = {probe['all_reduce_s']:.4g} over {probe['world']} processes"},
         {"parameter": "optimizer_s", "value": workload.optimizer_s, "from": "probe: the balance job's optimizer step"},
-        {"parameter": "pg_formation_s", "value": elastic_costs.pg_formation_s,
-         "from": f"elastic.py process_group_formation_s {elastic_raw['process_group_formation_s']:.3g} "
-                 f"+ probe: destroying the old group {_fmt(probe.get('pg_destroy_s'))}"},
+        {"parameter": "pg_formation_s + per device x n", "value": [elastic_costs.pg_formation_s,
+                                                                    elastic_costs.pg_formation_per_device_s],
+         "from": f"probe: boundaries without a transfer, by group size {_boundaries_text(probe)}"
+         if probe.get("boundary_s_by_size") else
+         f"elastic.py process_group_formation_s {elastic_raw['process_group_formation_s']:.3g}"},
         {"parameter": "broadcast bandwidth B/s", "value": elastic_cal.parameters.network.broadcast_bandwidth_bytes_per_s,
          "from": f"elastic.py state_bytes / transfer path {_fmt(elastic_extra['transfer_path_s'])} s "
                  "(serialise+send+deserialise+restore)"},
@@ -665,13 +741,17 @@ def _why_flexpar_step(row: Comparison, balance_extra: dict, probe: dict) -> str:
                    "host contention on 2 shared cores, which the model does not have.")
 
 
+def _boundaries_text(probe: dict) -> str:
+    sizes = probe.get("boundary_s_by_size") or {}
+    return ", ".join(f"{size}: {seconds:.3g} s" for size, seconds in sorted(sizes.items(), key=lambda i: int(i[0])))
+
+
 def _why_stall(row: Comparison, elastic: dict, elastic_extra: dict, probe: dict) -> str:
     if "scale-in" in row.figure:
-        return ("The model's scale-in is one group formation: "
-                f"{elastic['process_group_formation_s']:.3g} s (elastic.py) + {_fmt(probe.get('pg_destroy_s'))} s "
-                "to destroy the old group (probe); flexpar's own event record puts the boundary at "
-                f"{_fmt(elastic.get('scale_in_event_stall_s'))} s (the new group, agreeing on the state, "
-                "on 3 processes sharing 2 cores).")
+        return ("The model's scale-in is one boundary without a transfer (retire the old group, form the "
+                "new one, agree on the source and the last commit), priced from the probe's boundaries by "
+                f"group size ({_boundaries_text(probe) or 'not measured'}). The old group's teardown is "
+                "off the critical path (flexpar.sync.retire_group).")
     if "failure" in row.figure:
         return (f"Of the prediction, {_fmt(elastic_extra['failed_step_compute_s'])} s is the lost compute of "
                 "the step in flight (from neighbouring steps' busy times); the rest is detection and a new "

@@ -68,6 +68,23 @@ def agree_on_source(committed_step: int, rank: int, world_size: int, device) -> 
     return source, receivers, latest
 
 
+def latest_commit(committed_wall: float, world_size: int, device) -> float:
+    """The latest commit time (wall clock) among the members, known once every member is level.
+
+    A boundary's stall runs from here to the end of this all-reduce: it
+    starts when the last member finished its step (time another member
+    spent waiting for it is rank skew, which an ordinary step absorbs in its
+    all-reduce too) and ends when the slowest member, a receiver restoring
+    the state, is ready. Members on different hosts compare wall clocks, so
+    their offset (milliseconds under NTP) adds to it.
+    """
+    if world_size == 1:
+        return committed_wall
+    latest = torch.tensor([committed_wall], dtype=torch.float64, device=device)
+    dist.all_reduce(latest, op=dist.ReduceOp.MAX)
+    return float(latest.item())
+
+
 def send(data: bytes, receivers: list, device, after_size=None) -> None:
     """Send the state bytes to each receiver (size first, then the bytes)."""
     # gloo only reads the buffer: no copy into a writable bytearray.

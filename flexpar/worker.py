@@ -42,7 +42,7 @@ import torch.distributed as dist
 from flexpar import balance, batching, control, state as training_state
 from flexpar.job import UserCodeError, build_model, build_optimizer, check_loss, model_digest, nonfinite_message
 from flexpar.loader import VirtualWorkerLoader, load_batch
-from flexpar.sync import GradientSync, PeerFailure, _collective
+from flexpar.sync import GradientSync, PeerFailure, _collective, retire_group
 from flexpar.version import __version__
 
 
@@ -193,14 +193,15 @@ class Worker:
                 if self.args.device_id not in record["members"]:
                     self.phase = Phase.LEAVING
                     return
+                continue
             except PeerFailure as failure:
                 self.phase = Phase.RECOVERING
-                self.sync.reset()
                 self.optimizer.zero_grad(set_to_none=True)
                 self.link.send("failure", generation=generation, step=self.committed,
                                error=str(failure)[:500])
-                _destroy_group()
-                generation, record = self.link.wait_for_generation(generation, joining=False)
+            # Outside the except block, whose traceback holds the broken group's works.
+            retire_group(self.sync.release_works())
+            generation, record = self.link.wait_for_generation(generation, joining=False)
 
     def warm_up(self) -> float:
         """One forward and backward of one VW, no update: pays start-up costs off the critical path."""
@@ -222,7 +223,7 @@ class Worker:
     def enter(self, generation: int, record: dict) -> None:
         """Form the generation's process group and bring every member to the same state."""
         self.link.check()
-        _destroy_group()
+        retire_group(self.sync.release_works())
         members = tuple(record["members"])
         rank = members.index(self.args.device_id)
         backend = self.settings.backend
@@ -246,6 +247,7 @@ class Worker:
             elif rank in receivers:
                 data = _collective(lambda: training_state.receive(source, self.device))
                 self._restore(training_state.from_bytes(data, self.device))
+        last_commit = _collective(lambda: training_state.latest_commit(self.committed_wall, len(members), self.device))
         previous_members = self.members
         self.generation, self.members, self.rank = generation, members, rank
         self.sync.start_generation(len(members))
@@ -255,7 +257,7 @@ class Worker:
                 # device may have been brought level without committing it: send it
                 # again (the driver drops steps it already has).
                 self.link.publish(self.last_record)
-            self._publish_generation_event(record, previous_members)
+            self._publish_generation_event(record, previous_members, max(0.0, time.time() - last_commit))
 
     def finish(self) -> None:
         self.phase = Phase.DONE
@@ -431,8 +433,7 @@ class Worker:
             "stall_s": stall_s, "detail": detail,
         })
 
-    def _publish_generation_event(self, record: dict, previous_members: tuple) -> None:
-        stall = max(0.0, time.time() - self.committed_wall)
+    def _publish_generation_event(self, record: dict, previous_members: tuple, stall: float) -> None:
         if record["failed"]:
             self._publish_event("failure", "failed: " + ", ".join(record["failed"]), stall)
         if record["left"]:
@@ -440,14 +441,6 @@ class Worker:
         if record["joined"]:
             kind = "start" if self.generation == 1 else "join"
             self._publish_event(kind, "joined: " + ", ".join(record["joined"]), 0.0 if kind == "start" else stall)
-
-
-def _destroy_group() -> None:
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # a group broken by a dead peer may fail to tear down cleanly
-            pass
 
 
 def _to_device(batch, device):

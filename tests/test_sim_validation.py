@@ -115,3 +115,27 @@ def test_predict_balance_noise_free_matches_the_closed_form():
     assert predicted["flexpar_step_s"] == pytest.approx(0.4 + 0.01 + 0.005, rel=1e-6)
     assert predicted["uniform_step_s"] == pytest.approx(0.6 + 0.01 + 0.005, rel=1e-6)
     assert predicted["settled_step_s"] == pytest.approx(0.6 + 0.01 + 0.005, rel=1e-6)
+
+
+def test_boundary_seconds_takes_the_last_arrivals_time_per_repeat_then_the_median():
+    # Two members, three repeats of a 2-process boundary: per repeat the least
+    # member time (the one that arrived last), then the median over repeats.
+    per_rank = [{2: [0.010, 0.004, 0.020], 3: [0.030]}, {2: [0.003, 0.009, 0.005], 3: [0.012]}, {3: [0.020]}]
+    assert validation.boundary_seconds(per_rank) == {2: 0.004, 3: 0.012}
+
+
+def test_boundary_calibration_fits_base_and_per_device_from_sizes_2_and_3():
+    fitted = validation.boundary_calibration({"process_group_formation_s": 0.5},
+                                             {"boundary_s_by_size": {2: 0.004, 3: 0.006}})
+    assert fitted["pg_formation_per_device_s"] == pytest.approx(0.002)
+    assert fitted["pg_formation_s"] == pytest.approx(0.0)
+    calibration = calibrate({**fitted, "devices": 2})
+    from flexpar.sim.model import pg_formation_seconds
+    assert pg_formation_seconds(2, calibration.parameters.elastic) == pytest.approx(0.004)
+    assert pg_formation_seconds(3, calibration.parameters.elastic) == pytest.approx(0.006)
+    # A negative intercept is not a cost: a line through the origin, least squares.
+    origin = validation.boundary_calibration({}, {"boundary_s_by_size": {2: 0.002, 3: 0.005}})
+    assert origin["pg_formation_s"] == 0.0
+    assert origin["pg_formation_per_device_s"] == pytest.approx((2 * 0.002 + 3 * 0.005) / 13)
+    # Without the probe's sizes, elastic.py's fresh-group figure stands in.
+    assert validation.boundary_calibration({"process_group_formation_s": 0.5}, {}) == {"pg_formation_s": 0.5}
