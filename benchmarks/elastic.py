@@ -19,9 +19,9 @@ One invocation measures, alternating flexpar and baseline rounds:
 
 Stall, for both sides, from the step records: the gap between the last commit
 before the change and the first commit after it, minus a normal step of the
-new device set. flexpar's own figure (`stall_s` of the event record, rank 0's
-time from its last commit until the new group formed and the state is level)
-is reported beside it. Every figure is the median over the rounds.
+new device set. flexpar's own figure (`stall_s` of the event record: from the
+last commit among the new set's members until every member is level, the
+joiner's restore included) is reported beside it. Every figure is the median over the rounds.
 """
 
 from __future__ import annotations

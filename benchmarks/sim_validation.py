@@ -764,13 +764,10 @@ def _why_stall(row: Comparison, elastic: dict, elastic_extra: dict, probe: dict)
             f"{source_side:.3g} s). ")
     event = elastic.get("scale_out_event_stall_s")
     if event is not None:
-        alone = source_side + (elastic.get("process_group_formation_s") or 0.0)
-        text += (f"In fit(), flexpar's event record (rank 0, the source: new group, serialise, send; not the "
-                 f"joiner's deserialise and restore) puts that part at {event:.3g} s against {alone:.3g} s "
-                 "alone: ")
-        text += ("the same calls run slower inside the job (3 processes on 2 cores, the joiner freshly "
-                 "started). " if event > alone else
-                 "the calls timed alone ran slower than inside the job (other load at that moment). ")
+        alone = (elastic_extra.get("transfer_path_s") or 0.0) + (elastic.get("process_group_formation_s") or 0.0)
+        text += (f"In fit(), flexpar's event record (last member's commit -> every member level, the "
+                 f"joiner's restore included) puts the boundary at {event:.3g} s against {alone:.3g} s for "
+                 "its parts timed alone. ")
     return text + "The first step of the new set (new assignment, loader restart) is not in the model either."
 
 
