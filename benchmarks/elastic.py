@@ -21,7 +21,8 @@ Stall, for both sides, from the step records: the gap between the last commit
 before the change and the first commit after it, minus a normal step of the
 new device set. flexpar's own figure (`stall_s` of the event record: from the
 last commit among the new set's members until every member is level, the
-joiner's restore included) is reported beside it. Every figure is the median over the rounds.
+joiner's restore included) is reported beside it. Every figure is the median
+over the rounds.
 """
 
 from __future__ import annotations

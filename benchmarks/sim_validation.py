@@ -19,7 +19,7 @@ Which measured figure calibrates which model parameter, and which are predicted
 | gradient bytes | the balance model's parameter count x 4 |
 | all-reduce bandwidth | probe: gloo all-reduce of those bytes over 4 processes |
 | optimizer_s | probe: the balance job's optimizer step |
-| pg_formation_s, pg_formation_per_device_s | probe: a boundary without a state transfer (flexpar's `retire_group`, a fresh group, the two small agreement all-reduces) in groups of 2 and 3 running processes, timed by the member that arrives last |
+| pg_formation_s, pg_formation_per_device_s | probe: a boundary without a state transfer (the generation lookup, flexpar's `retire_group`, a fresh group, "formed", the two small agreement all-reduces) in groups of 2 and 3 running processes, timed by the member that arrives last |
 | state bytes, broadcast bandwidth | elastic.py `state_bytes` and its `flexpar_transfer_parts_s` (flexpar's own transfer path - serialise, send, deserialise, restore - timed on its own, outside fit()) |
 | detection_s | probe: a peer killed with SIGKILL during an all-reduce, until the first survivor's error |
 | lost compute of the failed step | elastic.py's metrics: survivors' busy time of a 3-device step |
@@ -31,8 +31,9 @@ balanced flexpar step time (`step_time_s`), its torch-DDP uniform step time
 records (`scale_out_stall_s`, `failure_resume_s`) and its scale-in stall from
 flexpar's boundary record (`scale_in_event_stall_s`: a few milliseconds,
 which step records cannot resolve when one step's time varies by tens of
-milliseconds; the step-record figure is shown as a diagnostic row). Diagnostic rows (not counted, chosen before measuring, to show where
-the model is sensitive): the same step times with each device's seconds per VW
+milliseconds; the step-record figure is shown as a diagnostic row).
+Diagnostic rows (not counted, chosen before measuring, to show where the
+model is sensitive): the same step times with each device's seconds per VW
 taken from the single-device loop divided by its emulated speed, and the
 scale-out stall with the broadcast priced at the raw gloo send floor.
 
@@ -354,9 +355,9 @@ def _probe_boundaries(rank: int, world: int, store, repeats: int) -> dict:
     the state (`Worker.run` and `Worker.enter`): read the generation's record
     from the store, retire the old group (flexpar's own `retire_group`), form
     a fresh one, report it formed, agree on the source, and find the latest
-    commit. Every member times it
-    from its own arrival, so the member that arrives last - whose time is
-    the boundary's cost, as flexpar's stall counts it - times the least.
+    commit. Every member times it from its own arrival, so the member that
+    arrives last - whose time is the boundary's cost, as flexpar's stall
+    counts it - times the least.
     Ranks outside a group size's members skip to the next size. The last
     group formed, of all `world` processes, is left for the kill.
     """
@@ -386,7 +387,7 @@ def _probe_boundaries(rank: int, world: int, store, repeats: int) -> dict:
             seconds.setdefault(size, []).append(time.perf_counter() - started)
     retire_group([])
     dist.init_process_group("gloo", store=dist.PrefixStore("probe/kill", store), rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=10))
+                            timeout=datetime.timedelta(seconds=10))
     return seconds
 
 
@@ -635,7 +636,8 @@ def boundary_calibration(elastic: dict, probe: dict) -> dict:
         if base < 0 or per_device < 0:
             # The model's costs are >= 0: fit a line through the origin instead
             # (least squares over both sizes), which misses each point a little.
-            per_device, base = (2 * sizes[2] + 3 * sizes[3]) / 13.0, 0.0
+            per_device = sum(n * sizes[n] for n in (2, 3)) / sum(n * n for n in (2, 3))
+            base = 0.0
         return {"pg_formation_s": base, "pg_formation_per_device_s": per_device}
     return {"pg_formation_s": elastic["process_group_formation_s"]}
 

@@ -74,7 +74,7 @@ class GradientSync:
         """Forget the step in flight and hand over its collectives' work handles.
 
         A work handle keeps its process group alive: whoever drops the last
-        handle pays for the group's teardown (see `worker._retire_group`).
+        handle pays for the group's teardown (see `retire_group`).
         """
         works = [bucket.work for bucket in self.buckets if bucket.work is not None]
         self.reset()

@@ -247,7 +247,9 @@ class Worker:
             elif rank in receivers:
                 data = _collective(lambda: training_state.receive(source, self.device))
                 self._restore(training_state.from_bytes(data, self.device))
-        last_commit = _collective(lambda: training_state.latest_commit(self.committed_wall, len(members), self.device))
+        last_commit = _collective(
+            lambda: training_state.latest_commit(self.committed_wall, len(members), self.device)
+        )
         previous_members = self.members
         self.generation, self.members, self.rank = generation, members, rank
         self.sync.start_generation(len(members))
