@@ -19,19 +19,23 @@ Which measured figure calibrates which model parameter, and which are predicted
 | gradient bytes | the balance model's parameter count x 4 |
 | all-reduce bandwidth | probe: gloo all-reduce of those bytes over 4 processes |
 | optimizer_s | probe: the balance job's optimizer step |
-| pg_formation_s, pg_formation_per_device_s | probe: a boundary without a state transfer (the generation lookup, flexpar's `retire_group`, a fresh group, "formed", the two small agreement all-reduces) in groups of 2 and 3 running processes, timed by the member that arrives last |
+| host_cores | this host's cores: CPU phases of a boundary or a step stretch by busy processes / cores when there are more processes |
+| pg_formation_s, pg_formation_per_device_s | probe: a boundary without a state transfer (the generation lookup, flexpar's `retire_group`, a fresh group, "formed", the two small agreement all-reduces) in groups of 2 and 3 running processes, timed by the member that arrives last, each divided by its host contention (the 4-process boundary is a check, not in the fit) |
+| recovery_notice_s | flexpar's poll periods: half of each poll on the path from the survivors' failure reports to their seeing the new generation |
 | state bytes, broadcast bandwidth | elastic.py `state_bytes` and its `flexpar_transfer_parts_s` (flexpar's own transfer path - serialise, send, deserialise, restore - timed on its own, outside fit()) |
-| detection_s | probe: a peer killed with SIGKILL during an all-reduce, until the first survivor's error |
-| lost compute of the failed step | elastic.py's metrics: survivors' busy time of a 3-device step |
+| detection_s | probe: a peer killed with SIGKILL during an all-reduce, until the first survivor's error (elastic.py's victim dies long before the survivors reach the all-reduce, so there it only bounds when they can learn of it) |
+| lost compute of the failed step | elastic.py's metrics: survivors' busy time of a 3-device step; after the victim's death (its fault point: its first VW's backward) at one busy process fewer |
 
 Predicted (counted in `max_relative_error`, goal <= 0.15): balance.py's
 balanced flexpar step time (`step_time_s`), its torch-DDP uniform step time
 (`uniform_step_s`), flexpar's settled step time after the slowdown
-(`settled_step_s`); elastic.py's scale-out and failure stalls from step
-records (`scale_out_stall_s`, `failure_resume_s`) and its scale-in stall from
-flexpar's boundary record (`scale_in_event_stall_s`: a few milliseconds,
-which step records cannot resolve when one step's time varies by tens of
-milliseconds; the step-record figure is shown as a diagnostic row).
+(`settled_step_s`); elastic.py's scale-out stall from step records
+(`scale_out_stall_s`), its scale-in and failure stalls from flexpar's
+boundary records (`scale_in_event_stall_s`, `failure_event_stall_s`: the
+scale-in is a few milliseconds, which step records cannot resolve when one
+step's time varies by tens of milliseconds; the failure's step-record figure
+also holds the first step after the change minus a median step, which varies
+by about 0.1 s between rounds; the step-record figures are diagnostic rows).
 Diagnostic rows (not counted, chosen before measuring, to show where the
 model is sensitive): the same step times with each device's seconds per VW
 taken from the single-device loop divided by its emulated speed, and the
@@ -45,6 +49,7 @@ as a simulator event.
 from __future__ import annotations
 
 import glob
+import inspect
 import json
 import math
 import multiprocessing
@@ -63,11 +68,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np
 from common import base_parser, median, print_table, write_json
 
+import elastic as elastic_benchmark  # its fault schedule
+from flexpar import driver_loop
+from flexpar.control import DeviceLink
+from flexpar.options import cpu_count
 from flexpar.sim import (
     DeviceSpec,
     Event,
     Scenario,
     calibrate,
+    failed_step_lost_seconds,
+    failure_stall_seconds,
+    host_contention,
+    pg_formation_seconds,
     predict_elastic_stalls,
     relative_error,
     simulate,
@@ -80,6 +93,9 @@ GOAL = 0.15
 # windows are shorter; the quantity compared is the median either way).
 SIMULATED_WINDOW_STEPS = 400
 SIMULATED_WARMUP_STEPS = 10
+# A boundary takes a few milliseconds: the probe forms each group size this many
+# times (a median over 10 moved by a third from one run to the next).
+BOUNDARY_REPEATS = 40
 
 
 # ------------------------------------------------------------------ comparisons (pure)
@@ -201,13 +217,16 @@ def transfer_path_seconds(parts: Mapping[str, float]) -> float | None:
     return float(sum(parts[key] for key in keys))
 
 
-def failed_step_compute_s(records: Sequence[dict]) -> float | None:
-    """Compute the survivors had done in the step a failure killed, estimated from the steps before it.
+def failed_step_inputs(records: Sequence[dict]) -> dict | None:
+    """The step a failure killed, estimated from the steps before it: what the survivors had to do.
 
     flexpar's survivors learn of a failure when they reach the step's all-reduce,
     i.e. after their own VWs: the step in flight is lost up to there. Per step of
     the generation that failed (its first step left out when there are others:
-    a new set's first step is slow), the slowest survivor's busy time; the median.
+    a new set's first step is slow), the slowest survivor's busy time; the median
+    (``survivor_busy_s``). ``victim_vws``: the VWs the failed devices had per
+    step (the most of them), which says how far into the step a fault in the
+    victim's first VW lands.
     """
     failure = next((r for r in records if r["kind"] == "event" and r["event"] == "failure"), None)
     if failure is None:
@@ -225,7 +244,12 @@ def failed_step_compute_s(records: Sequence[dict]) -> float | None:
         busy = [b for device_id, b in zip(record["devices"], record["busy_s"]) if device_id in survivors]
         if busy:
             values.append(max(busy))
-    return median(values) if values else None
+    if not values:
+        return None
+    last = same[-1]
+    victims = [count for device_id, count in zip(last["devices"], last["assignment"]) if device_id not in survivors]
+    return {"survivor_busy_s": median(values), "victim_vws": max(victims) if victims else None,
+            "devices_before": len(last["devices"])}
 
 
 def step_interval_noise_s(records: Sequence[dict]) -> float | None:
@@ -326,7 +350,7 @@ def _probe_worker(rank: int, world: int, port: int, repeats: int, results) -> No
         if repeat >= 2:
             all_reduce_s.append(elapsed)
             optimizer_s.append(stepped)
-    boundaries = _probe_boundaries(rank, world, store, repeats)
+    boundaries = _probe_boundaries(rank, world, store, BOUNDARY_REPEATS)
     if rank == 0:
         results.put({"kind": "timings", "parameter_count": parameter_count, "world": world,
                      "all_reduce_s": median(all_reduce_s), "optimizer_s": median(optimizer_s)})
@@ -570,16 +594,18 @@ def compare_elastic(elastic: dict, probe: dict) -> tuple:
     measured_inputs = {
         "devices": 2,  # the job runs on 2 devices before each change
         "state_bytes": elastic["state_bytes"], "broadcast_bytes": elastic["state_bytes"],
-        **boundary_calibration(elastic, probe),
+        **boundary_calibration(elastic, probe, cores=float(cpu_count())),
         "broadcast_s": transfer_s, "detection_s": probe.get("detection_s"),
+        "recovery_notice_s": recovery_notice_seconds(),
     }
     calibration = calibrate(measured_inputs)
     out = predict_elastic_stalls(calibration, devices_before=2)
     shrink = predict_elastic_stalls(calibration, devices_before=3)
-    lost = [failed_step_compute_s(read_step_records(r.get("metrics", ""))) for r in elastic.get("flexpar_rounds", [])]
-    lost = [value for value in lost if value is not None]
-    lost_s = median(lost) if lost else None
-    failure = None if lost_s is None or probe.get("detection_s") is None else shrink["failure_resume_s"] + lost_s
+    inputs = [failed_step_inputs(read_step_records(r.get("metrics", ""))) for r in elastic.get("flexpar_rounds", [])]
+    inputs = [value for value in inputs if value is not None and value["victim_vws"]]
+    failure, lost_s = None, None
+    if inputs and probe.get("detection_s") is not None:
+        failure, lost_s = predict_failure_stall(inputs, calibration.parameters)
     rows = [
         Comparison("elastic: scale-out 2->3 stall (scale_out_stall_s)",
                    out["scale_out_stall_s"] if transfer_s is not None else None,
@@ -590,8 +616,13 @@ def compare_elastic(elastic: dict, probe: dict) -> tuple:
         Comparison("elastic: scale-in 3->2 stall (scale_in_event_stall_s)", shrink["scale_in_stall_s"],
                    elastic.get("scale_in_event_stall_s"), True,
                    "one boundary without a transfer (probe) vs the event record: last member's commit -> all level"),
-        Comparison("elastic: failure 3->2 stall (failure_resume_s)", failure, elastic.get("failure_resume_s"), True,
-                   "lost compute of the step in flight + detection (probe) + group formation"),
+        # Like the scale-in, counted from flexpar's boundary record: the step-record
+        # figure also holds the first step after the change minus a median step,
+        # which varies by about 0.1 s between rounds here.
+        Comparison("elastic: failure 3->2 stall (failure_event_stall_s)", failure,
+                   elastic.get("failure_event_stall_s"), True,
+                   "lost compute of the step in flight + recovery notice + group formation vs the event "
+                   "record: last commit -> survivors level"),
     ]
     rows += [
         Comparison("elastic: scale-in 3->2 [step records: gap - normal step]", shrink["scale_in_stall_s"],
@@ -600,10 +631,15 @@ def compare_elastic(elastic: dict, probe: dict) -> tuple:
                    out["scale_out_stall_s"] if transfer_s is not None else None,
                    elastic.get("scale_out_event_stall_s"), False,
                    "as the counted row vs the event record: last member's commit -> all level"),
-        Comparison("elastic: failure 3->2 [flexpar's event stall_s]", failure,
-                   elastic.get("failure_event_stall_s"), False,
-                   "as the counted row vs the event record: last commit -> survivors level"),
+        Comparison("elastic: failure 3->2 [step records: gap - normal step]", failure,
+                   elastic.get("failure_resume_s"), False, "as the counted row vs step records"),
     ]
+    four = (probe.get("boundary_s_by_size") or {}).get("4", (probe.get("boundary_s_by_size") or {}).get(4))
+    if four is not None:
+        # Not used in the fit: a check of the contention term (4 busy processes on this host's cores).
+        rows.append(Comparison("probe: boundary of 4 processes [not in the fit]",
+                               pg_formation_seconds(4, calibration.parameters.elastic), four, False,
+                               "base + per device x 4, x host contention"))
     if elastic.get("broadcast_s"):
         floor = calibrate({**measured_inputs, "broadcast_s": elastic["broadcast_s"]})
         rows.append(Comparison("elastic: scale-out 2->3 stall [transfer = raw gloo send floor]",
@@ -617,19 +653,70 @@ def compare_elastic(elastic: dict, probe: dict) -> tuple:
     by_round = {key: [r[change]["stall_s"] for r in elastic.get("flexpar_rounds", []) for change in names if change in r]
                 for key, names in changes.items()}
     return rows, calibration, {"transfer_path_s": transfer_s, "failed_step_compute_s": lost_s,
-                               "failed_step_compute_by_round_s": lost,
+                               "failed_step_inputs_by_round": inputs,
                                "step_interval_noise_s": median(noise) if noise else None,
                                "stall_s_by_round": by_round}
 
 
-def boundary_calibration(elastic: dict, probe: dict) -> dict:
+def recovery_notice_seconds() -> float:
+    """Expected time from the survivors' failure reports to their seeing the rebuilt generation.
+
+    The chain runs through three polls, each waited half its period on average:
+    the driver's loop (it reads the reports and publishes the generation), the
+    device's follower thread (it reads the published generation), and the
+    survivor's own wait loop (it reads what the follower saw). Store round
+    trips (a fraction of a millisecond each) are left out. A planned change
+    has no such chain: its generation rides in the step's all-reduce.
+    """
+    device_poll_s = inspect.signature(DeviceLink.__init__).parameters["poll_s"].default
+    return 0.5 * (driver_loop._POLL_S + device_poll_s + device_poll_s)
+
+
+def fault_death_fraction(phase: str, victim_vws: int, backward_fraction: float) -> float:
+    """How far into its step's compute a device dies at the fault point ``phase`` of its first VW.
+
+    forward: at the start; backward: after the first VW's forward, taken as
+    ``1 - backward_fraction`` of a VW; sync: after all of its VWs.
+    """
+    if phase == "forward":
+        return 0.0
+    if phase == "backward":
+        return (1.0 - backward_fraction) / victim_vws
+    if phase == "sync":
+        return 1.0
+    raise ValueError(f"fault phase {phase!r}: expected forward, backward or sync")
+
+
+def predict_failure_stall(inputs: Sequence[dict], parameters) -> tuple:
+    """elastic.py's failure stall (last commit -> survivors level) and the lost compute in it.
+
+    The victim dies at elastic.py's fault point; the survivors run their VWs of
+    the step to its all-reduce (one busy process fewer on the host from the
+    death on), learn of it there, wait for the rebuilt generation and form a
+    new group.
+    """
+    busy = median([value["survivor_busy_s"] for value in inputs])
+    devices_before = inputs[0]["devices_before"]
+    phase = elastic_benchmark.Settings(quick=False, rounds=1).faults.rsplit(":", 1)[1]
+    fraction = fault_death_fraction(phase, inputs[0]["victim_vws"], parameters.network.backward_fraction)
+    lost = failed_step_lost_seconds(busy, devices_before, parameters.elastic, fraction)
+    stall = failure_stall_seconds(devices_before - 1, parameters.elastic, lost_compute_s=lost,
+                                  death_at_s=fraction * busy)
+    return stall, lost
+
+
+def boundary_calibration(elastic: dict, probe: dict, cores: float) -> dict:
     """Group formation (base + per device) from the probe's boundaries of 2 and 3 processes.
 
     Those are the group sizes elastic.py forms (3 after a join, 2 after a
-    leave or a failure). Without them, elastic.py's fresh-group figure (3
-    processes, formation only) stands in for every size.
+    leave or a failure). Every member of a probe boundary is busy, so each
+    size's time is first divided by its host contention (``cores``: those of
+    this host, which the probe and the benchmarks share). Without the
+    sizes, elastic.py's fresh-group figure (3 processes, formation only)
+    stands in for every size.
     """
-    sizes = {int(size): seconds for size, seconds in (probe.get("boundary_s_by_size") or {}).items()}
+    sizes = {int(size): seconds / host_contention(int(size), cores)
+             for size, seconds in (probe.get("boundary_s_by_size") or {}).items()}
     if 2 in sizes and 3 in sizes:
         per_device = sizes[3] - sizes[2]
         base = sizes[2] - 2 * per_device
@@ -638,8 +725,8 @@ def boundary_calibration(elastic: dict, probe: dict) -> dict:
             # (least squares over both sizes), which misses each point a little.
             per_device = sum(n * sizes[n] for n in (2, 3)) / sum(n * n for n in (2, 3))
             base = 0.0
-        return {"pg_formation_s": base, "pg_formation_per_device_s": per_device}
-    return {"pg_formation_s": elastic["process_group_formation_s"]}
+        return {"pg_formation_s": base, "pg_formation_per_device_s": per_device, "host_cores": cores}
+    return {"pg_formation_s": elastic["process_group_formation_s"], "host_cores": cores}
 
 
 # ------------------------------------------------------------------ report
@@ -671,8 +758,14 @@ def calibration_rows(balance: dict, elastic_raw: dict, probe: dict, noise: float
                  "(serialise+send+deserialise+restore)"},
         {"parameter": "detection_s", "value": elastic_costs.detection_s,
          "from": "probe: SIGKILL during all-reduce -> first survivor's error"},
+        {"parameter": "host cores, shared", "value": elastic_costs.host_cores,
+         "from": "this host's cores (the probe and the benchmarks share them)"},
+        {"parameter": "recovery_notice_s", "value": elastic_costs.recovery_notice_s,
+         "from": "half of each poll on the failure -> new generation path (driver loop, device follower, "
+                 "device wait loop)"},
         {"parameter": "lost compute, failed step", "value": elastic_extra["failed_step_compute_s"],
-         "from": "elastic.py metrics: survivors' busy in 3-device steps"},
+         "from": "elastic.py metrics: survivors' busy in 3-device steps, the part after the victim's death "
+                 "at 2-process contention"},
     ]
 
 
@@ -752,13 +845,14 @@ def _why_stall(row: Comparison, elastic: dict, elastic_extra: dict, probe: dict)
     if "scale-in" in row.figure:
         return ("The model's scale-in is one boundary without a transfer (retire the old group, form the "
                 "new one, agree on the source and the last commit), priced from the probe's boundaries by "
-                f"group size ({_boundaries_text(probe) or 'not measured'}). The old group's teardown is "
-                "off the critical path (flexpar.sync.retire_group).")
+                f"group size ({_boundaries_text(probe) or 'not measured'}), with the leaver counted busy "
+                "(exiting) on the shared cores. The old group's teardown is off the critical path "
+                "(flexpar.sync.retire_group).")
     if "failure" in row.figure:
         return (f"Of the prediction, {_fmt(elastic_extra['failed_step_compute_s'])} s is the lost compute of "
-                "the step in flight (from neighbouring steps' busy times); the rest is detection and a new "
-                "group. The coordinator's latency (noticing the exit, publishing the survivors' generation) "
-                "and a slower or faster first step after the change are not in the model.")
+                "the step in flight (from neighbouring steps' busy times, the part after the victim's death "
+                "at one busy process fewer); the rest is the recovery notice (polls) and a new group. "
+                "Store round trips and the survivors' reports arriving apart are not in the model.")
     parts = elastic.get("flexpar_transfer_parts_s") or {}
     source_side = (parts.get("serialise_s") or 0.0) + (parts.get("send_s") or 0.0)
     text = (f"The model is group formation + flexpar's transfer path timed on its own "

@@ -23,9 +23,13 @@ from flexpar.sim import (
     WorkloadModel,
     broadcast_seconds,
     calibrate,
+    failed_step_lost_seconds,
+    failure_stall_seconds,
+    host_contention,
     load_scenario,
     parse_scenario,
     predict_elastic_stalls,
+    pg_formation_seconds,
     predict_step_seconds,
     ring_all_reduce_seconds,
     scalability,
@@ -340,6 +344,7 @@ def test_device_entries_take_a_type_a_speed_or_measured_seconds(tmp_path):
         ("count = 2", "count = 0", "scenario.devices[0].count: expected an integer >= 1, got 0"),
         ('name = "minimal"', 'name = "minimal"\npolicies = ["ddp"]', "scenario.policies[0]: expected one of"),
         ("reference_seconds_per_vw = 0.1\n", "", "scenario.device_types.slow.speed: a relative speed needs"),
+        ("[model]", "[elastic]\nhost_cores = 0\n[model]", "scenario.elastic.host_cores: expected a positive number, got 0"),
     ],
 )
 def test_bad_scenario_files_name_the_field(tmp_path, replace_from, replace_to, message):
@@ -490,3 +495,54 @@ def test_calibration_fits_the_optimizer_from_a_step_time_and_rejects_bad_figures
         calibrate({"seconds_per_vw": [0.1, -1]})
     with pytest.raises(ValueError, match=r"measured\['broadcast_s'\]: expected a finite number"):
         calibrate({"broadcast_s": "fast"})
+
+
+# ------------------------------------------------------------- shared hosts, failures
+
+
+def test_host_contention_is_processor_sharing_of_the_cores():
+    assert host_contention(8, None) == 1.0  # each device has its own cores
+    assert host_contention(2, 2.0) == 1.0
+    assert host_contention(3, 2.0) == pytest.approx(1.5)
+    assert host_contention(4, 2.0) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="elastic.host_cores: expected a finite positive number, got 0"):
+        ElasticCosts(host_cores=0)
+
+
+def test_group_formation_stretches_with_the_busy_processes_on_shared_cores():
+    shared = ElasticCosts(pg_formation_s=0.002, pg_formation_per_device_s=0.001, host_cores=2.0)
+    assert pg_formation_seconds(2, shared) == pytest.approx(0.004)
+    assert pg_formation_seconds(3, shared) == pytest.approx(0.005 * 1.5)
+    assert pg_formation_seconds(2, shared, busy_processes=3) == pytest.approx(0.004 * 1.5)
+    own = dataclasses.replace(shared, host_cores=None)
+    assert pg_formation_seconds(2, own, busy_processes=3) == pytest.approx(0.004)
+
+
+def test_failure_stall_is_the_later_of_the_compute_and_the_detection_then_notice_and_a_group():
+    costs = ElasticCosts(pg_formation_s=0.01, detection_s=0.05, recovery_notice_s=0.02)
+    # A peer dying while the others wait in the collective: detection.
+    assert failure_stall_seconds(2, costs) == pytest.approx(0.05 + 0.02 + 0.01)
+    # Dying early in a long step: the survivors' compute hides the detection.
+    assert failure_stall_seconds(2, costs, lost_compute_s=0.3, death_at_s=0.1) == pytest.approx(0.3 + 0.02 + 0.01)
+    # Dying near its end: the detection runs past the survivors' compute.
+    assert failure_stall_seconds(2, costs, lost_compute_s=0.3, death_at_s=0.28) == pytest.approx(0.33 + 0.02 + 0.01)
+
+
+def test_lost_compute_runs_faster_after_the_death_only_on_shared_cores():
+    own = ElasticCosts()
+    assert failed_step_lost_seconds(0.6, 3, own, death_fraction=0.25) == pytest.approx(0.6)
+    shared = ElasticCosts(host_cores=2.0)
+    # A quarter at 3 processes on 2 cores, the rest at 2: 1.5x faster.
+    assert failed_step_lost_seconds(0.6, 3, shared, death_fraction=0.25) == pytest.approx(0.6 * (0.25 + 0.75 / 1.5))
+    assert failed_step_lost_seconds(0.6, 3, shared, death_fraction=1.0) == pytest.approx(0.6)
+
+
+def test_predicted_elastic_stalls_count_the_leaver_and_the_recovery_notice():
+    costs = ElasticCosts(pg_formation_s=0.004, detection_s=0.03, recovery_notice_s=0.02, host_cores=2.0)
+    calibration = calibrate({"pg_formation_s": 0.004, "detection_s": 0.03, "recovery_notice_s": 0.02,
+                             "host_cores": 2.0})
+    assert calibration.parameters.elastic == dataclasses.replace(ElasticCosts(), **{
+        name: getattr(costs, name) for name in ("pg_formation_s", "detection_s", "recovery_notice_s", "host_cores")})
+    stalls = predict_elastic_stalls(calibration, devices_before=3)
+    assert stalls["scale_in_stall_s"] == pytest.approx(0.004 * 1.5)  # 2 members + the exiting leaver, 2 cores
+    assert stalls["failure_resume_s"] == pytest.approx(0.03 + 0.02 + 0.004)

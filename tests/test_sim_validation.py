@@ -85,7 +85,7 @@ def _step(step, generation, devices, busy):
             "assignment": [2] * len(devices), "busy_s": busy}
 
 
-def test_failed_step_compute_is_the_slowest_survivors_busy_of_the_failed_generation():
+def test_failed_step_inputs_are_the_slowest_survivors_busy_and_the_victims_vws():
     records = [
         _step(0, 1, ["a", "b"], [0.9, 0.9]),
         _step(1, 2, ["a", "b", "c"], [5.0, 5.0, 5.0]),  # first step of the set: left out
@@ -94,8 +94,38 @@ def test_failed_step_compute_is_the_slowest_survivors_busy_of_the_failed_generat
         {"kind": "event", "event": "failure", "step": 4, "devices": ["a", "b"]},
         _step(4, 3, ["a", "b"], [0.9, 0.9]),
     ]
-    assert validation.failed_step_compute_s(records) == pytest.approx(0.55)
-    assert validation.failed_step_compute_s([r for r in records if r["kind"] == "step"]) is None
+    inputs = validation.failed_step_inputs(records)
+    assert inputs["survivor_busy_s"] == pytest.approx(0.55)
+    assert inputs["victim_vws"] == 2 and inputs["devices_before"] == 3
+    assert validation.failed_step_inputs([r for r in records if r["kind"] == "step"]) is None
+
+
+def test_fault_death_fraction_places_the_fault_in_the_victims_first_vw():
+    assert validation.fault_death_fraction("forward", 2, 2 / 3) == 0.0
+    assert validation.fault_death_fraction("backward", 2, 2 / 3) == pytest.approx(1 / 6)
+    assert validation.fault_death_fraction("sync", 2, 2 / 3) == 1.0
+    with pytest.raises(ValueError, match="fault phase 'transfer'"):
+        validation.fault_death_fraction("transfer", 2, 2 / 3)
+
+
+def test_predicted_failure_stall_charges_the_survivors_vws_at_the_contention_after_the_death():
+    inputs = [{"survivor_busy_s": 0.3, "victim_vws": 2, "devices_before": 3},
+              {"survivor_busy_s": 0.6, "victim_vws": 2, "devices_before": 3},
+              {"survivor_busy_s": 0.4, "victim_vws": 2, "devices_before": 3}]
+    parameters = calibrate({"host_cores": 2.0, "recovery_notice_s": 0.02, "detection_s": 0.03,
+                            "pg_formation_s": 0.004}).parameters
+    stall, lost = validation.predict_failure_stall(inputs, parameters)
+    # elastic.py kills in backward: 1/6 of the way in at 3 busy processes, the rest at 2 (1.5x faster).
+    assert lost == pytest.approx(0.4 * (1 / 6 + (5 / 6) / 1.5))
+    assert stall == pytest.approx(lost + 0.02 + 0.004)
+
+
+def test_recovery_notice_is_half_of_each_poll_on_the_path(monkeypatch):
+    from flexpar import driver_loop
+
+    monkeypatch.setattr(driver_loop, "_POLL_S", 0.1)
+    poll = validation.inspect.signature(validation.DeviceLink.__init__).parameters["poll_s"].default
+    assert validation.recovery_notice_seconds() == pytest.approx(0.5 * (0.1 + 2 * poll))
 
 
 def test_ddp_slowest_seconds_per_vw_is_the_median_over_rounds():
@@ -126,7 +156,7 @@ def test_boundary_seconds_takes_the_last_arrivals_time_per_repeat_then_the_media
 
 def test_boundary_calibration_fits_base_and_per_device_from_sizes_2_and_3():
     fitted = validation.boundary_calibration({"process_group_formation_s": 0.5},
-                                             {"boundary_s_by_size": {2: 0.004, 3: 0.006}})
+                                             {"boundary_s_by_size": {2: 0.004, 3: 0.006}}, cores=8)
     assert fitted["pg_formation_per_device_s"] == pytest.approx(0.002)
     assert fitted["pg_formation_s"] == pytest.approx(0.0)
     calibration = calibrate({**fitted, "devices": 2})
@@ -134,8 +164,20 @@ def test_boundary_calibration_fits_base_and_per_device_from_sizes_2_and_3():
     assert pg_formation_seconds(2, calibration.parameters.elastic) == pytest.approx(0.004)
     assert pg_formation_seconds(3, calibration.parameters.elastic) == pytest.approx(0.006)
     # A negative intercept is not a cost: a line through the origin, least squares.
-    origin = validation.boundary_calibration({}, {"boundary_s_by_size": {2: 0.002, 3: 0.005}})
+    origin = validation.boundary_calibration({}, {"boundary_s_by_size": {2: 0.002, 3: 0.005}}, cores=8)
     assert origin["pg_formation_s"] == 0.0
     assert origin["pg_formation_per_device_s"] == pytest.approx((2 * 0.002 + 3 * 0.005) / 13)
     # Without the probe's sizes, elastic.py's fresh-group figure stands in.
-    assert validation.boundary_calibration({"process_group_formation_s": 0.5}, {}) == {"pg_formation_s": 0.5}
+    assert validation.boundary_calibration({"process_group_formation_s": 0.5}, {}, cores=8) == \
+        {"pg_formation_s": 0.5, "host_cores": 8}
+
+
+def test_boundary_calibration_takes_the_host_contention_out_before_the_fit():
+    # On 2 cores a 3-process boundary runs 1.5x stretched: 0.0075 s is 0.005 s of work.
+    fitted = validation.boundary_calibration({}, {"boundary_s_by_size": {2: 0.004, 3: 0.0075}}, cores=2)
+    assert fitted["pg_formation_per_device_s"] == pytest.approx(0.001)
+    assert fitted["pg_formation_s"] == pytest.approx(0.002)
+    elastic = calibrate(fitted).parameters.elastic
+    from flexpar.sim.model import pg_formation_seconds
+    assert pg_formation_seconds(3, elastic) == pytest.approx(0.0075)
+    assert pg_formation_seconds(2, elastic, busy_processes=3) == pytest.approx(0.006)  # a leaver still busy

@@ -28,14 +28,15 @@ optimizer_s                    directly, or fitted from ``step_time_s`` as
                                when not given: a step time you want to
                                predict must not also be the calibration)
 pg_formation_s                 directly, or from ``scale_in_stall_s`` (an
-                               in-place leave costs one group formation)
+                               in-place leave costs one group formation,
+                               with the leaver still busy on shared cores)
 broadcast_bandwidth_bytes_per_s    directly, or from ``broadcast_s`` (of
                                ``broadcast_bytes``, default state_bytes), or
                                from ``scale_out_stall_s`` - pg formation
 detection_s                    directly, or ``failure_resume_s`` - pg
-                               formation (resume measured from the kill to
-                               the survivors' next step start)
-warmup_s, pg_formation_per_device_s   directly
+                               formation - recovery notice (resume measured
+                               from the kill to the survivors' next step start)
+warmup_s, pg_formation_per_device_s, recovery_notice_s, host_cores   directly
 process_start_s, import_s, rebuild_s, checkpoint_save_s,
 checkpoint_load_s, checkpoint_every_steps   restart costs, directly
 =============================  ==============================================
@@ -57,6 +58,8 @@ from .model import (
     RestartCosts,
     WorkloadModel,
     broadcast_seconds,
+    failure_stall_seconds,
+    host_contention,
     join_stall_seconds,
     pg_formation_seconds,
     step_seconds,
@@ -173,8 +176,9 @@ def calibrate(measured: Mapping[str, Any], base: ModelParameters = ModelParamete
     elastic = replace(base.elastic, **_overrides(measured, ElasticCosts, "elastic", sources))
     if sources["elastic.pg_formation_s"] == "default" and _number(measured, "scale_in_stall_s") is not None:
         leave_group = (devices - 1) if devices else 1
+        formation = _number(measured, "scale_in_stall_s") / host_contention(leave_group + 1, elastic.host_cores)
         elastic = replace(elastic, pg_formation_s=max(
-            0.0, _number(measured, "scale_in_stall_s") - elastic.pg_formation_per_device_s * leave_group))
+            0.0, formation - elastic.pg_formation_per_device_s * leave_group))
         sources["elastic.pg_formation_s"] = "scale_in_stall_s"
 
     join_group = (devices + 1) if devices else 2
@@ -198,8 +202,9 @@ def calibrate(measured: Mapping[str, Any], base: ModelParameters = ModelParamete
     if sources["elastic.detection_s"] == "default" and _number(measured, "failure_resume_s") is not None:
         survivors = (devices - 1) if devices else 1
         elastic = replace(elastic, detection_s=max(
-            0.0, _number(measured, "failure_resume_s") - pg_formation_seconds(survivors, elastic)))
-        sources["elastic.detection_s"] = "failure_resume_s - pg formation"
+            0.0, _number(measured, "failure_resume_s") - pg_formation_seconds(survivors, elastic)
+            - elastic.recovery_notice_s))
+        sources["elastic.detection_s"] = "failure_resume_s - pg formation - recovery notice"
 
     restart = replace(base.restart, **_overrides(measured, RestartCosts, "restart", sources,
                                                  integers=("checkpoint_every_steps",)))
@@ -269,17 +274,19 @@ def predict_step_seconds(
 def predict_elastic_stalls(calibration: Calibration, devices_before: int) -> Dict[str, float]:
     """The in-place stalls of a job with ``devices_before`` devices, as benchmarks/elastic.py names them.
 
-    scale-out to ``devices_before + 1``; scale-in to ``devices_before - 1``;
-    failure resume of the ``devices_before - 1`` survivors (detection and a new
-    group; the lost step in flight is not part of it); the state broadcast alone.
+    scale-out to ``devices_before + 1``; scale-in to ``devices_before - 1``
+    (the leaver is still exiting meanwhile: one more busy process); failure
+    resume of the ``devices_before - 1`` survivors (detection, the recovery
+    notice and a new group; the lost step in flight is not part of it: see
+    ``failure_stall_seconds``); the state broadcast alone.
     """
     if devices_before < 2:
         raise ValueError(f"devices_before: expected an integer >= 2 (scale-in needs a survivor), got {devices_before}")
     parameters = calibration.parameters
     return {
         "scale_out_stall_s": join_stall_seconds(devices_before + 1, parameters),
-        "scale_in_stall_s": pg_formation_seconds(devices_before - 1, parameters.elastic),
-        "failure_resume_s": parameters.elastic.detection_s + pg_formation_seconds(devices_before - 1, parameters.elastic),
+        "scale_in_stall_s": pg_formation_seconds(devices_before - 1, parameters.elastic, busy_processes=devices_before),
+        "failure_resume_s": failure_stall_seconds(devices_before - 1, parameters.elastic),
         "broadcast_s": broadcast_seconds(devices_before + 1, parameters.workload.state_bytes, parameters.network),
     }
 

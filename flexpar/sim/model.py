@@ -20,7 +20,9 @@ a collective, so the step ends when the last device's share of it ends.
 
 Elastic costs: a process group formed in running processes costs
 ``pg_formation_s + pg_formation_per_device_s * n`` (a rendezvous on one store
-grows with the members); a state broadcast costs
+grows with the members), stretched by ``host_contention`` when more busy
+processes than cores share a host (CPU workers; a GPU worker has its own
+device and needs no such term); a state broadcast costs
 ``ceil(log2 n) * alpha + bytes / broadcast_bandwidth`` (a pipelined tree: the
 latency grows with the depth, the bytes cross each link once).
 """
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -128,16 +130,26 @@ class ElasticCosts:
     running devices' critical path. ``pg_formation_s`` (+ ``per_device`` times
     the group size): forming a fresh process group in running processes.
     ``detection_s``: from a peer's death to the survivors' error in the
-    collective.
+    collective, when they are already waiting in it. ``recovery_notice_s``:
+    from the survivors' failure reports to their seeing the rebuilt
+    generation (the coordinator's and the devices' polls; a planned change
+    needs none, its new generation rides in the step's all-reduce).
+    ``host_cores``: the cores that a host's worker processes share, when
+    they do (CPU workers); None when each device computes on its own.
     """
 
     warmup_s: float = 30.0
     pg_formation_s: float = 0.01
     pg_formation_per_device_s: float = 0.0
     detection_s: float = 0.1
+    recovery_notice_s: float = 0.0
+    host_cores: Optional[float] = None
 
     def __post_init__(self) -> None:
-        _check_non_negative("elastic", **{field.name: getattr(self, field.name) for field in fields(self)})
+        _check_non_negative("elastic", **{field.name: getattr(self, field.name) for field in fields(self)
+                                          if field.name != "host_cores"})
+        if self.host_cores is not None:
+            _check_positive("elastic", host_cores=self.host_cores)
 
 
 @dataclass(frozen=True)
@@ -219,9 +231,57 @@ def broadcast_seconds(devices: int, payload_bytes: float, network: NetworkModel)
     return depth * network.alpha_s + payload_bytes / network.broadcast_bandwidth_bytes_per_s
 
 
-def pg_formation_seconds(devices: int, elastic: ElasticCosts) -> float:
-    """Forming a fresh process group of ``devices`` members in running processes."""
-    return elastic.pg_formation_s + elastic.pg_formation_per_device_s * devices
+def host_contention(busy_processes: int, host_cores: Optional[float]) -> float:
+    """How many times longer CPU work takes when ``busy_processes`` share ``host_cores`` cores.
+
+    Processor sharing of single-threaded processes: each gets
+    ``min(1, cores / processes)`` of a core. 1 when cores are not shared (None).
+    """
+    if host_cores is None or busy_processes <= host_cores:
+        return 1.0
+    return busy_processes / host_cores
+
+
+def pg_formation_seconds(devices: int, elastic: ElasticCosts, busy_processes: Optional[int] = None) -> float:
+    """Forming a fresh process group of ``devices`` members in running processes.
+
+    ``busy_processes``: the processes busy on the host meanwhile (default: the
+    members; a leaver that is still exiting makes one more).
+    """
+    busy = devices if busy_processes is None else busy_processes
+    base = elastic.pg_formation_s + elastic.pg_formation_per_device_s * devices
+    return base * host_contention(busy, elastic.host_cores)
+
+
+def failure_stall_seconds(
+    survivors: int, elastic: ElasticCosts, lost_compute_s: float = 0.0, death_at_s: float = 0.0
+) -> float:
+    """From the last commit before a failure until the survivors stand in a new group.
+
+    The survivors learn of the death in the step's all-reduce, after
+    ``lost_compute_s`` of their own compute, or ``detection_s`` after the
+    death (at ``death_at_s`` into the step) if that is later; then the
+    recovery notice and a new group of ``survivors``. With the defaults: a
+    peer that dies while the others already wait in the collective.
+    """
+    error_at = max(lost_compute_s, death_at_s + elastic.detection_s)
+    return error_at + elastic.recovery_notice_s + pg_formation_seconds(survivors, elastic)
+
+
+def failed_step_lost_seconds(
+    survivor_busy_s: float, devices_before: int, elastic: ElasticCosts, death_fraction: float
+) -> float:
+    """Compute the survivors do in a step whose peer dies, before they can learn of it.
+
+    flexpar's survivors notice a failure in the step's all-reduce, after their
+    own VWs, so those are lost. ``survivor_busy_s``: the slowest survivor's
+    busy time per step while all ``devices_before`` ran. The peer dies
+    ``death_fraction`` of the way into it; from then on the host has one busy
+    process fewer, so on shared cores the rest runs faster.
+    """
+    before = host_contention(devices_before, elastic.host_cores)
+    after = host_contention(devices_before - 1, elastic.host_cores)
+    return survivor_busy_s * (death_fraction + (1.0 - death_fraction) * after / before)
 
 
 def planned_restart_seconds(devices: int, parameters: ModelParameters) -> float:

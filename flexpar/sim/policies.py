@@ -181,9 +181,9 @@ class InPlaceElasticity:
         """One new process group for all changes of a boundary together.
 
         Plus the state broadcast when someone joined (a leaver takes nothing
-        with it), plus the detection time when someone failed. The step in
-        flight at a failure is charged by the simulator, which knows when in
-        the step it happened.
+        with it), plus the detection time and the recovery notice when someone
+        failed. The step in flight at a failure is charged by the simulator,
+        which knows when in the step it happened.
         """
         if joined == 0 and left == 0 and failed == 0:
             return ChangeCost(0.0)
@@ -191,7 +191,7 @@ class InPlaceElasticity:
             devices_after, parameters.elastic
         )
         if failed:
-            stall += parameters.elastic.detection_s
+            stall += parameters.elastic.detection_s + parameters.elastic.recovery_notice_s
         return ChangeCost(stall)
 
     def checkpoint_every_steps(self, parameters: ModelParameters) -> Optional[int]:

@@ -318,7 +318,7 @@ def _parse_parameters(root: _Fields) -> Tuple[ModelParameters, Optional[float]]:
     network.finish()
 
     elastic = root.sub_table("elastic")
-    elastic_values = _config_values(ElasticCosts, elastic)
+    elastic_values = _config_values(ElasticCosts, elastic, positives=("host_cores",))
     elastic.finish()
 
     restart = root.sub_table("restart")
