@@ -833,7 +833,7 @@ def _why_flexpar_step(row: Comparison, balance_extra: dict, probe: dict) -> str:
                        "treats the noise as independent per device; both overstate the slowest device here.")
     return text + (f"{row.measured - noise_free:.3g} s of each measured step is outside the devices' own busy "
                    "time and outside the probe's all-reduce and optimizer: the step loop, coordination and "
-                   "host contention on 2 shared cores, which the model does not have.")
+                   "host contention on 2 shared cores, which the step model does not price.")
 
 
 def _boundaries_text(probe: dict) -> str:
