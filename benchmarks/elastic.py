@@ -6,8 +6,10 @@ One invocation measures, alternating flexpar and baseline rounds:
 
 - flexpar, one `fit()` per round on 2 CPU processes (oversubscribed: 3 processes
   on 2 cores at the peak) with the schedule "+1" (scale out 2->3), a kill -9 of
-  the joiner during backward (failure 3->2), "+1" again, then "-1" (planned
-  scale in 3->2).
+  the joiner during backward (failure 3->2), "+1" again, "-1" (planned scale in
+  3->2), then "+1" and "-1" once more, and "+1" and a kill once more (a
+  scale-in costs milliseconds and a failure less than a step: one per round is
+  too few to judge either).
 - the baseline, torchrun's own elastic mode (`--nnodes=2:3`, c10d rendezvous,
   one worker per agent): two agents train, a third agent joins on the same host,
   torchrun stops every worker and starts a fresh set, which imports torch,
@@ -50,6 +52,15 @@ GLOBAL_BATCH = 24
 VIRTUAL_WORKERS = 6  # splits evenly over 2 and 3 devices
 
 
+# The device counts a round goes through when every change fires as planned,
+# and the names of its changes, in order; each figure is a median over every
+# round's changes of its kind.
+PLANNED_DEVICE_COUNTS = [2, 3, 2, 3, 2, 3, 2, 3, 2]
+SCALE_OUTS = ("scale_out", "scale_out_again", "scale_out_third", "scale_out_fourth")
+SCALE_INS = ("scale_in", "scale_in_again")
+FAILURES = ("failure", "failure_again")
+
+
 class Settings:
     """The size of one invocation: full (default) or --quick."""
 
@@ -68,7 +79,16 @@ class Settings:
         self.fault_step = self.join_step + lead
         self.rejoin_step = self.fault_step + 3
         self.leave_step = self.rejoin_step + lead
-        self.steps = self.leave_step + 4
+        # Then one more scale-in and one more failure: each costs far less than a
+        # step, so one per round is too few to judge it. 4 steps on 2 devices give
+        # each change's generation a normal step.
+        self.rejoin_again_step = self.leave_step + 4
+        self.leave_again_step = self.rejoin_again_step + lead
+        self.rejoin_last_step = self.leave_again_step + 4
+        self.fault_again_step = self.rejoin_last_step + lead
+        self.steps = self.fault_again_step + 4
+        self.join_steps = (self.join_step, self.rejoin_step, self.rejoin_again_step, self.rejoin_last_step)
+        self.leave_steps = (self.leave_step, self.leave_again_step)
         # The third agent starts once the old set has committed a step (it then needs
         # seconds of `import torch` before it reaches the rendezvous, while the old
         # set trains on); the new set runs 3 steps: 2 intervals give a normal step.
@@ -81,11 +101,14 @@ class Settings:
 
     @property
     def schedule(self) -> str:
-        return f"{self.join_step}:+1,{self.rejoin_step}:+1,{self.leave_step}:-1"
+        return (f"{self.join_step}:+1,{self.rejoin_step}:+1,{self.leave_step}:-1,"
+                f"{self.rejoin_again_step}:+1,{self.leave_again_step}:-1,{self.rejoin_last_step}:+1")
 
     @property
     def faults(self) -> str:
-        return f"{self.fault_step}:local-2:backward"  # local-2 is the first joiner
+        # The first joiner is local-2; local-3 and local-4 join and leave (the newest
+        # member leaves); local-5 is the last joiner.
+        return f"{self.fault_step}:local-2:backward,{self.fault_again_step}:local-5:backward"
 
 
 def model_factory(settings: Settings):
@@ -132,28 +155,26 @@ def measure_change(step_records: list, event: dict, request_step) -> dict:
 
 
 def analyse_flexpar(records: list, settings: Settings) -> dict:
-    """The four changes of one flexpar round, matched to the schedule and the fault."""
+    """The changes of one flexpar round, matched to the schedule and the faults, in order."""
     steps = [r for r in records if r["kind"] == "step"]
     events = [r for r in records if r["kind"] == "event"]
     joins = [e for e in events if e["event"] == "join"]
     failures = [e for e in events if e["event"] == "failure"]
     leaves = [e for e in events if e["event"] == "leave"]
     found = {}
-    if joins:
-        found["scale_out"] = measure_change(steps, joins[0], settings.join_step)
-    if failures:
-        found["failure"] = measure_change(steps, failures[0], None)
-    if len(joins) > 1:
-        found["scale_out_again"] = measure_change(steps, joins[1], settings.rejoin_step)
-    if leaves:
-        found["scale_in"] = measure_change(steps, leaves[0], settings.leave_step)
+    for name, event, request_step in zip(SCALE_OUTS, joins, settings.join_steps):
+        found[name] = measure_change(steps, event, request_step)
+    for name, event, request_step in zip(SCALE_INS, leaves, settings.leave_steps):
+        found[name] = measure_change(steps, event, request_step)
+    for name, event in zip(FAILURES, failures):
+        found[name] = measure_change(steps, event, None)
     two = [r for r in steps if len(r["devices"]) == 2]
     three = [r for r in steps if len(r["devices"]) == 3]
     found["step_time_2_s"] = _steady_step_s(steps, two)
     found["step_time_3_s"] = _steady_step_s(steps, three)
     found["device_counts"] = _device_counts(steps)
     # Anything else means a change fired before the one before it had settled.
-    found["as_planned"] = found["device_counts"] == [2, 3, 2, 3, 2]
+    found["as_planned"] = found["device_counts"] == PLANNED_DEVICE_COUNTS
     return found
 
 
@@ -178,7 +199,7 @@ def _device_counts(step_records: list) -> list:
 
 
 def flexpar_round(settings: Settings, workdir: str, index: int) -> dict:
-    """One fit() with scale out, failure, scale out, scale in; its changes measured."""
+    """One fit() with the schedule and faults of `settings`; its changes measured."""
     import flexpar
     from flexpar.metrics import read_records
 
@@ -515,8 +536,10 @@ def measure_floor(settings: Settings) -> dict:
 # ------------------------------------------------------------------- reporting
 
 
-def _medians(rounds: list, change: str, key: str):
-    values = [r[change][key] for r in rounds if change in r and key in r[change]]
+def _medians(rounds: list, changes, key: str):
+    """Median of `key` over the named change(s) of every round."""
+    names = (changes,) if isinstance(changes, str) else changes
+    values = [r[change][key] for r in rounds for change in names if change in r and key in r[change]]
     values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
     return median(values) if values else None
 
@@ -527,12 +550,11 @@ def _plain_medians(rounds: list, key: str):
 
 
 def summarise(settings, flexpar_rounds, torchrun_rounds, floor, parameter_count) -> dict:
-    scale_out = [dict(r["scale_out"]) for r in flexpar_rounds if "scale_out" in r]
-    scale_out += [dict(r["scale_out_again"]) for r in flexpar_rounds if "scale_out_again" in r]
+    scale_out = [dict(r[name]) for name in SCALE_OUTS for r in flexpar_rounds if name in r]
     scale_out_stall = median([c["stall_s"] for c in scale_out]) if scale_out else None
     restart_stall = _plain_medians(torchrun_rounds, "stall_s")
     step_time = _plain_medians(flexpar_rounds, "step_time_2_s")
-    scale_in_stall = _medians(flexpar_rounds, "scale_in", "stall_s")
+    scale_in_stall = _medians(flexpar_rounds, SCALE_INS, "stall_s")
     return {
         "baseline": (
             "torchrun elastic (python -m torch.distributed.run --nnodes=2:3 --nproc-per-node=1, c10d "
@@ -557,14 +579,14 @@ def summarise(settings, flexpar_rounds, torchrun_rounds, floor, parameter_count)
         "restart_steps_lost": [r["steps_lost"] for r in torchrun_rounds],
         "scale_out_speedup": (restart_stall / scale_out_stall) if restart_stall and scale_out_stall else None,
         "scale_in_stall_s": scale_in_stall,
-        "scale_in_event_stall_s": _medians(flexpar_rounds, "scale_in", "event_stall_s"),
-        "scale_in_request_to_first_step_s": _medians(flexpar_rounds, "scale_in", "request_to_first_step_s"),
+        "scale_in_event_stall_s": _medians(flexpar_rounds, SCALE_INS, "event_stall_s"),
+        "scale_in_request_to_first_step_s": _medians(flexpar_rounds, SCALE_INS, "request_to_first_step_s"),
         "scale_in_goal_s": (step_time + 0.2) if step_time is not None else None,
         "step_time_s": step_time,
         "step_time_3_devices_s": _plain_medians(flexpar_rounds, "step_time_3_s"),
-        "failure_resume_s": _medians(flexpar_rounds, "failure", "stall_s"),
-        "failure_event_stall_s": _medians(flexpar_rounds, "failure", "event_stall_s"),
-        "failure_last_commit_to_first_step_s": _medians(flexpar_rounds, "failure", "commit_gap_s"),
+        "failure_resume_s": _medians(flexpar_rounds, FAILURES, "stall_s"),
+        "failure_event_stall_s": _medians(flexpar_rounds, FAILURES, "event_stall_s"),
+        "failure_last_commit_to_first_step_s": _medians(flexpar_rounds, FAILURES, "commit_gap_s"),
         "broadcast_s": floor["send_2_s"],
         "broadcast_3_processes_s": floor["broadcast_3_s"],
         "process_group_formation_s": floor["pg_again_s"],
@@ -646,7 +668,8 @@ def main() -> None:
         done = flexpar_rounds[-1]
         print(f"  round {index}: flexpar done in {done['wall_s']:.0f} s, device counts "
               f"{done['device_counts']}" + ("" if done["as_planned"] else
-                                           " (NOT as planned 2,3,2,3,2: a joiner was late)"), flush=True)
+                                           f" (NOT as planned {PLANNED_DEVICE_COUNTS}: a joiner was late)"),
+              flush=True)
         torchrun_rounds.append(torchrun_round(settings, workdir, index))
         print(f"  round {index}: torchrun done in {torchrun_rounds[-1]['wall_s']:.0f} s", flush=True)
     floor = measure_floor(settings)

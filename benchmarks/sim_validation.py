@@ -217,8 +217,15 @@ def transfer_path_seconds(parts: Mapping[str, float]) -> float | None:
     return float(sum(parts[key] for key in keys))
 
 
-def failed_step_inputs(records: Sequence[dict]) -> dict | None:
-    """The step a failure killed, estimated from the steps before it: what the survivors had to do.
+def failed_steps_inputs(records: Sequence[dict]) -> list[dict]:
+    """`failed_step_inputs` of every failure in a run's records that has them."""
+    failures = [r for r in records if r["kind"] == "event" and r["event"] == "failure"]
+    found = [failed_step_inputs(records, failure) for failure in failures]
+    return [inputs for inputs in found if inputs is not None and inputs["victim_vws"]]
+
+
+def failed_step_inputs(records: Sequence[dict], failure: dict) -> dict | None:
+    """The step `failure` killed, estimated from the steps before it: what the survivors had to do.
 
     flexpar's survivors learn of a failure when they reach the step's all-reduce,
     i.e. after their own VWs: the step in flight is lost up to there. Per step of
@@ -228,9 +235,6 @@ def failed_step_inputs(records: Sequence[dict]) -> dict | None:
     step (the most of them), which says how far into the step a fault in the
     victim's first VW lands.
     """
-    failure = next((r for r in records if r["kind"] == "event" and r["event"] == "failure"), None)
-    if failure is None:
-        return None
     steps = [r for r in records if r["kind"] == "step" and r["step"] < failure["step"]]
     if not steps:
         return None
@@ -601,8 +605,8 @@ def compare_elastic(elastic: dict, probe: dict) -> tuple:
     calibration = calibrate(measured_inputs)
     out = predict_elastic_stalls(calibration, devices_before=2)
     shrink = predict_elastic_stalls(calibration, devices_before=3)
-    inputs = [failed_step_inputs(read_step_records(r.get("metrics", ""))) for r in elastic.get("flexpar_rounds", [])]
-    inputs = [value for value in inputs if value is not None and value["victim_vws"]]
+    inputs = [value for r in elastic.get("flexpar_rounds", [])
+              for value in failed_steps_inputs(read_step_records(r.get("metrics", "")))]
     failure, lost_s = None, None
     if inputs and probe.get("detection_s") is not None:
         failure, lost_s = predict_failure_stall(inputs, calibration.parameters)
@@ -649,7 +653,8 @@ def compare_elastic(elastic: dict, probe: dict) -> tuple:
     noise = [step_interval_noise_s(read_step_records(r.get("metrics", ""))) for r in elastic.get("flexpar_rounds", [])]
     noise = [value for value in noise if value is not None]
     # elastic.py's scale-out figure is the median over both joins of every round.
-    changes = {"scale_out": ("scale_out", "scale_out_again"), "scale_in": ("scale_in",), "failure": ("failure",)}
+    changes = {"scale_out": ("scale_out", "scale_out_again", "scale_out_third", "scale_out_fourth"),
+               "scale_in": ("scale_in", "scale_in_again"), "failure": ("failure", "failure_again")}
     by_round = {key: [r[change]["stall_s"] for r in elastic.get("flexpar_rounds", []) for change in names if change in r]
                 for key, names in changes.items()}
     return rows, calibration, {"transfer_path_s": transfer_s, "failed_step_compute_s": lost_s,
@@ -690,19 +695,27 @@ def fault_death_fraction(phase: str, victim_vws: int, backward_fraction: float) 
 def predict_failure_stall(inputs: Sequence[dict], parameters) -> tuple:
     """elastic.py's failure stall (last commit -> survivors level) and the lost compute in it.
 
+    Medians over the failures of `inputs` (`failed_steps_inputs`), each predicted
+    from its own generation's busy times.
+
     The victim dies at elastic.py's fault point; the survivors run their VWs of
     the step to its all-reduce (one busy process fewer on the host from the
     death on), learn of it there, wait for the rebuilt generation and form a
     new group.
     """
-    busy = median([value["survivor_busy_s"] for value in inputs])
-    devices_before = inputs[0]["devices_before"]
-    phase = elastic_benchmark.Settings(quick=False, rounds=1).faults.rsplit(":", 1)[1]
-    fraction = fault_death_fraction(phase, inputs[0]["victim_vws"], parameters.network.backward_fraction)
-    lost = failed_step_lost_seconds(busy, devices_before, parameters.elastic, fraction)
-    stall = failure_stall_seconds(devices_before - 1, parameters.elastic, lost_compute_s=lost,
-                                  death_at_s=fraction * busy)
-    return stall, lost
+    phases = {fault.rsplit(":", 1)[1] for fault in elastic_benchmark.Settings(quick=False, rounds=1).faults.split(",")}
+    if len(phases) != 1:
+        raise ValueError(f"elastic.py's faults use phases {sorted(phases)}: expected one, to place every failure")
+    phase = phases.pop()
+    stalls, losses = [], []
+    for value in inputs:
+        busy, devices_before = value["survivor_busy_s"], value["devices_before"]
+        fraction = fault_death_fraction(phase, value["victim_vws"], parameters.network.backward_fraction)
+        lost = failed_step_lost_seconds(busy, devices_before, parameters.elastic, fraction)
+        losses.append(lost)
+        stalls.append(failure_stall_seconds(devices_before - 1, parameters.elastic, lost_compute_s=lost,
+                                            death_at_s=fraction * busy))
+    return median(stalls), median(losses)
 
 
 def boundary_calibration(elastic: dict, probe: dict, cores: float) -> dict:

@@ -94,10 +94,16 @@ def test_failed_step_inputs_are_the_slowest_survivors_busy_and_the_victims_vws()
         {"kind": "event", "event": "failure", "step": 4, "devices": ["a", "b"]},
         _step(4, 3, ["a", "b"], [0.9, 0.9]),
     ]
-    inputs = validation.failed_step_inputs(records)
+    [inputs] = validation.failed_steps_inputs(records)
     assert inputs["survivor_busy_s"] == pytest.approx(0.55)
     assert inputs["victim_vws"] == 2 and inputs["devices_before"] == 3
-    assert validation.failed_step_inputs([r for r in records if r["kind"] == "step"]) is None
+    assert validation.failed_steps_inputs([r for r in records if r["kind"] == "step"]) == []
+    # A second failure, of a later set: its own generation's steps.
+    records += [_step(5, 3, ["a", "b"], [0.7, 0.8]),
+                {"kind": "event", "event": "failure", "step": 6, "devices": ["b"]}]
+    first, second = validation.failed_steps_inputs(records)
+    assert first == inputs
+    assert second["survivor_busy_s"] == pytest.approx(0.8) and second["devices_before"] == 2
 
 
 def test_fault_death_fraction_places_the_fault_in_the_victims_first_vw():
