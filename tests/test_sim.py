@@ -278,6 +278,23 @@ def test_failure_costs_in_flight_step_detection_and_group_or_a_rollback():
     assert restart.completed
 
 
+def test_a_failure_early_in_a_step_costs_flexpar_the_survivors_compute_and_restart_only_up_to_it():
+    # 3 devices x 2 VWs x 0.2 s: each survivor computes 0.4 s before the all-reduce.
+    quick = dataclasses.replace(PARAMETERS, elastic=dataclasses.replace(ELASTIC, detection_s=0.1,
+                                                                         recovery_notice_s=0.03))
+    step_three = step_seconds((2, 2, 2), [0.2] * 3, quick)
+    failure = Event("failure", ("d1",), at_s=3 * step_three + 0.05)  # 0.05 s into step 3
+    scenario = make_scenario([0.2] * 3, virtual_workers=6, steps=20, events=[failure], parameters=quick)
+    flexpar = simulate(scenario, "flexpar")
+    assert stall_of(flexpar, "failure") == pytest.approx(0.4 + 0.03 + 0.2)
+    restart = simulate(scenario, "restart")
+    assert stall_of(restart, "failure") == pytest.approx(0.05 + 0.1 + (1.0 + 2.0 + 3.0 + 0.25 + 0.2))
+    # Dying just before the all-reduce: the detection outlasts the survivors' compute.
+    late = make_scenario([0.2] * 3, virtual_workers=6, steps=20, parameters=quick,
+                         events=[Event("failure", ("d1",), at_s=3 * step_three + 0.38)])
+    assert stall_of(simulate(late, "flexpar"), "failure") == pytest.approx(0.38 + 0.1 + 0.03 + 0.2)
+
+
 def test_joins_beyond_one_device_per_vw_are_refused():
     join = Event("join", ("x", "y"), at_step=2, devices=(DeviceSpec("x", 0.1), DeviceSpec("y", 0.1)))
     scenario = make_scenario([0.1, 0.1], virtual_workers=3, steps=10, events=[join],

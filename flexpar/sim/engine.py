@@ -355,6 +355,21 @@ class _Simulation:
         self.clock = resume
         return True
 
+    def _failure_noticed_at(self, step: _Step, failed_at: float, events: List[Event]) -> float:
+        """When the survivors stop working on the step a failure killed; it is lost up to then.
+
+        flexpar's survivors run their own VWs to the step's all-reduce and learn
+        of the death there, or ``detection_s`` after it if that is later. A
+        policy whose agent watches the processes stops them at the death and
+        pays the detection in its change cost.
+        """
+        if not self.policy.elasticity.notices_failures_in_collective:
+            return failed_at
+        failed = {device_id for event in events for device_id in event.device_ids}
+        survivors = [busy for device_id, busy in zip(self.device_ids, step.busy) if device_id not in failed]
+        computed_until = self.clock + (max(survivors) if survivors else 0.0)
+        return max(computed_until, failed_at + self.parameters.elastic.detection_s)
+
     def _failure_in_step(self, step_seconds: float) -> Optional[Tuple[float, List[Event]]]:
         """The failure that kills the step now running, if any: (time, its events)."""
         active = set(self.active)
@@ -503,8 +518,9 @@ class _Simulation:
                 self._commit(step)
                 continue
             failed_at, failure_events = failure
-            in_flight_lost = failed_at - self.clock
-            self.clock = failed_at
+            noticed_at = self._failure_noticed_at(step, failed_at, failure_events)
+            in_flight_lost = noticed_at - self.clock
+            self.clock = noticed_at
             changes = _Changes()
             for event in failure_events:
                 self._apply_event(event, changes)

@@ -170,6 +170,9 @@ class InPlaceElasticity:
 
     name = "in-place"
     keeps_state_in_memory = True
+    # Survivors learn of a failure in the step's all-reduce (the engine charges
+    # the step and the detection up to then).
+    notices_failures_in_collective = True
 
     def admission_delay_s(self, parameters: ModelParameters) -> float:
         """A joiner warms up for this long before it can be let in (off the critical path)."""
@@ -181,9 +184,9 @@ class InPlaceElasticity:
         """One new process group for all changes of a boundary together.
 
         Plus the state broadcast when someone joined (a leaver takes nothing
-        with it), plus the detection time and the recovery notice when someone
-        failed. The step in flight at a failure is charged by the simulator,
-        which knows when in the step it happened.
+        with it), plus the recovery notice when someone failed. The step in
+        flight and the detection are charged by the simulator, which knows
+        when in the step the failure happened.
         """
         if joined == 0 and left == 0 and failed == 0:
             return ChangeCost(0.0)
@@ -191,7 +194,7 @@ class InPlaceElasticity:
             devices_after, parameters.elastic
         )
         if failed:
-            stall += parameters.elastic.detection_s + parameters.elastic.recovery_notice_s
+            stall += parameters.elastic.recovery_notice_s
         return ChangeCost(stall)
 
     def checkpoint_every_steps(self, parameters: ModelParameters) -> Optional[int]:
@@ -205,6 +208,8 @@ class RestartElasticity:
 
     name = "checkpoint-restart"
     keeps_state_in_memory = False
+    # The elastic agent watches its worker processes and stops them all at a death.
+    notices_failures_in_collective = False
 
     def admission_delay_s(self, parameters: ModelParameters) -> float:
         """A joiner triggers the restart at once; its start-up is part of the restart."""
