@@ -536,10 +536,9 @@ def measure_floor(settings: Settings) -> dict:
 # ------------------------------------------------------------------- reporting
 
 
-def _medians(rounds: list, changes, key: str):
-    """Median of `key` over the named change(s) of every round."""
-    names = (changes,) if isinstance(changes, str) else changes
-    values = [r[change][key] for r in rounds for change in names if change in r and key in r[change]]
+def _medians(rounds: list, changes: tuple, key: str):
+    """Median of `key` over the named changes of every round."""
+    values = [r[change][key] for r in rounds for change in changes if change in r and key in r[change]]
     values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
     return median(values) if values else None
 

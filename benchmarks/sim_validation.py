@@ -68,7 +68,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np
 from common import base_parser, median, print_table, write_json
 
-import elastic as elastic_benchmark  # its fault schedule
+import elastic as elastic_benchmark  # its fault schedule and the names of its changes
 from flexpar import driver_loop
 from flexpar.control import DeviceLink
 from flexpar.options import cpu_count
@@ -638,7 +638,7 @@ def compare_elastic(elastic: dict, probe: dict) -> tuple:
         Comparison("elastic: failure 3->2 [step records: gap - normal step]", failure,
                    elastic.get("failure_resume_s"), False, "as the counted row vs step records"),
     ]
-    four = (probe.get("boundary_s_by_size") or {}).get("4", (probe.get("boundary_s_by_size") or {}).get(4))
+    four = boundaries_by_size(probe).get(4)
     if four is not None:
         # Not used in the fit: a check of the contention term (4 busy processes on this host's cores).
         rows.append(Comparison("probe: boundary of 4 processes [not in the fit]",
@@ -652,13 +652,13 @@ def compare_elastic(elastic: dict, probe: dict) -> tuple:
                                "group formation + state bytes at gloo's send bandwidth"))
     noise = [step_interval_noise_s(read_step_records(r.get("metrics", ""))) for r in elastic.get("flexpar_rounds", [])]
     noise = [value for value in noise if value is not None]
-    # elastic.py's scale-out figure is the median over both joins of every round.
-    changes = {"scale_out": ("scale_out", "scale_out_again", "scale_out_third", "scale_out_fourth"),
-               "scale_in": ("scale_in", "scale_in_again"), "failure": ("failure", "failure_again")}
+    # elastic.py's figures are medians over every round's changes of each kind.
+    changes = {"scale_out": elastic_benchmark.SCALE_OUTS, "scale_in": elastic_benchmark.SCALE_INS,
+               "failure": elastic_benchmark.FAILURES}
     by_round = {key: [r[change]["stall_s"] for r in elastic.get("flexpar_rounds", []) for change in names if change in r]
                 for key, names in changes.items()}
     return rows, calibration, {"transfer_path_s": transfer_s, "failed_step_compute_s": lost_s,
-                               "failed_step_inputs_by_round": inputs,
+                               "failed_step_inputs": inputs,
                                "step_interval_noise_s": median(noise) if noise else None,
                                "stall_s_by_round": by_round}
 
@@ -695,13 +695,11 @@ def fault_death_fraction(phase: str, victim_vws: int, backward_fraction: float) 
 def predict_failure_stall(inputs: Sequence[dict], parameters) -> tuple:
     """elastic.py's failure stall (last commit -> survivors level) and the lost compute in it.
 
-    Medians over the failures of `inputs` (`failed_steps_inputs`), each predicted
-    from its own generation's busy times.
-
     The victim dies at elastic.py's fault point; the survivors run their VWs of
     the step to its all-reduce (one busy process fewer on the host from the
     death on), learn of it there, wait for the rebuilt generation and form a
-    new group.
+    new group. Each failure of `inputs` (`failed_steps_inputs`) is predicted
+    from its own generation's busy times; the medians over them.
     """
     phases = {fault.rsplit(":", 1)[1] for fault in elastic_benchmark.Settings(quick=False, rounds=1).faults.split(",")}
     if len(phases) != 1:
@@ -718,6 +716,11 @@ def predict_failure_stall(inputs: Sequence[dict], parameters) -> tuple:
     return median(stalls), median(losses)
 
 
+def boundaries_by_size(probe: dict) -> dict[int, float]:
+    """The probe's boundary seconds by group size (sizes are strings once the probe went through JSON)."""
+    return {int(size): seconds for size, seconds in (probe.get("boundary_s_by_size") or {}).items()}
+
+
 def boundary_calibration(elastic: dict, probe: dict, cores: float) -> dict:
     """Group formation (base + per device) from the probe's boundaries of 2 and 3 processes.
 
@@ -728,8 +731,7 @@ def boundary_calibration(elastic: dict, probe: dict, cores: float) -> dict:
     sizes, elastic.py's fresh-group figure (3 processes, formation only)
     stands in for every size.
     """
-    sizes = {int(size): seconds / host_contention(int(size), cores)
-             for size, seconds in (probe.get("boundary_s_by_size") or {}).items()}
+    sizes = {size: seconds / host_contention(size, cores) for size, seconds in boundaries_by_size(probe).items()}
     if 2 in sizes and 3 in sizes:
         per_device = sizes[3] - sizes[2]
         base = sizes[2] - 2 * per_device
@@ -850,8 +852,7 @@ def _why_flexpar_step(row: Comparison, balance_extra: dict, probe: dict) -> str:
 
 
 def _boundaries_text(probe: dict) -> str:
-    sizes = probe.get("boundary_s_by_size") or {}
-    return ", ".join(f"{size}: {seconds:.3g} s" for size, seconds in sorted(sizes.items(), key=lambda i: int(i[0])))
+    return ", ".join(f"{size}: {seconds:.3g} s" for size, seconds in sorted(boundaries_by_size(probe).items()))
 
 
 def _why_stall(row: Comparison, elastic: dict, elastic_extra: dict, probe: dict) -> str:

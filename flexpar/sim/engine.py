@@ -37,7 +37,7 @@ import numpy as np
 
 from flexpar import balance
 
-from .model import device_critical_paths, ring_all_reduce_seconds
+from .model import device_critical_paths, failure_noticed_seconds, ring_all_reduce_seconds
 from .policies import Policy, make_policy
 from .scenario import Event, Scenario
 
@@ -359,16 +359,18 @@ class _Simulation:
         """When the survivors stop working on the step a failure killed; it is lost up to then.
 
         flexpar's survivors run their own VWs to the step's all-reduce and learn
-        of the death there, or ``detection_s`` after it if that is later. A
-        policy whose agent watches the processes stops them at the death and
-        pays the detection in its change cost.
+        of the death there, or ``detection_s`` after it if that is later
+        (``failure_noticed_seconds``). A policy whose agent watches the
+        processes stops them at the death and pays the detection in its change
+        cost.
         """
         if not self.policy.elasticity.notices_failures_in_collective:
             return failed_at
         failed = {device_id for event in events for device_id in event.device_ids}
         survivors = [busy for device_id, busy in zip(self.device_ids, step.busy) if device_id not in failed]
-        computed_until = self.clock + (max(survivors) if survivors else 0.0)
-        return max(computed_until, failed_at + self.parameters.elastic.detection_s)
+        return self.clock + failure_noticed_seconds(
+            max(survivors) if survivors else 0.0, failed_at - self.clock, self.parameters.elastic
+        )
 
     def _failure_in_step(self, step_seconds: float) -> Optional[Tuple[float, List[Event]]]:
         """The failure that kills the step now running, if any: (time, its events)."""

@@ -253,19 +253,26 @@ def pg_formation_seconds(devices: int, elastic: ElasticCosts, busy_processes: Op
     return base * host_contention(busy, elastic.host_cores)
 
 
+def failure_noticed_seconds(lost_compute_s: float, death_at_s: float, elastic: ElasticCosts) -> float:
+    """When, from the start of the step, flexpar's survivors learn of a peer's death.
+
+    In the step's all-reduce, after ``lost_compute_s`` of their own compute, or
+    ``detection_s`` after the death (at ``death_at_s``) if that is later.
+    """
+    return max(lost_compute_s, death_at_s + elastic.detection_s)
+
+
 def failure_stall_seconds(
     survivors: int, elastic: ElasticCosts, lost_compute_s: float = 0.0, death_at_s: float = 0.0
 ) -> float:
     """From the last commit before a failure until the survivors stand in a new group.
 
-    The survivors learn of the death in the step's all-reduce, after
-    ``lost_compute_s`` of their own compute, or ``detection_s`` after the
-    death (at ``death_at_s`` into the step) if that is later; then the
-    recovery notice and a new group of ``survivors``. With the defaults: a
-    peer that dies while the others already wait in the collective.
+    ``failure_noticed_seconds``, then the recovery notice and a new group of
+    ``survivors``. With the defaults: a peer that dies while the others
+    already wait in the collective.
     """
-    error_at = max(lost_compute_s, death_at_s + elastic.detection_s)
-    return error_at + elastic.recovery_notice_s + pg_formation_seconds(survivors, elastic)
+    noticed = failure_noticed_seconds(lost_compute_s, death_at_s, elastic)
+    return noticed + elastic.recovery_notice_s + pg_formation_seconds(survivors, elastic)
 
 
 def failed_step_lost_seconds(
