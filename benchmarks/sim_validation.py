@@ -49,7 +49,6 @@ as a simulator event.
 from __future__ import annotations
 
 import glob
-import inspect
 import json
 import math
 import multiprocessing
@@ -69,8 +68,7 @@ import numpy as np
 from common import base_parser, median, print_table, write_json
 
 import elastic as elastic_benchmark  # its fault schedule and the names of its changes
-from flexpar import driver_loop
-from flexpar.control import DeviceLink
+from flexpar import control, driver_loop
 from flexpar.options import cpu_count
 from flexpar.sim import (
     DeviceSpec,
@@ -673,8 +671,7 @@ def recovery_notice_seconds() -> float:
     trips (a fraction of a millisecond each) are left out. A planned change
     has no such chain: its generation rides in the step's all-reduce.
     """
-    device_poll_s = inspect.signature(DeviceLink.__init__).parameters["poll_s"].default
-    return 0.5 * (driver_loop._POLL_S + device_poll_s + device_poll_s)
+    return 0.5 * (driver_loop._POLL_S + 2 * control.DEVICE_POLL_S)
 
 
 def fault_death_fraction(phase: str, victim_vws: int, backward_fraction: float) -> float:

@@ -309,6 +309,11 @@ class Coordinator:
 # ---------------------------------------------------------------- device side
 
 
+# How often a device's follower thread reads the store, and how often a device
+# waiting for a generation looks at what the follower saw.
+DEVICE_POLL_S = 0.02
+
+
 class DeviceLink:
     """A worker's connection to the coordinator.
 
@@ -318,7 +323,7 @@ class DeviceLink:
     between steps.
     """
 
-    def __init__(self, host: str, port: int, device_id: str, timeout_s: float, poll_s: float = 0.02):
+    def __init__(self, host: str, port: int, device_id: str, timeout_s: float, poll_s: float = DEVICE_POLL_S):
         self.host, self.port, self.timeout_s = host, port, timeout_s
         self.device_id = device_id
         self.store = connect(host, port, timeout_s)
