@@ -28,7 +28,9 @@ def test_run_overrides_the_script_and_plot_draws_it(tmp_path):
 
     records = read_records(metrics)  # every record of the run validates against the schema
     steps = [record for record in records if record["kind"] == "step"]
-    assert [r["event"] for r in records if r["kind"] == "event"] == ["start"]
+    # The device set never changed. A rebalance between the two devices may happen
+    # (it follows their measured speeds, which a busy host can skew): not a change.
+    assert [r["event"] for r in records if r["kind"] == "event" and r["event"] != "rebalance"] == ["start"]
     assert [len(record["devices"]) for record in steps] == [2, 2, 2, 2]
     plot = subprocess.run([sys.executable, "-m", "flexpar", "plot", str(metrics), "-o", str(picture)],
                           capture_output=True, text=True, timeout=120)
