@@ -14,6 +14,7 @@ import io
 import os
 import re
 import warnings
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -48,41 +49,63 @@ def from_bytes(data: bytes, device: torch.device) -> dict:
     return torch.load(io.BytesIO(data), map_location=device, weights_only=True)
 
 
-def agree_on_source(committed_step: int, rank: int, world_size: int, device) -> tuple:
-    """Who holds the latest committed state, and who must receive it.
+@dataclass(frozen=True)
+class Stock:
+    """What the members of a new generation hold, agreed in one collective.
 
-    Every member puts its committed step in its own slot of one all-reduce (a
-    joiner has none: -1). The source is the lowest rank holding the highest
-    step; receivers are the ranks behind it. After a failure in the middle of
-    a gradient sync some survivors may have committed the step and others not:
-    this is where they are brought level again.
+    `source`: the lowest rank holding the highest committed step `latest_step`;
+    `receivers`: the ranks behind it. `last_commit_wall`: the latest commit
+    time (wall clock) among members that hold a committed step.
     """
-    steps = torch.zeros(world_size, dtype=torch.int64, device=device)
-    steps[rank] = committed_step + 1
+
+    source: int
+    receivers: tuple
+    latest_step: int
+    last_commit_wall: float
+
+
+def take_stock(committed_step: int, committed_wall: float, rank: int, world_size: int, device) -> Stock:
+    """Who holds the latest state, who must receive it, and when the last member committed.
+
+    Every member puts its committed step (a joiner has none: -1) and its
+    commit time in its own slots of one all-reduce. After a failure in the
+    middle of a gradient sync some survivors may have committed the step and
+    others not: this is where they are brought level again. A joiner's
+    construction time is not a commit, so it does not count towards the last
+    commit. A boundary's stall starts at `last_commit_wall`: time another
+    member spent waiting for the last one is rank skew, which an ordinary step
+    absorbs in its all-reduce too. Members on different hosts compare wall
+    clocks, so their offset (milliseconds under NTP) adds to it.
+    Steps travel as float64, exact below 2**53.
+    """
+    slots = torch.zeros(2 * world_size, dtype=torch.float64, device=device)
+    slots[rank] = committed_step + 1
+    slots[world_size + rank] = committed_wall if committed_step >= 0 else 0.0
     if world_size > 1:
-        dist.all_reduce(steps)
-    steps = (steps - 1).tolist()
-    latest = max(steps)
-    source = steps.index(latest)
-    receivers = [r for r, step in enumerate(steps) if step < latest]
-    return source, receivers, latest
+        dist.all_reduce(slots)
+    return stock_of(slots.tolist(), committed_wall)
 
 
-def latest_commit(committed_wall: float, world_size: int, device) -> float:
-    """The latest commit time (wall clock) among the members, known once every member is level.
+def stock_of(slots: list, own_wall: float) -> Stock:
+    """Read the summed slots of `take_stock`: steps + 1 by rank, then commit times by rank.
 
-    A boundary's stall runs from here to the end of this all-reduce: it
-    starts when the last member finished its step (time another member
-    spent waiting for it is rank skew, which an ordinary step absorbs in its
-    all-reduce too) and ends when the slowest member, a receiver restoring
-    the state, is ready. Members on different hosts compare wall clocks, so
-    their offset (milliseconds under NTP) adds to it.
+    With no member holding a commit (a fresh set), `own_wall` stands in.
     """
-    if world_size == 1:
-        return committed_wall
-    latest = torch.tensor([committed_wall], dtype=torch.float64, device=device)
-    dist.all_reduce(latest, op=dist.ReduceOp.MAX)
-    return float(latest.item())
+    world_size = len(slots) // 2
+    steps = [round(value) - 1 for value in slots[:world_size]]
+    latest = max(steps)
+    return Stock(
+        source=steps.index(latest),
+        receivers=tuple(r for r, step in enumerate(steps) if step < latest),
+        latest_step=latest,
+        last_commit_wall=max(slots[world_size:]) or own_wall,
+    )
+
+
+def all_level(world_size: int, device) -> None:
+    """Returns once every member has passed its part of the state transfer (receivers: restored)."""
+    if world_size > 1:
+        dist.all_reduce(torch.zeros(1, device=device))
 
 
 def send(data: bytes, receivers: list, device, after_size=None) -> None:

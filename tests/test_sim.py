@@ -554,12 +554,13 @@ def test_lost_compute_runs_faster_after_the_death_only_on_shared_cores():
     assert failed_step_lost_seconds(0.6, 3, shared, death_fraction=1.0) == pytest.approx(0.6)
 
 
-def test_predicted_elastic_stalls_count_the_leaver_and_the_recovery_notice():
+def test_predicted_elastic_stalls_count_the_survivors_and_the_recovery_notice():
     costs = ElasticCosts(pg_formation_s=0.004, detection_s=0.03, recovery_notice_s=0.02, host_cores=2.0)
     calibration = calibrate({"pg_formation_s": 0.004, "detection_s": 0.03, "recovery_notice_s": 0.02,
                              "host_cores": 2.0})
     assert calibration.parameters.elastic == dataclasses.replace(ElasticCosts(), **{
         name: getattr(costs, name) for name in ("pg_formation_s", "detection_s", "recovery_notice_s", "host_cores")})
     stalls = predict_elastic_stalls(calibration, devices_before=3)
-    assert stalls["scale_in_stall_s"] == pytest.approx(0.004 * 1.5)  # 2 members + the exiting leaver, 2 cores
+    # 2 survivors on 2 cores: the leaver skips its last update and exits at the lowest priority.
+    assert stalls["scale_in_stall_s"] == pytest.approx(0.004)
     assert stalls["failure_resume_s"] == pytest.approx(0.03 + 0.02 + 0.004)

@@ -173,6 +173,10 @@ def test_boundary_calibration_fits_base_and_per_device_from_sizes_2_and_3():
     origin = validation.boundary_calibration({}, {"boundary_s_by_size": {2: 0.002, 3: 0.005}}, cores=8)
     assert origin["pg_formation_s"] == 0.0
     assert origin["pg_formation_per_device_s"] == pytest.approx((2 * 0.002 + 3 * 0.005) / 13)
+    # A boundary that takes less with more members is not a negative cost per member: flat, the mean.
+    flat = validation.boundary_calibration({}, {"boundary_s_by_size": {2: 0.0048, 3: 0.0042}}, cores=8)
+    assert flat["pg_formation_per_device_s"] == 0.0
+    assert flat["pg_formation_s"] == pytest.approx(0.0045)
     # Without the probe's sizes, elastic.py's fresh-group figure stands in.
     assert validation.boundary_calibration({"process_group_formation_s": 0.5}, {}, cores=8) == \
         {"pg_formation_s": 0.5, "host_cores": 8}
@@ -186,4 +190,18 @@ def test_boundary_calibration_takes_the_host_contention_out_before_the_fit():
     elastic = calibrate(fitted).parameters.elastic
     from flexpar.sim.model import pg_formation_seconds
     assert pg_formation_seconds(3, elastic) == pytest.approx(0.0075)
-    assert pg_formation_seconds(2, elastic, busy_processes=3) == pytest.approx(0.006)  # a leaver still busy
+    assert pg_formation_seconds(2, elastic, busy_processes=3) == pytest.approx(0.006)  # with a third process busy
+
+
+def test_probes_combine_into_the_median_of_each_timing_and_boundary_size():
+    probes = [{"all_reduce_s": 0.01, "optimizer_s": 0.002, "detection_s": 0.03, "parameter_count": 5, "world": 4,
+               "boundary_s_by_size": {"2": 0.003, "3": 0.006}},
+              {"all_reduce_s": 0.03, "optimizer_s": 0.001, "detection_s": None, "parameter_count": 5, "world": 4,
+               "boundary_s_by_size": {"2": 0.005, "3": 0.009}},
+              {"all_reduce_s": 0.02, "optimizer_s": 0.004, "detection_s": 0.05, "parameter_count": 5, "world": 4,
+               "boundary_s_by_size": {"2": 0.004}}]
+    combined = validation.combine_probes(probes)
+    assert combined["all_reduce_s"] == 0.02 and combined["optimizer_s"] == 0.002
+    assert combined["detection_s"] == pytest.approx(0.04)  # the runs that saw a detection
+    assert combined["boundary_s_by_size"] == {2: 0.004, 3: pytest.approx(0.0075)}
+    assert combined["runs"] == 3 and combined["parameter_count"] == 5

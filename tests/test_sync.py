@@ -1,4 +1,4 @@
-"""retire_group: leaving a process group at a boundary without waiting for its teardown.
+"""retire_group: leaving a process group at a boundary, its teardown released later; take_stock.
 
 These run a one-member gloo group inside the test process: the point is where
 the last references are dropped, which does not need peers.
@@ -33,9 +33,12 @@ def test_last_references_are_dropped_off_the_calling_thread():
     work = dist.all_reduce(torch.ones(4), async_op=True)
     work.wait()
     released, done = [], threading.Event()
-    retire_group([work, _DropWitness(released, done)])
+    release = retire_group([work, _DropWitness(released, done)])
     del work
     assert not dist.is_initialized()
+    # Kept until the boundary says so: nothing else holds the witness.
+    assert released == []
+    release()
     assert done.wait(timeout=10)
     assert released == ["flexpar-retire-group"]
     # The next group forms and works while (or after) the old one is torn down.
@@ -43,15 +46,34 @@ def test_last_references_are_dropped_off_the_calling_thread():
     total = torch.ones(3)
     dist.all_reduce(total)
     assert total.tolist() == [1.0, 1.0, 1.0]
-    retire_group([])
+    retire_group([])()
     assert not dist.is_initialized()
 
 
 def test_retire_without_a_group_does_nothing():
     assert not dist.is_initialized()
-    retire_group([])
+    retire_group([])()
     assert not dist.is_initialized()
 
 
-def test_latest_commit_of_one_member_is_its_own():
-    assert training_state.latest_commit(1234.5, 1, "cpu") == 1234.5
+def test_stock_of_one_member_is_its_own():
+    stock = training_state.take_stock(7, 1234.5, 0, 1, "cpu")
+    assert stock == training_state.Stock(source=0, receivers=(), latest_step=7, last_commit_wall=1234.5)
+
+
+def test_stock_of_a_joiner_alone_keeps_its_wall():
+    # A joiner (no commit) does not count towards the last commit; alone, its own time stands.
+    stock = training_state.take_stock(-1, 99.0, 0, 1, "cpu")
+    assert stock.latest_step == -1 and stock.last_commit_wall == 99.0
+
+
+def test_stock_source_is_the_lowest_rank_with_the_latest_step():
+    # Ranks 0 and 2 committed step 5, rank 1 only step 4 (a failure mid-sync), rank 3 joins.
+    slots = [6.0, 5.0, 6.0, 0.0] + [100.0, 90.0, 101.5, 0.0]
+    stock = training_state.stock_of(slots, own_wall=50.0)
+    assert stock == training_state.Stock(source=0, receivers=(1, 3), latest_step=5, last_commit_wall=101.5)
+
+
+def test_stock_of_members_level_has_no_receivers():
+    stock = training_state.stock_of([3.0, 3.0, 10.0, 12.0], own_wall=0.0)
+    assert stock.receivers == () and stock.source == 0 and stock.last_commit_wall == 12.0

@@ -28,8 +28,9 @@ optimizer_s                    directly, or fitted from ``step_time_s`` as
                                when not given: a step time you want to
                                predict must not also be the calibration)
 pg_formation_s                 directly, or from ``scale_in_stall_s`` (an
-                               in-place leave costs one group formation,
-                               with the leaver still busy on shared cores)
+                               in-place leave costs one group formation of
+                               the survivors; the leaver skips its last
+                               update and exits at the lowest priority)
 broadcast_bandwidth_bytes_per_s    directly, or from ``broadcast_s`` (of
                                ``broadcast_bytes``, default state_bytes), or
                                from ``scale_out_stall_s`` - pg formation
@@ -176,7 +177,7 @@ def calibrate(measured: Mapping[str, Any], base: ModelParameters = ModelParamete
     elastic = replace(base.elastic, **_overrides(measured, ElasticCosts, "elastic", sources))
     if sources["elastic.pg_formation_s"] == "default" and _number(measured, "scale_in_stall_s") is not None:
         leave_group = (devices - 1) if devices else 1
-        formation = _number(measured, "scale_in_stall_s") / host_contention(leave_group + 1, elastic.host_cores)
+        formation = _number(measured, "scale_in_stall_s") / host_contention(leave_group, elastic.host_cores)
         elastic = replace(elastic, pg_formation_s=max(
             0.0, formation - elastic.pg_formation_per_device_s * leave_group))
         sources["elastic.pg_formation_s"] = "scale_in_stall_s"
@@ -275,7 +276,8 @@ def predict_elastic_stalls(calibration: Calibration, devices_before: int) -> Dic
     """The in-place stalls of a job with ``devices_before`` devices, as benchmarks/elastic.py names them.
 
     scale-out to ``devices_before + 1``; scale-in to ``devices_before - 1``
-    (the leaver is still exiting meanwhile: one more busy process); failure
+    (the survivors are the busy processes: the leaver skips its last update
+    and exits at the lowest CPU priority, see `flexpar.worker`); failure
     resume of the ``devices_before - 1`` survivors (detection, the recovery
     notice and a new group; the lost step in flight is not part of it: see
     ``failure_stall_seconds``); the state broadcast alone.
@@ -285,7 +287,7 @@ def predict_elastic_stalls(calibration: Calibration, devices_before: int) -> Dic
     parameters = calibration.parameters
     return {
         "scale_out_stall_s": join_stall_seconds(devices_before + 1, parameters),
-        "scale_in_stall_s": pg_formation_seconds(devices_before - 1, parameters.elastic, busy_processes=devices_before),
+        "scale_in_stall_s": pg_formation_seconds(devices_before - 1, parameters.elastic),
         "failure_resume_s": failure_stall_seconds(devices_before - 1, parameters.elastic),
         "broadcast_s": broadcast_seconds(devices_before + 1, parameters.workload.state_bytes, parameters.network),
     }

@@ -246,7 +246,7 @@ def pg_formation_seconds(devices: int, elastic: ElasticCosts, busy_processes: Op
     """Forming a fresh process group of ``devices`` members in running processes.
 
     ``busy_processes``: the processes busy on the host meanwhile (default: the
-    members; a leaver that is still exiting makes one more).
+    members).
     """
     busy = devices if busy_processes is None else busy_processes
     base = elastic.pg_formation_s + elastic.pg_formation_per_device_s * devices
