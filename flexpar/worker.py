@@ -256,7 +256,6 @@ class Worker:
                 self._level(stock, rank, len(members))
         finally:
             release_old_group()
-        last_commit = stock.last_commit_wall
         previous_members = self.members
         self.generation, self.members, self.rank = generation, members, rank
         self.sync.start_generation(len(members))
@@ -266,7 +265,7 @@ class Worker:
                 # device may have been brought level without committing it: send it
                 # again (the driver drops steps it already has).
                 self.link.publish(self.last_record)
-            self._publish_generation_event(record, previous_members, max(0.0, time.time() - last_commit))
+            self._publish_generation_event(record, previous_members, max(0.0, time.time() - stock.last_commit_wall))
 
     def _level(self, stock: training_state.Stock, rank: int, world_size: int) -> None:
         """Send the latest state from the source to the members behind it."""

