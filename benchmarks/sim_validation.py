@@ -20,7 +20,7 @@ Which measured figure calibrates which model parameter, and which are predicted
 | all-reduce bandwidth | probe: gloo all-reduce of those bytes over 4 processes |
 | optimizer_s | probe: the balance job's optimizer step |
 | host_cores | this host's cores: CPU phases of a boundary or a step stretch by busy processes / cores when there are more processes |
-| pg_formation_s, pg_formation_per_device_s | probe: a boundary without a state transfer (the generation lookup, flexpar's `retire_group`, a fresh group, "formed", `take_stock`'s one small all-reduce; the old group released after it, as `Worker.enter` does) in groups of 2 and 3 running processes, timed by the member that arrives last, each divided by its host contention, then a least-squares line with both terms >= 0 (the 4-process boundary is a check, not in the fit) |
+| pg_formation_s, pg_formation_per_device_s | probe: a boundary without a state transfer (the generation lookup, flexpar's `GroupReaper` and `fresh_group`, as `Worker.enter` uses them: the old group retired, a fresh one, "formed", `take_stock`'s one small all-reduce, the old group released after it) in groups of 2 and 3 running processes, timed by the member that arrives last, each divided by its host contention, then a least-squares line with both terms >= 0 (the 4-process boundary is a check, not in the fit) |
 | recovery_notice_s | flexpar's poll periods: half of each poll on the path from the survivors' failure reports to their seeing the new generation |
 | state bytes, broadcast bandwidth | elastic.py `state_bytes` and its `flexpar_transfer_parts_s` (flexpar's own transfer path - serialise, send, deserialise, restore - timed on its own, outside fit()) |
 | detection_s | probe: a peer killed with SIGKILL during an all-reduce, until the first survivor's error (elastic.py's victim dies long before the survivors reach the all-reduce, so there it only bounds when they can learn of it) |
@@ -383,24 +383,24 @@ def _probe_boundaries(rank: int, world: int, store, repeats: int) -> dict:
 
     Each repeat does what a boundary does from a commit on when nobody needs
     the state (`Worker.run` and `Worker.enter`): read the generation's record
-    from the store, retire the old group (flexpar's own `retire_group`), form
-    a fresh one, report it formed, and take stock (source, receivers, last
-    commit: one all-reduce), then release the old group. Every member times it from its own arrival, so the member that
-    arrives last - whose time is the boundary's cost, as flexpar's stall
+    from the store, retire the old group (flexpar's `GroupReaper`) and form a
+    fresh one (`fresh_group`, which releases the old group at the end),
+    report it formed and take stock (source, receivers, last commit: one
+    all-reduce). Every member times it from its own arrival, so the member
+    that arrives last - whose time is the boundary's cost, as flexpar's stall
     counts it - times the least.
     Ranks outside a group size's members skip to the next size. The last
     group formed, of all `world` processes, is left for the kill.
     """
-    import datetime
-
     import torch.distributed as dist
 
     from flexpar import control, state as training_state
-    from flexpar.sync import retire_group
+    from flexpar.sync import GroupReaper, fresh_group
 
     if rank == 0:
         store.set("probe/generation", json.dumps({"members": list(range(world)), "failed": [], "left": []}))
     events = control.Channel(store, "probe/events")
+    reaper = GroupReaper()  # a worker's, made with the worker
     seconds: dict = {}
     for size in range(2, world + 1):
         for repeat in range(repeats):
@@ -408,16 +408,13 @@ def _probe_boundaries(rank: int, world: int, store, repeats: int) -> dict:
                 continue
             started = time.perf_counter()
             control.get_json(store, "probe/generation")  # the new generation's record
-            release_old_group = retire_group([])
-            dist.init_process_group("gloo", store=dist.PrefixStore(f"probe/{size}/{repeat}", store), rank=rank,
-                                    world_size=size, timeout=datetime.timedelta(seconds=30))
-            events.send({"type": "formed", "device_id": f"probe-{rank}", "generation": repeat})
-            training_state.take_stock(0, time.time(), rank, size, "cpu")
-            seconds.setdefault(size, []).append(time.perf_counter() - started)
-            release_old_group()  # as Worker.enter: once the members are level
-    retire_group([])()
-    dist.init_process_group("gloo", store=dist.PrefixStore("probe/kill", store), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=10))
+            with fresh_group(reaper.retire([]), "gloo", dist.PrefixStore(f"probe/{size}/{repeat}", store), rank,
+                             size, 30):
+                events.send({"type": "formed", "device_id": f"probe-{rank}", "generation": repeat})
+                training_state.take_stock(0, time.time(), rank, size, "cpu")
+                seconds.setdefault(size, []).append(time.perf_counter() - started)
+    with fresh_group(reaper.retire([]), "gloo", dist.PrefixStore("probe/kill", store), rank, world, 10):
+        pass
     return seconds
 
 
@@ -898,7 +895,7 @@ def _why_stall(row: Comparison, elastic: dict, elastic_extra: dict, probe: dict)
                 "new one, take stock of steps and the last commit), priced from the probe's boundaries by "
                 f"group size ({_boundaries_text(probe) or 'not measured'}), with the survivors as the busy "
                 "processes (the leaver skips its last update and exits at the lowest priority). The old "
-                "group's teardown is released once the members are level (flexpar.sync.retire_group).")
+                "group's teardown is released once the members are level (flexpar.sync.GroupReaper).")
     if "failure" in row.figure:
         return (f"Of the prediction, {_fmt(elastic_extra['failed_step_compute_s'])} s is the lost compute of "
                 "the step in flight (from neighbouring steps' busy times, the part after the victim's death "

@@ -25,7 +25,6 @@ assignment and whether a new generation starts after this step.
 
 from __future__ import annotations
 
-import datetime
 import enum
 import json
 import math
@@ -44,7 +43,7 @@ import torch.distributed as dist
 from flexpar import balance, batching, control, state as training_state
 from flexpar.job import UserCodeError, build_model, build_optimizer, check_loss, model_digest, nonfinite_message
 from flexpar.loader import VirtualWorkerLoader, load_batch
-from flexpar.sync import GradientSync, PeerFailure, _collective, retire_group
+from flexpar.sync import GradientSync, GroupReaper, PeerFailure, _collective, fresh_group
 from flexpar.version import __version__
 
 
@@ -149,6 +148,7 @@ class Worker:
         self.model = build_model(self.job).to(self.device)
         self.optimizer, self.scheduler = build_optimizer(self.job, self.model)
         self.sync = GradientSync(self.model, self.device, self.settings.bucket_mb, peer_lost=self._peer_lost)
+        self.reaper = GroupReaper()
         self.loader = VirtualWorkerLoader(self.job, self._plan, self.settings.total_steps)
         self.balance_state = balance.BalanceState(seconds_per_vw={})
         self.generation = 0
@@ -215,7 +215,7 @@ class Worker:
                 self.link.send("failure", generation=generation, step=self.committed,
                                error=str(failure)[:500])
             # Outside the except block, whose traceback holds the broken group's works.
-            retire_group(self.sync.release_works())()
+            self.reaper.retire(self.sync.release_works())()
             generation, record = self.link.wait_for_generation(generation, joining=False)
 
     def warm_up(self) -> float:
@@ -238,24 +238,16 @@ class Worker:
     def enter(self, generation: int, record: dict) -> None:
         """Form the generation's process group and bring every member to the same state."""
         self.link.check()
-        release_old_group = retire_group(self.sync.release_works())
-        try:
-            members = tuple(record["members"])
-            rank = members.index(self.args.device_id)
-            _collective(lambda: dist.init_process_group(
-                self.settings.backend,
-                store=dist.PrefixStore(f"gen/{generation}/pg", self.link.store),
-                rank=rank,
-                world_size=len(members),
-                timeout=datetime.timedelta(seconds=self.settings.timeout_s),
-            ))
+        members = tuple(record["members"])
+        rank = members.index(self.args.device_id)
+        with fresh_group(self.reaper.retire(self.sync.release_works()), self.settings.backend,
+                         dist.PrefixStore(f"gen/{generation}/pg", self.link.store), rank, len(members),
+                         self.settings.timeout_s):
             self.link.send("formed", generation=generation)
             stock = _collective(lambda: training_state.take_stock(
                 self.committed, self.committed_wall, rank, len(members), self.device))
             if stock.receivers:
                 self._level(stock, rank, len(members))
-        finally:
-            release_old_group()
         previous_members = self.members
         self.generation, self.members, self.rank = generation, members, rank
         self.sync.start_generation(len(members))

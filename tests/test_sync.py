@@ -1,16 +1,18 @@
-"""retire_group: leaving a process group at a boundary, its teardown released later; take_stock.
+"""GroupReaper and fresh_group: replacing the process group at a boundary, the old one's teardown released later; take_stock.
 
 These run a one-member gloo group inside the test process: the point is where
 the last references are dropped, which does not need peers.
 """
 
+import contextlib
 import threading
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from flexpar import state as training_state
-from flexpar.sync import retire_group
+from flexpar.sync import GroupReaper, PeerFailure, fresh_group
 
 
 class _DropWitness:
@@ -33,7 +35,8 @@ def test_last_references_are_dropped_off_the_calling_thread():
     work = dist.all_reduce(torch.ones(4), async_op=True)
     work.wait()
     released, done = [], threading.Event()
-    release = retire_group([work, _DropWitness(released, done)])
+    reaper = GroupReaper()
+    release = reaper.retire([work, _DropWitness(released, done)])
     del work
     assert not dist.is_initialized()
     # Kept until the boundary says so: nothing else holds the witness.
@@ -46,13 +49,43 @@ def test_last_references_are_dropped_off_the_calling_thread():
     total = torch.ones(3)
     dist.all_reduce(total)
     assert total.tolist() == [1.0, 1.0, 1.0]
-    retire_group([])()
+    reaper.retire([])()
     assert not dist.is_initialized()
 
 
 def test_retire_without_a_group_does_nothing():
     assert not dist.is_initialized()
-    retire_group([])()
+    GroupReaper().retire([])()
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("block_fails", [False, True])
+def test_fresh_group_releases_the_old_one_when_its_block_ends(block_fails):
+    _form(f"fresh-old-{block_fails}")
+    released, done = [], threading.Event()
+    with pytest.raises(ZeroDivisionError) if block_fails else contextlib.nullcontext():
+        reaper = GroupReaper()
+        with fresh_group(reaper.retire([_DropWitness(released, done)]), "gloo", dist.HashStore(), 0, 1, timeout_s=10):
+            total = torch.ones(2)
+            dist.all_reduce(total)  # the new group works inside the block
+            assert total.tolist() == [1.0, 1.0]
+            assert released == []  # the old group waits for the block's end
+            if block_fails:
+                1 / 0
+    assert done.wait(timeout=10) and released == ["flexpar-retire-group"]
+    assert dist.is_initialized()  # the new group outlives the block
+    reaper.retire([])()
+
+
+def test_fresh_group_that_cannot_form_is_a_peer_failure():
+    _form("fresh-old-failing")
+    released, done = [], threading.Event()
+    with pytest.raises(PeerFailure):
+        # A second member that never comes: the rendezvous times out.
+        with fresh_group(GroupReaper().retire([_DropWitness(released, done)]), "gloo", dist.HashStore(), 0, 2,
+                         timeout_s=1):
+            pass
+    assert done.wait(timeout=10)  # the old group is released on the failure too
     assert not dist.is_initialized()
 
 
