@@ -16,8 +16,8 @@ One invocation measures, alternating flexpar and baseline rounds:
   rebuilds the model, loads the checkpoint and re-forms the process group
   (`restart_worker.py`).
 - the physical floor: a plain gloo broadcast of the state's bytes (parameters
-  + Adam state, as torch.save writes them) between local processes, and where
-  flexpar's own transfer path spends its time (serialise, copy, send, load).
+  + Adam state, as one torch.save buffer) between local processes, and where
+  flexpar's own transfer path spends its time (capture, send, receive, restore).
 
 Stall, for both sides, from the step records: the gap between the last commit
 before the change and the first commit after it, minus a normal step of the
@@ -30,6 +30,7 @@ over the rounds.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import math
 import multiprocessing
@@ -95,6 +96,10 @@ class Settings:
         self.baseline_old_steps = 1
         self.baseline_new_steps = 3
         self.broadcast_repeats = 1 if quick else 2
+        # flexpar's own transfer between 3 processes on 2 cores took 0.12 to 0.68 s
+        # from one repeat to the next on the development machine: its parts are
+        # medians over more repeats (about 0.5 s each).
+        self.transfer_repeats = 1 if quick else 9
         # Rounds are repeated while time allows: no new round starts that would push
         # the run past this (the floor measurement, ~30 s, comes after the rounds).
         self.budget_s = 330.0
@@ -399,7 +404,8 @@ def _state_tensors(model, optimizer) -> list:
     return tensors
 
 
-def _floor_worker(rank: int, world: int, port: int, model_name: str, repeats: int, results) -> None:
+def _floor_worker(rank: int, world: int, port: int, model_name: str, repeats: int, transfer_repeats: int,
+                  results) -> None:
     """One process of the floor measurement; rank 0 reports every figure it measured."""
     import datetime
 
@@ -430,14 +436,17 @@ def _floor_worker(rank: int, world: int, port: int, model_name: str, repeats: in
     from flexpar import state as training_state
 
     data = training_state.to_bytes(training_state.capture(model, optimizer, None, 1, {}))
+    state_bytes = len(data)
     payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     for repeat in range(repeats):
         record("pg_again_s", form(f"pg/{repeat + 1}"))  # a fresh group in running processes, as flexpar does
         _floor_transfers(rank, payload, record)
-        _flexpar_transfer(rank, model, optimizer, record)
         _direct_transfer(rank, _state_tensors(model, optimizer), record)
+    del data, payload  # 2 x 302 MB that flexpar's transfer does not hold
+    for repeat in range(transfer_repeats):
+        _flexpar_transfer(rank, model, optimizer, record)
     if rank == 0:
-        results.put({"state_bytes": len(data), **figures})
+        results.put({"state_bytes": state_bytes, **figures})
     dist.barrier()
     dist.destroy_process_group()
 
@@ -461,31 +470,37 @@ def _floor_transfers(rank: int, payload: torch.Tensor, record) -> None:
 def _flexpar_transfer(rank: int, model, optimizer, record) -> None:
     """flexpar's own path (flexpar.state), function by function, rank 0 -> rank 1.
 
-    Besides the calls themselves, the two whole-buffer copies inside send()
-    (`bytearray(data)`) and receive() (`.numpy().tobytes()`) are timed on their own.
+    The receiver's `receive_s` runs from the same barrier as the sender's
+    capture and send, so it spans them: the path ends at receive + restore.
+    A joiner receives into pages it never touched (0.11 s of page faults for
+    302 MB here); freed memory that the allocator kept would hide that from
+    the second repeat on, so the receiver hands it back to the system first.
     """
     import torch.distributed as dist
 
     from flexpar import state as training_state
 
     cpu = torch.device("cpu")
-    parts = dict.fromkeys(("flexpar_serialise_s", "flexpar_send_s", "flexpar_receive_s",
-                           "flexpar_deserialise_s", "flexpar_restore_s", "copy_in_send_s",
-                           "copy_in_receive_s"), 0.0)
+    parts = dict.fromkeys(("flexpar_capture_s", "flexpar_send_s", "flexpar_receive_s", "flexpar_restore_s"), 0.0)
+    if rank == 1:
+        _return_free_memory()
     dist.barrier()
     if rank == 0:
-        data, parts["flexpar_serialise_s"] = _timed(lambda: training_state.to_bytes(
-            training_state.capture(model, optimizer, None, 1, {})))
-        _, parts["flexpar_send_s"] = _timed(lambda: training_state.send(data, [1], cpu))
-        _, parts["copy_in_send_s"] = _timed(lambda: torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        state, parts["flexpar_capture_s"] = _timed(lambda: training_state.capture(model, optimizer, None, 1, {}))
+        _, parts["flexpar_send_s"] = _timed(lambda: training_state.send_state(state, [1], cpu))
     elif rank == 1:
-        received, parts["flexpar_receive_s"] = _timed(lambda: training_state.receive(0, cpu))
-        loaded, parts["flexpar_deserialise_s"] = _timed(lambda: training_state.from_bytes(received, cpu))
+        loaded, parts["flexpar_receive_s"] = _timed(lambda: training_state.receive_state(0, cpu))
         _, parts["flexpar_restore_s"] = _timed(lambda: training_state.restore(model, optimizer, None, loaded))
-        fresh = torch.ones(len(received), dtype=torch.uint8)  # content does not matter, size does
-        _, parts["copy_in_receive_s"] = _timed(lambda: fresh.numpy().tobytes())
     for key, seconds in parts.items():
         record(key, seconds)
+
+
+def _return_free_memory() -> None:
+    """glibc's malloc_trim: free heap memory goes back to the system (elsewhere: nothing to do)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _direct_transfer(rank: int, tensors: list, record) -> None:
@@ -519,7 +534,8 @@ def measure_floor(settings: Settings) -> dict:
     results = context.Queue()
     port = free_port()
     processes = [context.Process(target=_floor_worker, name=f"elastic-floor-{rank}",
-                                 args=(rank, 3, port, settings.model_name, settings.broadcast_repeats, results))
+                                 args=(rank, 3, port, settings.model_name, settings.broadcast_repeats,
+                                       settings.transfer_repeats, results))
                  for rank in range(3)]
     for process in processes:
         process.start()
@@ -589,15 +605,11 @@ def summarise(settings, flexpar_rounds, torchrun_rounds, floor, parameter_count)
         "broadcast_s": floor["send_2_s"],
         "broadcast_3_processes_s": floor["broadcast_3_s"],
         "process_group_formation_s": floor["pg_again_s"],
-        # The calls of flexpar.state, one after another on the critical path except
-        # receive_s, which starts waiting while the source still serialises.
+        # The calls of flexpar.state: the source's capture and send_state, the
+        # receiver's receive_state (from the same start, so it spans the source's
+        # part) and restore.
         "flexpar_transfer_parts_s": {key.replace("flexpar_", ""): floor[key] for key in (
-            "flexpar_serialise_s", "flexpar_send_s", "flexpar_receive_s", "flexpar_deserialise_s",
-            "flexpar_restore_s")},
-        # Whole-buffer copies inside those calls (already counted in them): bytearray(data)
-        # in send(), .numpy().tobytes() in receive(), after the bytes have arrived.
-        "flexpar_transfer_copies_s": {"in_send_s": floor["copy_in_send_s"],
-                                      "in_receive_s": floor["copy_in_receive_s"]},
+            "flexpar_capture_s", "flexpar_send_s", "flexpar_receive_s", "flexpar_restore_s")},
         "direct_tensor_send_s": floor["direct_tensor_send_s"],
         "restart_parts_s": {key: median([r["parts_s"][key] for r in torchrun_rounds])
                             for key in (torchrun_rounds[0]["parts_s"] if torchrun_rounds else {})},
@@ -627,16 +639,14 @@ def print_report(summary: dict) -> None:
          "note": f"{summary['state_bytes'] / 1e6:.0f} MB"},
         {"figure": "floor: gloo broadcast, 1 -> 2", "flexpar": summary["broadcast_3_processes_s"]},
         {"figure": "state tensors sent straight into the joiner's", "flexpar": summary["direct_tensor_send_s"],
-         "note": "no torch.save / copies: what a fix would cost"},
+         "note": "into tensors that exist already: no allocation, no restore"},
         {"figure": "new process group in running processes", "flexpar": summary["process_group_formation_s"]},
     ]
     print_table(rows, ["figure", "flexpar", "torchrun restart", "note"],
                 title=f"\nElastic changes, {summary['parameter_count'] / 1e6:.1f}M parameters + Adam, "
                       f"medians of {summary['rounds']} rounds (seconds)")
     print("\nflexpar state transfer, by part (seconds):",
-          ", ".join(f"{k} {v:.3f}" for k, v in summary["flexpar_transfer_parts_s"].items()),
-          "| of which whole-buffer copies:",
-          ", ".join(f"{k} {v:.3f}" for k, v in summary["flexpar_transfer_copies_s"].items()))
+          ", ".join(f"{k} {v:.3f}" for k, v in summary["flexpar_transfer_parts_s"].items()))
     print("torchrun restart stall, by part (seconds):",
           ", ".join(f"{k} {v:.3f}" for k, v in summary["restart_parts_s"].items()))
     print(f"\nbaseline: {summary['baseline']}")

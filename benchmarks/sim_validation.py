@@ -22,7 +22,7 @@ Which measured figure calibrates which model parameter, and which are predicted
 | host_cores | this host's cores: CPU phases of a boundary or a step stretch by busy processes / cores when there are more processes |
 | pg_formation_s, pg_formation_per_device_s | probe: a boundary without a state transfer (the generation lookup, flexpar's `GroupReaper` and `fresh_group`, as `Worker.enter` uses them: the old group retired, a fresh one, "formed", `take_stock`'s one small all-reduce, the old group released after it) in groups of 2 and 3 running processes, timed by the member that arrives last, each divided by its host contention, then a least-squares line with both terms >= 0 (the 4-process boundary is a check, not in the fit) |
 | recovery_notice_s | flexpar's poll periods: half of each poll on the path from the survivors' failure reports to their seeing the new generation |
-| state bytes, broadcast bandwidth | elastic.py `state_bytes` and its `flexpar_transfer_parts_s` (flexpar's own transfer path - serialise, send, deserialise, restore - timed on its own, outside fit()) |
+| state bytes, broadcast bandwidth | elastic.py `state_bytes` and its `flexpar_transfer_parts_s` (flexpar's own transfer path - the source's capture and send_state, the receiver's receive_state and restore - timed on its own, outside fit()) |
 | detection_s | probe: a peer killed with SIGKILL during an all-reduce, until the first survivor's error (elastic.py's victim dies long before the survivors reach the all-reduce, so there it only bounds when they can learn of it) |
 | lost compute of the failed step | elastic.py's metrics: survivors' busy time of a 3-device step; after the victim's death (its fault point: its first VW's backward) at one busy process fewer |
 
@@ -208,12 +208,12 @@ def independent_log_deviations(steps: Sequence[Mapping[str, float]]) -> dict[str
 
 
 def transfer_path_seconds(parts: Mapping[str, float]) -> float | None:
-    """flexpar's state transfer, source to level receiver: serialise + send + deserialise + restore.
+    """flexpar's state transfer, source to level receiver: receive + restore.
 
-    `receive_s` is left out: the receiver starts waiting while the source is still
-    serialising, so it overlaps `serialise_s` and `send_s`.
+    The receiver's `receive_s` starts with the source's capture and send (same
+    barrier) and ends with the last tensor's bytes, so it spans them.
     """
-    keys = ("serialise_s", "send_s", "deserialise_s", "restore_s")
+    keys = ("receive_s", "restore_s")
     if not parts or any(parts.get(key) is None for key in keys):
         return None
     return float(sum(parts[key] for key in keys))
@@ -804,7 +804,7 @@ def calibration_rows(balance: dict, elastic_raw: dict, probe: dict, noise: float
          f"elastic.py process_group_formation_s {elastic_raw['process_group_formation_s']:.3g}"},
         {"parameter": "broadcast bandwidth B/s", "value": elastic_cal.parameters.network.broadcast_bandwidth_bytes_per_s,
          "from": f"elastic.py state_bytes / transfer path {_fmt(elastic_extra['transfer_path_s'])} s "
-                 "(serialise+send+deserialise+restore)"},
+                 "(receive, spanning the source's capture + send, + restore)"},
         {"parameter": "detection_s", "value": elastic_costs.detection_s,
          "from": "probe: SIGKILL during all-reduce -> first survivor's error"},
         {"parameter": "host cores, shared", "value": elastic_costs.host_cores,
@@ -834,8 +834,9 @@ def explanations(comparisons: Sequence[Comparison], balance: dict, elastic: dict
     if floor_row is not None and floor_row.relative_error is not None:
         notes.append(f"Priced at the raw gloo send ({_fmt(elastic.get('broadcast_s'))} s for "
                      f"{elastic['state_bytes'] / 1e6:.0f} MB), the scale-out would be predicted at "
-                     f"{floor_row.predicted:.3g} s (error {floor_row.relative_error:.0%}): flexpar's transfer "
-                     "is mostly torch.save / torch.load of the state and copies, not bytes on the wire.")
+                     f"{floor_row.predicted:.3g} s (error {floor_row.relative_error:.0%}): besides the bytes, "
+                     "flexpar's transfer captures the state, allocates the receiver's tensors (fresh "
+                     "pages) and restores them into the model and optimizer.")
     return notes
 
 
@@ -902,9 +903,9 @@ def _why_stall(row: Comparison, elastic: dict, elastic_extra: dict, probe: dict)
                 "at one busy process fewer); the rest is the recovery notice (polls) and a new group. "
                 "Store round trips and the survivors' reports arriving apart are not in the model.")
     parts = elastic.get("flexpar_transfer_parts_s") or {}
-    source_side = (parts.get("serialise_s") or 0.0) + (parts.get("send_s") or 0.0)
+    source_side = (parts.get("capture_s") or 0.0) + (parts.get("send_s") or 0.0)
     text = (f"The model is group formation + flexpar's transfer path timed on its own "
-            f"({_fmt(elastic_extra.get('transfer_path_s'))} s, of which serialise + send "
+            f"({_fmt(elastic_extra.get('transfer_path_s'))} s, of which the source's capture + send "
             f"{source_side:.3g} s). ")
     event = elastic.get("scale_out_event_stall_s")
     if event is not None:

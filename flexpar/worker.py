@@ -262,12 +262,11 @@ class Worker:
     def _level(self, stock: training_state.Stock, rank: int, world_size: int) -> None:
         """Send the latest state from the source to the members behind it."""
         if rank == stock.source:
-            data = training_state.to_bytes(self._capture())
-            _collective(lambda: training_state.send(data, stock.receivers, self.device,
-                                                    after_size=self._transfer_fault))
+            state = self._capture()
+            _collective(lambda: training_state.send_state(state, stock.receivers, self.device,
+                                                          after_size=self._transfer_fault))
         elif rank in stock.receivers:
-            data = _collective(lambda: training_state.receive(stock.source, self.device))
-            self._restore(training_state.from_bytes(data, self.device))
+            self._restore(_collective(lambda: training_state.receive_state(stock.source, self.device)))
         # The stall ends when the slowest receiver has restored.
         _collective(lambda: training_state.all_level(world_size, self.device))
 
