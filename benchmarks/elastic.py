@@ -100,6 +100,9 @@ class Settings:
         # from one repeat to the next on the development machine: its parts are
         # medians over more repeats (about 0.5 s each).
         self.transfer_repeats = 1 if quick else 9
+        # A joiner receives in a process that never held the state: fresh processes
+        # took 0.29-0.34 s (median) where a long-lived receiver took 0.18-0.24 s.
+        self.fresh_receivers = 1 if quick else 7
         # Rounds are repeated while time allows: no new round starts that would push
         # the run past this (the floor measurement, ~30 s, comes after the rounds).
         self.budget_s = 330.0
@@ -405,8 +408,13 @@ def _state_tensors(model, optimizer) -> list:
 
 
 def _floor_worker(rank: int, world: int, port: int, model_name: str, repeats: int, transfer_repeats: int,
-                  results) -> None:
-    """One process of the floor measurement; rank 0 reports every figure it measured."""
+                  fresh_receivers: int, results) -> None:
+    """One process of the floor measurement; rank 0 reports every figure it measured.
+
+    Last, rank 1 sits out while rank 0 sends flexpar's state to each of
+    `fresh_receivers` new processes in turn (`_fresh_receiver`), rank 2 idle
+    beside them, as an old member is while a joiner receives.
+    """
     import datetime
 
     import torch.distributed as dist
@@ -445,8 +453,36 @@ def _floor_worker(rank: int, world: int, port: int, model_name: str, repeats: in
     del data, payload  # 2 x 302 MB that flexpar's transfer does not hold
     for repeat in range(transfer_repeats):
         _flexpar_transfer(rank, model, optimizer, record)
+    dist.barrier()
+    dist.destroy_process_group()
+    for repeat in range(fresh_receivers if rank != 1 else 0):
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"join/{repeat}", store), rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        dist.barrier()
+        if rank == 0:
+            training_state.send_state(training_state.capture(model, optimizer, None, 1, {}), [1],
+                                      torch.device("cpu"))
+        dist.barrier()
+        dist.destroy_process_group()
     if rank == 0:
         results.put({"state_bytes": state_bytes, **figures})
+
+
+def _fresh_receiver(port: int, repeat: int, results) -> None:
+    """A joiner's side of the transfer: flexpar's state received into a process that never held it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from flexpar import state as training_state
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=180))
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"join/{repeat}", store), rank=1, world_size=3,
+                            timeout=datetime.timedelta(seconds=120))
+    dist.barrier()
+    _, seconds = _timed(lambda: training_state.receive_state(0, torch.device("cpu")))
+    results.put({"fresh_receive_s": seconds})
     dist.barrier()
     dist.destroy_process_group()
 
@@ -535,12 +571,21 @@ def measure_floor(settings: Settings) -> dict:
     port = free_port()
     processes = [context.Process(target=_floor_worker, name=f"elastic-floor-{rank}",
                                  args=(rank, 3, port, settings.model_name, settings.broadcast_repeats,
-                                       settings.transfer_repeats, results))
+                                       settings.transfer_repeats, settings.fresh_receivers, results))
                  for rank in range(3)]
+    # Each waits for its turn (its own group) without using the CPU.
+    processes += [context.Process(target=_fresh_receiver, name=f"elastic-joiner-{repeat}",
+                                  args=(port, repeat, results)) for repeat in range(settings.fresh_receivers)]
     for process in processes:
         process.start()
+    fresh = []
     try:
-        figures = results.get(timeout=300)
+        while True:
+            message = results.get(timeout=300)
+            if "fresh_receive_s" not in message:
+                figures = {**message, "flexpar_fresh_receive_s": fresh}
+                break
+            fresh.append(message["fresh_receive_s"])
     finally:
         for process in processes:
             process.join(timeout=30)
@@ -607,9 +652,11 @@ def summarise(settings, flexpar_rounds, torchrun_rounds, floor, parameter_count)
         "process_group_formation_s": floor["pg_again_s"],
         # The calls of flexpar.state: the source's capture and send_state, the
         # receiver's receive_state (from the same start, so it spans the source's
-        # part) and restore.
+        # part) and restore; fresh_receive_s is receive_state in a new process, as
+        # a joiner receives.
         "flexpar_transfer_parts_s": {key.replace("flexpar_", ""): floor[key] for key in (
-            "flexpar_capture_s", "flexpar_send_s", "flexpar_receive_s", "flexpar_restore_s")},
+            "flexpar_capture_s", "flexpar_send_s", "flexpar_receive_s", "flexpar_restore_s",
+            "flexpar_fresh_receive_s")},
         "direct_tensor_send_s": floor["direct_tensor_send_s"],
         "restart_parts_s": {key: median([r["parts_s"][key] for r in torchrun_rounds])
                             for key in (torchrun_rounds[0]["parts_s"] if torchrun_rounds else {})},

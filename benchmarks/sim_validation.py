@@ -22,7 +22,7 @@ Which measured figure calibrates which model parameter, and which are predicted
 | host_cores | this host's cores: CPU phases of a boundary or a step stretch by busy processes / cores when there are more processes |
 | pg_formation_s, pg_formation_per_device_s | probe: a boundary without a state transfer (the generation lookup, flexpar's `GroupReaper` and `fresh_group`, as `Worker.enter` uses them: the old group retired, a fresh one, "formed", `take_stock`'s one small all-reduce, the old group released after it) in groups of 2 and 3 running processes, timed by the member that arrives last, each divided by its host contention, then a least-squares line with both terms >= 0 (the 4-process boundary is a check, not in the fit) |
 | recovery_notice_s | flexpar's poll periods: half of each poll on the path from the survivors' failure reports to their seeing the new generation |
-| state bytes, broadcast bandwidth | elastic.py `state_bytes` and its `flexpar_transfer_parts_s` (flexpar's own transfer path - the source's capture and send_state, the receiver's receive_state and restore - timed on its own, outside fit()) |
+| state bytes, broadcast bandwidth | elastic.py `state_bytes` and its `flexpar_transfer_parts_s` (flexpar's own transfer path, timed on its own outside fit(): receive_state in a fresh process, as a joiner receives, which spans the source's capture and send_state; then restore) |
 | detection_s | probe: a peer killed with SIGKILL during an all-reduce, until the first survivor's error (elastic.py's victim dies long before the survivors reach the all-reduce, so there it only bounds when they can learn of it) |
 | lost compute of the failed step | elastic.py's metrics: survivors' busy time of a 3-device step; after the victim's death (its fault point: its first VW's backward) at one busy process fewer |
 
@@ -208,15 +208,19 @@ def independent_log_deviations(steps: Sequence[Mapping[str, float]]) -> dict[str
 
 
 def transfer_path_seconds(parts: Mapping[str, float]) -> float | None:
-    """flexpar's state transfer, source to level receiver: receive + restore.
+    """flexpar's state transfer to a joiner, source to level receiver: receive in a fresh process + restore.
 
-    The receiver's `receive_s` starts with the source's capture and send (same
-    barrier) and ends with the last tensor's bytes, so it spans them.
+    The receiver's receive starts with the source's capture and send (same
+    barrier) and ends with the last tensor's bytes, so it spans them. A joiner
+    receives into memory its process never held (`fresh_receive_s`); without
+    that figure, a long-lived receiver's `receive_s` stands in.
     """
-    keys = ("receive_s", "restore_s")
-    if not parts or any(parts.get(key) is None for key in keys):
+    receive = parts.get("fresh_receive_s") if parts else None
+    if receive is None and parts:
+        receive = parts.get("receive_s")
+    if receive is None or parts.get("restore_s") is None:
         return None
-    return float(sum(parts[key] for key in keys))
+    return float(receive + parts["restore_s"])
 
 
 def failed_steps_inputs(records: Sequence[dict]) -> list[dict]:
@@ -804,7 +808,7 @@ def calibration_rows(balance: dict, elastic_raw: dict, probe: dict, noise: float
          f"elastic.py process_group_formation_s {elastic_raw['process_group_formation_s']:.3g}"},
         {"parameter": "broadcast bandwidth B/s", "value": elastic_cal.parameters.network.broadcast_bandwidth_bytes_per_s,
          "from": f"elastic.py state_bytes / transfer path {_fmt(elastic_extra['transfer_path_s'])} s "
-                 "(receive, spanning the source's capture + send, + restore)"},
+                 "(receive in a fresh process, spanning the source's capture + send, + restore)"},
         {"parameter": "detection_s", "value": elastic_costs.detection_s,
          "from": "probe: SIGKILL during all-reduce -> first survivor's error"},
         {"parameter": "host cores, shared", "value": elastic_costs.host_cores,

@@ -73,9 +73,11 @@ def test_per_vw_samples_takes_the_window_and_divides_by_the_count():
     assert samples[0] == {"local-1": pytest.approx(0.1), "local-0": pytest.approx(0.2)}
 
 
-def test_transfer_path_is_the_receivers_receive_and_restore():
-    parts = {"capture_s": 0.01, "send_s": 0.2, "receive_s": 0.25, "restore_s": 0.05}
-    assert validation.transfer_path_seconds(parts) == pytest.approx(0.3)
+def test_transfer_path_is_a_fresh_receivers_receive_and_restore():
+    parts = {"capture_s": 0.01, "send_s": 0.2, "receive_s": 0.25, "restore_s": 0.05, "fresh_receive_s": 0.31}
+    assert validation.transfer_path_seconds(parts) == pytest.approx(0.36)
+    # Older elastic.py JSONs have no fresh receivers: the long-lived receiver stands in.
+    assert validation.transfer_path_seconds({**parts, "fresh_receive_s": None}) == pytest.approx(0.3)
     assert validation.transfer_path_seconds({"send_s": 1.0}) is None
     assert validation.transfer_path_seconds({}) is None
 
