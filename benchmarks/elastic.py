@@ -101,7 +101,8 @@ class Settings:
         # medians over more repeats (about 0.5 s each).
         self.transfer_repeats = 1 if quick else 9
         # A joiner receives in a process that never held the state: fresh processes
-        # took 0.29-0.34 s (median) where a long-lived receiver took 0.18-0.24 s.
+        # (before the joiner received the model in place) took 0.29-0.34 s (median)
+        # where a long-lived receiver took 0.18-0.24 s.
         self.fresh_receivers = 1 if quick else 7
         # Rounds are repeated while time allows: no new round starts that would push
         # the run past this (the floor measurement, ~30 s, comes after the rounds).
@@ -422,6 +423,8 @@ def _floor_worker(rank: int, world: int, port: int, model_name: str, repeats: in
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=120))
     model, optimizer = trained_state(Settings(quick=model_name == "small", rounds=1))
+    while int(store.add("floor/joiners_built", 0)) < fresh_receivers:  # their model builds must not overlap
+        time.sleep(0.05)
     figures: dict = {}
 
     def record(key: str, seconds: float) -> None:
@@ -468,8 +471,14 @@ def _floor_worker(rank: int, world: int, port: int, model_name: str, repeats: in
         results.put({"state_bytes": state_bytes, **figures})
 
 
-def _fresh_receiver(port: int, repeat: int, results) -> None:
-    """A joiner's side of the transfer: flexpar's state received into a process that never held it."""
+def _fresh_receiver(port: int, repeat: int, model_name: str, results) -> None:
+    """A joiner's side of the transfer, in a process that never held the state.
+
+    Like a joiner, it has built the model, receives the model's tensors into
+    its own (`receive_state` with its state_dict) and the rest into fresh
+    memory, then restores. It says when it is built: the floor waits for
+    every receiver before it measures anything.
+    """
     import datetime
 
     import torch.distributed as dist
@@ -478,11 +487,15 @@ def _fresh_receiver(port: int, repeat: int, results) -> None:
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=180))
+    model = model_factory(Settings(quick=model_name == "small", rounds=1))()
+    optimizer = adam(model.parameters())
+    store.add("floor/joiners_built", 1)
     dist.init_process_group("gloo", store=dist.PrefixStore(f"join/{repeat}", store), rank=1, world_size=3,
                             timeout=datetime.timedelta(seconds=120))
     dist.barrier()
-    _, seconds = _timed(lambda: training_state.receive_state(0, torch.device("cpu")))
-    results.put({"fresh_receive_s": seconds})
+    received, receive_s = _timed(lambda: training_state.receive_state(0, torch.device("cpu"), model.state_dict()))
+    _, restore_s = _timed(lambda: training_state.restore(model, optimizer, None, received))
+    results.put({"fresh_receive_s": receive_s, "fresh_restore_s": restore_s})
     dist.barrier()
     dist.destroy_process_group()
 
@@ -575,17 +588,19 @@ def measure_floor(settings: Settings) -> dict:
                  for rank in range(3)]
     # Each waits for its turn (its own group) without using the CPU.
     processes += [context.Process(target=_fresh_receiver, name=f"elastic-joiner-{repeat}",
-                                  args=(port, repeat, results)) for repeat in range(settings.fresh_receivers)]
+                                  args=(port, repeat, settings.model_name, results))
+                  for repeat in range(settings.fresh_receivers)]
     for process in processes:
         process.start()
-    fresh = []
+    fresh: dict = {}
     try:
         while True:
             message = results.get(timeout=300)
             if "fresh_receive_s" not in message:
-                figures = {**message, "flexpar_fresh_receive_s": fresh}
+                figures = {**message, **{f"flexpar_{key}": values for key, values in fresh.items()}}
                 break
-            fresh.append(message["fresh_receive_s"])
+            for key, seconds in message.items():
+                fresh.setdefault(key, []).append(seconds)
     finally:
         for process in processes:
             process.join(timeout=30)
@@ -652,11 +667,11 @@ def summarise(settings, flexpar_rounds, torchrun_rounds, floor, parameter_count)
         "process_group_formation_s": floor["pg_again_s"],
         # The calls of flexpar.state: the source's capture and send_state, the
         # receiver's receive_state (from the same start, so it spans the source's
-        # part) and restore; fresh_receive_s is receive_state in a new process, as
-        # a joiner receives.
+        # part) and restore; fresh_receive_s and fresh_restore_s are the same in a new
+        # process that has built the model, as a joiner receives.
         "flexpar_transfer_parts_s": {key.replace("flexpar_", ""): floor[key] for key in (
             "flexpar_capture_s", "flexpar_send_s", "flexpar_receive_s", "flexpar_restore_s",
-            "flexpar_fresh_receive_s")},
+            "flexpar_fresh_receive_s", "flexpar_fresh_restore_s")},
         "direct_tensor_send_s": floor["direct_tensor_send_s"],
         "restart_parts_s": {key: median([r["parts_s"][key] for r in torchrun_rounds])
                             for key in (torchrun_rounds[0]["parts_s"] if torchrun_rounds else {})},

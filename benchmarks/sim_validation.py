@@ -208,19 +208,20 @@ def independent_log_deviations(steps: Sequence[Mapping[str, float]]) -> dict[str
 
 
 def transfer_path_seconds(parts: Mapping[str, float]) -> float | None:
-    """flexpar's state transfer to a joiner, source to level receiver: receive in a fresh process + restore.
+    """flexpar's state transfer to a joiner, source to level receiver: receive + restore, as a joiner does them.
 
     The receiver's receive starts with the source's capture and send (same
     barrier) and ends with the last tensor's bytes, so it spans them. A joiner
-    receives into memory its process never held (`fresh_receive_s`); without
-    that figure, a long-lived receiver's `receive_s` stands in.
+    is a fresh process that receives the model into its own tensors
+    (`fresh_receive_s`, `fresh_restore_s`); without those figures, a
+    long-lived receiver's `receive_s` and `restore_s` stand in.
     """
-    receive = parts.get("fresh_receive_s") if parts else None
-    if receive is None and parts:
-        receive = parts.get("receive_s")
-    if receive is None or parts.get("restore_s") is None:
+    if not parts:
         return None
-    return float(receive + parts["restore_s"])
+    for receive, restore in (("fresh_receive_s", "fresh_restore_s"), ("receive_s", "restore_s")):
+        if parts.get(receive) is not None and parts.get(restore) is not None:
+            return float(parts[receive] + parts[restore])
+    return None
 
 
 def failed_steps_inputs(records: Sequence[dict]) -> list[dict]:

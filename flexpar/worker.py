@@ -266,7 +266,10 @@ class Worker:
             _collective(lambda: training_state.send_state(state, stock.receivers, self.device,
                                                           after_size=self._transfer_fault))
         elif rank in stock.receivers:
-            self._restore(_collective(lambda: training_state.receive_state(stock.source, self.device)))
+            # A joiner holds nothing committed: it receives the model in place. A member
+            # that is only behind keeps its own state intact until the new one is whole.
+            own = self.model.state_dict() if self.committed < 0 else None
+            self._restore(_collective(lambda: training_state.receive_state(stock.source, self.device, own)))
         # The stall ends when the slowest receiver has restored.
         _collective(lambda: training_state.all_level(world_size, self.device))
 

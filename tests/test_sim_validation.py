@@ -74,8 +74,9 @@ def test_per_vw_samples_takes_the_window_and_divides_by_the_count():
 
 
 def test_transfer_path_is_a_fresh_receivers_receive_and_restore():
-    parts = {"capture_s": 0.01, "send_s": 0.2, "receive_s": 0.25, "restore_s": 0.05, "fresh_receive_s": 0.31}
-    assert validation.transfer_path_seconds(parts) == pytest.approx(0.36)
+    parts = {"capture_s": 0.01, "send_s": 0.2, "receive_s": 0.25, "restore_s": 0.05, "fresh_receive_s": 0.31,
+             "fresh_restore_s": 0.02}
+    assert validation.transfer_path_seconds(parts) == pytest.approx(0.33)
     # Older elastic.py JSONs have no fresh receivers: the long-lived receiver stands in.
     assert validation.transfer_path_seconds({**parts, "fresh_receive_s": None}) == pytest.approx(0.3)
     assert validation.transfer_path_seconds({"send_s": 1.0}) is None

@@ -100,6 +100,41 @@ def test_received_state_restores_an_untrained_copy(wire):
     assert fresh_scheduler.get_last_lr() == scheduler.get_last_lr()
 
 
+def test_a_joiner_receives_the_model_into_its_own_tensors(wire):
+    model, optimizer, scheduler, state = _trained_state()
+    torch.manual_seed(1)
+    joiner = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
+    joiner_optimizer = torch.optim.Adam(joiner.parameters(), lr=0.1)
+    own = joiner.state_dict()
+    own["2.bias"] = torch.zeros(5)  # a shape that does not match: received into a fresh tensor
+    training_state.send_state(state, [1], "cpu")
+    received = training_state.receive_state(0, "cpu", own)
+    _assert_values_equal(received, state)
+    assert received["model"]["0.weight"].data_ptr() == joiner[0].weight.data_ptr()
+    assert torch.equal(joiner[0].weight, model[0].weight)  # in place, before any restore
+    assert received["model"]["2.bias"].data_ptr() != own["2.bias"].data_ptr()
+    # The optimizer's state has no counterpart on a joiner: fresh tensors.
+    training_state.restore(joiner, joiner_optimizer, None, received)
+    for a, b in zip(joiner.state_dict().values(), model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_a_non_contiguous_own_tensor_is_not_received_into(wire):
+    _, _, _, state = _trained_state()
+    weight = state["model"]["0.weight"]
+    own = {"0.weight": torch.zeros(weight.shape[1], weight.shape[0]).t()}  # right shape, not contiguous
+    training_state.send_state(state, [1], "cpu")
+    received = training_state.receive_state(0, "cpu", own)
+    assert torch.equal(received["model"]["0.weight"], weight)
+    assert not own["0.weight"].any()
+
+
+def _assert_values_equal(received, sent):
+    for key in sent["model"]:
+        assert torch.equal(received["model"][key], sent["model"][key])
+    assert received["step"] == sent["step"] and received["scheduler"] == sent["scheduler"]
+
+
 def test_each_receiver_gets_its_own_copy(wire):
     _, _, _, state = _trained_state()
     calls = []
