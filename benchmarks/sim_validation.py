@@ -34,7 +34,7 @@ flexpar's boundary records (`scale_out_event_stall_s`,
 `scale_in_event_stall_s`, `failure_event_stall_s`). A stall from step records
 is a gap between commits minus a normal step, and one step's time varies by
 about 0.06 s here: that cannot resolve a scale-in of a few milliseconds, nor
-15% of a scale-out of 0.2 s (elastic.py's twelve single scale-outs read 0.07
+15% of a scale-out of 0.2 s (in one run, elastic.py's twelve single scale-outs read 0.07
 to 0.46 s from step records and 0.16 to 0.25 s from the boundary records);
 the failure's step-record figure also holds the first step after the change
 minus a median step. The step-record figures are diagnostic rows.
