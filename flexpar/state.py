@@ -216,13 +216,24 @@ def receive_state(source: int, device, own_model_state: Optional[dict] = None) -
     for index, (dtype_name, shape, on_device) in enumerate(described["tensors"]):
         dtype = _dtype_named(dtype_name)
         tensor = reusable.get(index)
-        if tensor is None or tensor.dtype != dtype or list(tensor.shape) != shape or not tensor.is_contiguous() \
-                or (tensor.device.type != "cpu") != on_device:
+        if not _fits(tensor, dtype, shape, on_device, torch.device(device)):
             tensor = torch.empty(shape, dtype=dtype, device=device)
         if tensor.numel():
             dist.recv(tensor.reshape(-1).view(torch.uint8), source)  # contiguous: a view, not a copy
         tensors.append(tensor if on_device else tensor.cpu())
     return join_tensors(described["skeleton"], tensors)
+
+
+def _fits(tensor: Optional[torch.Tensor], dtype: torch.dtype, shape: list, on_device: bool,
+          device: torch.device) -> bool:
+    """Whether the bytes of a tensor described so can be received straight into `tensor`.
+
+    It must match dtype and shape, be contiguous (its flat view is then the
+    tensor itself) and sit where the sender's did: on the transfer device.
+    """
+    return (tensor is not None and tensor.dtype == dtype and list(tensor.shape) == shape
+            and tensor.is_contiguous() and on_device == (device.type != "cpu")
+            and tensor.device.type == device.type)
 
 
 def _reusable_tensors(skeleton, own_model_state: dict) -> dict:

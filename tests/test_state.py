@@ -158,3 +158,15 @@ def test_split_and_join_are_inverse_and_leave_other_values_alone():
     assert len(tensors) == 2 and skeleton["sparse"] is sparse and skeleton["a"][1:] == [3, "x"]
     joined = training_state.join_tensors(skeleton, tensors)
     assert joined["a"][0] is tensors[0] and joined["b"][0] is tensors[1] and joined["sparse"] is sparse
+
+
+def test_only_a_tensor_that_sits_where_the_sender_s_did_is_received_into():
+    own = torch.zeros(2, 3)
+    cpu = torch.device("cpu")
+    assert training_state._fits(own, torch.float32, [2, 3], False, cpu)
+    assert not training_state._fits(own, torch.float32, [2, 3], True, cpu)  # the sender's lived on a GPU
+    assert not training_state._fits(own, torch.float64, [2, 3], False, cpu)
+    assert not training_state._fits(own, torch.float32, [3, 2], False, cpu)
+    assert not training_state._fits(own.t(), torch.float32, [3, 2], False, cpu)  # not contiguous
+    assert not training_state._fits(own, torch.float32, [2, 3], True, torch.device("cuda"))  # own is on the CPU
+    assert not training_state._fits(None, torch.float32, [2, 3], False, cpu)
