@@ -125,35 +125,45 @@ def split_tensors(value, tensors: list):
     puts them back. Anything else - sparse tensors, custom objects - stays in
     the skeleton as it is.
     """
-    if isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_quantized:
-        tensors.append(value)
-        return {_TENSOR_MARK: len(tensors) - 1}
-    if isinstance(value, dict):
-        joined = type(value)((key, split_tensors(item, tensors)) for key, item in value.items())
-        _keep_attributes(value, joined)
-        return joined
-    if type(value) in (list, tuple):
-        return type(value)(split_tensors(item, tensors) for item in value)
-    return value
+    def mark(item):
+        if isinstance(item, torch.Tensor) and item.layout == torch.strided and not item.is_quantized:
+            tensors.append(item)
+            return {_TENSOR_MARK: len(tensors) - 1}
+        return _DESCEND
+
+    return _rebuild(value, mark)
 
 
 def join_tensors(value, tensors: list):
     """Undo `split_tensors`: each marker replaced by its tensor."""
+    return _rebuild(value, lambda item: tensors[item[_TENSOR_MARK]] if _is_marker(item) else _DESCEND)
+
+
+def _is_marker(value) -> bool:
+    return isinstance(value, dict) and len(value) == 1 and _TENSOR_MARK in value
+
+
+_DESCEND = object()  # what a `_rebuild` replacement returns for a value it leaves to the walk
+
+
+def _rebuild(value, replace):
+    """`value` with `replace` applied to it, or (where it returns `_DESCEND`) to each item of its containers.
+
+    Dicts, lists and tuples are rebuilt as their own type. A state_dict is an
+    OrderedDict carrying `_metadata` (module versions, read by
+    load_state_dict): a dict's attributes are kept.
+    """
+    replaced = replace(value)
+    if replaced is not _DESCEND:
+        return replaced
     if isinstance(value, dict):
-        if len(value) == 1 and _TENSOR_MARK in value:
-            return tensors[value[_TENSOR_MARK]]
-        joined = type(value)((key, join_tensors(item, tensors)) for key, item in value.items())
-        _keep_attributes(value, joined)
-        return joined
+        rebuilt = type(value)((key, _rebuild(item, replace)) for key, item in value.items())
+        if hasattr(value, "__dict__"):
+            rebuilt.__dict__.update(vars(value))
+        return rebuilt
     if type(value) in (list, tuple):
-        return type(value)(join_tensors(item, tensors) for item in value)
+        return type(value)(_rebuild(item, replace) for item in value)
     return value
-
-
-def _keep_attributes(original: dict, copy: dict) -> None:
-    """A state_dict is an OrderedDict carrying `_metadata` (module versions, read by load_state_dict)."""
-    if hasattr(original, "__dict__"):
-        copy.__dict__.update(vars(original))
 
 
 def _tensor_layout(tensor: torch.Tensor) -> list:
@@ -244,7 +254,7 @@ def _reusable_tensors(skeleton, own_model_state: dict) -> dict:
     found = {}
     for name, value in model.items():
         own = own_model_state.get(name)
-        if isinstance(own, torch.Tensor) and isinstance(value, dict) and set(value) == {_TENSOR_MARK}:
+        if isinstance(own, torch.Tensor) and _is_marker(value):
             found[value[_TENSOR_MARK]] = own.detach()
     return found
 
