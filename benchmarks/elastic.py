@@ -30,7 +30,6 @@ over the rounds.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import math
 import multiprocessing
@@ -521,9 +520,8 @@ def _flexpar_transfer(rank: int, model, optimizer, record) -> None:
 
     The receiver's `receive_s` runs from the same barrier as the sender's
     capture and send, so it spans them: the path ends at receive + restore.
-    A joiner receives into pages it never touched (0.11 s of page faults for
-    302 MB here); freed memory that the allocator kept would hide that from
-    the second repeat on, so the receiver hands it back to the system first.
+    A joiner, which receives in a process that never held the state, is
+    timed apart (`_fresh_receiver`).
     """
     import torch.distributed as dist
 
@@ -531,8 +529,6 @@ def _flexpar_transfer(rank: int, model, optimizer, record) -> None:
 
     cpu = torch.device("cpu")
     parts = dict.fromkeys(("flexpar_capture_s", "flexpar_send_s", "flexpar_receive_s", "flexpar_restore_s"), 0.0)
-    if rank == 1:
-        _return_free_memory()
     dist.barrier()
     if rank == 0:
         state, parts["flexpar_capture_s"] = _timed(lambda: training_state.capture(model, optimizer, None, 1, {}))
@@ -542,14 +538,6 @@ def _flexpar_transfer(rank: int, model, optimizer, record) -> None:
         _, parts["flexpar_restore_s"] = _timed(lambda: training_state.restore(model, optimizer, None, loaded))
     for key, seconds in parts.items():
         record(key, seconds)
-
-
-def _return_free_memory() -> None:
-    """glibc's malloc_trim: free heap memory goes back to the system (elsewhere: nothing to do)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _direct_transfer(rank: int, tensors: list, record) -> None:
@@ -612,10 +600,15 @@ def measure_floor(settings: Settings) -> dict:
 # ------------------------------------------------------------------- reporting
 
 
+def change_values(rounds: list, changes: tuple, key: str) -> list:
+    """`key` of the named changes of every round, in order, where it was measured (not None or NaN)."""
+    values = [r[change][key] for r in rounds for change in changes if change in r and key in r[change]]
+    return [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+
+
 def _medians(rounds: list, changes: tuple, key: str):
     """Median of `key` over the named changes of every round."""
-    values = [r[change][key] for r in rounds for change in changes if change in r and key in r[change]]
-    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    values = change_values(rounds, changes, key)
     return median(values) if values else None
 
 

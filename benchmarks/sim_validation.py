@@ -665,11 +665,10 @@ def compare_elastic(elastic: dict, probe: dict) -> tuple:
     # elastic.py's figures are medians over every round's changes of each kind.
     changes = {"scale_out": elastic_benchmark.SCALE_OUTS, "scale_in": elastic_benchmark.SCALE_INS,
                "failure": elastic_benchmark.FAILURES}
-    by_round = {key: [r[change]["stall_s"] for r in elastic.get("flexpar_rounds", []) for change in names if change in r]
-                for key, names in changes.items()}
-    events_by_round = {key: [r[change]["event_stall_s"] for r in elastic.get("flexpar_rounds", []) for change in names
-                             if change in r and r[change].get("event_stall_s") is not None]
-                       for key, names in changes.items()}
+    flexpar_rounds = elastic.get("flexpar_rounds", [])
+    by_round = {kind: elastic_benchmark.change_values(flexpar_rounds, names, "stall_s") for kind, names in changes.items()}
+    events_by_round = {kind: elastic_benchmark.change_values(flexpar_rounds, names, "event_stall_s")
+                       for kind, names in changes.items()}
     return rows, calibration, {"transfer_path_s": transfer_s, "failed_step_compute_s": lost_s,
                                "failed_step_inputs": inputs,
                                "step_interval_noise_s": median(noise) if noise else None,
