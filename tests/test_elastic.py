@@ -17,6 +17,13 @@ STEPS = 40
 # host. Joins are requested at least this long, at the slowest step pace, before
 # anything that needs them (the end of the job, a later leave).
 JOIN_HEADROOM_S = 6.0
+# The headroom makes these runs 60-100 steps long. Over that many SGD-momentum
+# steps the different summation order (VW by VW, then across devices, against
+# one mean loss) drifts a parameter by about 1e-7 absolute (a few float32 ulps
+# of weights of order 0.1): on one CPU a near-zero weight of this job ends
+# 1.15e-7 from the reference, every run. As in test_join's long runs, atol is
+# 1e-6; one VW left out of step 90 of 102 moves a parameter by 2e-2.
+LONG_RUN_ATOL = 1e-6
 
 
 def _records(path):
@@ -67,7 +74,7 @@ def test_schedule_matches_fixed_device_run(train, metrics_file, devices, expecte
     records = _records(metrics_file)
     assert _passes_through(_device_counts(records), expected_counts), _device_counts(records)
     _assert_every_step_once(records, steps)
-    pieces.assert_same_parameters(model, pieces.reference(job, steps))
+    pieces.assert_same_parameters(model, pieces.reference(job, steps), atol=LONG_RUN_ATOL)
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward", "sync"])
@@ -92,7 +99,7 @@ def test_kill_source_during_state_transfer(train, metrics_file):
     assert "failure" in events, f"the source must die sending the joiner its state: events {events}"
     assert _device_counts(records)[-1] == 2  # local-1 and the joiner local-2 remain
     _assert_every_step_once(records, steps)
-    pieces.assert_same_parameters(model, pieces.reference(job, steps))
+    pieces.assert_same_parameters(model, pieces.reference(job, steps), atol=LONG_RUN_ATOL)
 
 
 def test_last_device_dying_stops_with_a_clear_message(train):
