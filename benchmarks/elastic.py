@@ -7,9 +7,10 @@ One invocation measures, alternating flexpar and baseline rounds:
 - flexpar, one `fit()` per round on 2 CPU processes (oversubscribed: 3 processes
   on 2 cores at the peak) with the schedule "+1" (scale out 2->3), a kill -9 of
   the joiner during backward (failure 3->2), "+1" again, "-1" (planned scale in
-  3->2), then "+1" and "-1" once more, and "+1" and a kill once more (a
-  scale-in costs milliseconds and a failure less than a step: one per round is
-  too few to judge either).
+  3->2), then "+1" and "-1" once more, "+1" and a kill once more, "+1" and
+  "-1" twice more, and "+1" and a kill a third time (a scale-in costs
+  milliseconds with a heavy tail and a failure less than a step: one per
+  round is too few to judge either).
 - the baseline, torchrun's own elastic mode (`--nnodes=2:3`, c10d rendezvous,
   one worker per agent): two agents train, a third agent joins on the same host,
   torchrun stops every worker and starts a fresh set, which imports torch,
@@ -55,10 +56,11 @@ VIRTUAL_WORKERS = 6  # splits evenly over 2 and 3 devices
 # The device counts a round goes through when every change fires as planned,
 # and the names of its changes, in order; each figure is a median over every
 # round's changes of its kind.
-PLANNED_DEVICE_COUNTS = [2, 3, 2, 3, 2, 3, 2, 3, 2]
-SCALE_OUTS = ("scale_out", "scale_out_again", "scale_out_third", "scale_out_fourth")
-SCALE_INS = ("scale_in", "scale_in_again")
-FAILURES = ("failure", "failure_again")
+PLANNED_DEVICE_COUNTS = [2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2]
+SCALE_OUTS = ("scale_out", "scale_out_again", "scale_out_third", "scale_out_fourth", "scale_out_fifth",
+              "scale_out_sixth", "scale_out_seventh")
+SCALE_INS = ("scale_in", "scale_in_again", "scale_in_third", "scale_in_fourth")
+FAILURES = ("failure", "failure_again", "failure_third")
 
 
 class Settings:
@@ -86,9 +88,19 @@ class Settings:
         self.leave_again_step = self.rejoin_again_step + lead
         self.rejoin_last_step = self.leave_again_step + 4
         self.fault_again_step = self.rejoin_last_step + lead
-        self.steps = self.fault_again_step + 4
-        self.join_steps = (self.join_step, self.rejoin_step, self.rejoin_again_step, self.rejoin_last_step)
-        self.leave_steps = (self.leave_step, self.leave_again_step)
+        # Then two more scale-ins and one more failure: a scale-in's boundary
+        # record read 2 to 11 ms and a failure's 0.15 to 0.26 s (six of each in one
+        # run), so the median of six moved by a third between runs.
+        self.rejoin_fifth_step = self.fault_again_step + 4
+        self.leave_third_step = self.rejoin_fifth_step + lead
+        self.rejoin_sixth_step = self.leave_third_step + 4
+        self.leave_fourth_step = self.rejoin_sixth_step + lead
+        self.rejoin_seventh_step = self.leave_fourth_step + 4
+        self.fault_third_step = self.rejoin_seventh_step + lead
+        self.steps = self.fault_third_step + 4
+        self.join_steps = (self.join_step, self.rejoin_step, self.rejoin_again_step, self.rejoin_last_step,
+                           self.rejoin_fifth_step, self.rejoin_sixth_step, self.rejoin_seventh_step)
+        self.leave_steps = (self.leave_step, self.leave_again_step, self.leave_third_step, self.leave_fourth_step)
         # The third agent starts once the old set has committed a step (it then needs
         # seconds of `import torch` before it reaches the rendezvous, while the old
         # set trains on); the new set runs 3 steps: 2 intervals give a normal step.
@@ -110,13 +122,17 @@ class Settings:
     @property
     def schedule(self) -> str:
         return (f"{self.join_step}:+1,{self.rejoin_step}:+1,{self.leave_step}:-1,"
-                f"{self.rejoin_again_step}:+1,{self.leave_again_step}:-1,{self.rejoin_last_step}:+1")
+                f"{self.rejoin_again_step}:+1,{self.leave_again_step}:-1,{self.rejoin_last_step}:+1,"
+                f"{self.rejoin_fifth_step}:+1,{self.leave_third_step}:-1,"
+                f"{self.rejoin_sixth_step}:+1,{self.leave_fourth_step}:-1,{self.rejoin_seventh_step}:+1")
 
     @property
     def faults(self) -> str:
         # The first joiner is local-2; local-3 and local-4 join and leave (the newest
-        # member leaves); local-5 is the last joiner.
-        return f"{self.fault_step}:local-2:backward,{self.fault_again_step}:local-5:backward"
+        # member leaves); local-5 joins and is killed; local-6 and local-7 join and leave;
+        # local-8 joins and is killed.
+        return (f"{self.fault_step}:local-2:backward,{self.fault_again_step}:local-5:backward,"
+                f"{self.fault_third_step}:local-8:backward")
 
 
 def model_factory(settings: Settings):
@@ -218,9 +234,9 @@ def flexpar_round(settings: Settings, workdir: str, index: int) -> dict:
     metrics = os.path.join(workdir, f"flexpar-{index}.jsonl")
     started = time.perf_counter()
     job.fit(
-        # max_devices=4: the schedule's validator counts 2+1+1 and does not know that the
-        # fault removes the first joiner before the second "+1"; at most 3 ever run.
-        steps=settings.steps, devices=2, max_devices=4, schedule=settings.schedule,
+        # max_devices=5: the schedule's validator counts every "+1" and "-1" but not
+        # the faults, which remove a joiner each; at most 3 devices ever run.
+        steps=settings.steps, devices=2, max_devices=5, schedule=settings.schedule,
         faults=settings.faults, oversubscribe=True, metrics=metrics, display=False, quiet=True,
         timeout_s=30.0,
     )
