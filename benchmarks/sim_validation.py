@@ -20,7 +20,7 @@ Which measured figure calibrates which model parameter, and which are predicted
 | all-reduce bandwidth | probe: gloo all-reduce of those bytes over 4 processes |
 | optimizer_s | probe: the balance job's optimizer step |
 | host_cores | this host's cores: CPU phases of a boundary or a step stretch by busy processes / cores when there are more processes |
-| pg_formation_s, pg_formation_per_device_s | probe: a boundary without a state transfer (the generation lookup, flexpar's `GroupReaper` and `fresh_group`, as `Worker.enter` uses them: the old group retired, a fresh one, "formed", `take_stock`'s one small all-reduce, the old group released after it) in groups of 2 and 3 running processes, timed by the member that arrives last, each divided by its host contention, then a least-squares line with both terms >= 0 (the 4-process boundary is a check, not in the fit) |
+| pg_formation_s, pg_formation_per_device_s | probe: a boundary without a state transfer, each right after a training step of elastic.py's job in every member as in a job (the generation lookup, flexpar's `GroupReaper` and `fresh_group`, as `Worker.enter` uses them: the old group retired, a fresh one, "formed", `take_stock`'s one small all-reduce, the old group released after it) in groups of 2 and 3 running processes, timed by the member that arrives last, each divided by its host contention, then a least-squares line with both terms >= 0 (the 4-process boundary is a check, not in the fit) |
 | recovery_notice_s | flexpar's poll periods: half of each poll on the path from the survivors' failure reports to their seeing the new generation |
 | state bytes, broadcast bandwidth | elastic.py `state_bytes` and its `flexpar_transfer_parts_s` (flexpar's own transfer path, timed on its own outside fit(): receive_state in a fresh process, as a joiner receives, which spans the source's capture and send_state; then restore) |
 | detection_s | probe: a peer killed with SIGKILL during an all-reduce, until the first survivor's error (elastic.py's victim dies long before the survivors reach the all-reduce, so there it only bounds when they can learn of it) |
@@ -61,7 +61,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -94,11 +94,15 @@ GOAL = 0.15
 SIMULATED_WINDOW_STEPS = 400
 SIMULATED_WARMUP_STEPS = 10
 # A boundary takes a few milliseconds: the probe forms each group size this many
-# times (a median over 10 moved by a third from one run to the next).
-BOUNDARY_REPEATS = 40
+# times (a median over 10 moved by a third from one run to the next). Each
+# repeat follows a training step of elastic.py's job (about 0.4 s with the
+# 25M-parameter model on shared cores), so 20 rather than the 40 of
+# back-to-back boundaries: a probe run takes about 30 s.
+BOUNDARY_REPEATS = 20
 # The probe's 2-process boundary also moves between runs in fresh processes
 # (3.1 to 4.8 ms over five runs on the development machine, each a median of
-# 40): the validation takes the median over this many probe runs.
+# 40 back-to-back boundaries; 2.3 to 2.6 ms over eight runs once each followed
+# a training step): the validation takes the median over this many probe runs.
 PROBE_RUNS = 3
 
 
@@ -114,6 +118,9 @@ class Comparison:
     measured: float | None
     counted: bool
     model: str  # what the prediction is made of
+    # Where the measured median could have landed with another draw of as many
+    # single changes (`median_interval`); None where the figure is not a median of changes.
+    measured_interval: tuple | None = None
     relative_error: float | None = field(init=False)
 
     def __post_init__(self) -> None:
@@ -149,6 +156,25 @@ def verdict(comparisons: Sequence[Comparison], goal: float = GOAL) -> dict:
                            if row.relative_error is not None and row.relative_error > goal],
         "rows_without_error": undefined,
     }
+
+
+def median_interval(values: Sequence[float], coverage: float = 0.9, resamples: int = 4000,
+                    seed: int = 0) -> tuple | None:
+    """Bootstrap interval of the median of `values`: (low, high) holding `coverage` of resampled medians.
+
+    A measured stall is the median over a run's single changes, and those
+    spread widely (a scale-in read 2 to 11 ms in one run): this says how far
+    that median could move with another draw of as many changes, i.e. how
+    finely the measurement itself can judge a prediction. None with fewer
+    than 3 values. Deterministic for a given seed.
+    """
+    if len(values) < 3:
+        return None
+    draws = np.random.default_rng(seed).choice(np.asarray(values, dtype=float), size=(resamples, len(values)))
+    medians = np.median(draws, axis=1)
+    tail = (1.0 - coverage) / 2.0
+    low, high = np.quantile(medians, [tail, 1.0 - tail])
+    return float(low), float(high)
 
 
 def noise_sigma(log_deviations_by_device: Mapping[str, Sequence[float]]) -> float:
@@ -320,8 +346,8 @@ def read_step_records(path: str) -> list[dict]:
 # ------------------------------------------------------------------ the probe: costs measured apart
 
 
-def _probe_worker(rank: int, world: int, port: int, repeats: int, results) -> None:
-    """One probe process: all-reduce and optimizer timings of the balance job, then a kill.
+def _probe_worker(rank: int, world: int, port: int, repeats: int, elastic_model: str, results) -> None:
+    """One probe process: all-reduce and optimizer timings of the balance job, boundaries, then a kill.
 
     The last rank kills itself with SIGKILL while the others wait in an
     all-reduce; each survivor reports how long its error took to surface. The
@@ -363,7 +389,8 @@ def _probe_worker(rank: int, world: int, port: int, repeats: int, results) -> No
         if repeat >= 2:
             all_reduce_s.append(elapsed)
             optimizer_s.append(stepped)
-    boundaries = _probe_boundaries(rank, world, store, BOUNDARY_REPEATS)
+    del model, optimizer  # the boundaries follow steps of elastic.py's job instead
+    boundaries = _probe_boundaries(rank, world, store, BOUNDARY_REPEATS, elastic_step(elastic_model))
     if rank == 0:
         results.put({"kind": "timings", "parameter_count": parameter_count, "world": world,
                      "all_reduce_s": median(all_reduce_s), "optimizer_s": median(optimizer_s)})
@@ -385,11 +412,35 @@ def _probe_worker(rank: int, world: int, port: int, repeats: int, results) -> No
     os._exit(0)  # the group is broken: skip its teardown
 
 
-def _probe_boundaries(rank: int, world: int, store, repeats: int) -> dict:
+def elastic_step(model_name: str) -> Callable[[], None]:
+    """One training step of elastic.py's job in this process: a VW's forward and backward, then Adam.
+
+    A boundary in a job comes right after a commit, i.e. after a step that
+    swept the model, its gradients and Adam's state (about 400 MB for the
+    25M-parameter model) through the caches; the probe's boundaries do the
+    same. Measured on the development machine (medians of 2-process
+    boundaries, fresh probe runs): back to back 1.7-2.3 ms; after each member
+    swept 400 MB three times 3.3-3.4 ms; after this step 2.3-2.6 ms, where
+    elastic.py's scale-ins read 2.4-3.8 ms (medians of a run's changes).
+    """
+    settings = elastic_benchmark.Settings(quick=model_name == "small", rounds=1)
+    model, optimizer = elastic_benchmark.trained_state(settings)
+    batch = elastic_benchmark.make_dataset()[:elastic_benchmark.GLOBAL_BATCH // elastic_benchmark.VIRTUAL_WORKERS]
+
+    def step() -> None:
+        elastic_benchmark.cross_entropy(model, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _probe_boundaries(rank: int, world: int, store, repeats: int, step: Callable[[], None]) -> dict:
     """What a flexpar boundary without a state transfer costs, for groups of 2 .. world processes.
 
-    Each repeat does what a boundary does from a commit on when nobody needs
-    the state (`Worker.run` and `Worker.enter`): read the generation's record
+    Each repeat follows a training step of elastic.py's job in every member
+    (`elastic_step`), as a boundary follows a commit, and then does what a
+    boundary does from a commit on when nobody needs the state (`Worker.run` and `Worker.enter`): read the generation's record
     from the store, retire the old group (flexpar's `GroupReaper`) and form a
     fresh one (`fresh_group`, which releases the old group at the end),
     report it formed and take stock (source, receivers, last commit: one
@@ -413,6 +464,7 @@ def _probe_boundaries(rank: int, world: int, store, repeats: int) -> dict:
         for repeat in range(repeats):
             if rank >= size:
                 continue
+            step()
             started = time.perf_counter()
             control.get_json(store, "probe/generation")  # the new generation's record
             with fresh_group(reaper.retire([]), "gloo", dist.PrefixStore(f"probe/{size}/{repeat}", store), rank,
@@ -435,8 +487,12 @@ def boundary_seconds(per_rank: Sequence[Mapping[int, Sequence[float]]]) -> dict[
     return result
 
 
-def run_probe(world: int = 4, repeats: int = 10) -> dict:
-    """All-reduce time, optimizer time, boundary cost and failure detection, in `world` fresh processes."""
+def run_probe(world: int = 4, repeats: int = 10, elastic_model: str = "full") -> dict:
+    """All-reduce time, optimizer time, boundary cost and failure detection, in `world` fresh processes.
+
+    `elastic_model`: elastic.py's model (its JSON's "model"), whose training
+    step precedes each boundary.
+    """
     import datetime
 
     import torch.distributed as dist
@@ -449,7 +505,7 @@ def run_probe(world: int = 4, repeats: int = 10) -> dict:
     context.set_forkserver_preload(["torch", "torch.distributed", "torch.optim"])
     results = context.Queue()
     processes = [context.Process(target=_probe_worker, name=f"sim-probe-{rank}",
-                                 args=(rank, world, port, repeats, results)) for rank in range(world)]
+                                 args=(rank, world, port, repeats, elastic_model, results)) for rank in range(world)]
     _progress(f"probe: {world} gloo processes (all-reduce, optimizer step, boundaries, kill -9 detection)")
     for process in processes:
         process.start()
@@ -616,6 +672,14 @@ def compare_elastic(elastic: dict, probe: dict) -> tuple:
     failure, lost_s = None, None
     if inputs and probe.get("detection_s") is not None:
         failure, lost_s = predict_failure_stall(inputs, calibration.parameters)
+    # elastic.py's figures are medians over every round's changes of each kind.
+    changes = {"scale_out": elastic_benchmark.SCALE_OUTS, "scale_in": elastic_benchmark.SCALE_INS,
+               "failure": elastic_benchmark.FAILURES}
+    flexpar_rounds = elastic.get("flexpar_rounds", [])
+    by_round = {kind: elastic_benchmark.change_values(flexpar_rounds, names, "stall_s") for kind, names in changes.items()}
+    events_by_round = {kind: elastic_benchmark.change_values(flexpar_rounds, names, "event_stall_s")
+                       for kind, names in changes.items()}
+    interval = {kind: median_interval(values) for kind, values in events_by_round.items()}
     rows = [
         # Counted from flexpar's boundary record since the scale-out is a few tenths
         # of a second: the step-record figure's noise (one step's time varies by
@@ -624,20 +688,21 @@ def compare_elastic(elastic: dict, probe: dict) -> tuple:
                    out["scale_out_stall_s"] if transfer_s is not None else None,
                    elastic.get("scale_out_event_stall_s"), True,
                    "group formation + state transfer to a joiner (flexpar's path) vs the event record: last "
-                   "member's commit -> all level"),
+                   "member's commit -> all level", interval["scale_out"]),
         # A scale-in stall of milliseconds is far below what step records resolve
         # (one step's time varies by tens of ms here): it is counted from flexpar's
         # boundary record, which times it directly.
         Comparison("elastic: scale-in 3->2 stall (scale_in_event_stall_s)", shrink["scale_in_stall_s"],
                    elastic.get("scale_in_event_stall_s"), True,
-                   "one boundary without a transfer (probe) vs the event record: last member's commit -> all level"),
+                   "one boundary without a transfer (probe) vs the event record: last member's commit -> all level",
+                   interval["scale_in"]),
         # Like the scale-in, counted from flexpar's boundary record: the step-record
         # figure also holds the first step after the change minus a median step,
         # which varies by about 0.1 s between rounds here.
         Comparison("elastic: failure 3->2 stall (failure_event_stall_s)", failure,
                    elastic.get("failure_event_stall_s"), True,
                    "lost compute of the step in flight + recovery notice + group formation vs the event "
-                   "record: last commit -> survivors level"),
+                   "record: last commit -> survivors level", interval["failure"]),
     ]
     rows += [
         Comparison("elastic: scale-in 3->2 [step records: gap - normal step]", shrink["scale_in_stall_s"],
@@ -662,13 +727,6 @@ def compare_elastic(elastic: dict, probe: dict) -> tuple:
                                "group formation + state bytes at gloo's send bandwidth"))
     noise = [step_interval_noise_s(read_step_records(r.get("metrics", ""))) for r in elastic.get("flexpar_rounds", [])]
     noise = [value for value in noise if value is not None]
-    # elastic.py's figures are medians over every round's changes of each kind.
-    changes = {"scale_out": elastic_benchmark.SCALE_OUTS, "scale_in": elastic_benchmark.SCALE_INS,
-               "failure": elastic_benchmark.FAILURES}
-    flexpar_rounds = elastic.get("flexpar_rounds", [])
-    by_round = {kind: elastic_benchmark.change_values(flexpar_rounds, names, "stall_s") for kind, names in changes.items()}
-    events_by_round = {kind: elastic_benchmark.change_values(flexpar_rounds, names, "event_stall_s")
-                       for kind, names in changes.items()}
     return rows, calibration, {"transfer_path_s": transfer_s, "failed_step_compute_s": lost_s,
                                "failed_step_inputs": inputs,
                                "step_interval_noise_s": median(noise) if noise else None,
@@ -840,7 +898,8 @@ def explanations(comparisons: Sequence[Comparison], balance: dict, elastic: dict
             direction = "over" if row.predicted > row.measured else "under"
             head = (f"{row.figure}: predicted {row.predicted:.4g} s vs measured {row.measured:.4g} s "
                     f"({direction} by {row.relative_error:.0%}). ")
-            notes.append(head + _why(row, balance, elastic, elastic_extra, balance_extra, probe))
+            notes.append(head + _against_interval(row) + _why(row, balance, elastic, elastic_extra, balance_extra,
+                                                              probe))
         elif row.counted and row.relative_error is None:
             notes.append(_why_undefined(row, elastic_extra))
     floor_row = next((row for row in comparisons if "raw gloo" in row.figure), None)
@@ -873,6 +932,16 @@ def _why(row: Comparison, balance, elastic, elastic_extra, balance_extra, probe)
             text += f", and the single changes measured {', '.join(f'{value:.3g}' for value in rounds[key])} s"
         text += "."
     return text
+
+
+def _against_interval(row: Comparison) -> str:
+    """Whether a prediction that misses the goal lies inside the measured median's bootstrap interval."""
+    if row.measured_interval is None:
+        return ""
+    low, high = row.measured_interval
+    inside = low <= row.predicted <= high
+    return (f"The measured median's 90% bootstrap interval over its single changes is {low:.4g}-{high:.4g} s: "
+            + ("the prediction lies inside it. " if inside else "the prediction lies outside it. "))
 
 
 def _why_undefined(row: Comparison, elastic_extra: dict) -> str:
@@ -965,10 +1034,12 @@ def print_report(document: dict) -> None:
     print_table(document["calibration"], ["parameter", "value", "from"],
                 title="\nCalibration (measured figures -> model parameters; none of these is predicted)")
     rows = [{"figure": row["figure"], "predicted": row["predicted"], "measured": row["measured"],
+             "measured 90%": _interval_text(row.get("measured_interval")),
              "rel. error": row["relative_error"], "counted": "yes" if row["counted"] else "diagnostic"}
             for row in document["comparisons"]]
-    print_table(rows, ["figure", "predicted", "measured", "rel. error", "counted"],
-                title="\nPredicted vs measured (seconds)")
+    print_table(rows, ["figure", "predicted", "measured", "measured 90%", "rel. error", "counted"],
+                title="\nPredicted vs measured (seconds; 'measured 90%': bootstrap interval of the measured "
+                      "median over its single changes)")
     summary = document["summary"]
     print(f"\nmax_relative_error (counted rows): {_fmt(summary['max_relative_error'])} "
           f"(goal {summary['goal']}): {'met' if summary['goal_met'] else 'NOT met'}; "
@@ -979,6 +1050,10 @@ def print_report(document: dict) -> None:
 
 def _fmt(value) -> str:
     return "-" if value is None else f"{value:.3g}"
+
+
+def _interval_text(interval) -> str:
+    return "-" if interval is None else f"{interval[0]:.3g}-{interval[1]:.3g}"
 
 
 def _progress(message: str) -> None:
@@ -1016,7 +1091,8 @@ def main(argv=None) -> dict:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="flexpar-sim-validation-") as scratch:
         balance, elastic, metrics_dir = gather_inputs(options, scratch)
-        probe = combine_probes([run_probe(world=balance["devices"]) for _ in range(PROBE_RUNS)])
+        probe = combine_probes([run_probe(world=balance["devices"], elastic_model=elastic["model"])
+                                for _ in range(PROBE_RUNS)])
         balance_rounds = balance_step_records(metrics_dir)
         noise = balance_noise(balance, balance_rounds)
         balance_rows, balance_cal, balance_extra = compare_balance(balance, probe, noise)

@@ -209,3 +209,22 @@ def test_probes_combine_into_the_median_of_each_timing_and_boundary_size():
     assert combined["detection_s"] == pytest.approx(0.04)  # the runs that saw a detection
     assert combined["boundary_s_by_size"] == {2: 0.004, 3: pytest.approx(0.0075)}
     assert combined["runs"] == 3 and combined["parameter_count"] == 5
+
+
+def test_median_interval_holds_the_median_and_narrows_with_more_changes():
+    few = [2.2, 2.4, 2.6, 5.0, 11.0, 2.3]
+    low, high = validation.median_interval(few)
+    assert low <= float(np.median(few)) <= high
+    assert low >= min(few) and high <= max(few)
+    many_low, many_high = validation.median_interval(few * 8)
+    assert many_high - many_low < high - low
+    assert validation.median_interval(few) == (low, high), "deterministic for a seed"
+    assert validation.median_interval([1.0, 2.0]) is None
+
+
+def test_a_miss_inside_the_measured_interval_is_said_so():
+    inside = validation.Comparison("elastic: x", 3.0, 2.4, True, "m", measured_interval=(2.2, 3.5))
+    outside = validation.Comparison("elastic: x", 5.0, 2.4, True, "m", measured_interval=(2.2, 3.5))
+    assert "lies inside" in validation._against_interval(inside)
+    assert "lies outside" in validation._against_interval(outside)
+    assert validation._against_interval(validation.Comparison("balance: x", 1.0, 2.0, True, "m")) == ""
