@@ -980,7 +980,8 @@ def _why_stall(row: Comparison, elastic: dict, elastic_extra: dict, probe: dict)
     if "scale-in" in row.figure:
         return ("The model's scale-in is one boundary without a transfer (retire the old group, form the "
                 "new one, take stock of steps and the last commit), priced from the probe's boundaries by "
-                f"group size ({_boundaries_text(probe) or 'not measured'}), with the survivors as the busy "
+                f"group size ({_boundaries_text(probe) or 'not measured'}; each right after a training step of "
+                "elastic.py's job), with the survivors as the busy "
                 "processes (the leaver skips its last update and exits at the lowest priority). The old "
                 "group's teardown is released once the members are level (flexpar.sync.GroupReaper).")
     if "failure" in row.figure:
