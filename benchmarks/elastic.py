@@ -53,14 +53,30 @@ GLOBAL_BATCH = 24
 VIRTUAL_WORKERS = 6  # splits evenly over 2 and 3 devices
 
 
-# The device counts a round goes through when every change fires as planned,
-# and the names of its changes, in order; each figure is a median over every
+# The changes of a flexpar round, in order: "+1" (a device joins), "kill" (the
+# newest member is killed during backward) and "-1" (the newest member leaves).
+# A scale-in costs a few milliseconds with a heavy tail and a failure less than
+# a step: a round has several of each (over a run's six, a scale-in's boundary
+# record read 2 to 11 ms and a failure's 0.15 to 0.26 s, so a median of six
+# moved by a third between runs).
+ROUND_CHANGES = ("+1", "kill", "+1", "-1", "+1", "-1", "+1", "kill", "+1", "-1", "+1", "-1", "+1", "kill")
+# The names of each kind's changes, in order; each figure is a median over every
 # round's changes of its kind.
-PLANNED_DEVICE_COUNTS = [2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2]
 SCALE_OUTS = ("scale_out", "scale_out_again", "scale_out_third", "scale_out_fourth", "scale_out_fifth",
               "scale_out_sixth", "scale_out_seventh")
 SCALE_INS = ("scale_in", "scale_in_again", "scale_in_third", "scale_in_fourth")
 FAILURES = ("failure", "failure_again", "failure_third")
+
+
+def planned_device_counts(changes=ROUND_CHANGES, devices: int = 2) -> list:
+    """The device counts a round goes through when every change fires as planned."""
+    counts = [devices]
+    for change in changes:
+        counts.append(counts[-1] + (1 if change == "+1" else -1))
+    return counts
+
+
+PLANNED_DEVICE_COUNTS = planned_device_counts()
 
 
 class Settings:
@@ -75,32 +91,18 @@ class Settings:
         # script, build, warm up) before it is admitted: about 3 full-size steps, or
         # 12 of the quick model's short ones; `lead` leaves room beyond that, since the
         # fault can only fire once the joiner trains, and a "-1" that fires before
-        # the second joiner is admitted would cancel it instead of removing it.
+        # the joiner is admitted would cancel it instead of removing it. After a
+        # leave or a kill, 4 steps on 2 devices give the change's generation a
+        # normal step.
         lead = 16 if quick else 6
-        self.join_step = 3
-        self.fault_step = self.join_step + lead
-        self.rejoin_step = self.fault_step + 3
-        self.leave_step = self.rejoin_step + lead
-        # Then one more scale-in and one more failure: each costs far less than a
-        # step, so one per round is too few to judge it. 4 steps on 2 devices give
-        # each change's generation a normal step.
-        self.rejoin_again_step = self.leave_step + 4
-        self.leave_again_step = self.rejoin_again_step + lead
-        self.rejoin_last_step = self.leave_again_step + 4
-        self.fault_again_step = self.rejoin_last_step + lead
-        # Then two more scale-ins and one more failure: a scale-in's boundary
-        # record read 2 to 11 ms and a failure's 0.15 to 0.26 s (six of each in one
-        # run), so the median of six moved by a third between runs.
-        self.rejoin_fifth_step = self.fault_again_step + 4
-        self.leave_third_step = self.rejoin_fifth_step + lead
-        self.rejoin_sixth_step = self.leave_third_step + 4
-        self.leave_fourth_step = self.rejoin_sixth_step + lead
-        self.rejoin_seventh_step = self.leave_fourth_step + 4
-        self.fault_third_step = self.rejoin_seventh_step + lead
-        self.steps = self.fault_third_step + 4
-        self.join_steps = (self.join_step, self.rejoin_step, self.rejoin_again_step, self.rejoin_last_step,
-                           self.rejoin_fifth_step, self.rejoin_sixth_step, self.rejoin_seventh_step)
-        self.leave_steps = (self.leave_step, self.leave_again_step, self.leave_third_step, self.leave_fourth_step)
+        self.change_steps = []
+        step = 3
+        for change in ROUND_CHANGES:
+            self.change_steps.append(step)
+            step += lead if change == "+1" else 4
+        self.steps = step
+        self.join_steps = self._steps_of("+1")
+        self.leave_steps = self._steps_of("-1")
         # The third agent starts once the old set has committed a step (it then needs
         # seconds of `import torch` before it reaches the rendezvous, while the old
         # set trains on); the new set runs 3 steps: 2 intervals give a normal step.
@@ -119,20 +121,23 @@ class Settings:
         # the run past this (the floor measurement, ~30 s, comes after the rounds).
         self.budget_s = 330.0
 
+    def _steps_of(self, kind: str) -> tuple:
+        return tuple(step for step, change in zip(self.change_steps, ROUND_CHANGES) if change == kind)
+
     @property
     def schedule(self) -> str:
-        return (f"{self.join_step}:+1,{self.rejoin_step}:+1,{self.leave_step}:-1,"
-                f"{self.rejoin_again_step}:+1,{self.leave_again_step}:-1,{self.rejoin_last_step}:+1,"
-                f"{self.rejoin_fifth_step}:+1,{self.leave_third_step}:-1,"
-                f"{self.rejoin_sixth_step}:+1,{self.leave_fourth_step}:-1,{self.rejoin_seventh_step}:+1")
+        return ",".join(f"{step}:{change}" for step, change in zip(self.change_steps, ROUND_CHANGES)
+                        if change != "kill")
 
     @property
     def faults(self) -> str:
-        # The first joiner is local-2; local-3 and local-4 join and leave (the newest
-        # member leaves); local-5 joins and is killed; local-6 and local-7 join and leave;
-        # local-8 joins and is killed.
-        return (f"{self.fault_step}:local-2:backward,{self.fault_again_step}:local-5:backward,"
-                f"{self.fault_third_step}:local-8:backward")
+        # Joiners are numbered from local-2 on, in order; a kill hits the newest.
+        faults, joined = [], 0
+        for step, change in zip(self.change_steps, ROUND_CHANGES):
+            joined += change == "+1"
+            if change == "kill":
+                faults.append(f"{step}:local-{1 + joined}:backward")
+        return ",".join(faults)
 
 
 def model_factory(settings: Settings):
