@@ -2,7 +2,14 @@
 
 `flexpar run` maps its flags one to one onto `FitOptions` and runs the user's
 script in this process, as `__main__`; the script's own `fit()` call then picks
-the flags up (they override what the script passes).
+the flags up (they override what the script passes). As with torchrun and
+`accelerate launch`, flexpar's flags come before the script and everything
+after the script is the script's; a flexpar flag found after the script is
+refused with the command that was meant (`--` hands the rest to the script
+unchecked).
+
+Where a job is and its secret come from the command line, else from the
+cluster's environment (see `cluster_address` and `read_secret`).
 """
 
 from __future__ import annotations
@@ -10,11 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import sys
+import time
+import traceback
 import types
 from typing import Optional, Sequence
 
 from flexpar import control, options as options_module
+from flexpar.job import TrainingError, UserCodeError
 
 
 def _add_run_flags(parser: argparse.ArgumentParser) -> None:
@@ -36,27 +47,132 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-every", type=int, help="write a checkpoint every N steps")
     parser.add_argument("--checkpoint-dir", help="where checkpoints go")
     parser.add_argument("--resume", action="store_true", default=None, help="continue from the latest checkpoint")
-    parser.add_argument("--secret-file", help="file holding the job's secret (default: a fresh one, printed)")
+    parser.add_argument("--secret-file",
+                        help="file holding the job's secret (default: FLEXPAR_SECRET, FLEXPAR_SECRET_FILE, "
+                             "else a fresh one kept in the run directory)")
+    parser.add_argument("--show-secret", action="store_true", default=None,
+                        help="print the secret in the banner (it is printed anyway when --host is not loopback)")
+    parser.add_argument("--preemption-grace", dest="preemption_grace_s", type=float,
+                        help="seconds a device may take to leave after SIGTERM before it is killed (default 30)")
+    parser.add_argument("--verbose", action="store_true", default=None,
+                        help="show devices' tracebacks here (they are always written to the run directory)")
 
 
 _RUN_FIELDS = ("devices", "max_devices", "steps", "epochs", "schedule", "emulate_speeds", "host", "port",
                "timeout_s", "backend", "oversubscribe", "metrics", "display", "checkpoint_every",
-               "checkpoint_dir", "resume")
+               "checkpoint_dir", "resume", "show_secret", "preemption_grace_s", "verbose")
+
+
+# ------------------------------------------------------------ the cluster's environment
 
 
 def read_secret(secret_file: Optional[str]) -> Optional[str]:
-    """The job secret from --secret-file, else FLEXPAR_SECRET, else None."""
-    if secret_file:
-        with open(secret_file, encoding="utf-8") as handle:
-            return handle.read().strip()
-    return os.environ.get("FLEXPAR_SECRET")
+    """The job's secret: --secret-file, else FLEXPAR_SECRET, else the file FLEXPAR_SECRET_FILE names.
+
+    The file form is how a Kubernetes Secret is mounted; the value form how a
+    shell or a scheduler passes it. None when none is given.
+    """
+    path = secret_file or (None if os.environ.get("FLEXPAR_SECRET") else os.environ.get("FLEXPAR_SECRET_FILE"))
+    if path:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                secret = handle.read().strip()
+        except OSError as error:
+            raise ValueError(f"cannot read the secret file {path}: {error.strerror}") from None
+        if not secret:
+            raise ValueError(f"the secret file {path} is empty")
+        return secret
+    return os.environ.get("FLEXPAR_SECRET") or None
+
+
+ADDRESS_VARIABLES = ("FLEXPAR_ADDRESS", "MASTER_ADDR/MASTER_PORT", "PET_RDZV_ENDPOINT")
+
+
+def cluster_address(environment=None) -> Optional[tuple]:
+    """(HOST:PORT, the variable it came from) from the cluster's environment, or None.
+
+    First match wins: FLEXPAR_ADDRESS (HOST:PORT); MASTER_ADDR with
+    MASTER_PORT (torchrun, Kubeflow PyTorchJob, SLURM recipes); PET_RDZV_ENDPOINT
+    (HOST:PORT, Kubeflow TrainJob / torchrun's rendezvous endpoint).
+    """
+    environment = os.environ if environment is None else environment
+    if environment.get("FLEXPAR_ADDRESS"):
+        return environment["FLEXPAR_ADDRESS"], "FLEXPAR_ADDRESS"
+    if environment.get("MASTER_ADDR") and environment.get("MASTER_PORT"):
+        return f"{environment['MASTER_ADDR']}:{environment['MASTER_PORT']}", "MASTER_ADDR/MASTER_PORT"
+    if environment.get("PET_RDZV_ENDPOINT"):
+        return environment["PET_RDZV_ENDPOINT"], "PET_RDZV_ENDPOINT"
+    return None
+
+
+def _job_address(given: Optional[str], command: str) -> tuple:
+    """(host, port) of the job: the argument, else the environment; SystemExit naming both if neither."""
+    if given:
+        return _parse_address(given)
+    found = cluster_address()
+    if found is None:
+        raise SystemExit(f"flexpar {command}: give the job's address HOST:PORT (the job prints it), or set "
+                         f"one of {', '.join(ADDRESS_VARIABLES)}")
+    address, variable = found
+    return _parse_address(address, variable)
+
+
+def _listen_address(arguments) -> None:
+    """`flexpar run` in a cluster: the port (and, off loopback, all interfaces) from the environment."""
+    found = cluster_address()
+    if found is None or (arguments.port is not None and arguments.host is not None):
+        return
+    host, port = _parse_address(*found)
+    if arguments.port is None:
+        arguments.port = port
+    if arguments.host is None:
+        # The advertised name (a Service, a node name) is reached from other hosts:
+        # listen on every interface, unless it is this host's loopback.
+        arguments.host = host if options_module.is_loopback(host) else "0.0.0.0"
+
+
+# ------------------------------------------------------------ run
+
+
+def _misplaced_flags(parser: argparse.ArgumentParser, script_arguments: list) -> tuple:
+    """(flexpar's flags found after the script, with their values; the script's own arguments)."""
+    takes_value = {}
+    for action in parser._actions:
+        for option in action.option_strings:
+            takes_value[option] = action.nargs != 0
+    misplaced, rest = [], []
+    arguments = list(script_arguments)
+    while arguments:
+        argument = arguments.pop(0)
+        name = argument.split("=", 1)[0]
+        if name in takes_value and name not in ("-h", "--help"):
+            misplaced.append(argument)
+            if takes_value[name] and "=" not in argument and arguments:
+                misplaced.append(arguments.pop(0))
+        else:
+            rest.append(argument)
+    return misplaced, rest
 
 
 def command_run(arguments) -> int:
+    script_arguments = list(arguments.script_arguments)
+    if script_arguments[:1] == ["--"]:
+        script_arguments = script_arguments[1:]
+    if not _double_dash_after_script(arguments):  # everything after `--` is the script's, unchecked
+        misplaced, rest = _misplaced_flags(arguments.parser, script_arguments)
+        if misplaced:
+            meant = " ".join(["flexpar run", *_flags_before_script(arguments), *misplaced, arguments.script, *rest])
+            print(f"flexpar run: {misplaced[0]} comes after the script {arguments.script}, where it would go to "
+                  "the script, not to flexpar. flexpar's flags go before the script (as with torchrun and "
+                  f"accelerate launch):\n  {meant}\nIf {arguments.script} takes {misplaced[0]} itself, put "
+                  f"its arguments after `--`: flexpar run [flags] {arguments.script} -- {' '.join(script_arguments)}",
+                  file=sys.stderr)
+            return 2
+    _listen_address(arguments)
     overrides = {field: getattr(arguments, field) for field in _RUN_FIELDS}
-    overrides["secret"] = read_secret(arguments.secret_file) if arguments.secret_file else None
-    # Check the flags now, before the script runs (steps are the script's business).
     try:
+        overrides["secret"] = read_secret(arguments.secret_file)
+        # Check the flags now, before the script runs (steps are the script's business).
         options_module.FitOptions(**{**{k: v for k, v in overrides.items() if v is not None}, "steps": 1,
                                      "epochs": None})
     except ValueError as error:
@@ -66,8 +182,41 @@ def command_run(arguments) -> int:
     if not os.path.exists(path):
         print(f"flexpar run: no such script: {arguments.script}", file=sys.stderr)
         return 2
-    run_script_as_main(path, [arguments.script] + list(arguments.script_arguments), overrides)
+    try:
+        run_script_as_main(path, [arguments.script] + script_arguments, overrides)
+    except (TrainingError, UserCodeError, ValueError, TypeError) as error:
+        if arguments.verbose or not _raised_by_flexpar(error):
+            raise  # the script's own errors keep their traceback
+        print(f"flexpar: {error}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _double_dash_after_script(arguments) -> bool:
+    """Whether `--` follows the script on the command line (argparse drops it from the remainder)."""
+    before = _flags_before_script(arguments)
+    argv = list(arguments.argv)
+    position = argv.index("run") + 1 + len(before) + 1 if "run" in argv else len(argv)
+    return argv[position : position + 1] == ["--"]
+
+
+def _flags_before_script(arguments) -> list:
+    """The flags the user did put before the script, as typed (to show the corrected command)."""
+    argv = list(arguments.argv)
+    try:
+        end = argv.index(arguments.script, argv.index("run") + 1)
+    except ValueError:
+        return []
+    return argv[argv.index("run") + 1 : end]
+
+
+def _raised_by_flexpar(error: BaseException) -> bool:
+    """Whether flexpar itself raised `error` (a checked problem, worded for the user)."""
+    if isinstance(error, (TrainingError, UserCodeError)):
+        return True
+    frames = traceback.extract_tb(error.__traceback__)
+    package = os.path.dirname(os.path.abspath(__file__))
+    return bool(frames) and os.path.abspath(frames[-1].filename).startswith(package + os.sep)
 
 
 def run_script_as_main(path: str, argv: list, overrides: dict) -> None:
@@ -84,44 +233,66 @@ def run_script_as_main(path: str, argv: list, overrides: dict) -> None:
         exec(code, module.__dict__)
 
 
-def _parse_address(address: str) -> tuple:
+def _parse_address(address: str, source: str = "") -> tuple:
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise SystemExit(f"flexpar: address {address!r} is not HOST:PORT (the job prints it at start)")
-    return host, int(port)
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        where = f" (from {source})" if source else ""
+        raise SystemExit(f"flexpar: address {address!r}{where} is not HOST:PORT (the job prints it at start)")
+    return host.strip("[]"), int(port)
+
+
+def _secret_or_exit(arguments, command: str) -> str:
+    secret = read_secret(arguments.secret_file)
+    if not secret:
+        raise SystemExit(f"flexpar {command}: give the job's secret with --secret-file FILE, FLEXPAR_SECRET or "
+                         "FLEXPAR_SECRET_FILE (a job on loopback keeps it in its run directory, file 'secret')")
+    return secret
 
 
 def command_join(arguments) -> int:
     from flexpar.launch import join
 
-    secret = read_secret(arguments.secret_file)
-    if not secret:
-        print("flexpar join: give the job's secret in FLEXPAR_SECRET or --secret-file", file=sys.stderr)
-        return 2
-    _parse_address(arguments.address)
-    return join(arguments.address, arguments.devices, secret, arguments.script, arguments.emulate_speed)
+    secret = _secret_or_exit(arguments, "join")
+    host, port = _job_address(arguments.address, "join")
+    return join(f"{host}:{port}", arguments.devices, secret, arguments.script, arguments.emulate_speed)
 
 
 def command_scale(arguments) -> int:
-    secret = read_secret(arguments.secret_file)
-    if not secret:
-        print("flexpar scale: give the job's secret in FLEXPAR_SECRET or --secret-file", file=sys.stderr)
-        return 2
-    host, port = _parse_address(arguments.address)
-    text = arguments.devices
-    request = {"delta": int(text)} if text[:1] in "+-" else {"devices": int(text)}
-    store = control.connect(host, port, 10.0)
-    body = json.dumps(request, sort_keys=True).encode()
+    """Ask the job to scale and wait for its answer: exit 0 only when it accepted."""
+    secret = _secret_or_exit(arguments, "scale")
+    host, port = _job_address(arguments.address, "scale")
+    text = arguments.devices.strip()
+    try:
+        request = {"delta": int(text)} if text[:1] in "+-" else {"devices": int(text)}
+    except ValueError:
+        raise SystemExit(f"flexpar scale: --devices {text!r} is not N, +K or -K") from None
+    if request.get("devices", 1) < 1:
+        raise SystemExit(f"flexpar scale: --devices {text}: a job needs at least one device")
+    request["id"] = secrets.token_hex(8)
+    store = control.connect_client(host, port, arguments.timeout)
     control.Channel(store, "events").send(
-        {"type": "scale", "request": request, "proof": control.sign(secret, b"scale:", body)}
+        {"type": "scale", "request": request, "proof": control.scale_proof(secret, request)}
     )
-    print(f"flexpar: asked {arguments.address} to scale: {request}")
-    return 0
+    key = f"answer/{request['id']}"
+    deadline = time.monotonic() + arguments.timeout
+    while not control.has(store, key):
+        if time.monotonic() > deadline:
+            print(f"flexpar scale: no answer from {host}:{port} within {arguments.timeout:g} s; the job may "
+                  "be busy or finished (see `flexpar status`)", file=sys.stderr)
+            return 1
+        time.sleep(0.05)
+    answer = control.get_json(store, key)
+    store.delete_key(key)
+    if answer["accepted"]:
+        print(f"flexpar scale: accepted: {answer['message']}")
+        return 0
+    print(f"flexpar scale: refused: {answer['message']}", file=sys.stderr)
+    return 1
 
 
 def command_status(arguments) -> int:
-    host, port = _parse_address(arguments.address)
-    store = control.connect(host, port, 10.0)
+    host, port = _job_address(arguments.address, "status")
+    store = control.connect_client(host, port, arguments.timeout)
     status = control.get_json(store, "status") if control.has(store, "status") else {}
     if arguments.json:
         print(json.dumps(status))
@@ -153,29 +324,36 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flexpar", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
-    run = commands.add_parser("run", help="run a training script on local devices")
+    run = commands.add_parser(
+        "run", help="run a training script on local devices",
+        usage="flexpar run [flexpar flags] SCRIPT [script arguments]",
+        epilog="flexpar's flags go before the script; what follows the script is the script's.")
     _add_run_flags(run)
     run.add_argument("script")
     run.add_argument("script_arguments", nargs=argparse.REMAINDER)
-    run.set_defaults(handler=command_run)
+    run.set_defaults(handler=command_run, parser=run)
 
+    address_help = f"HOST:PORT the job printed (default: from {', '.join(ADDRESS_VARIABLES)})"
+    secret_help = "file holding the job's secret (default: FLEXPAR_SECRET, else the file FLEXPAR_SECRET_FILE names)"
     join = commands.add_parser("join", help="add this host's devices to a running job")
-    join.add_argument("address", help="HOST:PORT the job printed")
+    join.add_argument("address", nargs="?", help=address_help)
     join.add_argument("--devices", type=int, default=1)
     join.add_argument("--script", help="the job's script on this host (default: the path the job ran)")
-    join.add_argument("--secret-file")
+    join.add_argument("--secret-file", help=secret_help)
     join.add_argument("--emulate-speed", type=float, default=1.0, help="emulated relative speed (testing)")
     join.set_defaults(handler=command_join)
 
-    scale = commands.add_parser("scale", help="change the job's local device count")
-    scale.add_argument("address")
+    scale = commands.add_parser("scale", help="change the job's device count and wait for its answer")
+    scale.add_argument("address", nargs="?", help=address_help)
     scale.add_argument("--devices", required=True, help="N, +K or -K")
-    scale.add_argument("--secret-file")
+    scale.add_argument("--secret-file", help=secret_help)
+    scale.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the job's answer")
     scale.set_defaults(handler=command_scale)
 
     status = commands.add_parser("status", help="show a running job's device set and progress")
-    status.add_argument("address")
+    status.add_argument("address", nargs="?", help=address_help)
     status.add_argument("--json", action="store_true")
+    status.add_argument("--timeout", type=float, default=1.0, help="seconds to wait for the job to answer")
     status.set_defaults(handler=command_status)
 
     plot = commands.add_parser("plot", help="draw a metrics file as a timeline")
@@ -201,11 +379,16 @@ def _simulate(argv) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     arguments = build_parser().parse_args(argv)
+    arguments.argv = argv
     if arguments.command in ("run", "simulate"):
         return arguments.handler(arguments)  # the script's own errors keep their traceback
     try:
         return arguments.handler(arguments)
+    except control.Unreachable as error:
+        print(f"flexpar {arguments.command}: {error}", file=sys.stderr)
+        return 1
     except ValueError as error:
         print(f"flexpar: {error}", file=sys.stderr)
         return 2

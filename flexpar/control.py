@@ -9,6 +9,8 @@ each other outside the training collectives goes through it:
     gen/latest, gen/<G> the published generations: members in rank order, who joined/left/failed
     gen/<G>/pg/...     the PrefixStore under which generation G's process group forms
     reply/<device>     the coordinator's word to one device (refused, evicted)
+    answer/<request>   the coordinator's answer to a scale request (accepted or refused, why)
+    finish             stop training cleanly after the step in flight (SIGTERM to the driver)
     heartbeat/<device> a counter each device bumps; a remote device that stops bumping is dead
     metrics/<k>        per-step and event records from rank 0, read by the driver
     result/...         the final training state (signed), written by rank 0
@@ -22,11 +24,15 @@ authenticates nobody.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import hmac
 import json
+import os
 import queue
+import signal
+import sys
 import threading
 import time
 from typing import Callable, Iterable, Optional
@@ -46,6 +52,14 @@ class Evicted(Exception):
     """The coordinator refused or evicted this device; the message says why."""
 
 
+class DriverLost(Exception):
+    """The job's driver (and the store it hosts) is gone."""
+
+
+class Unreachable(Exception):
+    """No job answers at an address; the message says where and why, in one line."""
+
+
 def connect(host: str, port: int, timeout_s: float, server: bool = False) -> dist.TCPStore:
     """A TCPStore client (or the server, for the driver)."""
     return dist.TCPStore(
@@ -57,11 +71,49 @@ def connect(host: str, port: int, timeout_s: float, server: bool = False) -> dis
     )
 
 
+@contextlib.contextmanager
+def _quiet_native_stderr():
+    """Silence c10d's own C++ log lines (retries, frame dumps) for a moment.
+
+    They are written by the C++ side straight to file descriptor 2, so the
+    descriptor itself is pointed at /dev/null and restored afterwards. Used
+    only around a command-line client's connection attempt, whose failure we
+    report in one line of our own.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def connect_client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A store client for a command-line tool: Unreachable (one line) instead of c10d's dumps."""
+    try:
+        with _quiet_native_stderr():
+            return connect(host, port, timeout_s)
+    except (RuntimeError, OSError) as error:  # DistNetworkError is a RuntimeError
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise Unreachable(
+            f"no flexpar job answers at {host}:{port} within {timeout_s:g} s ({reason}); "
+            "check the address the job printed, and that the job is still running"
+        ) from None
+
+
 def sign(secret: str, *parts: bytes) -> str:
     mac = hmac.new(secret.encode(), digestmod=hashlib.sha256)
     for part in parts:
         mac.update(part)
     return mac.hexdigest()
+
+
+def scale_proof(secret: str, request) -> str:
+    """What a scale request presents: the secret's HMAC over the request (with its id)."""
+    return sign(secret, b"scale:", json.dumps(request, sort_keys=True).encode())
 
 
 def join_proof(secret: str, device_id: str, salt: str) -> str:
@@ -173,10 +225,12 @@ class Coordinator:
         self.errors: list = []        # error messages from devices: the job stops on the first
         self.remote: dict = {}        # device_id -> (last heartbeat value, time it changed)
 
-    def apply(self, event) -> None:
+    def apply(self, event) -> tuple:
+        """Decide on `event` and carry the actions out; returns them (the schedule reads its answers)."""
         self.state, actions = ms.decide(self.state, event)
         for action in actions:
             self._execute(action)
+        return actions
 
     def step(self) -> None:
         """Turn what happened since the last call into events and apply them."""
@@ -201,10 +255,14 @@ class Coordinator:
     def _event_of(self, message: dict, now: float):
         kind = message.get("type")
         device = message.get("device_id", "")
-        if kind in ("announce", "ready", "scale") and not self._proof_ok(message):
-            reason = "wrong job secret: pass the secret the job printed (FLEXPAR_SECRET or --secret-file)"
+        if kind in ("announce", "ready", "scale", "leave") and not self._proof_ok(message):
+            reason = "wrong job secret: pass the job's secret (--secret-file, FLEXPAR_SECRET or FLEXPAR_SECRET_FILE)"
             if kind == "scale":
                 self.on_note(f"refused a scale request: {reason}")
+                request_id = str((message.get("request") or {}).get("id", ""))
+                self._execute(ms.Answer(request_id, False, reason, self.state.device_count))
+                return None
+            if kind == "leave":
                 return None
             self._execute(ms.Refuse(device, reason))
             return None
@@ -225,13 +283,15 @@ class Coordinator:
             self.remote.pop(device, None)
             return ms.Exited(device, now)
         if kind == "scale":
-            return ms.ScaleBy(self._scale_delta(message))
+            request = message.get("request") or {}
+            return ms.ScaleBy(self._scale_delta(message), str(request.get("id", "")))
+        if kind == "leave":
+            return ms.LeaveRequested(device)
         return None
 
     def _proof_ok(self, message: dict) -> bool:
         if message.get("type") == "scale":
-            body = json.dumps(message.get("request"), sort_keys=True).encode()
-            expected = sign(self.secret, b"scale:", body)
+            expected = scale_proof(self.secret, message.get("request"))
         else:
             expected = join_proof(self.secret, message.get("device_id", ""), self.salt)
         return hmac.compare_digest(expected, str(message.get("proof", "")))
@@ -290,8 +350,21 @@ class Coordinator:
         elif isinstance(action, ms.StopJob):
             self.stop_reason = action.reason
             self.store.set("stop", action.reason)
+        elif isinstance(action, ms.FinishJob):
+            self.finish(action.reason)
+        elif isinstance(action, ms.Answer):
+            if action.request_id:
+                answer = {"accepted": action.accepted, "message": action.message, "devices": action.devices}
+                self.store.set(f"answer/{action.request_id}", json.dumps(answer))
         elif isinstance(action, ms.Note):
             self.on_note(action.message)
+
+    def finish(self, reason: str, note: bool = True) -> None:
+        """Ask the devices to stop after the step in flight (they agree on it in the step's statistics)."""
+        if not has(self.store, "finish"):
+            if note:
+                self.on_note(f"stopping at the next step boundary: {reason}")
+            self.store.set("finish", reason)
 
     def write_status(self, extra: Optional[dict] = None) -> None:
         state = self.state
@@ -334,6 +407,11 @@ class DeviceLink:
         self.reply: Optional[str] = None
         self.speed: Optional[float] = None  # emulated speed set by the driver, if any
         self.dead_members: frozenset = frozenset()  # peers of the latest generation known dead
+        self.finish_reason: Optional[str] = None  # the driver asked to stop after the step in flight
+        self.driver_lost = False                  # the store (and so the driver) is gone
+        self.leave_requested_at: Optional[float] = None  # SIGTERM: leave at the next boundary
+        self._leave_proof = ""
+        self._leave_grace_s = 30.0
         self._poll_s = poll_s
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._follow, name="flexpar-link", daemon=True)
@@ -353,6 +431,12 @@ class DeviceLink:
                     self.dead_members = frozenset(get_json(store, dead_key))
                 if has(store, "stop"):
                     self.stop_reason = store.get("stop").decode()
+                if self.finish_reason is None and has(store, "finish"):
+                    self.finish_reason = store.get("finish").decode()
+                if self.leave_requested_at is not None and self._leave_proof:
+                    Channel(store, "events").send({"type": "leave", "device_id": self.device_id,
+                                                   "proof": self._leave_proof})
+                    self._leave_proof = ""  # sent once
                 if has(store, f"speed/{self.device_id}"):
                     self.speed = float(store.get(f"speed/{self.device_id}"))
                 if has(store, f"reply/{self.device_id}"):
@@ -361,12 +445,14 @@ class DeviceLink:
                     metrics.send(self._outbox.get())
                     self._outbox.task_done()
                 now = time.monotonic()
+                self._enforce_leave_grace(now)
                 if now - last_beat > 0.5:
                     beats += 1
                     store.set(f"heartbeat/{self.device_id}", str(beats))
                     last_beat = now
-            except Exception:  # the driver is gone: the job is over
-                self.stop_reason = self.stop_reason or "lost the connection to the job's coordinator"
+            except Exception:  # the store, hosted by the driver, is gone
+                self.driver_lost = True
+                self._wait_out_leave_grace()
                 return
             self._closing.wait(self._poll_s)
         try:
@@ -374,6 +460,30 @@ class DeviceLink:
                 metrics.send(self._outbox.get())
         except Exception:
             pass
+
+    def request_leave(self, proof: str, grace_s: float) -> None:
+        """Ask the coordinator to let this device leave at the next step boundary (preemption).
+
+        Safe to call from a signal handler: it only sets attributes; the
+        follower thread sends the request. If the device has not left
+        `grace_s` seconds later, it kills itself (the failure path).
+        """
+        if self.leave_requested_at is None:
+            self._leave_grace_s = grace_s
+            self._leave_proof = proof
+            self.leave_requested_at = time.monotonic()
+
+    def _enforce_leave_grace(self, now: float) -> None:
+        if self.leave_requested_at is not None and now - self.leave_requested_at > self._leave_grace_s:
+            print(f"flexpar: device {self.device_id}: did not leave within {self._leave_grace_s:g} s of "
+                  "SIGTERM; exiting now (the others recover as after a failure)", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _wait_out_leave_grace(self) -> None:
+        """With the store gone the follower stops, but a pending leave's grace still applies."""
+        while self.leave_requested_at is not None and not self._closing.is_set():
+            self._enforce_leave_grace(time.monotonic())
+            self._closing.wait(self._poll_s)
 
     def publish(self, record: dict) -> None:
         """Queue a metrics record; the follower thread sends it, off the step's critical path."""
@@ -384,18 +494,35 @@ class DeviceLink:
         if self._thread.is_alive():
             self._outbox.join()
 
-    def check(self) -> None:
-        """Raise if the coordinator stopped the job or refused this device."""
+    def check(self, driver_loss_handled: bool = False) -> None:
+        """Raise if the coordinator stopped the job or refused this device, or the driver is gone.
+
+        The step loop passes `driver_loss_handled=True`: it agrees with its
+        peers on stopping (in the step's statistics) instead.
+        """
         if self.reply is not None:
             raise Evicted(self.reply)
         if self.stop_reason is not None:
             raise JobStopped(self.stop_reason)
+        if self.driver_lost and not driver_loss_handled:
+            raise DriverLost("the connection to the job's driver was lost")
 
     def send(self, message_type: str, **fields) -> None:
-        self.events.send({"type": message_type, "device_id": self.device_id, **fields})
+        with self._driver_needed():
+            self.events.send({"type": message_type, "device_id": self.device_id, **fields})
 
     def generation(self, generation: int) -> dict:
-        return get_json(self.store, f"gen/{generation}")
+        with self._driver_needed():
+            return get_json(self.store, f"gen/{generation}")
+
+    @contextlib.contextmanager
+    def _driver_needed(self):
+        """A store call that fails because the driver is gone raises DriverLost, not c10d's error."""
+        try:
+            yield
+        except RuntimeError as error:
+            self.driver_lost = True
+            raise DriverLost(f"the job's driver is gone ({str(error).splitlines()[0] if str(error) else error})") from None
 
     def wait_for_generation(self, after: int, joining: bool) -> tuple:
         """The first published generation > `after` that holds this device, with its record.

@@ -6,41 +6,54 @@ records rank 0 published, fires due schedule entries, and checks for the end.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import statistics
+import sys
 import time
 
 from flexpar import control, membership
-from flexpar.job import TrainingError
-from flexpar.metrics import LiveDisplay, MetricsWriter
+try:  # TEMP until the split lands
+    from flexpar.display import LiveDisplay
+except ImportError:
+    from flexpar.metrics import LiveDisplay
+from flexpar.job import EXIT_MAIN_GUARD, MAIN_GUARD_MESSAGE, TrainingError
+from flexpar.metrics import LOGGER_NAME, MetricsWriter
+from flexpar.schedule import ScheduleTracker
 
 _POLL_S = 0.01
 
 
 class DriverLoop:
-    def __init__(self, store, coordinator, options, total_steps: int, global_batch: int, address: str):
+    def __init__(self, store, coordinator, options, total_steps: int, global_batch: int, address: str,
+                 run_dir: str, metrics_path: str, exit_codes=lambda: {}):
         self.store = store
         self.coordinator = coordinator
         self.options = options
         self.total_steps = total_steps
         self.global_batch = global_batch
         self.address = address
+        self.run_dir = run_dir
+        self.exit_codes = exit_codes  # device id -> exit code of local workers that ended
         self.metrics = control.Channel(store, "metrics")
-        self.pending_schedule = sorted(options.schedule, key=lambda change: change.step)
+        self.schedule = ScheduleTracker(options.schedule)
         self.pending_speeds = sorted(options.speed_changes, key=lambda change: change.step)
         self.started = time.time()
         self.steps: list = []
         self.events: list = []
-        path = options.metrics or os.path.join(
-            options.run_dir, time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}", "metrics.jsonl"
-        )
-        self.metrics_path = path
-        self.writer = MetricsWriter(path)
-        show = options.display if options.display is not None else not options.quiet
-        self.display = LiveDisplay(total_steps, log_every=options.log_every) if show else None
-        if show and not self.display.uses_rich:
-            logging.basicConfig(level=logging.INFO, format="%(message)s")
+        self.devices: list = []   # the device set of the latest record
+        self.generation = 1
+        self.done: dict = {}
+        self.metrics_path = metrics_path
+        self.writer = MetricsWriter(metrics_path)
+        self.display = None
+        if not options.quiet:
+            # --no-display (display=False) means plain log lines, never nothing.
+            self.display = LiveDisplay(total_steps, log_every=options.log_every,
+                                       force_terminal=False if options.display is False else None)
+            if not self.display.uses_rich:
+                _log_to_stderr()
 
     def run(self) -> None:
         try:
@@ -49,29 +62,43 @@ class DriverLoop:
                 self._relay_metrics()
                 if self.store.check(["done"]):
                     self._relay_metrics()
+                    self.done = json.loads(self.store.get("done"))
+                    self._report_schedule(self.schedule.ended(self.done.get("step", 0)))
                     return
                 self._check_errors()
                 if self.coordinator.stop_reason is not None:
-                    raise TrainingError(f"the job stopped: {self.coordinator.stop_reason}")
+                    raise TrainingError(self._stop_message(self.coordinator.stop_reason))
                 time.sleep(_POLL_S)
         finally:
             self.writer.close()
             if self.display is not None:
                 self.display.close()
 
+    def _stop_message(self, reason: str) -> str:
+        if EXIT_MAIN_GUARD in self.exit_codes().values():
+            return MAIN_GUARD_MESSAGE
+        return f"the job stopped: {reason}"
+
     def _check_errors(self) -> None:
         members = set(self.coordinator.state.members)
         for message in self.coordinator.errors:
             if message["device_id"] in members or self.coordinator.state.generation == 0:
                 self.store.set("stop", "a device reported an error")
-                detail = message.get("traceback", "").strip()
-                raise TrainingError(
-                    f"device {message['device_id']}: {message['message']}\n\n"
-                    f"--- the device's traceback ---\n{detail}"
-                )
+                raise TrainingError(self._device_error(message))
             print(f"flexpar: joining device {message['device_id']} failed and was dropped: "
-                  f"{message['message']}", flush=True)
+                  f"{message['message']}", file=sys.stderr, flush=True)
         self.coordinator.errors.clear()
+
+    def _device_error(self, message: dict) -> str:
+        """The device's message once; its traceback in the run directory (and here with --verbose)."""
+        detail = message.get("traceback", "").strip()
+        path = os.path.join(self.run_dir, "error.log")
+        with open(path, "a", encoding="utf-8") as handle:
+            handle.write(f"device {message['device_id']}: {message['message']}\n\n{detail}\n\n")
+        text = f"device {message['device_id']}: {message['message']}"
+        if self.options.verbose:
+            return f"{text}\n\n--- the device's traceback ---\n{detail}"
+        return f"{text}\n(the device's traceback is in {path}; --verbose shows it here)"
 
     def _relay_metrics(self) -> None:
         for record in self.metrics.receive():
@@ -80,6 +107,7 @@ class DriverLoop:
                     continue  # re-sent by a new rank 0 after a change
                 record["elapsed_s"] = max(0.0, record["time"] - self.started)
                 self.steps.append(record)
+                self._emit(record)
                 self._fire_schedule(record["step"] + 1)
                 self.coordinator.write_status({
                     "step": record["step"] + 1, "total_steps": self.total_steps,
@@ -87,21 +115,44 @@ class DriverLoop:
                     "assignment": record["assignment"], "address": self.address,
                 })
             else:
+                previous = list(self.devices)
                 self.events.append(record)
-            self.writer.write(record)
-            if self.display is not None:
-                self.display.update(record)
+                self._emit(record)
+                if record["event"] in ("join", "leave", "failure"):
+                    self._report_schedule(self.schedule.observed(previous, record))
+
+    def _emit(self, record: dict) -> None:
+        self.devices = list(record["devices"])
+        self.generation = record["generation"]
+        self.writer.write(record)
+        if self.display is not None:
+            self.display.update(record)
 
     def _fire_schedule(self, committed: int) -> None:
-        while self.pending_schedule and committed >= self.pending_schedule[0].step:
-            change = self.pending_schedule.pop(0)
-            self.coordinator.apply(membership.ScaleBy(change.delta))
+        for request_id, delta in self.schedule.due(committed):
+            for action in self.coordinator.apply(membership.ScaleBy(delta, request_id)):
+                if isinstance(action, membership.Answer):
+                    self._report_schedule(self.schedule.answered(request_id, action))
         while self.pending_speeds and committed >= self.pending_speeds[0].step:
             change = self.pending_speeds.pop(0)
             self.store.set(f"speed/local-{change.device}", str(change.speed))
 
+    def _report_schedule(self, lines: list) -> None:
+        """A schedule entry was late, refused or never applied: log, metrics file, summary."""
+        for line in lines:
+            step = self.steps[-1]["step"] + 1 if self.steps else 0
+            record = {"kind": "event", "event": "schedule", "step": step, "time": time.time(),
+                      "generation": max(1, self.generation), "devices": list(self.devices),
+                      "stall_s": 0.0, "detail": line}
+            self.events.append(record)
+            self._emit(record)
+            if self.display is None and not self.options.quiet:
+                print(f"flexpar: {line}", file=sys.stderr, flush=True)
+
     def summary(self, final_step: int) -> dict:
         rates = [record["samples_per_s"] for record in self.steps[1:]] or [0.0]
+        # Rebalances are counted, not listed: they follow measured speeds and can be many.
+        listed = [e for e in self.events if e["event"] != "rebalance"]
         return {
             "steps": final_step,
             "samples_per_s": statistics.median(rates),
@@ -109,6 +160,22 @@ class DriverLoop:
             "wall_s": time.time() - self.started,
             "generations": self.coordinator.state.generation,
             "events": [dict(event=e["event"], step=e["step"], stall_s=e["stall_s"], detail=e["detail"])
-                       for e in self.events],
+                       for e in listed],
+            "rebalances": len(self.events) - len(listed),
+            "schedule": self.schedule.summary(),
+            "stopped": self.done.get("stopped", ""),
+            "checkpoint": self.done.get("checkpoint", ""),
             "metrics_path": self.metrics_path,
+            "run_dir": self.run_dir,
         }
+
+
+def _log_to_stderr() -> None:
+    """Plain log lines of the "flexpar" logger go to stderr, unless the user set up logging."""
+    logger = logging.getLogger(LOGGER_NAME)
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False

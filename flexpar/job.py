@@ -119,17 +119,34 @@ class Job:
 
         refuse_inside_worker_import()
         resolved = options_module.resolve(dict(steps=steps, epochs=epochs, devices=devices, **options))
-        return launch.run(self, resolved)
+        try:
+            return launch.run(self, resolved)
+        except (TrainingError, UserCodeError) as error:
+            if resolved.verbose:
+                raise
+            # The message says what went wrong and where; flexpar's own frames would bury it.
+            raise error.with_traceback(None) from None
+
+
+MAIN_GUARD_MESSAGE = (
+    "fit() was called while a worker process imported your script. Put the training call under "
+    "`if __name__ == \"__main__\":` so that workers can import the script without starting training again."
+)
+EXIT_MAIN_GUARD = 78  # a worker's exit code for it: the driver then reports MAIN_GUARD_MESSAGE, once
 
 
 def refuse_inside_worker_import() -> None:
-    """fit() called while a worker imports the user's script means a missing main guard."""
+    """fit() called while a worker imports the user's script means a missing main guard.
+
+    The worker exits at once with EXIT_MAIN_GUARD and no traceback; the driver,
+    which sees its exit code, says so once (not once per worker).
+    """
     if getattr(multiprocessing.current_process(), "_inheriting", False):
-        raise RuntimeError(
-            "flexpar: fit() was called while a worker process imported your script. Put the "
-            "training call under `if __name__ == \"__main__\":` so that workers can import the "
-            "script without starting training again."
-        )
+        import os
+        import sys
+
+        sys.stderr.flush()
+        os._exit(EXIT_MAIN_GUARD)
 
 
 # ------------------------------------------------------------ driver checks

@@ -7,12 +7,15 @@ the user's script (as `__mp_main__`) and then run `worker.main`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
 import secrets
+import signal
 import socket
 import sys
+import threading
 import time
 import types
 from dataclasses import asdict
@@ -25,7 +28,7 @@ from flexpar.job import (
     FitResult, Job, build_model, build_optimizer, first_batch_check,
     model_digest, pickle_pieces,
 )
-from flexpar.options import FitOptions, cpu_count
+from flexpar.options import FitOptions, cpu_count, is_loopback
 from flexpar.version import __version__
 from flexpar.worker import RunSettings, WorkerArgs, main as worker_main
 
@@ -39,7 +42,7 @@ def detect_devices(backend: str) -> tuple:
     return "cpu", cpu_count(), "gloo"
 
 
-def worker_context():
+def worker_context(verbose: bool = False):
     """How worker processes start: a fork server that has imported torch once.
 
     Each worker is forked from that server (single-threaded, CUDA untouched),
@@ -53,7 +56,18 @@ def worker_context():
     context.set_forkserver_preload(["flexpar.worker", "torch.optim", "torch.distributed", "torch._dynamo"])
     from multiprocessing import forkserver
 
-    forkserver.ensure_running()  # start it now: it imports while the driver checks the job
+    # c10d logs each lost store connection as a warning with a C++ frame dump;
+    # flexpar reports those events itself, in one line. Workers (children of the
+    # fork server, which reads torch's setting when it imports torch) log c10d
+    # errors only, unless the user set the level or asked for --verbose.
+    quiet = not verbose and "TORCH_CPP_LOG_LEVEL" not in os.environ
+    if quiet:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    try:
+        forkserver.ensure_running()  # start it now: it imports while the driver checks the job
+    finally:
+        if quiet:
+            del os.environ["TORCH_CPP_LOG_LEVEL"]
     return context
 
 
@@ -67,6 +81,7 @@ class LocalDevices:
         self.processes: dict = {}
         self.gpus: dict = {}
         self.reported: set = set()
+        self.exit_codes: dict = {}  # device id -> exit code, for processes that ended
 
     def spawn(self, device_ids) -> None:
         for device_id in device_ids:
@@ -95,6 +110,7 @@ class LocalDevices:
         for device_id in ended:
             self.reported.add(device_id)
             self.gpus.pop(device_id, None)
+            self.exit_codes[device_id] = self.processes[device_id].exitcode
         return ended
 
     def shutdown(self, grace_s: float = 5.0) -> None:
@@ -110,7 +126,7 @@ class LocalDevices:
 def run(job: Job, options: FitOptions) -> FitResult:
     """Check everything that can be checked here, then train on worker processes."""
     kind, available, backend = detect_devices(options.backend)
-    context = worker_context()
+    context = worker_context(options.verbose)
     initial = options.devices or (available if kind == "cuda" else 1)
     max_devices = options.validate_devices(initial, available, kind)
     model = build_model(job)
@@ -123,38 +139,124 @@ def run(job: Job, options: FitOptions) -> FitResult:
         resume_path = training_state.latest_checkpoint(options.checkpoint_dir)
         if resume_path is None:
             raise ValueError(f"resume=True but {options.checkpoint_dir} holds no checkpoint (step-*.pt)")
+    run_dir, metrics_path = run_paths(options)
+    script = getattr(sys.modules.get("__main__"), "__file__", None) or ""
     settings = RunSettings(total_steps, backend, options.timeout_s, options.bucket_mb,
                            options.checkpoint_every, options.checkpoint_dir, resume_path,
-                           tuple((f.step, f.device, f.phase) for f in options.faults))
+                           tuple((f.step, f.device, f.phase, f.signal) for f in options.faults),
+                           rescue_dir=os.path.abspath(run_dir), script=os.path.abspath(script) if script else "",
+                           preemption_grace_s=options.preemption_grace_s)
     secret = options.secret or secrets.token_hex(16)
     store = control.connect(options.host, options.port, options.timeout_s, server=True)
     address = f"{options.host}:{store.port}"
     _publish_job(store, payload, settings, secret, model_digest(model))
+    secret_note = _keep_secret(options, secret, run_dir)
     if not options.quiet:
-        print(f"flexpar: job at {address} (secret {secret}); devices: {initial} x {kind}", flush=True)
+        _banner(address, initial, kind, max_devices, options, secret_note, resume_path)
     threads = max(1, available // max_devices) if kind == "cpu" else 0
     local = LocalDevices(context, options.host, store.port, secret, kind, threads, options.emulate_speeds)
     grace_s = options.timeout_s + 5.0
-    state = membership.Membership(initial_devices=initial, max_devices=max_devices, grace_s=grace_s)
+    local_capacity = None if (kind == "cpu" and options.oversubscribe) else available
+    state = membership.Membership(initial_devices=initial, max_devices=max_devices, grace_s=grace_s,
+                                  local_capacity=local_capacity)
     coordinator = control.Coordinator(
         store, secret, store.get("job/salt").decode(), model_digest(model), __version__, state,
         spawn_local=local.spawn, stop_local=local.stop, local_exits=local.exits,
         on_note=lambda message: print(f"flexpar: {message}", file=sys.stderr, flush=True),
     )
-    try:
-        from flexpar.driver_loop import DriverLoop
+    from flexpar.driver_loop import DriverLoop
 
-        loop = DriverLoop(store, coordinator, options, total_steps, job.global_batch, address)
-        coordinator.apply(membership.Start(initial))
-        loop.run()
+    loop = DriverLoop(store, coordinator, options, total_steps, job.global_batch, address,
+                      run_dir, metrics_path, exit_codes=lambda: dict(local.exit_codes))
+    terminated = threading.Event()
+    try:
+        with _finish_on_sigterm(coordinator, terminated):
+            coordinator.apply(membership.Start(initial))
+            loop.run()
         data = control.get_blob(store, "result", secret)
         result = training_state.from_bytes(data, torch.device("cpu"))
         model.load_state_dict(result["model"])
-        return FitResult(model, loop.summary(result["step"]))
+        summary = loop.summary(result["step"])
+        summary["resumed_from"] = training_state.checkpoint_step(resume_path) if resume_path else None
+    except KeyboardInterrupt:
+        store.set("stop", "interrupted (Ctrl-C)")
+        local.shutdown(grace_s=2.0)
+        print("flexpar: interrupted (Ctrl-C); the workers are stopped", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
     finally:
         if not store.check(["done"]):
             store.set("stop", "the driver stopped")
         local.shutdown()
+    if terminated.is_set():
+        where = f"; checkpoint {summary['checkpoint']}" if summary["checkpoint"] else (
+            "; no checkpoint (pass --checkpoint-dir to keep one)")
+        print(f"flexpar: stopped by SIGTERM after step {summary['steps']}{where}", file=sys.stderr, flush=True)
+        raise SystemExit(143)
+    return FitResult(model, summary)
+
+
+def run_paths(options: FitOptions) -> tuple:
+    """(run directory, metrics file): the metrics file's folder, or a fresh one under run_dir."""
+    if options.metrics:
+        return os.path.dirname(os.path.abspath(options.metrics)), options.metrics
+    run_dir = os.path.join(options.run_dir, time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
+    return run_dir, os.path.join(run_dir, "metrics.jsonl")
+
+
+def _keep_secret(options: FitOptions, secret: str, run_dir: str) -> str:
+    """Where the banner says the secret is: printed only if the job is joinable from elsewhere.
+
+    A secret the user gave is theirs already. A fresh one goes to a file only
+    the owner can read; it is printed only when other hosts can reach the job
+    (not loopback) or the user asked (`show_secret`), so logs do not hold it.
+    """
+    if options.secret:
+        return "secret: the one you gave"
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, "secret")
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as handle:
+        handle.write(secret + "\n")
+    if options.show_secret or not is_loopback(options.host):
+        return f"secret {secret} (also in {path})"
+    return f"secret in {path}"
+
+
+def _banner(address, initial, kind, max_devices, options, secret_note, resume_path) -> None:
+    if max_devices > initial:
+        growth = f"may grow to {max_devices}"
+    else:
+        growth = "cannot grow"
+    how = "" if options.max_devices else " (pass --max-devices N to allow more)"
+    print(f"flexpar: job at {address}; {initial} x {kind} device{'s' if initial != 1 else ''}, "
+          f"{growth}{how}; {secret_note}", flush=True)
+    if resume_path:
+        print(f"flexpar: resuming from step {training_state.checkpoint_step(resume_path)} ({resume_path})",
+              flush=True)
+
+
+@contextlib.contextmanager
+def _finish_on_sigterm(coordinator, terminated: threading.Event):
+    """SIGTERM to the driver: the devices stop after the step in flight (final checkpoint).
+
+    A second SIGTERM stops at once, as Ctrl-C does. Signal handlers can only
+    be set in the main thread; elsewhere SIGTERM keeps its default.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigterm(signum, frame):
+        if terminated.is_set():
+            raise KeyboardInterrupt
+        terminated.set()
+        coordinator.finish("the driver got SIGTERM", note=False)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _publish_job(store, payload: bytes, settings: RunSettings, secret: str, digest: str) -> None:
@@ -194,9 +296,14 @@ def _joiner_main(args: WorkerArgs, script: str) -> None:
 
 
 def join(address: str, devices: int, secret: str, script: Optional[str] = None, speed: float = 1.0) -> int:
-    """Start `devices` workers on this host that join the running job at `address`."""
+    """Start `devices` workers on this host that join the running job at `address`.
+
+    SIGTERM (a preemption notice) is passed on to the workers, which leave at
+    the next step boundary; a second SIGTERM is passed on too and stops them
+    at once. Returns the workers' worst exit code (0: all left or finished).
+    """
     host, _, port_text = address.rpartition(":")
-    store = control.connect(host, int(port_text), 30.0)
+    store = control.connect_client(host, int(port_text), 30.0)
     script = script or store.get("job/script").decode()
     if script and not os.path.exists(script):
         raise ValueError(f"the job's script {script} is not on this host; pass --script PATH")
@@ -213,6 +320,22 @@ def join(address: str, devices: int, secret: str, script: Optional[str] = None, 
         process = context.Process(target=_joiner_main, args=(args, script), name=f"flexpar-{device_id}")
         process.start()
         processes.append(process)
-    for process in processes:
-        process.join()
+
+    def pass_on(signum, frame):
+        for process in processes:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, pass_on)
+    try:
+        for process in processes:
+            while process.is_alive():
+                process.join(timeout=0.2)
+    except KeyboardInterrupt:
+        for process in processes:
+            process.kill()
+        print("flexpar join: interrupted (Ctrl-C); this host's workers are stopped", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return max((process.exitcode or 0) for process in processes)

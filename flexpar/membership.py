@@ -15,6 +15,12 @@ Rules, in one place:
 - After a failure report, the generation is rebuilt from the members that
   reported themselves alive once every member is accounted for (reported, dead,
   or silent for longer than the grace period).
+- A scale request is carried out whole or refused whole, and answered either
+  way (`Answer`): it must fit under `max_devices`, and devices this host starts
+  must fit under `local_capacity` (its cores or GPUs; None with oversubscribe).
+  At least one device always stays.
+- A device that asks to leave (preemption: SIGTERM) leaves at the next
+  generation like a planned scale-in; one still on its way is cancelled.
 """
 
 from __future__ import annotations
@@ -42,6 +48,13 @@ class Membership:
     failure_since: Optional[float] = None
     next_local: int = 0           # counter for local device ids
     stopped: bool = False
+    local_capacity: Optional[int] = None  # devices this host may run (cores or GPUs); None: no limit
+
+    @property
+    def local_count(self) -> int:
+        """Devices of this host (ids 'local-N') counted against `local_capacity`."""
+        on_their_way = self.members + self.waiting + self.starting
+        return sum(1 for d in on_their_way if d.startswith("local-") and d not in self.leaving)
 
     @property
     def is_formed(self) -> bool:
@@ -101,9 +114,21 @@ class Exited:
 
 @dataclass(frozen=True)
 class ScaleBy:
-    """Add (delta > 0, spawned locally) or remove (delta < 0) devices."""
+    """Add (delta > 0, spawned locally) or remove (delta < 0) devices.
+
+    `request_id` names the request in its `Answer` (a `flexpar scale` call,
+    or a schedule entry); empty: nobody waits for an answer.
+    """
 
     delta: int
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class LeaveRequested:
+    """A device asked to leave at the next step boundary (it got SIGTERM: preemption)."""
+
+    device_id: str
 
 
 @dataclass(frozen=True)
@@ -111,7 +136,7 @@ class Tick:
     now: float
 
 
-Event = Union[Start, Announced, Ready, Formed, FailureReported, Exited, ScaleBy, Tick]
+Event = Union[Start, Announced, Ready, Formed, FailureReported, Exited, ScaleBy, LeaveRequested, Tick]
 
 
 # ---------------------------------------------------------------- actions
@@ -151,13 +176,33 @@ class StopJob:
 
 
 @dataclass(frozen=True)
+class FinishJob:
+    """Stop training cleanly after the step in flight (checkpointed when checkpointing is on)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The answer to a scale request: accepted (with the device count it aims at) or refused."""
+
+    request_id: str
+    accepted: bool
+    message: str
+    devices: int
+    started: tuple = ()    # devices spawned for it
+    leaving: tuple = ()    # members that leave at the next generation
+    cancelled: tuple = ()  # devices on their way that it cancelled
+
+
+@dataclass(frozen=True)
 class Note:
     """Something worth telling the user that changes nothing."""
 
     message: str
 
 
-Action = Union[SpawnLocal, Publish, Refuse, Evict, StopJob, Note]
+Action = Union[SpawnLocal, Publish, Refuse, Evict, StopJob, FinishJob, Answer, Note]
 
 
 # --------------------------------------------------------------- decisions
@@ -249,38 +294,89 @@ def _on_exited(state, event):
 
 def _on_scale(state, event):
     if event.delta > 0:
-        room = state.max_devices - state.device_count
-        if room < event.delta:
-            note = Note(
-                f"asked for {event.delta} more devices but only {max(room, 0)} fit under "
-                f"--max-devices {state.max_devices}"
-            )
-            if room <= 0:
-                return state, [note]
-            state, actions = _spawn(state, room)
-            return state, [note] + actions
-        return _spawn(state, event.delta)
+        return _grow(state, event)
+    return _shrink(state, event)
+
+
+def _devices(count: int) -> str:
+    return f"{count} device" + ("" if count == 1 else "s")
+
+
+def _refusal(state, event, reason):
+    answer = Answer(event.request_id, False, reason, state.device_count)
+    return state, [answer, Note(f"refused to scale by {event.delta:+d}: {reason}")]
+
+
+def _grow(state, event):
+    room = state.max_devices - state.device_count
+    if event.delta > room:
+        return _refusal(state, event, (
+            f"the job has {_devices(state.device_count)} and may grow to {state.max_devices} "
+            f"(--max-devices {state.max_devices}), so {event.delta} more do not fit; start the job "
+            "with a larger --max-devices"))
+    if state.local_capacity is not None and state.local_count + event.delta > state.local_capacity:
+        return _refusal(state, event, (
+            f"this host runs {_devices(state.local_count)} and has room for {state.local_capacity} "
+            f"(its cores or GPUs), so {event.delta} more do not fit; pass --oversubscribe to the job "
+            "to run more CPU processes than cores, or add devices from other hosts with `flexpar join`"))
+    state, actions = _spawn(state, event.delta)
+    started = actions[0].device_ids
+    target = state.device_count
+    answer = Answer(event.request_id, True,
+                    f"{target - event.delta} -> {target} devices: starting {', '.join(started)}; "
+                    "each joins at a step boundary once warm", target, started=started)
+    return state, actions + [answer]
+
+
+def _shrink(state, event):
     # Devices still on their way leave first (they hold nothing yet), then the most
     # recently joined members: ranks 0.. stay stable.
     staying = [m for m in state.members if m not in state.leaving]
-    candidates = staying + list(state.waiting) + list(state.starting)
-    remove = min(-event.delta, len(candidates) - 1)
-    actions = []
-    if remove < -event.delta:
-        actions.append(Note(f"cannot remove {-event.delta} devices: at least one must stay"))
-    if remove <= 0:
-        return state, actions
     pending = list(state.waiting) + list(state.starting)
+    remove = -event.delta
+    if remove > len(staying) + len(pending) - 1:
+        return _refusal(state, event, (
+            f"the job has {_devices(state.device_count)} and at least one must stay; "
+            f"ask for at most {-(len(staying) + len(pending) - 1)}"
+            if len(staying) + len(pending) > 1 else
+            f"the job has {_devices(state.device_count)} and at least one must stay"))
     cancelled = tuple(pending[len(pending) - min(remove, len(pending)):])
     leavers = tuple(staying[len(staying) - (remove - len(cancelled)):]) if remove > len(cancelled) else ()
-    state = dataclasses.replace(
+    state = _drop(state, leavers, cancelled)
+    answer = Answer(event.request_id, True,
+                    f"{state.device_count + remove} -> {state.device_count} devices"
+                    + (f"; {', '.join(leavers)} leave at the next step boundary" if leavers else "")
+                    + (f"; cancelled {', '.join(cancelled)}, still starting" if cancelled else ""),
+                    state.device_count, leaving=leavers, cancelled=cancelled)
+    evictions = [Evict(device, "the job was scaled down before it was admitted") for device in cancelled]
+    return state, evictions + [answer]
+
+
+def _drop(state, leavers, cancelled):
+    """Members `leavers` leave at the next generation; devices `cancelled`, still on their way, never join."""
+    return dataclasses.replace(
         state,
-        leaving=state.leaving + leavers,
+        leaving=state.leaving + tuple(leavers),
         waiting=tuple(d for d in state.waiting if d not in cancelled),
         starting=tuple(d for d in state.starting if d not in cancelled),
         dead=state.dead | set(cancelled),
     )
-    return state, actions + [Evict(device, "the schedule removed it before it was admitted") for device in cancelled]
+
+
+def _on_leave_requested(state, event):
+    device = event.device_id
+    if device in state.waiting or device in state.starting:
+        state = _drop(state, (), (device,))
+        return state, [Evict(device, "it was asked to stop (SIGTERM) before it was admitted"),
+                       Note(f"{device} got SIGTERM before it was admitted: cancelled")]
+    if device not in state.members or device in state.leaving or device in state.dead:
+        return state, []
+    staying = [m for m in state.members if m not in state.leaving and m not in state.dead]
+    if len(staying) <= 1:
+        # Nobody can take its VWs over: the job stops at the next step boundary, as
+        # after a SIGTERM to the driver (final checkpoint when checkpointing is on).
+        return state, [FinishJob(f"its last device, {device}, got SIGTERM")]
+    return _drop(state, (device,), ()), [Note(f"{device} got SIGTERM: it leaves at the next step boundary")]
 
 
 def _on_tick(state, event):
@@ -300,6 +396,7 @@ _HANDLERS = {
     FailureReported: _on_failure,
     Exited: _on_exited,
     ScaleBy: _on_scale,
+    LeaveRequested: _on_leave_requested,
     Tick: _on_tick,
 }
 

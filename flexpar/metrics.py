@@ -51,7 +51,7 @@ EVENT_KEYS: tuple[str, ...] = (
 )
 """Every key of an event record, in schema order; all are required."""
 
-EVENT_KINDS: tuple[str, ...] = ("start", "join", "leave", "failure", "rebalance", "end", "refused")
+EVENT_KINDS: tuple[str, ...] = ("start", "join", "leave", "failure", "rebalance", "end", "refused", "schedule", "stop")
 """The allowed values of an event record's ``event`` field."""
 
 # Events after which the device set differs from the one before: the plot marks

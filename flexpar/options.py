@@ -75,31 +75,36 @@ def _speed_entry(part: str) -> SpeedChange:
 
 
 FAULT_PHASES = ("forward", "backward", "sync", "transfer")
+FAULT_SIGNALS = ("kill", "term")
 
 
 @dataclass(frozen=True)
 class Fault:
-    """Fault injection for tests: kill -9 `device` at `step` during `phase`.
+    """Fault injection for tests: at `step` during `phase`, `device` gets `signal`.
 
     Phases: forward, backward, sync (with gradient buckets in flight), transfer
-    (while this device sends the training state to a joiner).
+    (while this device sends the training state to a joiner). Signals: kill
+    (kill -9: a crash) and term (SIGTERM: a preemption notice).
     """
 
     step: int
     device: str
     phase: str
+    signal: str = "kill"
 
 
 def parse_faults(text) -> tuple:
-    """'7:local-1:backward' -> (Fault(7, 'local-1', 'backward'),)."""
+    """'7:local-1:backward' -> (Fault(7, 'local-1', 'backward'),); '7:local-1:forward:term' sends SIGTERM."""
     return _parse_entries(text, Fault, _fault_entry)
 
 
 def _fault_entry(part: str) -> Fault:
     pieces = part.split(":")
-    if len(pieces) != 3 or not pieces[0].isdigit() or pieces[2] not in FAULT_PHASES:
-        raise ValueError(f"fault {part!r} is not STEP:DEVICE:PHASE with PHASE one of {', '.join(FAULT_PHASES)}")
-    return Fault(int(pieces[0]), pieces[1], pieces[2])
+    if len(pieces) not in (3, 4) or not pieces[0].isdigit() or pieces[2] not in FAULT_PHASES or \
+            (len(pieces) == 4 and pieces[3] not in FAULT_SIGNALS):
+        raise ValueError(f"fault {part!r} is not STEP:DEVICE:PHASE[:SIGNAL] with PHASE one of "
+                         f"{', '.join(FAULT_PHASES)} and SIGNAL one of {', '.join(FAULT_SIGNALS)}")
+    return Fault(int(pieces[0]), pieces[1], pieces[2], *pieces[3:])
 
 
 @dataclass(frozen=True)
@@ -129,6 +134,9 @@ class FitOptions:
     bucket_mb: float = 25.0
     secret: Optional[str] = None
     quiet: bool = False
+    verbose: bool = False           # devices' tracebacks on the terminal, not only in the run directory
+    show_secret: bool = False       # print the secret in the banner even when listening on loopback
+    preemption_grace_s: float = 30.0  # after SIGTERM, how long a device may take to leave
 
     def __post_init__(self):
         object.__setattr__(self, "schedule", parse_schedule(self.schedule))
@@ -148,6 +156,8 @@ class FitOptions:
         _positive("log_every", self.log_every)
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s={self.timeout_s} must be positive (seconds)")
+        if self.preemption_grace_s <= 0:
+            raise ValueError(f"preemption_grace_s={self.preemption_grace_s} must be positive (seconds)")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"backend={self.backend!r}: choose 'auto', 'gloo' or 'nccl'")
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
@@ -247,6 +257,11 @@ def resolve(fit_arguments: dict) -> FitOptions:
         merged.pop("epochs", None)
     merged.update({key: value for key, value in overrides.items() if value is not None})
     return FitOptions(**merged)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is reachable only from this machine (127.0.0.0/8, ::1, localhost)."""
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def cpu_count() -> int:

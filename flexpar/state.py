@@ -264,10 +264,22 @@ def _reusable_tensors(skeleton, own_model_state: dict) -> dict:
 _CHECKPOINT = re.compile(r"^step-(\d+)\.pt$")
 
 
+def checkpoint_path(directory: str, step: int) -> str:
+    return os.path.join(directory, f"step-{step:08d}.pt")
+
+
+def checkpoint_step(path: str) -> int:
+    """The step a checkpoint file holds, from its name (step-00000123.pt -> 123)."""
+    match = _CHECKPOINT.match(os.path.basename(path))
+    if match is None:
+        raise ValueError(f"{path} is not a flexpar checkpoint name (step-NNNNNNNN.pt)")
+    return int(match.group(1))
+
+
 def write_checkpoint(directory: str, state_bytes: bytes, step: int) -> str:
     """Write atomically (temporary file, then rename): a crash never leaves half a file."""
     os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"step-{step:08d}.pt")
+    path = checkpoint_path(directory, step)
     temporary = path + ".tmp"
     with open(temporary, "wb") as handle:
         handle.write(state_bytes)

@@ -13,7 +13,12 @@ Lifecycle (`Phase`), with its transitions:
     FORMING    -> RECOVERING  forming or levelling the state failed
     RECOVERING -> FORMING     the coordinator published the survivors' generation
     RECOVERING -> LEAVING     ... without this device
+    ACTIVE     -> STOPPING    all members agreed to stop after this step: the driver asked
+                              (SIGTERM to it) or is gone; rank 0 writes a checkpoint
+    STOPPING   -> DONE
     any        -> DONE        the last step committed, or the job was stopped
+    any        -> LEAVING     SIGTERM to this device: it asks to leave at the next boundary
+                              (preemption); a second SIGTERM or the grace period kills it
 
 One step, from the top: `Worker.train` picks this device's VWs from the
 shared assignment, `Worker.run_step` runs them one after another (forward,
@@ -54,7 +59,17 @@ class Phase(enum.Enum):
     ACTIVE = "active"
     RECOVERING = "recovering"
     LEAVING = "leaving"
+    STOPPING = "stopping"
     DONE = "done"
+
+
+# Exit codes of a worker process, read by the driver and by `flexpar join`.
+EXIT_EVICTED = 3
+EXIT_DRIVER_LOST = 4
+
+
+class _StopEarly:
+    """What `Worker.train` returns when the members agreed to stop after a step."""
 
 
 @dataclass(frozen=True)
@@ -82,11 +97,16 @@ class RunSettings:
     checkpoint_every: Optional[int]
     checkpoint_dir: Optional[str]
     resume_path: Optional[str]
-    faults: tuple = ()  # (step, device_id, phase) triples: kill -9 there (tests only)
+    faults: tuple = ()  # (step, device_id, phase, signal): send the signal there (tests only)
+    rescue_dir: str = ""  # where the last committed step goes if the driver is lost
+    script: str = ""      # the job's script, for the resume command we print
+    preemption_grace_s: float = 30.0
 
 
 def main(args: WorkerArgs) -> None:
     """Entry point of a worker process (local or joining)."""
+    # Ctrl-C reaches the whole process group; the driver alone answers it and stops us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if args.threads:
         torch.set_num_threads(args.threads)
     link = control.DeviceLink(args.host, args.port, args.device_id, timeout_s=60.0)
@@ -97,16 +117,25 @@ def main(args: WorkerArgs) -> None:
             if "secret" not in str(refusal):
                 raise
             raise control.Evicted(str(refusal)) from None
+        _leave_on_sigterm(worker)
         worker.run()
         code = 0
     except control.JobStopped:
         code = 0
+    except control.DriverLost:
+        code = EXIT_DRIVER_LOST  # Worker.run said what happened and where the state is
     except control.Evicted as refusal:
-        print(f"flexpar: device {args.device_id}: {refusal}", file=sys.stderr)
-        code = 3
+        if link.leave_requested_at is not None:
+            code = 0  # asked to stop before it was admitted: it was let go
+        else:
+            print(f"flexpar: device {args.device_id}: {refusal}", file=sys.stderr)
+            code = EXIT_EVICTED
     except Exception as error:  # the user's code (or ours) raised: stop the job, say why once
-        link.events.send({"type": "error", "device_id": args.device_id,
-                          "message": _describe(error), "traceback": traceback.format_exc()})
+        try:
+            link.events.send({"type": "error", "device_id": args.device_id,
+                              "message": _describe(error), "traceback": traceback.format_exc()})
+        except Exception:  # no driver to tell: say it here
+            traceback.print_exc()
         code = 1
     finally:
         link.close()
@@ -115,6 +144,28 @@ def main(args: WorkerArgs) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skip interpreter teardown: DataLoader / gloo threads must not hang the exit
+
+
+def _leave_on_sigterm(worker: "Worker") -> None:
+    """SIGTERM (a preemption notice) makes this device leave at the next step boundary.
+
+    The leave is planned (the others lose milliseconds, not a step); a second
+    SIGTERM, or no leave within the grace period, kills the process, which
+    the others then recover from as from any failure.
+    """
+    link, grace_s = worker.link, worker.settings.preemption_grace_s
+
+    def on_sigterm(signum, frame):
+        if link.leave_requested_at is not None:
+            print(f"flexpar: device {worker.args.device_id}: second SIGTERM: exiting now", file=sys.stderr,
+                  flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        print(f"flexpar: device {worker.args.device_id}: SIGTERM: leaving at the next step boundary "
+              f"(a second SIGTERM, or {grace_s:g} s without a boundary, stops it at once)", file=sys.stderr,
+              flush=True)
+        link.request_leave(worker.proof, grace_s)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def _yield_cores() -> None:
@@ -158,8 +209,10 @@ class Worker:
         self.committed = -1
         self.committed_wall = time.time()
         self.salt = link.store.get("job/salt").decode()
+        self.proof = control.join_proof(args.secret, args.device_id, self.salt)
         self.last_record: Optional[dict] = None
-        self.faults = {(int(step), phase) for step, device, phase in self.settings.faults
+        self.faults = {(int(step), phase): _SIGNALS[fault[3] if len(fault) > 3 else "kill"]
+                       for fault in self.settings.faults for step, device, phase in [fault[:3]]
                        if device == args.device_id}
 
     def _peer_lost(self) -> Optional[str]:
@@ -171,18 +224,38 @@ class Worker:
 
     def _transfer_fault(self) -> None:
         """A transfer fault fires at the first state transfer at or after its step."""
-        if any(phase == "transfer" and step <= self.committed for step, phase in self.faults):
-            os.kill(os.getpid(), signal.SIGKILL)
+        for (step, phase), number in list(self.faults.items()):
+            if phase == "transfer" and step <= self.committed:
+                del self.faults[(step, phase)]
+                os.kill(os.getpid(), number)
 
     def _fault_point(self, phase: str, step: int) -> None:
-        """Fault injection by schedule: die here, as kill -9 would, if the schedule says so."""
-        if (step, phase) in self.faults:
-            os.kill(os.getpid(), signal.SIGKILL)
+        """Fault injection by schedule: kill -9 (or SIGTERM) this device here, if the schedule says so.
+
+        Each fault fires once: a step redone after a failure does not fire it again.
+        """
+        number = self.faults.pop((step, phase), None)
+        if number is not None:
+            os.kill(os.getpid(), number)
 
     # ------------------------------------------------------------ lifecycle
 
     def run(self) -> None:
-        proof = control.join_proof(self.args.secret, self.args.device_id, self.salt)
+        try:
+            self._run()
+        except control.DriverLost:
+            if self.phase is Phase.STOPPING:
+                raise  # the members stopped together and said where the state is
+            # Lost outside a step (waiting, forming): no peer can be asked, so the
+            # device that was rank 0 of the last generation writes what it holds.
+            if self.committed >= 0 and self.members:
+                self._rescue(self.committed)
+            else:
+                self._say("the job's driver is gone; this device held no committed state")
+            raise
+
+    def _run(self) -> None:
+        proof = self.proof
         self.link.send("announce", proof=proof, remote=self.args.remote)
         warmup_s = self.warm_up()
         self.link.send("ready", proof=proof, digest=model_digest(self.model),
@@ -202,6 +275,9 @@ class Worker:
                 upcoming = self.train()
                 if upcoming is None:
                     self.finish()
+                    return
+                if isinstance(upcoming, _StopEarly):
+                    self.stop_early()
                     return
                 generation, record = upcoming
                 if self.args.device_id not in record["members"]:
@@ -273,13 +349,44 @@ class Worker:
         # The stall ends when the slowest receiver has restored.
         _collective(lambda: training_state.all_level(world_size, self.device))
 
-    def finish(self) -> None:
+    def finish(self, stopped: str = "", checkpoint: str = "") -> None:
         self.phase = Phase.DONE
         if self.rank == 0:
             data = training_state.to_bytes({"model": self.model.state_dict(), "step": self.committed})
             control.put_blob(self.link.store, "result", data, self.args.secret)
             self.link.flush()
-            self.link.store.set("done", json.dumps({"step": self.committed}))
+            self.link.store.set("done", json.dumps({"step": self.committed, "stopped": stopped,
+                                                    "checkpoint": checkpoint}))
+
+    def stop_early(self) -> None:
+        """Every member committed the same step and stops: the driver asked, or is gone."""
+        self.phase = Phase.STOPPING
+        if self.link.driver_lost:
+            self._rescue(self.committed)
+            raise control.DriverLost("the job's driver is gone")
+        reason = self.link.finish_reason or "the driver asked to stop"
+        checkpoint = ""
+        if self.rank == 0:
+            if self.settings.checkpoint_dir:
+                checkpoint = self._write_checkpoint(self.settings.checkpoint_dir)
+            self._publish_event("stop", f"{reason}; stopped after step {self.committed}"
+                                + (f", checkpoint {checkpoint}" if checkpoint else ""), 0.0)
+        self.finish(stopped=reason, checkpoint=checkpoint)
+
+    def _rescue(self, step: int) -> None:
+        """The driver is gone: rank 0 writes the last committed step; everyone says where it is."""
+        directory = self.settings.checkpoint_dir or self.settings.rescue_dir
+        if self.rank == 0:
+            path = self._write_checkpoint(directory)
+        else:
+            path = training_state.checkpoint_path(directory, step)
+            path += f" (written by {self.members[0]})" if self.members else ""
+        self._say(f"the job's driver is gone (its store stopped answering); the last committed step, "
+                  f"{step}, is in {path}. Resume with: flexpar run --resume --checkpoint-dir "
+                  f"{directory} [the job's other flags] {self.settings.script or 'SCRIPT'}")
+
+    def _say(self, message: str) -> None:
+        print(f"flexpar: device {self.args.device_id}: {message}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------ training
 
@@ -295,7 +402,7 @@ class Worker:
         step's optimizer update (see `_skips_last_update`).
         """
         while self.committed < self.settings.total_steps:
-            self.link.check()
+            self.link.check(driver_loss_handled=True)
             assignment = balance.next_assignment(
                 self.balance_state, self.members, self.job.virtual_workers
             )
@@ -306,18 +413,22 @@ class Worker:
             step = self.committed
             summed = self.run_step(step, batching.virtual_workers_of(assignment, self.rank))
             world = len(self.members)
-            busy = summed[:world].tolist()
-            seen = summed[world : 2 * world].tolist()
-            loss = float(summed[2 * world])
-            bad = [int(value) for value in summed[2 * world + 1 : 3 * world + 1].tolist() if value > 0]
+            slots = _StatsLayout(world)
+            busy = summed[slots.busy].tolist()
+            seen = summed[slots.seen].tolist()
+            loss = float(summed[slots.loss])
+            bad = [int(value) for value in summed[slots.bad].tolist() if value > 0]
             if bad:
                 raise UserCodeError(nonfinite_message(step, min(bad) - 1))
+            # Stopping early (asked by the driver, or it is gone) wins over a new
+            # generation: every member commits this step, then stops.
+            stopping = float(summed[slots.stop]) > 0
             target = int(max(seen))
-            upcoming = (target, self.link.generation(target)) if target > self.generation else None
+            upcoming = (target, self.link.generation(target)) if target > self.generation and not stopping else None
             if upcoming is not None and self._skips_last_update(upcoming[1]):
                 return upcoming
             if world > 1:
-                self._set_buffers(summed[3 * world + 1 :] / world)
+                self._set_buffers(summed[slots.buffers] / world)
             self.optimizer.step()
             if self.scheduler is not None:
                 self.scheduler.step()
@@ -330,6 +441,8 @@ class Worker:
             if self.rank == 0:
                 self.link.publish(self.last_record)
                 self._maybe_checkpoint()
+            if stopping:
+                return _StopEarly()
             if upcoming is not None:
                 return upcoming
         return None
@@ -380,12 +493,14 @@ class Worker:
             busy += elapsed
             loss_sum += value / job.virtual_workers
         buffers = self._buffer_vector() if world > 1 else torch.zeros(0, dtype=torch.float64)
-        stats = torch.zeros(3 * world + 1 + buffers.numel(), dtype=torch.float64)
-        stats[3 * world + 1 :] = buffers
-        stats[self.rank] = busy
-        stats[world + self.rank] = self.link.latest_generation
-        stats[2 * world] = loss_sum
-        stats[2 * world + 1 + self.rank] = first_bad
+        slots = _StatsLayout(world)
+        stats = torch.zeros(slots.size + buffers.numel(), dtype=torch.float64)
+        stats[slots.buffers] = buffers
+        stats[slots.busy.start + self.rank] = busy
+        stats[slots.seen.start + self.rank] = self.link.latest_generation
+        stats[slots.loss] = loss_sum
+        stats[slots.bad.start + self.rank] = first_bad
+        stats[slots.stop] = 1.0 if (self.link.finish_reason is not None or self.link.driver_lost) else 0.0
         return self.sync.finish(stats.to(self.device), before_wait=lambda: self._fault_point("sync", step))
 
     def _seed_model_randomness(self, seed: int) -> None:
@@ -438,10 +553,16 @@ class Worker:
         self.last_record = json.loads(extra.get("last_record", "null"))
 
     def _maybe_checkpoint(self) -> None:
+        """Every `checkpoint_every` steps, and always after the last step."""
         every = self.settings.checkpoint_every
-        if every and self.committed % every == 0:
-            data = training_state.to_bytes(self._capture())
-            training_state.write_checkpoint(self.settings.checkpoint_dir, data, self.committed)
+        if every and (self.committed % every == 0 or self.committed == self.settings.total_steps):
+            self._write_checkpoint(self.settings.checkpoint_dir)
+
+    def _write_checkpoint(self, directory: str) -> str:
+        path = training_state.checkpoint_path(directory, self.committed)
+        if not os.path.exists(path):  # the last step may already be written by the schedule
+            training_state.write_checkpoint(directory, training_state.to_bytes(self._capture()), self.committed)
+        return path
 
     # ------------------------------------------------------------ metrics (rank 0)
 
@@ -474,6 +595,27 @@ class Worker:
         if record["joined"]:
             kind = "start" if self.generation == 1 else "join"
             self._publish_event(kind, "joined: " + ", ".join(record["joined"]), 0.0 if kind == "start" else stall)
+
+
+_SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
+
+
+class _StatsLayout:
+    """Where each figure sits in a step's statistics vector (summed across devices).
+
+    busy seconds and newest generation seen, one slot per rank; the loss; the
+    first non-finite VW (+1) per rank; the stop request (the driver asked to
+    stop, or is gone: any device's 1 stops all); then the BatchNorm buffers.
+    """
+
+    def __init__(self, world: int):
+        self.busy = slice(0, world)
+        self.seen = slice(world, 2 * world)
+        self.loss = 2 * world
+        self.bad = slice(2 * world + 1, 3 * world + 1)
+        self.stop = 3 * world + 1
+        self.size = 3 * world + 2
+        self.buffers = slice(self.size, None)
 
 
 def _to_device(batch, device):

@@ -29,3 +29,79 @@ def train(tmp_path):
 @pytest.fixture
 def metrics_file(tmp_path):
     return tmp_path / "metrics.jsonl"
+
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+class CommandLineJob:
+    """A `flexpar run` in its own process group; its banner gives the address and the secret file."""
+
+    def __init__(self, tmp_path, flags, script_body, name="train.py"):
+        self.script = tmp_path / name
+        self.script.write_text(textwrap.dedent(f"""
+            import sys
+            sys.path.insert(0, {TESTS!r})
+            import pieces
+        """) + textwrap.dedent(script_body))
+        self.stdout_path, self.stderr_path = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "flexpar", "run", *flags, str(self.script)],
+            stdout=open(self.stdout_path, "w"), stderr=open(self.stderr_path, "w"), cwd=tmp_path,
+            start_new_session=True,
+        )
+        self.address = self.secret_file = None
+
+    def wait_for_banner(self, timeout_s=60.0):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            match = re.search(r"job at (\S+?);.*secret in (\S+)", self.stdout_path.read_text())
+            if match:
+                self.address = match.group(1)
+                self.secret_file = os.path.join(self.stdout_path.parent, match.group(2))
+                return self
+            assert self.process.poll() is None, self.stderr_path.read_text()
+            time.sleep(0.1)
+        raise AssertionError("no banner within the time limit:\n" + self.stderr_path.read_text())
+
+    def wait(self, timeout_s=120.0):
+        return self.process.wait(timeout=timeout_s)
+
+    def output(self):
+        return self.stdout_path.read_text(), self.stderr_path.read_text()
+
+    def kill_all(self):
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait(timeout=30)
+
+
+def flexpar_command(*arguments, timeout_s=60.0, environment=None, cwd=None):
+    """Run `python -m flexpar ARGUMENTS` to its end."""
+    return subprocess.run([sys.executable, "-m", "flexpar", *arguments], capture_output=True, text=True,
+                          timeout=timeout_s, env=environment, cwd=cwd)
+
+
+@pytest.fixture
+def command_line_job(tmp_path):
+    """command_line_job(flags, script_body) -> CommandLineJob; every process it started is killed after."""
+    jobs = []
+
+    def start(flags, script_body, name="train.py"):
+        job = CommandLineJob(tmp_path, list(flags), script_body, name)
+        jobs.append(job)
+        return job
+
+    yield start
+    for job in jobs:
+        job.kill_all()

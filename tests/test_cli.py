@@ -44,3 +44,126 @@ def test_bad_flag_is_refused_before_the_script_runs(tmp_path):
     run = subprocess.run([sys.executable, "-m", "flexpar", "run", "--schedule", "5:x", str(script)],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode != 0 and "is not STEP:+N" in run.stderr and "the script ran" not in run.stderr
+
+
+# ------------------------------------------------------------ launcher conventions (issue 19)
+
+import json
+import signal
+import stat
+import time
+
+from conftest import flexpar_command
+
+
+def test_flexpar_flags_after_the_script_are_refused_with_the_right_command(tmp_path):
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit('the script ran')\n")
+    run = flexpar_command("run", "--oversubscribe", str(script), "--devices", "4", "--max-devices=8", "--lr", "3")
+    assert run.returncode == 2 and "the script ran" not in run.stderr
+    assert "--devices comes after the script" in run.stderr
+    assert f"flexpar run --oversubscribe --devices 4 --max-devices=8 {script} --lr 3" in run.stderr
+
+
+def test_arguments_after_a_double_dash_go_to_the_script(tmp_path):
+    script = tmp_path / "echo.py"
+    script.write_text("import sys\nprint('ARGV', sys.argv[1:])\n")
+    run = flexpar_command("run", str(script), "--", "--devices", "4")
+    assert run.returncode == 0, run.stderr
+    assert "ARGV ['--devices', '4']" in run.stdout
+
+
+def test_status_of_a_closed_port_answers_in_one_line_within_seconds():
+    started = time.monotonic()
+    status = flexpar_command("status", "127.0.0.1:1", timeout_s=30)
+    assert time.monotonic() - started < 5.0
+    assert status.returncode == 1
+    assert status.stderr.strip().count("\n") == 0 and "no flexpar job answers at 127.0.0.1:1" in status.stderr
+    assert "frame #" not in status.stderr and status.stdout == ""
+
+
+def test_status_and_join_read_the_address_from_the_cluster_environment():
+    environment = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "PET_RDZV_ENDPOINT": "no-port"}
+    environment.pop("FLEXPAR_ADDRESS", None)
+    status = flexpar_command("status", environment=environment)
+    assert "127.0.0.1:1" in status.stderr, "MASTER_ADDR/MASTER_PORT win over PET_RDZV_ENDPOINT"
+    environment["FLEXPAR_ADDRESS"] = "127.0.0.1:3"
+    status = flexpar_command("status", environment=environment)
+    assert "127.0.0.1:3" in status.stderr, "FLEXPAR_ADDRESS wins"
+    del environment["FLEXPAR_ADDRESS"], environment["MASTER_ADDR"]
+    join = flexpar_command("join", environment={**environment, "FLEXPAR_SECRET": "s"})
+    assert join.returncode != 0 and "'no-port' (from PET_RDZV_ENDPOINT)" in join.stderr
+    nothing = {key: value for key, value in environment.items() if key not in ("PET_RDZV_ENDPOINT", "MASTER_PORT")}
+    join = flexpar_command("join", environment={**nothing, "FLEXPAR_SECRET": "s"})
+    assert "FLEXPAR_ADDRESS" in join.stderr and "PET_RDZV_ENDPOINT" in join.stderr
+
+
+# ------------------------------------------------------------ scale answers, limits, SIGTERM (issue 22)
+
+LONG_JOB = """
+if __name__ == "__main__":
+    pieces.make_job(delay_s=0.03).fit(steps=100000, devices=1)
+"""
+
+
+def _scale(job, devices, secret_file=None):
+    return flexpar_command("scale", job.address, "--devices", devices, "--secret-file",
+                           secret_file or job.secret_file, timeout_s=60)
+
+
+def _wait_for_step(metrics, step, timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if metrics.exists() and any(json.loads(line).get("step", -1) >= step and json.loads(line)["kind"] == "step"
+                                    for line in metrics.read_text().splitlines()):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"step {step} did not commit in time")
+
+
+def test_scale_waits_for_the_answer_and_sigterm_stops_the_job_with_a_checkpoint(tmp_path, command_line_job):
+    cores = len(os.sched_getaffinity(0))
+    checkpoints, metrics = tmp_path / "checkpoints", tmp_path / "m.jsonl"
+    job = command_line_job(["--max-devices", str(cores + 1), "--no-display", "--checkpoint-dir", str(checkpoints),
+                            "--metrics", str(metrics)], LONG_JOB).wait_for_banner()
+    out, _ = job.output()
+    assert f"may grow to {cores + 1}" in out
+    # The secret is not printed on loopback; its file is the owner's alone.
+    secret = open(job.secret_file).read().strip()
+    assert secret not in out and stat.S_IMODE(os.stat(job.secret_file).st_mode) == 0o600
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not-the-secret")
+    refused = _scale(job, "+1", str(wrong))
+    assert refused.returncode == 1 and "wrong job secret" in refused.stderr
+    over_max = _scale(job, f"+{cores + 1}")
+    assert over_max.returncode == 1 and f"--max-devices {cores + 1}" in over_max.stderr
+    over_cores = _scale(job, f"+{cores}")
+    assert over_cores.returncode == 1 and "--oversubscribe" in over_cores.stderr
+    below_one = _scale(job, "-1")
+    assert below_one.returncode == 1 and "at least one must stay" in below_one.stderr
+    accepted = _scale(job, "+1")
+    assert accepted.returncode == 0 and "1 -> 2 devices" in accepted.stdout, accepted.stderr
+    _wait_for_step(metrics, 3)
+    job.process.send_signal(signal.SIGTERM)
+    assert job.wait(timeout_s=60) == 143
+    _, err = job.output()
+    # One line of its own (the plain log also records the stop event, as it records every event).
+    stopped = [line for line in err.splitlines() if "SIGTERM" in line and line.startswith("flexpar:")]
+    assert len(stopped) == 1 and "stopped by SIGTERM after step" in stopped[0], err
+    assert "Traceback" not in err and "frame #" not in err
+    step = int(stopped[0].split("after step ")[1].split(";")[0])
+    assert os.path.exists(checkpoints / f"step-{step:08d}.pt"), "the final checkpoint holds the last step"
+    events = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [e["event"] for e in events if e["kind"] == "event" and e["event"] == "stop"] == ["stop"]
+
+
+def test_ctrl_c_stops_the_job_in_one_line(command_line_job, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    job = command_line_job(["--devices", "2", "--oversubscribe", "--no-display", "--metrics", str(metrics)],
+                           LONG_JOB).wait_for_banner()
+    _wait_for_step(metrics, 2)
+    os.killpg(job.process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
+    assert job.wait(timeout_s=60) == 130
+    _, err = job.output()
+    assert "interrupted (Ctrl-C)" in err and "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert "frame #" not in err

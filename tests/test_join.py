@@ -159,8 +159,10 @@ def test_joiner_on_another_host(tmp_path, namespace):
                               "GLOO_SOCKET_IFNAME": namespace["host_if"]}, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for_step(metrics, 1)
-        joined = _flexpar("join", f"{namespace['host_ip']}:{port}", "--script", str(script),
-                          env={"FLEXPAR_SECRET": secret, "GLOO_SOCKET_IFNAME": namespace["ns_if"]},
+        # The joiner finds the job through the cluster's environment alone (no address argument).
+        joined = _flexpar("join", "--script", str(script),
+                          env={"FLEXPAR_ADDRESS": f"{namespace['host_ip']}:{port}", "FLEXPAR_SECRET": secret,
+                               "GLOO_SOCKET_IFNAME": namespace["ns_if"]},
                           prefix=("ip", "netns", "exec", namespace["name"]), timeout=150)
         assert driver.wait(timeout=150) == 0, driver.stderr.read()
     finally:

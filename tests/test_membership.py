@@ -36,7 +36,7 @@ def test_generation_one_waits_for_all_initial_devices():
 def test_join_appends_and_keeps_ranks():
     state = _started()
     state, actions = _run(state, ms.ScaleBy(1))
-    assert actions == [ms.SpawnLocal(("local-2",))]
+    assert actions[0] == ms.SpawnLocal(("local-2",)) and _answers(actions)[0].accepted
     state, actions = _run(state, ms.Ready("local-2"))
     assert _published(actions)[0].members == ("local-0", "local-1", "local-2")
     assert _published(actions)[0].joined == ("local-2",)
@@ -62,7 +62,7 @@ def test_planned_leave_drops_the_newest_member():
 def test_leave_cancels_devices_still_starting_first():
     state = _started()
     state, actions = _run(state, ms.ScaleBy(1), ms.ScaleBy(-1))
-    assert ms.Evict("local-2", "the schedule removed it before it was admitted") in actions
+    assert ms.Evict("local-2", "the job was scaled down before it was admitted") in actions
     assert not _published(actions)
 
 
@@ -112,3 +112,62 @@ def test_stale_failure_reports_are_ignored():
     state = _started()
     state, actions = _run(state, ms.FailureReported("local-0", 7, now=1.0))
     assert actions == [] and state.failure_since is None
+
+
+def _answers(actions):
+    return [a for a in actions if isinstance(a, ms.Answer)]
+
+
+def test_scale_is_answered_and_refused_whole_over_max_devices():
+    state = _started(initial=2, maximum=3)
+    state, actions = _run(state, ms.ScaleBy(2, "r1"))
+    (answer,) = _answers(actions)
+    assert not answer.accepted and "--max-devices 3" in answer.message and answer.request_id == "r1"
+    assert not any(isinstance(a, ms.SpawnLocal) for a in actions), "nothing started for a refused request"
+    state, actions = _run(state, ms.ScaleBy(1, "r2"))
+    (answer,) = _answers(actions)
+    assert answer.accepted and answer.devices == 3 and answer.started == ("local-2",)
+
+
+def test_scale_over_local_capacity_needs_oversubscribe():
+    state = _started(initial=2, maximum=8)
+    state = ms.dataclasses.replace(state, local_capacity=2)
+    state, actions = _run(state, ms.ScaleBy(1, "r"))
+    (answer,) = _answers(actions)
+    assert not answer.accepted and "--oversubscribe" in answer.message
+    # Remote devices do not take this host's cores.
+    state, actions = _run(state, ms.Announced("hostb-1"))
+    assert not any(isinstance(a, ms.Refuse) for a in actions)
+
+
+def test_scale_down_past_one_device_is_refused_whole():
+    state = _started(initial=2)
+    state, actions = _run(state, ms.ScaleBy(-2, "r"))
+    (answer,) = _answers(actions)
+    assert not answer.accepted and "at most -1" in answer.message and not state.leaving
+    state, actions = _run(state, ms.ScaleBy(-1, "s"))
+    (answer,) = _answers(actions)
+    assert answer.accepted and answer.leaving == ("local-1",) and answer.devices == 1
+
+
+def test_preempted_member_leaves_as_planned():
+    state = _started(initial=3)
+    state, actions = _run(state, ms.LeaveRequested("local-1"))
+    (published,) = _published(actions)
+    assert published.members == ("local-0", "local-2") and published.left == ("local-1",)
+    assert published.failed == ()
+
+
+def test_preempted_device_still_starting_is_cancelled():
+    state = _started(initial=2)
+    state, _ = _run(state, ms.ScaleBy(1))
+    state, actions = _run(state, ms.LeaveRequested("local-2"))
+    assert any(isinstance(a, ms.Evict) and a.device_id == "local-2" for a in actions)
+    assert "local-2" not in state.starting and not _published(actions)
+
+
+def test_preempting_the_last_device_finishes_the_job():
+    state = _started(initial=1)
+    state, actions = _run(state, ms.LeaveRequested("local-0"))
+    assert any(isinstance(a, ms.FinishJob) and "local-0" in a.reason for a in actions)
+    assert not _published(actions)

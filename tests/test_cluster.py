@@ -1,0 +1,166 @@
+"""Running where clusters run: preemption (SIGTERM) as a planned leave, a joiner found through the
+environment, and a job that survives the loss of its driver as a checkpoint it can resume from."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import pieces
+from conftest import flexpar_command
+
+LONG_RUN_ATOL = 1e-6  # as in test_elastic: 60+ SGD-momentum steps in another summation order
+
+
+def _records(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def test_sigterm_to_a_busy_worker_is_a_planned_leave(train, metrics_file):
+    job = pieces.make_job(virtual_workers=6, delay_s=0.01)
+    model, summary = train(job, steps=20, devices=3, faults="7:local-1:backward:term")
+    records = _records(metrics_file)
+    events = [r for r in records if r["kind"] == "event" and r["event"] in ("leave", "failure")]
+    assert [e["event"] for e in events] == ["leave"], "a preempted device leaves; it does not fail"
+    assert events[0]["detail"] == "left: local-1"
+    steps = [r["step"] for r in records if r["kind"] == "step"]
+    assert steps == list(range(20)), "every step commits once"
+    assert {len(r["devices"]) for r in records if r["kind"] == "step" and r["step"] > 10} == {2}
+    pieces.assert_same_parameters(model, pieces.reference(job, 20))
+    print(f"preemption leave stall: {events[0]['stall_s'] * 1000:.1f} ms")
+
+
+def test_sigterm_to_the_last_device_stops_the_job_cleanly(train, tmp_path):
+    job = pieces.make_job(delay_s=0.02)
+    checkpoints = tmp_path / "checkpoints"
+    model, summary = train(job, steps=30, devices=1, faults="5:local-0:forward:term",
+                           checkpoint_every=100, checkpoint_dir=str(checkpoints))
+    assert "its last device, local-0, got SIGTERM" in summary["stopped"]
+    final = summary["steps"]
+    assert 5 <= final < 30 and os.path.exists(summary["checkpoint"])
+    assert summary["checkpoint"].endswith(f"step-{final:08d}.pt")
+    pieces.assert_same_parameters(model, pieces.reference(job, final))
+
+
+# ------------------------------------------------------------ a joiner from the environment
+
+JOB = """
+if __name__ == "__main__":
+    pieces.make_job(virtual_workers=6, delay_s=0.03).fit(steps=100000, devices=1)
+"""
+
+
+def _wait_for(predicate, what, timeout_s=90.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _events(metrics, kind):
+    return [r for r in _records(metrics) if r["kind"] == "event" and r["event"] == kind] if metrics.exists() else []
+
+
+def test_joiner_from_the_environment_and_sigterm_to_flexpar_join(tmp_path, command_line_job):
+    metrics = tmp_path / "m.jsonl"
+    job = command_line_job(["--max-devices", "2", "--no-display", "--metrics", str(metrics)], JOB).wait_for_banner()
+    environment = {**os.environ, "FLEXPAR_ADDRESS": job.address, "FLEXPAR_SECRET_FILE": job.secret_file}
+    environment.pop("FLEXPAR_SECRET", None)
+    joiner = subprocess.Popen([sys.executable, "-m", "flexpar", "join", "--script", str(job.script)],
+                              env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        _wait_for(lambda: _events(metrics, "join"), "the joiner to join")
+        (joined,) = _events(metrics, "join")
+        remote = [d for d in joined["devices"] if not d.startswith("local-")]
+        assert len(remote) == 1
+        joiner.send_signal(signal.SIGTERM)  # what Kubernetes sends a pod it deletes
+        assert joiner.wait(timeout=60) == 0, joiner.stderr.read()
+        _wait_for(lambda: _events(metrics, "leave"), "the joiner to leave")
+        (left,) = _events(metrics, "leave")
+        assert left["detail"] == f"left: {remote[0]}" and not _events(metrics, "failure")
+    finally:
+        if joiner.poll() is None:
+            os.killpg(joiner.pid, signal.SIGKILL)
+    job.process.send_signal(signal.SIGTERM)
+    assert job.wait(timeout_s=60) == 143
+
+
+# ------------------------------------------------------------ the driver dies
+
+SAVING_JOB = """
+import torch
+if __name__ == "__main__":
+    model, summary = pieces.make_job(delay_s=0.02).fit(steps=60, devices=2)
+    torch.save(model.state_dict(), "final.pt")
+    print("resumed from", summary["resumed_from"])
+"""
+
+
+def _descendants(pid):
+    """Every process below `pid` (workers are children of the fork server, a child of the driver)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    fields = handle.read().rsplit(")", 1)[1].split()
+                parents.setdefault(int(fields[1]), []).append(int(entry))
+            except OSError:
+                continue
+    found, frontier = [], [pid]
+    while frontier:
+        children = parents.get(frontier.pop(), [])
+        found.extend(children)
+        frontier.extend(children)
+    return found
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(400)
+def test_kill_9_of_the_driver_leaves_a_checkpoint_that_resumes(tmp_path, command_line_job):
+    metrics = tmp_path / "m.jsonl"
+    timeout_s = 10
+    flags = ["--oversubscribe", "--no-display", "--timeout", str(timeout_s), "--metrics", str(metrics)]
+    job = command_line_job(flags, SAVING_JOB).wait_for_banner()
+    _wait_for(lambda: metrics.exists() and sum(r["kind"] == "step" for r in _records(metrics)) >= 10,
+              "ten steps")
+    workers = _descendants(job.process.pid)
+    assert workers
+    os.kill(job.process.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    _wait_for(lambda: not any(_alive(pid) for pid in workers), "the workers to exit", timeout_s=timeout_s + 10)
+    print(f"workers exited {time.monotonic() - killed:.2f} s after the driver's death")
+    _, err = job.output()
+    run_dir = str(tmp_path)
+    notes = [line for line in err.splitlines() if "the job's driver is gone" in line]
+    assert len(notes) == 2 and all(f"flexpar run --resume --checkpoint-dir {run_dir}" in n for n in notes), err
+    checkpoints = sorted(name for name in os.listdir(run_dir) if name.startswith("step-"))
+    assert len(checkpoints) == 1
+    saved_step = int(checkpoints[0][5:13])
+    committed = [r["step"] for r in _records(metrics) if r["kind"] == "step"]
+    assert saved_step >= max(committed) + 1, "the checkpoint holds the last committed step"
+    assert all(str(saved_step) in note for note in notes)
+    assert not (tmp_path / "final.pt").exists()
+
+    resumed = flexpar_command("run", "--oversubscribe", "--no-display", "--resume", "--checkpoint-dir", run_dir,
+                              "--metrics", str(tmp_path / "resumed.jsonl"), str(job.script), timeout_s=300, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming from step {saved_step}" in resumed.stdout
+    model = pieces.make_model()
+    model.load_state_dict(torch.load(tmp_path / "final.pt", weights_only=True))
+    pieces.assert_same_parameters(model, pieces.reference(pieces.make_job(), 60), atol=LONG_RUN_ATOL)
