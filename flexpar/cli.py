@@ -254,7 +254,10 @@ def command_join(arguments) -> int:
 
     secret = _secret_or_exit(arguments, "join")
     host, port = _job_address(arguments.address, "join")
-    return join(f"{host}:{port}", arguments.devices, secret, arguments.script, arguments.emulate_speed)
+    if arguments.preemption_grace is not None and arguments.preemption_grace <= 0:
+        raise SystemExit(f"flexpar join: --preemption-grace {arguments.preemption_grace} must be positive (seconds)")
+    return join(f"{host}:{port}", arguments.devices, secret, arguments.script, arguments.emulate_speed,
+                arguments.preemption_grace)
 
 
 def command_scale(arguments) -> int:
@@ -341,6 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--script", help="the job's script on this host (default: the path the job ran)")
     join.add_argument("--secret-file", help=secret_help)
     join.add_argument("--emulate-speed", type=float, default=1.0, help="emulated relative speed (testing)")
+    join.add_argument("--preemption-grace", type=float, default=None,
+                      help="seconds this host's devices may take to leave after SIGTERM (default: the job's, 30)")
     join.set_defaults(handler=command_join)
 
     scale = commands.add_parser("scale", help="change the job's device count and wait for its answer")

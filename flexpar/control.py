@@ -32,6 +32,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -61,13 +62,29 @@ class Unreachable(Exception):
 
 
 def connect(host: str, port: int, timeout_s: float, server: bool = False) -> dist.TCPStore:
-    """A TCPStore client (or the server, for the driver)."""
+    """A TCPStore client (or the server, for the driver).
+
+    The server listens on `host` only (loopback by default): TCPStore itself
+    binds every interface, so the driver binds the listening socket to the
+    asked address and hands it to TCPStore (its `master_listen_fd`), which
+    serves its own protocol on it.
+    """
+    listen_fd = None
+    if server:
+        try:
+            listener = socket.create_server((host, port), backlog=1024)
+        except OSError as error:
+            raise ValueError(f"cannot listen on {host}:{port} ({error.strerror}); choose another --port "
+                             "(0 picks a free one) or --host") from None
+        port = listener.getsockname()[1]
+        listen_fd = listener.detach()  # TCPStore owns the descriptor from here on
     return dist.TCPStore(
         host,
         port,
         is_master=server,
         wait_for_workers=False,
         timeout=datetime.timedelta(seconds=timeout_s),
+        master_listen_fd=listen_fd,
     )
 
 

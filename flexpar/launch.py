@@ -295,7 +295,8 @@ def _joiner_main(args: WorkerArgs, script: str) -> None:
     worker_main(args)
 
 
-def join(address: str, devices: int, secret: str, script: Optional[str] = None, speed: float = 1.0) -> int:
+def join(address: str, devices: int, secret: str, script: Optional[str] = None, speed: float = 1.0,
+         preemption_grace_s: Optional[float] = None) -> int:
     """Start `devices` workers on this host that join the running job at `address`.
 
     SIGTERM (a preemption notice) is passed on to the workers, which leave at
@@ -316,7 +317,8 @@ def join(address: str, devices: int, secret: str, script: Optional[str] = None, 
         device_id = f"{socket.gethostname()}-{number}"
         device = f"cuda:{local_index % max(1, torch.cuda.device_count())}" if kind == "cuda" else "cpu"
         threads = max(1, cpu_count() // devices) if kind == "cpu" else 0
-        args = WorkerArgs(host, int(port_text), device_id, secret, device, threads, speed, remote=True)
+        args = WorkerArgs(host, int(port_text), device_id, secret, device, threads, speed, remote=True,
+                          preemption_grace_s=preemption_grace_s)
         process = context.Process(target=_joiner_main, args=(args, script), name=f"flexpar-{device_id}")
         process.start()
         processes.append(process)

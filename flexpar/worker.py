@@ -84,6 +84,7 @@ class WorkerArgs:
     threads: int = 0
     speed: float = 1.0
     remote: bool = False
+    preemption_grace_s: Optional[float] = None  # this host's own (flexpar join --preemption-grace)
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,8 @@ def _leave_on_sigterm(worker: "Worker") -> None:
     SIGTERM, or no leave within the grace period, kills the process, which
     the others then recover from as from any failure.
     """
-    link, grace_s = worker.link, worker.settings.preemption_grace_s
+    link = worker.link
+    grace_s = worker.args.preemption_grace_s or worker.settings.preemption_grace_s
 
     def on_sigterm(signum, frame):
         if link.leave_requested_at is not None:

@@ -167,3 +167,30 @@ def test_ctrl_c_stops_the_job_in_one_line(command_line_job, tmp_path):
     _, err = job.output()
     assert "interrupted (Ctrl-C)" in err and "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert "frame #" not in err
+
+
+def test_no_display_logs_lines_the_last_step_is_checkpointed_and_a_resume_says_where(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {TESTS!r})
+        import pieces
+        if __name__ == "__main__":
+            pieces.make_job(delay_s=0.01).fit(steps=30, devices=2)
+    """))
+    checkpoints = tmp_path / "checkpoints"
+    common = ["--oversubscribe", "--no-display", "--checkpoint-every", "25", "--checkpoint-dir", str(checkpoints)]
+    run = flexpar_command("run", *common, "--show-secret", "--metrics", str(tmp_path / "a.jsonl"), str(script),
+                          timeout_s=180)
+    assert run.returncode == 0, run.stderr
+    secret = open(tmp_path / "secret").read().strip()
+    assert f"secret {secret}" in run.stdout, "--show-secret prints it"
+    lines = run.stderr.splitlines()
+    assert "step 10/30" in run.stderr and "step 30/30" in run.stderr, run.stderr
+    assert any(line.startswith("event start at step 0") for line in lines)
+    assert sorted(os.listdir(checkpoints)) == ["step-00000025.pt", "step-00000030.pt"]
+    resumed = flexpar_command("run", *common, "--steps", "40", "--resume", "--metrics", str(tmp_path / "b.jsonl"),
+                              str(script), timeout_s=180)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming from step 30 ({checkpoints / 'step-00000030.pt'})" in resumed.stdout
+    assert "step 40/40" in resumed.stderr and "secret in " in resumed.stdout, "on loopback only its file is named"

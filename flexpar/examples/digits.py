@@ -13,7 +13,7 @@ the pieces by reference (``flexpar.examples.digits.make_model`` and so on):
 - `build_job()`        the `flexpar.Job` that puts them together
 
 Run it with ``python -m flexpar.examples.digits`` or
-``flexpar run examples/digits.py --devices 2``.
+``flexpar run --devices 2 examples/digits.py`` (flexpar's flags before the script).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import the pieces by reference:
 - `evaluate()`, `sample()`, `build_job()`, `main()`
 
 Run it with ``python -m flexpar.examples.tiny_lm`` or
-``flexpar run examples/tiny_lm.py --devices 2``.
+``flexpar run --devices 2 examples/tiny_lm.py`` (flexpar's flags before the script).
 """
 
 from __future__ import annotations
