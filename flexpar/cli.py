@@ -54,13 +54,15 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
                         help="print the secret in the banner (it is printed anyway when --host is not loopback)")
     parser.add_argument("--preemption-grace", dest="preemption_grace_s", type=float,
                         help="seconds a device may take to leave after SIGTERM before it is killed (default 30)")
+    parser.add_argument("--heartbeat-timeout", dest="heartbeat_timeout_s", type=float,
+                        help="seconds of silence after which a device counts as hung and failed (default 5)")
     parser.add_argument("--verbose", action="store_true", default=None,
                         help="show devices' tracebacks here (they are always written to the run directory)")
 
 
 _RUN_FIELDS = ("devices", "max_devices", "steps", "epochs", "schedule", "emulate_speeds", "host", "port",
                "timeout_s", "backend", "oversubscribe", "metrics", "display", "checkpoint_every",
-               "checkpoint_dir", "resume", "show_secret", "preemption_grace_s", "verbose")
+               "checkpoint_dir", "resume", "show_secret", "preemption_grace_s", "heartbeat_timeout_s", "verbose")
 
 
 # ------------------------------------------------------------ the cluster's environment

@@ -220,7 +220,7 @@ class Coordinator:
         spawn_local: Callable[[tuple], None],
         stop_local: Callable[[str], None],
         local_exits: Callable[[], Iterable[str]],
-        heartbeat_timeout_s: float = 10.0,
+        heartbeat_timeout_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         on_note: Callable[[str], None] = print,
     ):
@@ -240,7 +240,7 @@ class Coordinator:
         self.stop_reason: Optional[str] = None
         self.published: list = []     # Publish actions, for metrics and status
         self.errors: list = []        # error messages from devices: the job stops on the first
-        self.remote: dict = {}        # device_id -> (last heartbeat value, time it changed)
+        self.heartbeats: dict = {}    # device_id -> (last heartbeat value, time it changed)
 
     def apply(self, event) -> tuple:
         """Decide on `event` and carry the actions out; returns them (the schedule reads its answers)."""
@@ -256,7 +256,16 @@ class Coordinator:
             event = self._event_of(message, now)
             if event is not None:
                 self.apply(event)
-        for device_id in list(self.local_exits()) + self._silent_remotes(now):
+        exited = list(self.local_exits())
+        for device_id in exited:
+            self.heartbeats.pop(device_id, None)
+        for device_id in self._silent_devices(now):
+            self.on_note(f"device {device_id} stopped answering (no heartbeat for {self.heartbeat_timeout_s:g} s): "
+                         "counted as failed")
+            self.stop_local(device_id)  # a hung local process is killed; a remote one is evicted
+            self.store.set(f"reply/{device_id}", "evicted: it stopped answering (no heartbeat)")
+            exited.append(device_id)
+        for device_id in exited:
             self._announce_death(device_id)
             self.apply(ms.Exited(device_id, now))
         self.apply(ms.Tick(now))
@@ -287,8 +296,9 @@ class Coordinator:
             self.errors.append(message)
             return None
         if kind == "announce":
-            if message.get("remote"):
-                self.remote[device] = (None, now)
+            # Every device beats; one that stops (crashed host, SIGSTOP, a hang) is dead
+            # after heartbeat_timeout_s, long before a collective's timeout would say so.
+            self.heartbeats[device] = (None, now)
             return ms.Announced(device)
         if kind == "ready":
             return ms.Ready(device, self._ready_problem(message))
@@ -297,7 +307,7 @@ class Coordinator:
         if kind == "failure":
             return ms.FailureReported(device, int(message["generation"]), now)
         if kind == "bye":
-            self.remote.pop(device, None)
+            self.heartbeats.pop(device, None)
             return ms.Exited(device, now)
         if kind == "scale":
             request = message.get("request") or {}
@@ -332,16 +342,21 @@ class Coordinator:
             return int(request["delta"])
         return int(request["devices"]) - self.state.device_count
 
-    def _silent_remotes(self, now: float) -> list:
+    def _silent_devices(self, now: float) -> list:
         silent = []
-        for device, (last_value, changed_at) in list(self.remote.items()):
+        state = self.state
+        counted = set(state.members + state.waiting + state.starting) - state.dead
+        for device, (last_value, changed_at) in list(self.heartbeats.items()):
+            if device not in counted:  # gone already (left, exited, refused): nothing to watch
+                del self.heartbeats[device]
+                continue
             key = f"heartbeat/{device}"
             value = self.store.get(key) if has(self.store, key) else None
             if value != last_value:
-                self.remote[device] = (value, now)
+                self.heartbeats[device] = (value, now)
             elif now - changed_at > self.heartbeat_timeout_s:
                 silent.append(device)
-                del self.remote[device]
+                del self.heartbeats[device]
         return silent
 
     def _execute(self, action) -> None:
@@ -540,6 +555,25 @@ class DeviceLink:
         except RuntimeError as error:
             self.driver_lost = True
             raise DriverLost(f"the job's driver is gone ({str(error).splitlines()[0] if str(error) else error})") from None
+
+    def gather(self, generation: int, members: tuple, poll_s: float = 0.0005) -> str:
+        """Meet the other members of `generation` in the store before forming its group.
+
+        Returns "" once every member has arrived, or why the generation cannot
+        form: a member the coordinator knows is dead, or a newer generation.
+        """
+        key = f"gen/{generation}/arrived"
+        with self._driver_needed():
+            self.store.add(key, 1)
+            while self.store.add(key, 0) < len(members):
+                self.check()
+                if self.latest_generation > generation:
+                    return f"generation {generation} was superseded by {self.latest_generation} before it formed"
+                lost = self.dead_members & set(members) if self.latest_generation == generation else set()
+                if lost:
+                    return f"peer {min(lost)} died before generation {generation} formed"
+                time.sleep(poll_s)
+        return ""
 
     def wait_for_generation(self, after: int, joining: bool) -> tuple:
         """The first published generation > `after` that holds this device, with its record.

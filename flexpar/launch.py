@@ -162,6 +162,7 @@ def run(job: Job, options: FitOptions) -> FitResult:
     coordinator = control.Coordinator(
         store, secret, store.get("job/salt").decode(), model_digest(model), __version__, state,
         spawn_local=local.spawn, stop_local=local.stop, local_exits=local.exits,
+        heartbeat_timeout_s=options.heartbeat_timeout_s,
         on_note=lambda message: print(f"flexpar: {message}", file=sys.stderr, flush=True),
     )
     from flexpar.driver_loop import DriverLoop

@@ -9,6 +9,7 @@ augmentation depends on the VW only, also inside DataLoader worker processes.
 from __future__ import annotations
 
 import collections
+import multiprocessing
 import random
 from typing import Callable, Iterator
 
@@ -56,6 +57,9 @@ def load_batch(job, indices, seed: int):
     return collate([job.dataset[index] for index in indices])
 
 
+_LOADER_CONTEXT = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+
+
 class VirtualWorkerLoader:
     """Batches for this device's virtual workers, in the order it runs them.
 
@@ -100,13 +104,25 @@ class VirtualWorkerLoader:
 
     def _restart(self, step: int, virtual_worker: int) -> None:
         self._issued.clear()
+        self.close()
         loader = DataLoader(
             _SeededDataset(self.job.dataset),
             batch_sampler=_Requests(self, step, virtual_worker),
             collate_fn=self.job.collate_fn or default_collate,
             num_workers=self.job.num_workers,
+            # Loader processes are this worker's own children (fork), so they end with it.
+            # Under the worker's inherited fork-server start method they would be the fork
+            # server's children instead, and outlive the job (their watchdog watches their parent).
+            multiprocessing_context=_LOADER_CONTEXT if self.job.num_workers else None,
         )
         self._iterator = iter(loader)
+
+    def close(self) -> None:
+        """Stop the DataLoader's worker processes, if any (a worker's exit skips their clean-up)."""
+        iterator, self._iterator = self._iterator, None
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
 
     def batch(self, step: int, virtual_worker: int):
         """The batch of `virtual_worker` at `step`."""

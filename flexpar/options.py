@@ -74,8 +74,8 @@ def _speed_entry(part: str) -> SpeedChange:
     return change
 
 
-FAULT_PHASES = ("forward", "backward", "sync", "transfer")
-FAULT_SIGNALS = ("kill", "term")
+FAULT_PHASES = ("forward", "backward", "sync", "transfer", "formation", "checkpoint")
+FAULT_SIGNALS = ("kill", "term", "stop")
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,10 @@ class Fault:
     """Fault injection for tests: at `step` during `phase`, `device` gets `signal`.
 
     Phases: forward, backward, sync (with gradient buckets in flight), transfer
-    (while this device sends the training state to a joiner). Signals: kill
-    (kill -9: a crash) and term (SIGTERM: a preemption notice).
+    (while this device sends the training state to a joiner), formation (as a
+    new generation's group forms; `step` is the device's committed step),
+    checkpoint (as rank 0 writes a checkpoint). Signals: kill (kill -9: a
+    crash), term (SIGTERM: a preemption notice) and stop (SIGSTOP: a hung peer).
     """
 
     step: int
@@ -137,6 +139,7 @@ class FitOptions:
     verbose: bool = False           # devices' tracebacks on the terminal, not only in the run directory
     show_secret: bool = False       # print the secret in the banner even when listening on loopback
     preemption_grace_s: float = 30.0  # after SIGTERM, how long a device may take to leave
+    heartbeat_timeout_s: float = 5.0  # a device silent this long is dead (a hung peer), well under timeout_s
 
     def __post_init__(self):
         object.__setattr__(self, "schedule", parse_schedule(self.schedule))
@@ -158,6 +161,8 @@ class FitOptions:
             raise ValueError(f"timeout_s={self.timeout_s} must be positive (seconds)")
         if self.preemption_grace_s <= 0:
             raise ValueError(f"preemption_grace_s={self.preemption_grace_s} must be positive (seconds)")
+        if self.heartbeat_timeout_s <= 0:
+            raise ValueError(f"heartbeat_timeout_s={self.heartbeat_timeout_s} must be positive (seconds)")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"backend={self.backend!r}: choose 'auto', 'gloo' or 'nccl'")
         if self.checkpoint_every is not None and self.checkpoint_dir is None:

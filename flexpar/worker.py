@@ -30,6 +30,7 @@ assignment and whether a new generation starts after this step.
 
 from __future__ import annotations
 
+import collections
 import enum
 import json
 import math
@@ -111,6 +112,7 @@ def main(args: WorkerArgs) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     link = control.DeviceLink(args.host, args.port, args.device_id, timeout_s=60.0)
+    worker = None
     try:
         try:
             worker = Worker(args, link)
@@ -139,6 +141,8 @@ def main(args: WorkerArgs) -> None:
             traceback.print_exc()
         code = 1
     finally:
+        if worker is not None:
+            worker.loader.close()
         link.close()
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -212,7 +216,9 @@ class Worker:
         self.committed_wall = time.time()
         self.salt = link.store.get("job/salt").decode()
         self.proof = control.join_proof(args.secret, args.device_id, self.salt)
-        self.last_record: Optional[dict] = None
+        # The step records of the last steps this device committed (every device keeps
+        # them; rank 0 publishes). A rank 0 that dies may take queued records with it.
+        self.recent_records: collections.deque = collections.deque(maxlen=_RECORDS_KEPT)
         self.faults = {(int(step), phase): _SIGNALS[fault[3] if len(fault) > 3 else "kill"]
                        for fault in self.settings.faults for step, device, phase in [fault[:3]]
                        if device == args.device_id}
@@ -225,20 +231,21 @@ class Worker:
         return min(lost) if lost else None
 
     def _transfer_fault(self) -> None:
-        """A transfer fault fires at the first state transfer at or after its step."""
-        for (step, phase), number in list(self.faults.items()):
-            if phase == "transfer" and step <= self.committed:
-                del self.faults[(step, phase)]
-                os.kill(os.getpid(), number)
+        self._fault_point("transfer", self.committed)
+
+    # Boundary phases happen at some steps only: their faults fire at the first
+    # such phase at or after their step.
+    _BOUNDARY_PHASES = ("transfer", "formation", "checkpoint")
 
     def _fault_point(self, phase: str, step: int) -> None:
         """Fault injection by schedule: kill -9 (or SIGTERM) this device here, if the schedule says so.
 
         Each fault fires once: a step redone after a failure does not fire it again.
         """
-        number = self.faults.pop((step, phase), None)
-        if number is not None:
-            os.kill(os.getpid(), number)
+        due = [key for key in self.faults if key[1] == phase and
+               (key[0] == step or (phase in self._BOUNDARY_PHASES and key[0] <= step))]
+        for key in due:
+            os.kill(os.getpid(), self.faults.pop(key))
 
     # ------------------------------------------------------------ lifecycle
 
@@ -318,6 +325,13 @@ class Worker:
         self.link.check()
         members = tuple(record["members"])
         rank = members.index(self.args.device_id)
+        self._fault_point("formation", self.committed)
+        # Forming a gloo group waits for every member inside C++, where a member's
+        # death is only seen at the timeout. Meet in the store first, where it is
+        # seen at once (the coordinator's death notices), then form in milliseconds.
+        problem = self.link.gather(generation, members)
+        if problem:
+            raise PeerFailure(problem)
         with fresh_group(self.reaper.retire(self.sync.release_works()), self.settings.backend,
                          dist.PrefixStore(f"gen/{generation}/pg", self.link.store), rank, len(members),
                          self.settings.timeout_s):
@@ -330,11 +344,11 @@ class Worker:
         self.generation, self.members, self.rank = generation, members, rank
         self.sync.start_generation(len(members))
         if rank == 0:
-            if self.last_record is not None:
-                # The previous rank 0 may have died with this record unsent, or this
-                # device may have been brought level without committing it: send it
-                # again (the driver drops steps it already has).
-                self.link.publish(self.last_record)
+            # The previous rank 0 may have died with records unsent, or this device may
+            # have been brought level without committing the last ones: send them again
+            # (the driver drops steps it already has).
+            for kept in self.recent_records:
+                self.link.publish(kept)
             self._publish_generation_event(record, previous_members, max(0.0, time.time() - stock.last_commit_wall))
 
     def _level(self, stock: training_state.Stock, rank: int, world_size: int) -> None:
@@ -439,9 +453,9 @@ class Worker:
             now = time.time()
             step_time, self.committed_wall = now - self.committed_wall, now
             self.balance_state = balance.observe(self.balance_state, self.members, assignment, busy)
-            self.last_record = self._step_record(step, loss, step_time, busy, assignment)
+            self.recent_records.append(self._step_record(step, loss, step_time, busy, assignment))
             if self.rank == 0:
-                self.link.publish(self.last_record)
+                self.link.publish(self.recent_records[-1])
                 self._maybe_checkpoint()
             if stopping:
                 return _StopEarly()
@@ -542,7 +556,7 @@ class Worker:
 
     def _capture(self) -> dict:
         extra = {"balance": balance.state_to_dict(self.balance_state), "committed_wall": self.committed_wall,
-                 "last_record": json.dumps(self.last_record)}
+                 "recent_records": json.dumps(list(self.recent_records))}
         return training_state.capture(self.model, self.optimizer, self.scheduler, self.committed, extra)
 
     def _restore(self, state: dict) -> None:
@@ -552,7 +566,7 @@ class Worker:
         if "balance" in extra:
             self.balance_state = balance.state_from_dict(extra["balance"])
         self.committed_wall = float(extra.get("committed_wall", self.committed_wall))
-        self.last_record = json.loads(extra.get("last_record", "null"))
+        self.recent_records = collections.deque(json.loads(extra.get("recent_records", "[]")), maxlen=_RECORDS_KEPT)
 
     def _maybe_checkpoint(self) -> None:
         """Every `checkpoint_every` steps, and always after the last step."""
@@ -562,6 +576,7 @@ class Worker:
 
     def _write_checkpoint(self, directory: str) -> str:
         path = training_state.checkpoint_path(directory, self.committed)
+        self._fault_point("checkpoint", self.committed)
         if not os.path.exists(path):  # the last step may already be written by the schedule
             training_state.write_checkpoint(directory, training_state.to_bytes(self._capture()), self.committed)
         return path
@@ -599,7 +614,11 @@ class Worker:
             self._publish_event(kind, "joined: " + ", ".join(record["joined"]), 0.0 if kind == "start" else stall)
 
 
-_SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
+# Step records each device keeps for a new rank 0 to send again (the driver drops
+# steps it has): more than a dying rank 0 can have queued unsent.
+_RECORDS_KEPT = 32
+
+_SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}
 
 
 class _StatsLayout:

@@ -105,3 +105,68 @@ def command_line_job(tmp_path):
     yield start
     for job in jobs:
         job.kill_all()
+
+
+# ------------------------------------------------------------ no process outlives the suite
+
+_FORKSERVER = "from multiprocessing.forkserver import main"
+
+
+def _processes():
+    """{pid: (parent pid, command line, name)} of every process, from /proc."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                stat = handle.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                command = handle.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] != "Z":
+            found[int(entry)] = (int(fields[1]), command, name)
+    return found
+
+
+def _strays(before):
+    """Worker, fork-server and data-loader processes this session left behind.
+
+    This process's own fork server may stay (it ends with this process); its
+    children, and any orphaned flexpar process that was not there before the
+    session, may not.
+    """
+    processes = _processes()
+    mine = {pid for pid, (parent, command, _) in processes.items()
+            if parent == os.getpid() and _FORKSERVER in command}
+    strays = []
+    for pid, (parent, command, name) in processes.items():
+        if pid in before or pid in mine:
+            continue
+        flexpar_like = _FORKSERVER in command or name == "pt_data_worker"
+        if flexpar_like and (parent in mine or parent == 1):
+            strays.append((pid, name, command[:80]))
+    return strays
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_outlives_the_suite():
+    if not os.path.isdir("/proc"):
+        yield
+        return
+    before = set(_processes())
+    yield
+    deadline = time.monotonic() + 15.0
+    strays = _strays(before)
+    while strays and time.monotonic() < deadline:
+        time.sleep(0.5)
+        strays = _strays(before)
+    for pid, _, _ in strays:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not strays, f"processes left running after the test session: {strays}"

@@ -164,3 +164,37 @@ def test_kill_9_of_the_driver_leaves_a_checkpoint_that_resumes(tmp_path, command
     model = pieces.make_model()
     model.load_state_dict(torch.load(tmp_path / "final.pt", weights_only=True))
     pieces.assert_same_parameters(model, pieces.reference(pieces.make_job(), 60), atol=LONG_RUN_ATOL)
+
+
+# ------------------------------------------------------------ hung peers and faults at boundaries
+
+
+@pytest.mark.timeout(150)
+def test_a_hung_peer_is_noticed_by_its_silence_not_the_collective_timeout(train, metrics_file):
+    """SIGSTOP a device mid-step: its heartbeat stops, the coordinator counts it failed and kills it,
+    and the others go on. The collective timeout (600 s here) is never waited out: the test's own
+    limit is far below it."""
+    job = pieces.make_job(virtual_workers=6, delay_s=0.01)
+    model, summary = train(job, steps=20, devices=3, faults="7:local-2:backward:stop", timeout_s=600.0,
+                           heartbeat_timeout_s=2.0)
+    records = _records(metrics_file)
+    failures = [r for r in records if r["kind"] == "event" and r["event"] == "failure"]
+    assert [f["detail"] for f in failures] == ["failed: local-2"]
+    assert [r["step"] for r in records if r["kind"] == "step"] == list(range(20))
+    pieces.assert_same_parameters(model, pieces.reference(job, 20))
+    print(f"hung peer: failure stall {failures[0]['stall_s']:.2f} s (heartbeat timeout 2 s)")
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("fault", ["0:local-1:formation", "0:local-0:formation", "4:local-0:checkpoint"])
+def test_a_death_during_group_formation_or_a_checkpoint_costs_no_timeout(train, metrics_file, tmp_path, fault):
+    """A device killed as a generation's group forms (the first, here) or as it writes a checkpoint:
+    the others learn it from the coordinator's death notice, not from a 600 s timeout."""
+    job = pieces.make_job(virtual_workers=6)
+    model, summary = train(job, steps=12, devices=3, faults=fault, timeout_s=600.0,
+                           checkpoint_every=4, checkpoint_dir=str(tmp_path / "checkpoints"))
+    records = _records(metrics_file)
+    assert [r["step"] for r in records if r["kind"] == "step"] == list(range(12))
+    assert {len(r["devices"]) for r in records if r["kind"] == "step"} <= {2, 3}
+    assert summary["generations"] >= 2
+    pieces.assert_same_parameters(model, pieces.reference(job, 12))
