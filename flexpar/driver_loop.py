@@ -13,7 +13,7 @@ import statistics
 import sys
 import time
 
-from flexpar import control, membership
+from flexpar import control, ledger as sample_ledger, membership
 try:  # TEMP until the split lands
     from flexpar.display import LiveDisplay
 except ImportError:
@@ -47,6 +47,7 @@ class DriverLoop:
         self.done: dict = {}
         self.metrics_path = metrics_path
         self.writer = MetricsWriter(metrics_path)
+        self.ledger_file = None
         self.display = None
         if not options.quiet:
             # --no-display (display=False) means plain log lines, never nothing.
@@ -71,6 +72,8 @@ class DriverLoop:
                 time.sleep(_POLL_S)
         finally:
             self.writer.close()
+            if self.ledger_file is not None:
+                self.ledger_file.close()
             if self.display is not None:
                 self.display.close()
 
@@ -106,6 +109,7 @@ class DriverLoop:
                 if self.steps and record["step"] <= self.steps[-1]["step"]:
                     continue  # re-sent by a new rank 0 after a change
                 record["elapsed_s"] = max(0.0, record["time"] - self.started)
+                self._write_ledger(record)
                 self.steps.append(record)
                 self._emit(record)
                 self._fire_schedule(record["step"] + 1)
@@ -120,6 +124,15 @@ class DriverLoop:
                 self._emit(record)
                 if record["event"] in ("join", "leave", "failure"):
                     self._report_schedule(self.schedule.observed(previous, record))
+
+    def _write_ledger(self, record: dict) -> None:
+        """A step record's sample ledger (only with sample_ledger=True) goes to ledger.jsonl."""
+        indices = record.pop("ledger", None)
+        if indices is None:
+            return
+        if self.ledger_file is None:
+            self.ledger_file = open(os.path.join(self.run_dir, "ledger.jsonl"), "w", encoding="utf-8")
+        sample_ledger.write_entry(self.ledger_file, record["step"], indices)
 
     def _emit(self, record: dict) -> None:
         self.devices = list(record["devices"])
@@ -166,6 +179,7 @@ class DriverLoop:
             "stopped": self.done.get("stopped", ""),
             "checkpoint": self.done.get("checkpoint", ""),
             "metrics_path": self.metrics_path,
+            "sample_ledger": self.ledger_file.name if self.ledger_file is not None else "",
             "run_dir": self.run_dir,
         }
 

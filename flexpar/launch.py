@@ -128,7 +128,7 @@ def run(job: Job, options: FitOptions) -> FitResult:
     kind, available, backend = detect_devices(options.backend)
     context = worker_context(options.verbose)
     initial = options.devices or (available if kind == "cuda" else 1)
-    max_devices = options.validate_devices(initial, available, kind)
+    max_devices = options.validate_devices(initial, available, kind, job.virtual_workers)
     model = build_model(job)
     build_optimizer(job, model)
     first_batch_check(job, model)
@@ -145,7 +145,7 @@ def run(job: Job, options: FitOptions) -> FitResult:
                            options.checkpoint_every, options.checkpoint_dir, resume_path,
                            tuple((f.step, f.device, f.phase, f.signal) for f in options.faults),
                            rescue_dir=os.path.abspath(run_dir), script=os.path.abspath(script) if script else "",
-                           preemption_grace_s=options.preemption_grace_s)
+                           preemption_grace_s=options.preemption_grace_s, sample_ledger=options.sample_ledger)
     secret = options.secret or secrets.token_hex(16)
     store = control.connect(options.host, options.port, options.timeout_s, server=True)
     address = f"{options.host}:{store.port}"

@@ -124,6 +124,10 @@ class VirtualWorkerLoader:
         if shutdown is not None:
             shutdown()
 
+    def indices_of(self, step: int, virtual_worker: int) -> list:
+        """The sample indices the loader loads for `virtual_worker` at `step`."""
+        return list(self._step_indices(step)[virtual_worker])
+
     def batch(self, step: int, virtual_worker: int):
         """The batch of `virtual_worker` at `step`."""
         wanted = (step, virtual_worker)

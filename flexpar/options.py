@@ -140,6 +140,7 @@ class FitOptions:
     show_secret: bool = False       # print the secret in the banner even when listening on loopback
     preemption_grace_s: float = 30.0  # after SIGTERM, how long a device may take to leave
     heartbeat_timeout_s: float = 5.0  # a device silent this long is dead (a hung peer), well under timeout_s
+    sample_ledger: bool = False       # record the samples each committed step consumed (ledger.jsonl)
 
     def __post_init__(self):
         object.__setattr__(self, "schedule", parse_schedule(self.schedule))
@@ -180,8 +181,13 @@ class FitOptions:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port={self.port} is not a TCP port (0 picks a free one)")
 
-    def validate_devices(self, initial: int, available: int, kind: str) -> int:
-        """The maximum device count, after checking every count the schedule reaches."""
+    def validate_devices(self, initial: int, available: int, kind: str, virtual_workers: Optional[int] = None) -> int:
+        """The maximum device count, after checking every count the schedule reaches.
+
+        Every device runs at least one virtual worker, so a job never has more
+        devices than `virtual_workers`: asking for more is an error, and a default
+        maximum (every GPU) is capped there.
+        """
         count = initial
         counts = [initial]
         for change in sorted(self.schedule, key=lambda change: change.step):
@@ -193,8 +199,18 @@ class FitOptions:
                     "must stay"
                 )
         peak = max(counts)
+        if virtual_workers is not None:
+            for what, count in (("devices", initial), ("the schedule's peak", peak), ("max_devices", self.max_devices)):
+                if count is not None and count > virtual_workers:
+                    raise ValueError(
+                        f"{what} is {count} but the job has {virtual_workers} virtual workers, and every device "
+                        f"runs at least one: ask for at most {virtual_workers} devices, or cut the global batch "
+                        "into more virtual workers"
+                    )
         # Without --max-devices: what the schedule reaches, or every GPU of this host.
         maximum = self.max_devices or max(peak, available if kind == "cuda" else peak)
+        if virtual_workers is not None:
+            maximum = min(maximum, virtual_workers)
         if peak > maximum:
             raise ValueError(
                 f"the schedule reaches {peak} devices but max_devices={maximum}; raise --max-devices"

@@ -46,7 +46,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from flexpar import balance, batching, control, state as training_state
+from flexpar import balance, batching, control, ledger as sample_ledger, state as training_state
 from flexpar.job import UserCodeError, build_model, build_optimizer, check_loss, model_digest, nonfinite_message
 from flexpar.loader import VirtualWorkerLoader, load_batch
 from flexpar.sync import GradientSync, GroupReaper, PeerFailure, _collective, fresh_group
@@ -103,6 +103,7 @@ class RunSettings:
     rescue_dir: str = ""  # where the last committed step goes if the driver is lost
     script: str = ""      # the job's script, for the resume command we print
     preemption_grace_s: float = 30.0
+    sample_ledger: bool = False  # count the samples each step consumed (flexpar.ledger)
 
 
 def main(args: WorkerArgs) -> None:
@@ -219,6 +220,7 @@ class Worker:
         # The step records of the last steps this device committed (every device keeps
         # them; rank 0 publishes). A rank 0 that dies may take queued records with it.
         self.recent_records: collections.deque = collections.deque(maxlen=_RECORDS_KEPT)
+        self.recovering = False  # the next generation follows a failed collective
         self.faults = {(int(step), phase): _SIGNALS[fault[3] if len(fault) > 3 else "kill"]
                        for fault in self.settings.faults for step, device, phase in [fault[:3]]
                        if device == args.device_id}
@@ -245,7 +247,11 @@ class Worker:
         due = [key for key in self.faults if key[1] == phase and
                (key[0] == step or (phase in self._BOUNDARY_PHASES and key[0] <= step))]
         for key in due:
-            os.kill(os.getpid(), self.faults.pop(key))
+            number = self.faults.pop(key)
+            # Said first, with the time: the fault soak measures detection from it.
+            print(f"flexpar: fault: {self.args.device_id} gets {signal.Signals(number).name} at step {step} "
+                  f"({phase}) at {time.time():.6f}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), number)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -296,6 +302,7 @@ class Worker:
                 continue
             except PeerFailure as failure:
                 self.phase = Phase.RECOVERING
+                self.recovering = True
                 self.optimizer.zero_grad(set_to_none=True)
                 self.link.send("failure", generation=generation, step=self.committed,
                                error=str(failure)[:500])
@@ -454,6 +461,8 @@ class Worker:
             step_time, self.committed_wall = now - self.committed_wall, now
             self.balance_state = balance.observe(self.balance_state, self.members, assignment, busy)
             self.recent_records.append(self._step_record(step, loss, step_time, busy, assignment))
+            if self.settings.sample_ledger:
+                self.recent_records[-1]["ledger"] = self._step_samples
             if self.rank == 0:
                 self.link.publish(self.recent_records[-1])
                 self._maybe_checkpoint()
@@ -479,6 +488,7 @@ class Worker:
         job = self.job
         world = len(self.members)
         self.sync.reset()
+        ledger = sample_ledger.count_vector(len(job.dataset)) if self.settings.sample_ledger else None
         busy = 0.0
         loss_sum = 0.0
         first_bad = 0
@@ -486,6 +496,8 @@ class Worker:
         for virtual_worker in virtual_workers:
             started = time.perf_counter()
             batch = _to_device(self.loader.batch(step, virtual_worker), self.device)
+            if ledger is not None:
+                ledger[self.loader.indices_of(step, virtual_worker)] += 1.0
             self._seed_model_randomness(batching.virtual_worker_seed(job.seed, step, virtual_worker))
             if virtual_worker == last:
                 self.sync.arm()
@@ -517,7 +529,15 @@ class Worker:
         stats[slots.loss] = loss_sum
         stats[slots.bad.start + self.rank] = first_bad
         stats[slots.stop] = 1.0 if (self.link.finish_reason is not None or self.link.driver_lost) else 0.0
-        return self.sync.finish(stats.to(self.device), before_wait=lambda: self._fault_point("sync", step))
+        summed = self.sync.finish(stats.to(self.device), before_wait=lambda: self._fault_point("sync", step))
+        if ledger is not None:
+            # Tests and the fault soak only: its own all-reduce, so the ledger never
+            # changes the step's statistics vector.
+            if world > 1:
+                ledger = ledger.to(self.device)
+                _collective(lambda: dist.all_reduce(ledger))
+            self._step_samples = sample_ledger.consumed(ledger.cpu())
+        return summed
 
     def _seed_model_randomness(self, seed: int) -> None:
         """Seed the streams the VW's forward and backward draw from (dropout).
@@ -605,9 +625,15 @@ class Worker:
         })
 
     def _publish_generation_event(self, record: dict, previous_members: tuple, stall: float) -> None:
+        recovered, self.recovering = self.recovering, False
         if record["failed"]:
             self._publish_event("failure", "failed: " + ", ".join(record["failed"]), stall)
-        if record["left"]:
+        if record["left"] and recovered and not record["failed"]:
+            # A planned leave ends gracefully at a boundary and breaks no collective; this
+            # generation follows a broken one, so a leaver died on the way (its grace ran
+            # out, or a second SIGTERM): the others lost the step in flight, as in a failure.
+            self._publish_event("failure", "failed: " + ", ".join(record["left"]) + " (while leaving)", stall)
+        elif record["left"]:
             self._publish_event("leave", "left: " + ", ".join(record["left"]), stall)
         if record["joined"]:
             kind = "start" if self.generation == 1 else "join"

@@ -194,3 +194,49 @@ def test_no_display_logs_lines_the_last_step_is_checkpointed_and_a_resume_says_w
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming from step 30 ({checkpoints / 'step-00000030.pt'})" in resumed.stdout
     assert "step 40/40" in resumed.stderr and "secret in " in resumed.stdout, "on loopback only its file is named"
+
+
+def test_a_device_error_is_said_once_with_its_traceback_in_the_run_directory(tmp_path):
+    script = tmp_path / "broken.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {TESTS!r})
+        import pieces
+
+        import flexpar
+
+        def exploding_loss(model, batch):
+            if not model.training:  # the driver's first-batch check (eval mode) passes
+                return pieces.Loss()(model, batch)
+            raise KeyError("the label column is missing")
+
+        if __name__ == "__main__":
+            flexpar.Job(model=pieces.make_model, optimizer=pieces.sgd, loss=exploding_loss,
+                        dataset=pieces.make_dataset(), global_batch=48, virtual_workers=4).fit(steps=5, devices=2)
+    """))
+    metrics = tmp_path / "m.jsonl"
+    run = flexpar_command("run", "--oversubscribe", "--no-display", "--metrics", str(metrics), str(script),
+                          timeout_s=120)
+    assert run.returncode == 1
+    said = [line for line in run.stderr.splitlines() if "the label column is missing" in line]
+    assert len(said) == 1 and said[0].startswith("flexpar: device local-"), run.stderr
+    assert "Traceback" not in run.stderr
+    log = (tmp_path / "error.log").read_text()
+    assert "Traceback" in log and "exploding_loss" in log
+    verbose = flexpar_command("run", "--oversubscribe", "--no-display", "--verbose", "--metrics", str(metrics),
+                              str(script), timeout_s=120)
+    assert verbose.returncode != 0 and "exploding_loss" in verbose.stderr
+
+
+def test_a_missing_main_guard_is_said_once(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {TESTS!r})
+        import pieces
+        pieces.make_job().fit(steps=3, devices=2)
+    """))
+    run = flexpar_command("run", "--oversubscribe", "--no-display", "--metrics", str(tmp_path / "m.jsonl"),
+                          str(script), timeout_s=120)
+    assert run.returncode == 1
+    assert run.stderr.count('if __name__ == "__main__":') == 1 and "Traceback" not in run.stderr, run.stderr

@@ -198,3 +198,16 @@ def test_a_death_during_group_formation_or_a_checkpoint_costs_no_timeout(train, 
     assert {len(r["devices"]) for r in records if r["kind"] == "step"} <= {2, 3}
     assert summary["generations"] >= 2
     pieces.assert_same_parameters(model, pieces.reference(job, 12))
+
+
+def test_a_device_that_cannot_leave_within_the_grace_period_fails_over(train, metrics_file):
+    """SIGTERM early in a long step with a grace period shorter than the step: the device kills itself
+    and the others recover as from a failure; the result is unchanged."""
+    job = pieces.make_job(virtual_workers=6, delay_s=0.25)
+    model, summary = train(job, steps=6, devices=3, faults="2:local-1:forward:term", preemption_grace_s=0.2)
+    events = [r for r in _records(metrics_file) if r["kind"] == "event" and r["event"] in ("leave", "failure")]
+    assert [(e["event"], e["detail"]) for e in events] in (
+        [("failure", "failed: local-1")],                  # it died before the coordinator let it go
+        [("failure", "failed: local-1 (while leaving)")],  # ... or after: the others still lost the step
+    )
+    pieces.assert_same_parameters(model, pieces.reference(job, 6))

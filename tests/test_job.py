@@ -59,9 +59,9 @@ def test_lambda_pieces_are_named(train):
 
 
 def test_more_devices_than_cores(train):
-    job = pieces.make_job()
-    with pytest.raises(ValueError, match=r"asked for 64 CPU devices but this machine has \d+ cores"):
-        train(job, steps=2, devices=64, oversubscribe=False)
+    job = pieces.make_job(virtual_workers=48)
+    with pytest.raises(ValueError, match=r"asked for 40 CPU devices but this machine has \d+ cores"):
+        train(job, steps=2, devices=40, oversubscribe=False)
 
 
 def test_bad_schedule_is_refused_before_start():
@@ -146,3 +146,13 @@ def test_checkpoint_and_resume(train, tmp_path):
     model, summary = train(job, steps=10, devices=1, checkpoint_dir=str(checkpoints), resume=True)
     assert summary["steps"] == 10
     pieces.assert_same_parameters(model, pieces.reference(job, 10))
+
+
+def test_no_more_devices_than_virtual_workers():
+    options = flexpar.FitOptions(steps=5, devices=2, schedule="3:+2", oversubscribe=True)
+    with pytest.raises(ValueError, match="the schedule's peak is 4 but the job has 3 virtual workers"):
+        options.validate_devices(2, 2, "cpu", virtual_workers=3)
+    with pytest.raises(ValueError, match="max_devices is 8 but the job has 4 virtual workers"):
+        flexpar.FitOptions(steps=5, max_devices=8).validate_devices(1, 2, "cpu", virtual_workers=4)
+    # A default maximum (every GPU) is capped at the virtual workers instead.
+    assert flexpar.FitOptions(steps=5).validate_devices(2, 8, "cuda", virtual_workers=4) == 4

@@ -1,0 +1,89 @@
+"""The fault soak's job: a small model whose run is told its schedule and faults on the command line.
+
+`python benchmarks/soak_job.py SPEC.json` trains the job as the spec says (devices,
+schedule, faults, steps, timeouts) with the sample ledger on, and writes
+`model.pt` and `summary.json` into the spec's output folder. Worker processes
+import this file for its pieces, so everything they need is at module level.
+`reference(steps)` is the plain single-process loop the soak compares with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+
+import flexpar
+from flexpar import batching
+from flexpar.job import build_model, build_optimizer
+from flexpar.loader import load_batch
+
+FEATURES, CLASSES, SAMPLES = 12, 3, 480
+GLOBAL_BATCH, VIRTUAL_WORKERS = 48, 6
+# Each VW sleeps this long: steps of ~0.1 s on two devices, long enough that a
+# scheduled fault lands inside a step and joins apply within a run.
+VW_DELAY_S = 0.015
+
+
+def make_dataset():
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(SAMPLES, FEATURES, generator=generator)
+    return torch.utils.data.TensorDataset(inputs, inputs[:, :CLASSES].argmax(dim=1))
+
+
+def make_model():
+    return nn.Sequential(nn.Linear(FEATURES, 32), nn.Tanh(), nn.Dropout(0.1), nn.Linear(32, CLASSES))
+
+
+def make_optimizer(parameters):
+    return torch.optim.SGD(parameters, lr=0.1, momentum=0.9)
+
+
+def loss(model, batch):
+    time.sleep(VW_DELAY_S)
+    inputs, labels = batch
+    return nn.functional.cross_entropy(model(inputs), labels)
+
+
+def make_job():
+    return flexpar.Job(model=make_model, optimizer=make_optimizer, loss=loss, dataset=make_dataset(),
+                       global_batch=GLOBAL_BATCH, virtual_workers=VIRTUAL_WORKERS, seed=3)
+
+
+def reference(steps: int) -> nn.Module:
+    """The failure-free single-process loop over the same global batches."""
+    job = make_job()
+    model = build_model(job)
+    optimizer, _ = build_optimizer(job, model)
+    for step in range(steps):
+        losses = []
+        for virtual_worker in range(job.virtual_workers):
+            indices = batching.virtual_worker_indices(job.seed, step, virtual_worker, len(job.dataset),
+                                                      job.global_batch, job.virtual_workers)
+            batch = load_batch(job, indices, batching.data_seed(job.seed, step, virtual_worker))
+            torch.manual_seed(batching.virtual_worker_seed(job.seed, step, virtual_worker))
+            inputs, labels = batch
+            losses.append(nn.functional.cross_entropy(model(inputs), labels))
+        torch.stack(losses).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model
+
+
+if __name__ == "__main__":
+    spec = json.load(open(sys.argv[1]))
+    output = spec["output"]
+    model, summary = make_job().fit(
+        steps=spec["steps"], devices=spec["devices"], max_devices=spec["max_devices"],
+        schedule=spec["schedule"], faults=spec["faults"], oversubscribe=True, display=False, quiet=True,
+        timeout_s=spec["timeout_s"], heartbeat_timeout_s=spec["heartbeat_timeout_s"],
+        checkpoint_every=spec["checkpoint_every"], checkpoint_dir=os.path.join(output, "checkpoints"),
+        metrics=os.path.join(output, "metrics.jsonl"), sample_ledger=True,
+    )
+    torch.save(model.state_dict(), os.path.join(output, "model.pt"))
+    with open(os.path.join(output, "summary.json"), "w") as handle:
+        json.dump(summary, handle)
