@@ -33,8 +33,9 @@ def test_drawn_runs_always_leave_a_device_standing(seed):
 
 @pytest.mark.timeout(400)
 def test_a_small_soak_finds_no_hang_divergence_or_sample_error(tmp_path):
-    report = soak.run_soak(faults=12, seed=11, folder=str(tmp_path), timeout_s=30.0, heartbeat_timeout_s=3.0,
+    # Seed 25 draws every kind (join, leave, kill, SIGSTOP, SIGTERM) and every phase in its first runs.
+    report = soak.run_soak(faults=12, seed=25, folder=str(tmp_path), timeout_s=30.0, heartbeat_timeout_s=3.0,
                            progress=print)
-    assert report["faults_injected"] >= 12
+    assert report["faults_injected"] >= 12 and report["hung_peers"] >= 1, "a SIGSTOP fired and was noticed"
     for key in ("hangs", "failed_runs", "divergent_runs", "samples_lost", "samples_repeated"):
         assert report[key] == 0, (key, [d for d in report["details"] if d["hang"] or d["failed"] or d["divergent"]])
