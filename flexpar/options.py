@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
@@ -285,8 +286,22 @@ def is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def cpu_count() -> int:
+def cpu_count(cgroup_cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """The cores this process may use: its CPU affinity, capped by a cgroup v2 CPU quota.
+
+    A container limited to 2 CPUs on a 64-core node (Kubernetes `limits.cpu`)
+    sees 64 cores in its affinity mask; its quota says 2, and that is what the
+    core count (devices, threads per device) must follow.
+    """
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    try:
+        with open(cgroup_cpu_max, encoding="ascii") as handle:
+            quota, period = handle.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):  # no cgroup v2 quota here
+        pass
+    return cores

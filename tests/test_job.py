@@ -156,3 +156,14 @@ def test_no_more_devices_than_virtual_workers():
         flexpar.FitOptions(steps=5, max_devices=8).validate_devices(1, 2, "cpu", virtual_workers=4)
     # A default maximum (every GPU) is capped at the virtual workers instead.
     assert flexpar.FitOptions(steps=5).validate_devices(2, 8, "cuda", virtual_workers=4) == 4
+
+
+def test_the_core_count_follows_a_container_cpu_quota(tmp_path):
+    from flexpar.options import cpu_count
+
+    unlimited = cpu_count(str(tmp_path / "absent"))
+    quota = tmp_path / "cpu.max"
+    quota.write_text("150000 100000\n")  # 1.5 CPUs: two processes' worth, rounded up
+    assert cpu_count(str(quota)) == min(unlimited, 2)
+    quota.write_text("max 100000\n")
+    assert cpu_count(str(quota)) == unlimited
