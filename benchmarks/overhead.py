@@ -16,6 +16,16 @@ invocation:
   batch over its peak RSS at 1x (the same micro-batch). Goal <= 1.05. For
   reference, ``loop_memory_ratio_16x`` is the same ratio for the plain loop
   (which reads its own VmHWM at the end).
+- ``clip_ratio``: samples/s of flexpar on 2 devices (the DDP comparison's
+  job) with ``max_grad_norm`` on over the same job with it off. The bound
+  (``CLIP_NORM``) is below the gradient's norm, so every step clips (the
+  fraction of clipped steps is in the JSON). Both sides measure the norm
+  (every step record has ``grad_norm``); clipping adds one multiplication
+  of the summed gradient. Goal >= 0.98.
+- ``bf16_vs_reference``: samples/s of flexpar on 1 device with 16 VWs and
+  ``mixed_precision="bf16"`` over the accumulation loop doing the same by
+  hand (each micro-batch's forward and loss under
+  ``torch.autocast("cpu", dtype=torch.bfloat16)``). Goal >= 0.97.
 
 Steady state: start-up is excluded by timing only steps ``skip .. steps-1``.
 A step's duration is the gap between its commit and the previous one, on
@@ -31,16 +41,18 @@ machine disturbs less.
 Threads: flexpar gives each CPU device ``cores // devices`` torch threads; each
 DDP rank and the accumulation loop get the same.
 
-Peak RSS of a worker: a background thread in this (driver) process walks
-the driver's descendants in /proc every 50 ms and keeps the largest
-``VmHWM`` (the kernel's high-water mark of resident memory, monotonic over a
-process's life) of every worker. Workers are the descendants that are neither
+Peak RSS of a worker: a background thread in this (driver) process reads
+every worker's ``VmHWM`` (the kernel's high-water mark of resident memory,
+monotonic over a process's life) in /proc every 50 ms and keeps the largest;
+it finds the workers by walking the driver's descendants every 0.5 s (a
+mark read late is not lower). Workers are the descendants that are neither
 the fork server (the driver's direct child that forks them) nor
 multiprocessing's resource tracker. A high-water mark only rises, so the last
 value read before a worker exits misses at most the growth of its last 50 ms,
 in which it only sends the model back and exits.
 
-Run: ``python benchmarks/overhead.py [--quick] [--json PATH]``.
+Run: ``python benchmarks/overhead.py [--quick] [--recipes-only] [--json PATH]``
+(``--recipes-only``: the last two comparisons alone).
 """
 
 from __future__ import annotations
@@ -70,6 +82,7 @@ import flexpar  # noqa: E402
 from flexpar.metrics import read_records  # noqa: E402
 
 ACCUMULATION = 16  # VWs (micro-batches) per step in the accumulation comparison
+CLIP_NORM = 1e-3  # max_grad_norm of the clip comparison: below the gradient's norm, so every step clips
 
 
 # ---------------------------------------------------------------- configuration
@@ -212,6 +225,8 @@ def worker_pids(driver_pid: int) -> List[int]:
 class PeakMemoryWatcher:
     """Context manager: ``peaks`` maps each worker pid seen to its largest VmHWM in bytes."""
 
+    WALK_EVERY = 10  # reads of the workers' VmHWM per walk of the process tree
+
     def __init__(self, interval_s: float = 0.05):
         self.interval_s = interval_s
         self.peaks: Dict[int, int] = {}
@@ -219,9 +234,17 @@ class PeakMemoryWatcher:
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
     def _watch(self) -> None:
+        # The process tree is walked every WALK_EVERY reads only (workers live for the whole
+        # fit, and a high-water mark found late is not lower): walking it every 50 ms cost
+        # about 1% of a core, taken from the flexpar side only, which computes on every core.
         driver = os.getpid()
+        workers: List[int] = []
+        reads = 0
         while not self._stop.is_set():
-            for pid in worker_pids(driver):
+            if reads % self.WALK_EVERY == 0:
+                workers = worker_pids(driver)
+            reads += 1
+            for pid in workers:
                 peak = _peak_rss_bytes(pid)
                 if peak is not None:
                     self.peaks[pid] = max(peak, self.peaks.get(pid, 0))
@@ -242,11 +265,17 @@ class PeakMemoryWatcher:
 # ---------------------------------------------------------------- flexpar side
 
 
-def flexpar_run(config: Config, devices: int, virtual_workers: int, global_batch: int, work_dir: str) -> dict:
-    """One flexpar fit(); returns steady samples/s and the largest worker peak RSS."""
+def flexpar_run(config: Config, devices: int, virtual_workers: int, global_batch: int, work_dir: str,
+                **recipe) -> dict:
+    """One flexpar fit(); returns steady samples/s and the largest worker peak RSS.
+
+    `recipe`: Job fields such as max_grad_norm= or mixed_precision=; with
+    max_grad_norm, the fraction of timed steps whose gradient was clipped.
+    """
     job = flexpar.Job(
         model=MLPFactory(config), optimizer=make_optimizer, loss=classification_loss,
         dataset=make_dataset(config), global_batch=global_batch, virtual_workers=virtual_workers, seed=0,
+        **recipe,
     )
     metrics_path = tempfile.mktemp(suffix=".jsonl", dir=work_dir)
     with PeakMemoryWatcher() as watcher:
@@ -254,7 +283,11 @@ def flexpar_run(config: Config, devices: int, virtual_workers: int, global_batch
                 run_dir=work_dir)
     steps = sorted((r for r in read_records(metrics_path) if r["kind"] == "step"), key=lambda r: r["step"])
     commit_times = [record["time"] for record in steps]
-    return {**throughput(commit_times, config.skip, global_batch), "peak_rss_bytes": watcher.largest()}
+    result = {**throughput(commit_times, config.skip, global_batch), "peak_rss_bytes": watcher.largest()}
+    if recipe.get("max_grad_norm"):
+        timed = steps[config.skip:]
+        result["clipped_fraction"] = sum(r["grad_norm"] > recipe["max_grad_norm"] for r in timed) / len(timed)
+    return result
 
 
 # ---------------------------------------------------------------- DDP side
@@ -285,8 +318,12 @@ def _own_peak_rss_bytes() -> int:
     return -1 if peak is None else peak
 
 
-def _accumulation_loop_process(_index: int, config: Config, accumulation: int, result_path: str) -> None:
-    """The textbook gradient-accumulation loop, timing each commit; writes times and VmHWM."""
+def _accumulation_loop_process(_index: int, config: Config, accumulation: int, result_path: str,
+                               bf16: bool = False) -> None:
+    """The textbook gradient-accumulation loop, timing each commit; writes times and VmHWM.
+
+    `bf16`: each micro-batch's forward and loss under torch.autocast (bfloat16), as one writes it by hand.
+    """
     torch.set_num_threads(cpu_count())  # one device: flexpar gives its worker every core
     torch.manual_seed(0)
     model = MLPFactory(config)()
@@ -296,7 +333,8 @@ def _accumulation_loop_process(_index: int, config: Config, accumulation: int, r
     while len(commit_times) < config.steps:
         micro_batches = 0
         for inputs, labels in loader:
-            loss = nn.functional.cross_entropy(model(inputs), labels)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = nn.functional.cross_entropy(model(inputs), labels)
             (loss / accumulation).backward()
             micro_batches += 1
             if micro_batches % accumulation == 0:
@@ -308,11 +346,11 @@ def _accumulation_loop_process(_index: int, config: Config, accumulation: int, r
     Path(result_path).write_text(json.dumps({"commit_times": commit_times, "peak_rss_bytes": _own_peak_rss_bytes()}))
 
 
-def accumulation_loop_run(config: Config, accumulation: int, work_dir: str) -> dict:
+def accumulation_loop_run(config: Config, accumulation: int, work_dir: str, bf16: bool = False) -> dict:
     """The loop in a fresh process (started like a DDP rank), as flexpar's worker is one."""
     result_path = tempfile.mktemp(suffix=".json", dir=work_dir)
     torch_multiprocessing.spawn(
-        _accumulation_loop_process, args=(config, accumulation, result_path), nprocs=1, join=True
+        _accumulation_loop_process, args=(config, accumulation, result_path, bf16), nprocs=1, join=True
     )
     result = json.loads(Path(result_path).read_text())
     samples_per_step = config.micro_batch * accumulation
@@ -365,13 +403,47 @@ def measure(config: Config, work_dir: str) -> dict:
     return figures
 
 
+def _median_of(runs, key):
+    values = [run[key] for run in runs if run.get(key) is not None]
+    return median(values) if values else None
+
+
+def measure_recipes(config: Config, work_dir: str) -> dict:
+    """clip_ratio and bf16_vs_reference (module docstring), each side by side, alternating; medians."""
+    devices = 2
+    global_batch = config.per_device_batch * devices
+    clip = alternate({
+        "clip_off": lambda: flexpar_run(config, devices, devices, global_batch, work_dir),
+        "clip_on": lambda: flexpar_run(config, devices, devices, global_batch, work_dir, max_grad_norm=CLIP_NORM),
+    }, config.repeats)
+    bf16 = alternate({
+        "flexpar_bf16_16x": lambda: flexpar_run(config, 1, ACCUMULATION, config.micro_batch * ACCUMULATION, work_dir,
+                                                mixed_precision="bf16"),
+        "loop_bf16_16x": lambda: accumulation_loop_run(config, ACCUMULATION, work_dir, bf16=True),
+    }, config.repeats)
+    figures = {
+        "clip_off_2dev_samples_per_s": _median_of(clip["clip_off"], "samples_per_s"),
+        "clip_on_2dev_samples_per_s": _median_of(clip["clip_on"], "samples_per_s"),
+        "clipped_fraction": _median_of(clip["clip_on"], "clipped_fraction"),
+        "flexpar_bf16_16x_samples_per_s": _median_of(bf16["flexpar_bf16_16x"], "samples_per_s"),
+        "loop_bf16_16x_samples_per_s": _median_of(bf16["loop_bf16_16x"], "samples_per_s"),
+    }
+    figures["clip_ratio"] = ratio(figures["clip_on_2dev_samples_per_s"], figures["clip_off_2dev_samples_per_s"])
+    figures["bf16_vs_reference"] = ratio(figures["flexpar_bf16_16x_samples_per_s"], figures["loop_bf16_16x_samples_per_s"])
+    best = {name: max(run["samples_per_s"] for run in runs) for name, runs in {**clip, **bf16}.items()}
+    figures["clip_ratio_best_rounds"] = ratio(best["clip_on"], best["clip_off"])
+    figures["bf16_vs_reference_best_rounds"] = ratio(best["flexpar_bf16_16x"], best["loop_bf16_16x"])
+    figures["recipe_runs"] = {"clip_comparison": clip, "bf16_comparison": bf16}
+    return figures
+
+
 def report(figures: dict, config: Config) -> None:
     mib = 1 << 20
 
     def in_mib(value):
         return None if value is None else value / mib
 
-    rows = [
+    rows = [] if "ddp_ratio" not in figures else [
         {"comparison": "samples/s: flexpar 2 devices / DDP 2 ranks", "flexpar": figures["flexpar_2dev_samples_per_s"],
          "baseline": figures["ddp_2dev_samples_per_s"], "ratio": figures["ddp_ratio"], "goal": ">= 0.97"},
         {"comparison": "samples/s: flexpar 1 device 16 VWs / accumulation loop",
@@ -386,6 +458,15 @@ def report(figures: dict, config: Config) -> None:
          "baseline": in_mib(figures["loop_1x_peak_rss_bytes"]),
          "ratio": figures["loop_memory_ratio_16x"], "goal": ""},
     ]
+    if "clip_ratio" in figures:
+        rows += [
+            {"comparison": f"samples/s: flexpar 2 devices, max_grad_norm={CLIP_NORM:g} on / off",
+             "flexpar": figures["clip_on_2dev_samples_per_s"], "baseline": figures["clip_off_2dev_samples_per_s"],
+             "ratio": figures["clip_ratio"], "goal": ">= 0.98"},
+            {"comparison": "samples/s: flexpar bf16 1 device 16 VWs / bf16 accumulation loop",
+             "flexpar": figures["flexpar_bf16_16x_samples_per_s"], "baseline": figures["loop_bf16_16x_samples_per_s"],
+             "ratio": figures["bf16_vs_reference"], "goal": ">= 0.97"},
+        ]
     title = (f"flexpar overhead: MLP of {config.parameter_count() / 1e6:.1f}M parameters, "
              f"{config.repeats} alternating rounds, medians, steps {config.skip}..{config.steps - 1} timed, "
              f"{cpu_count()} cores")
@@ -396,16 +477,22 @@ def report(figures: dict, config: Config) -> None:
 
 def main() -> None:
     parser = base_parser(__doc__.split("\n\n")[0])
+    parser.add_argument("--recipes-only", action="store_true",
+                        help="only clip_ratio and bf16_vs_reference (skip the DDP, accumulation and memory runs)")
     arguments = parser.parse_args()
     config = QUICK if arguments.quick else FULL
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="flexpar-overhead-") as work_dir:
-        figures = measure(config, work_dir)
+        figures = {} if arguments.recipes_only else measure(config, work_dir)
+        figures.update(measure_recipes(config, work_dir))
     figures["load_average_before_after"] = [load_before[0], os.getloadavg()[0]]
     report(figures, config)
+    best = [f"{name} {figures[key]:.3f}" for name, key in (
+        ("ddp", "ddp_ratio_best_rounds"), ("accumulation", "accumulation_ratio_best_rounds"),
+        ("clip", "clip_ratio_best_rounds"), ("bf16", "bf16_vs_reference_best_rounds")) if figures.get(key) is not None]
     print(f"load average (1 min) before/after: {load_before[0]:.2f} / {os.getloadavg()[0]:.2f}; "
-          f"ratios of the best rounds: ddp {figures['ddp_ratio_best_rounds']:.3f}, "
-          f"accumulation {figures['accumulation_ratio_best_rounds']:.3f}")
+          f"ratios of the best rounds: {', '.join(best)}; steps clipped with max_grad_norm on: "
+          f"{figures['clipped_fraction']:.0%}")
     figures["config"] = dataclasses.asdict(config)
     figures["parameters"] = config.parameter_count()
     figures["cores"] = cpu_count()

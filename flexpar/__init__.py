@@ -5,8 +5,10 @@
     model, summary = job.fit(steps=1000)
 """
 
+from flexpar.callbacks import STOP, Callback, CallbackError
 from flexpar.job import FitResult, Job, TrainingError, UserCodeError
 from flexpar.options import FitOptions
 from flexpar.version import __version__
 
-__all__ = ["Job", "FitResult", "FitOptions", "TrainingError", "UserCodeError", "__version__"]
+__all__ = ["Job", "FitResult", "FitOptions", "TrainingError", "UserCodeError", "__version__",
+           "STOP", "Callback", "CallbackError"]

@@ -1,4 +1,4 @@
-"""`flexpar run | join | scale | status | plot | simulate | demo`.
+"""`flexpar run | join | scale | status | plot | export | simulate | demo`.
 
 `flexpar run` maps its flags one to one onto `FitOptions` and runs the user's
 script in this process, as `__main__`; the script's own `fit()` call then picks
@@ -58,11 +58,17 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
                         help="seconds of silence after which a device counts as hung and failed (default 5)")
     parser.add_argument("--verbose", action="store_true", default=None,
                         help="show devices' tracebacks here (they are always written to the run directory)")
+    parser.add_argument("--eval-every", type=int,
+                        help="evaluate every N steps (and after the last) when the job has an evaluation set")
+    parser.add_argument("--tracker", dest="trackers", action="append", choices=["tensorboard", "mlflow", "csv"],
+                        help="log to an experiment tracker in the run directory (repeatable)")
+    parser.add_argument("--keep-checkpoints", type=int, help="keep only the newest K checkpoints")
 
 
 _RUN_FIELDS = ("devices", "max_devices", "steps", "epochs", "schedule", "emulate_speeds", "host", "port",
                "timeout_s", "backend", "oversubscribe", "metrics", "display", "checkpoint_every",
-               "checkpoint_dir", "resume", "show_secret", "preemption_grace_s", "heartbeat_timeout_s", "verbose")
+               "checkpoint_dir", "resume", "show_secret", "preemption_grace_s", "heartbeat_timeout_s", "verbose",
+               "eval_every", "trackers", "keep_checkpoints")
 
 
 # ------------------------------------------------------------ the cluster's environment
@@ -312,10 +318,22 @@ def command_status(arguments) -> int:
 
 
 def command_plot(arguments) -> int:
-    from flexpar.metrics import plot_timeline
+    from flexpar.plot import plot_timeline
 
     plot_timeline(arguments.metrics, arguments.output)
     print(f"flexpar: wrote {arguments.output}")
+    return 0
+
+
+def command_export(arguments) -> int:
+    from flexpar.export import export
+
+    try:
+        path = export(arguments.checkpoint, arguments.output)
+    except ImportError as error:
+        print(f"flexpar export: {error}", file=sys.stderr)
+        return 1
+    print(f"flexpar: wrote {path}")
     return 0
 
 
@@ -367,6 +385,11 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("metrics")
     plot.add_argument("-o", "--output", default="timeline.png")
     plot.set_defaults(handler=command_plot)
+
+    export = commands.add_parser("export", help="write a checkpoint's model weights as safetensors")
+    export.add_argument("checkpoint", help="a flexpar checkpoint (step-NNNNNNNN.pt)")
+    export.add_argument("-o", "--output", default="model.safetensors")
+    export.set_defaults(handler=command_export)
 
     simulate = commands.add_parser("simulate", help="simulate a cluster scenario", add_help=False)
     simulate.add_argument("simulate_arguments", nargs=argparse.REMAINDER)

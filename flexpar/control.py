@@ -199,6 +199,9 @@ class Channel:
 
 # ---------------------------------------------------------------- coordinator
 
+# How often the coordinator reads the devices' heartbeats (they beat every 0.5 s).
+HEARTBEATS_READ_S = 0.1
+
 
 class Coordinator:
     """Carries out membership decisions: the executor around `membership.decide`.
@@ -241,6 +244,7 @@ class Coordinator:
         self.published: list = []     # Publish actions, for metrics and status
         self.errors: list = []        # error messages from devices: the job stops on the first
         self.heartbeats: dict = {}    # device_id -> (last heartbeat value, time it changed)
+        self._heartbeats_read_at = float("-inf")
 
     def apply(self, event) -> tuple:
         """Decide on `event` and carry the actions out; returns them (the schedule reads its answers)."""
@@ -259,11 +263,18 @@ class Coordinator:
         exited = list(self.local_exits())
         for device_id in exited:
             self.heartbeats.pop(device_id, None)
-        for device_id in self._silent_devices(now):
+        # Heartbeats move every 0.5 s and count after seconds: reading them (two store
+        # round trips per device) at every one of the driver's 100 polls a second only
+        # woke threads on cores that compute (see NOTICE_KEY).
+        silent = []
+        if now - self._heartbeats_read_at >= HEARTBEATS_READ_S:
+            self._heartbeats_read_at = now
+            silent = self._silent_devices(now)
+        for device_id in silent:
             self.on_note(f"device {device_id} stopped answering (no heartbeat for {self.heartbeat_timeout_s:g} s): "
                          "counted as failed")
             self.stop_local(device_id)  # a hung local process is killed; a remote one is evicted
-            self.store.set(f"reply/{device_id}", "evicted: it stopped answering (no heartbeat)")
+            tell_devices(self.store, f"reply/{device_id}", "evicted: it stopped answering (no heartbeat)")
             exited.append(device_id)
         for device_id in exited:
             self._announce_death(device_id)
@@ -276,7 +287,7 @@ class Coordinator:
         if device_id in state.members and device_id not in state.leaving:
             key = f"gen/{state.generation}/dead"
             dead = set(get_json(self.store, key)) if has(self.store, key) else set()
-            self.store.set(key, json.dumps(sorted(dead | {device_id})))
+            tell_devices(self.store, key, json.dumps(sorted(dead | {device_id})))
 
     def _event_of(self, message: dict, now: float):
         kind = message.get("type")
@@ -370,18 +381,18 @@ class Coordinator:
                 "failed": list(action.failed),
             }
             self.store.set(f"gen/{action.generation}", json.dumps(record))
-            self.store.set("gen/latest", str(action.generation))
+            tell_devices(self.store, "gen/latest", str(action.generation))
             self.published.append(action)
             self.write_status()
         elif isinstance(action, ms.Refuse):
-            self.store.set(f"reply/{action.device_id}", "refused: " + action.reason)
+            tell_devices(self.store, f"reply/{action.device_id}", "refused: " + action.reason)
             self.on_note(f"refused device {action.device_id}: {action.reason}")
         elif isinstance(action, ms.Evict):
-            self.store.set(f"reply/{action.device_id}", "evicted: " + action.reason)
+            tell_devices(self.store, f"reply/{action.device_id}", "evicted: " + action.reason)
             self.stop_local(action.device_id)
         elif isinstance(action, ms.StopJob):
             self.stop_reason = action.reason
-            self.store.set("stop", action.reason)
+            tell_devices(self.store, "stop", action.reason)
         elif isinstance(action, ms.FinishJob):
             self.finish(action.reason)
         elif isinstance(action, ms.Answer):
@@ -396,7 +407,7 @@ class Coordinator:
         if not has(self.store, "finish"):
             if note:
                 self.on_note(f"stopping at the next step boundary: {reason}")
-            self.store.set("finish", reason)
+            tell_devices(self.store, "finish", reason)
 
     def write_status(self, extra: Optional[dict] = None) -> None:
         state = self.state
@@ -417,6 +428,25 @@ class Coordinator:
 # How often a device's follower thread reads the store, and how often a device
 # waiting for a generation looks at what the follower saw.
 DEVICE_POLL_S = 0.02
+
+# Devices follow a few keys: gen/latest, gen/<G>/dead, stop, finish, speed/<device> and
+# reply/<device>. Whoever writes one of them does so with `tell_devices`, which then
+# bumps NOTICE_KEY: a follower reads that one counter per poll, and the keys only when
+# it moved. Reading them all at every poll took seven store round trips, 50 times a
+# second; each wakes a thread in the worker and the store's thread in the driver, and
+# where every core computes (one CPU device takes them all) each wake-up preempts a
+# compute thread, whose OpenMP team then waits for it: that was most of a one-device
+# job's overhead against a plain accumulation loop (benchmarks/overhead.py). A follower
+# still reads every key each FOLLOW_ALL_S, so a writer that does not tell is seen late,
+# not never.
+NOTICE_KEY = "devices/notice"
+FOLLOW_ALL_S = 0.5
+
+
+def tell_devices(store, key: str, value: str) -> None:
+    """Set `key`, one of the keys devices follow, and have their followers read it (NOTICE_KEY)."""
+    store.set(key, value)
+    store.add(NOTICE_KEY, 1)
 
 
 class DeviceLink:
@@ -454,25 +484,18 @@ class DeviceLink:
         metrics = Channel(store, "metrics")
         beats = 0
         last_beat = 0.0
+        notice = None  # NOTICE_KEY at the last reading of the followed keys
+        read_all_at = 0.0
         while not self._closing.is_set():
             try:
-                if has(store, "gen/latest"):
-                    self.latest_generation = int(store.get("gen/latest"))
-                dead_key = f"gen/{self.latest_generation}/dead"
-                if has(store, dead_key):
-                    self.dead_members = frozenset(get_json(store, dead_key))
-                if has(store, "stop"):
-                    self.stop_reason = store.get("stop").decode()
-                if self.finish_reason is None and has(store, "finish"):
-                    self.finish_reason = store.get("finish").decode()
+                seen = store.add(NOTICE_KEY, 0)  # first: a key told after this is read next time
+                if seen != notice or time.monotonic() - read_all_at >= FOLLOW_ALL_S:
+                    notice, read_all_at = seen, time.monotonic()
+                    self._read_followed(store)
                 if self.leave_requested_at is not None and self._leave_proof:
                     Channel(store, "events").send({"type": "leave", "device_id": self.device_id,
                                                    "proof": self._leave_proof})
                     self._leave_proof = ""  # sent once
-                if has(store, f"speed/{self.device_id}"):
-                    self.speed = float(store.get(f"speed/{self.device_id}"))
-                if has(store, f"reply/{self.device_id}"):
-                    self.reply = store.get(f"reply/{self.device_id}").decode()
                 while not self._outbox.empty():
                     metrics.send(self._outbox.get())
                     self._outbox.task_done()
@@ -492,6 +515,22 @@ class DeviceLink:
                 metrics.send(self._outbox.get())
         except Exception:
             pass
+
+    def _read_followed(self, store) -> None:
+        """Read the keys this device follows (written with `tell_devices`)."""
+        if has(store, "gen/latest"):
+            self.latest_generation = int(store.get("gen/latest"))
+        dead_key = f"gen/{self.latest_generation}/dead"
+        if has(store, dead_key):
+            self.dead_members = frozenset(get_json(store, dead_key))
+        if has(store, "stop"):
+            self.stop_reason = store.get("stop").decode()
+        if self.finish_reason is None and has(store, "finish"):
+            self.finish_reason = store.get("finish").decode()
+        if has(store, f"speed/{self.device_id}"):
+            self.speed = float(store.get(f"speed/{self.device_id}"))
+        if has(store, f"reply/{self.device_id}"):
+            self.reply = store.get(f"reply/{self.device_id}").decode()
 
     def request_leave(self, proof: str, grace_s: float) -> None:
         """Ask the coordinator to let this device leave at the next step boundary (preemption).
@@ -555,6 +594,13 @@ class DeviceLink:
         except RuntimeError as error:
             self.driver_lost = True
             raise DriverLost(f"the job's driver is gone ({str(error).splitlines()[0] if str(error) else error})") from None
+
+    def read_finish_reason(self) -> Optional[str]:
+        """Why the job is asked to finish, read from the store now (the follower may lag)."""
+        with self._driver_needed():
+            if has(self.store, "finish"):
+                self.finish_reason = self.store.get("finish").decode()
+        return self.finish_reason
 
     def gather(self, generation: int, members: tuple, poll_s: float = 0.0005) -> str:
         """Meet the other members of `generation` in the store before forming its group.

@@ -14,20 +14,19 @@ import sys
 import time
 
 from flexpar import control, ledger as sample_ledger, membership
-try:  # TEMP until the split lands
-    from flexpar.display import LiveDisplay
-except ImportError:
-    from flexpar.metrics import LiveDisplay
+from flexpar.callbacks import Dispatcher
+from flexpar.display import LiveDisplay
 from flexpar.job import EXIT_MAIN_GUARD, MAIN_GUARD_MESSAGE, TrainingError
 from flexpar.metrics import LOGGER_NAME, MetricsWriter
 from flexpar.schedule import ScheduleTracker
 
 _POLL_S = 0.01
+_DONE_EVERY = 10  # polls between looks for "done" before the job may be ending (DriverLoop._may_end)
 
 
 class DriverLoop:
     def __init__(self, store, coordinator, options, total_steps: int, global_batch: int, address: str,
-                 run_dir: str, metrics_path: str, exit_codes=lambda: {}):
+                 run_dir: str, metrics_path: str, exit_codes=lambda: {}, callbacks: Dispatcher = None):
         self.store = store
         self.coordinator = coordinator
         self.options = options
@@ -42,6 +41,8 @@ class DriverLoop:
         self.started = time.time()
         self.steps: list = []
         self.events: list = []
+        self.evals: list = []     # eval records, one per evaluated step, in order
+        self.callbacks = callbacks if callbacks is not None else Dispatcher()
         self.devices: list = []   # the device set of the latest record
         self.generation = 1
         self.done: dict = {}
@@ -57,11 +58,16 @@ class DriverLoop:
                 _log_to_stderr()
 
     def run(self) -> None:
+        polls = 0
         try:
             while True:
                 self.coordinator.step()
                 self._relay_metrics()
-                if self.store.check(["done"]):
+                polls += 1
+                # "done" is looked for at every poll only once the job may be ending, else
+                # every _DONE_EVERY polls: each store round trip wakes the store's thread
+                # and this one, on the cores the devices compute on (see control.NOTICE_KEY).
+                if (self._may_end or polls % _DONE_EVERY == 0) and self.store.check(["done"]):
                     self._relay_metrics()
                     self.done = json.loads(self.store.get("done"))
                     self._report_schedule(self.schedule.ended(self.done.get("step", 0)))
@@ -77,6 +83,13 @@ class DriverLoop:
             if self.display is not None:
                 self.display.close()
 
+    @property
+    def _may_end(self) -> bool:
+        """Whether "done" may come soon: the last step's record, or a stop event, was relayed."""
+        if self.steps and self.steps[-1]["step"] + 1 >= self.total_steps:
+            return True
+        return any(event["event"] == "stop" for event in self.events)
+
     def _stop_message(self, reason: str) -> str:
         if EXIT_MAIN_GUARD in self.exit_codes().values():
             return MAIN_GUARD_MESSAGE
@@ -86,7 +99,7 @@ class DriverLoop:
         members = set(self.coordinator.state.members)
         for message in self.coordinator.errors:
             if message["device_id"] in members or self.coordinator.state.generation == 0:
-                self.store.set("stop", "a device reported an error")
+                control.tell_devices(self.store, "stop", "a device reported an error")
                 raise TrainingError(self._device_error(message))
             print(f"flexpar: joining device {message['device_id']} failed and was dropped: "
                   f"{message['message']}", file=sys.stderr, flush=True)
@@ -112,18 +125,42 @@ class DriverLoop:
                 self._write_ledger(record)
                 self.steps.append(record)
                 self._emit(record)
+                self._notify("on_step", record)
                 self._fire_schedule(record["step"] + 1)
                 self.coordinator.write_status({
                     "step": record["step"] + 1, "total_steps": self.total_steps,
                     "samples_per_s": record["samples_per_s"], "loss": record["loss"],
                     "assignment": record["assignment"], "address": self.address,
                 })
+            elif record["kind"] == "eval":
+                self._relay_eval(record)
             else:
                 previous = list(self.devices)
                 self.events.append(record)
                 self._emit(record)
+                self._notify("on_event", record)
                 if record["event"] in ("join", "leave", "failure"):
                     self._report_schedule(self.schedule.observed(previous, record))
+
+    def _relay_eval(self, record: dict) -> None:
+        """One record per evaluated step (a new generation may evaluate a step again); then the
+        callbacks' verdict, which the devices wait for when a callback's on_eval may stop the job."""
+        if any(seen["step"] == record["step"] for seen in self.evals):
+            return
+        record["elapsed_s"] = max(0.0, record["time"] - self.started)
+        self.evals.append(record)
+        self._emit(record)
+        reason = self._notify("on_eval", record)
+        self.store.set(f"verdict/{record['step']}", reason or self.callbacks.stop_reason or "")
+
+    def _notify(self, hook: str, record: dict):
+        """The callbacks' hook; a STOP becomes a clean stop of the job (CallbackError propagates)."""
+        if not self.callbacks:
+            return None
+        reason = self.callbacks.call(hook, record)
+        if reason:
+            self.coordinator.finish(reason, note=not self.options.quiet)
+        return reason
 
     def _write_ledger(self, record: dict) -> None:
         """A step record's sample ledger (only with sample_ledger=True) goes to ledger.jsonl."""
@@ -148,7 +185,7 @@ class DriverLoop:
                     self._report_schedule(self.schedule.answered(request_id, action))
         while self.pending_speeds and committed >= self.pending_speeds[0].step:
             change = self.pending_speeds.pop(0)
-            self.store.set(f"speed/local-{change.device}", str(change.speed))
+            control.tell_devices(self.store, f"speed/local-{change.device}", str(change.speed))
 
     def _report_schedule(self, lines: list) -> None:
         """A schedule entry was late, refused or never applied: log, metrics file, summary."""
@@ -159,6 +196,7 @@ class DriverLoop:
                       "stall_s": 0.0, "detail": line}
             self.events.append(record)
             self._emit(record)
+            self._notify("on_event", record)
             if self.display is None and not self.options.quiet:
                 print(f"flexpar: {line}", file=sys.stderr, flush=True)
 
@@ -181,6 +219,8 @@ class DriverLoop:
             "metrics_path": self.metrics_path,
             "sample_ledger": self.ledger_file.name if self.ledger_file is not None else "",
             "run_dir": self.run_dir,
+            "eval": ({"step": self.evals[-1]["step"], "metrics": dict(self.evals[-1]["metrics"])}
+                     if self.evals else None),
         }
 
 

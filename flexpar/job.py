@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import multiprocessing
@@ -37,11 +38,23 @@ class Job:
     model:          zero-argument factory returning an nn.Module (called under
                     torch.manual_seed(seed), so every device builds the same one)
     optimizer:      maps an iterable of parameters to a torch.optim.Optimizer
-    loss:           loss(model, batch) -> scalar mean loss of the batch
+    loss:           loss(model, batch) -> scalar mean loss of the batch, or a pair
+                    (loss_sum, count): the gradient is then the token mean of the whole
+                    global batch, sum of loss_sum / sum of count over every VW and device
     dataset:        any map-style torch Dataset
     global_batch:   samples per optimizer step, independent of the device count
     virtual_workers / micro_batch: how the global batch is cut (give one)
     lr_scheduler:   optional, maps the optimizer to a scheduler stepped once per step
+    eval_dataset / evaluate: optional evaluation set and evaluate(model, batch) -> dict of
+                    metrics summed over the batch ({"loss_sum": ..., "correct": ..., "count": ...}),
+                    run every `eval_every` steps and after the last (flexpar/evaluator.py)
+    eval_batch:     samples per evaluation batch (default: the micro-batch, global_batch / V)
+    mixed_precision: None, "bf16" or "fp16": each VW's forward and loss run under torch.autocast;
+                    "fp16" adds dynamic loss scaling (flexpar/recipes.py), tuned by
+                    grad_scaler={"init_scale", "growth_factor", "backoff_factor", "growth_interval"}
+    max_grad_norm:  clip the 2-norm of the summed global gradient (dense and sparse) to this
+    compile / compile_options: torch.compile the model in every worker (options: torch.compile's
+                    keyword arguments, e.g. {"mode": "max-autotune"} or {"backend": "aot_eager"})
     """
 
     model: Callable[[], nn.Module]
@@ -55,6 +68,14 @@ class Job:
     lr_scheduler: Optional[Callable] = None
     collate_fn: Optional[Callable] = None
     num_workers: int = 0
+    eval_dataset: Any = None
+    evaluate: Optional[Callable[[nn.Module, Any], dict]] = None
+    eval_batch: Optional[int] = None
+    mixed_precision: Optional[str] = None
+    max_grad_norm: Optional[float] = None
+    grad_scaler: Optional[dict] = None
+    compile: bool = False
+    compile_options: Optional[dict] = None
 
     def __post_init__(self):
         for name in ("model", "optimizer", "loss"):
@@ -74,6 +95,74 @@ class Job:
             )
         if self.num_workers < 0:
             raise ValueError(f"num_workers={self.num_workers} must be >= 0")
+        self._check_evaluation()
+        self._check_recipe()
+
+    def _check_recipe(self) -> None:
+        """mixed_precision, grad_scaler, max_grad_norm, compile and compile_options (flexpar/recipes.py)."""
+        from flexpar import recipes
+
+        if self.mixed_precision is not None and self.mixed_precision not in recipes.MIXED_PRECISION:
+            raise ValueError(f"mixed_precision={self.mixed_precision!r} must be None, \"bf16\" or \"fp16\"")
+        if self.grad_scaler is not None:
+            if self.mixed_precision != "fp16":
+                raise ValueError("grad_scaler= tunes fp16 loss scaling; it needs mixed_precision=\"fp16\" "
+                                 "(bf16 and full precision need no scaler)")
+            if not isinstance(self.grad_scaler, dict) or set(self.grad_scaler) - set(recipes.SCALER_DEFAULTS):
+                unknown = sorted(set(self.grad_scaler) - set(recipes.SCALER_DEFAULTS)) \
+                    if isinstance(self.grad_scaler, dict) else self.grad_scaler
+                raise ValueError(f"grad_scaler= takes a dict with keys {', '.join(recipes.SCALER_DEFAULTS)}; "
+                                 f"got {unknown!r}")
+            settings = {**recipes.SCALER_DEFAULTS, **self.grad_scaler}
+            for name, ok, rule in (("init_scale", settings["init_scale"] > 0, "> 0"),
+                                   ("growth_factor", settings["growth_factor"] > 1, "> 1"),
+                                   ("backoff_factor", 0 < settings["backoff_factor"] < 1, "in (0, 1)")):
+                if not _is_real(settings[name]) or not math.isfinite(settings[name]) or not ok:
+                    raise ValueError(f"grad_scaler[{name!r}]={settings[name]!r} must be a number {rule}")
+            interval = settings["growth_interval"]
+            if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+                raise ValueError(f"grad_scaler['growth_interval']={interval!r} must be a whole number >= 1")
+        if self.max_grad_norm is not None and (
+                not _is_real(self.max_grad_norm) or not math.isfinite(self.max_grad_norm) or self.max_grad_norm <= 0):
+            raise ValueError(f"max_grad_norm={self.max_grad_norm!r} must be a number > 0 (or None: no clipping)")
+        if not isinstance(self.compile, bool):
+            raise TypeError(f"compile={self.compile!r} must be True or False (options go in compile_options=)")
+        if self.compile_options is not None:
+            if not self.compile:
+                raise ValueError("compile_options= needs compile=True")
+            if not isinstance(self.compile_options, dict) or set(self.compile_options) - set(recipes.COMPILE_KEYS):
+                unknown = sorted(set(self.compile_options) - set(recipes.COMPILE_KEYS)) \
+                    if isinstance(self.compile_options, dict) else self.compile_options
+                raise ValueError(f"compile_options= takes torch.compile's keyword arguments "
+                                 f"({', '.join(recipes.COMPILE_KEYS)}); got {unknown!r}")
+        if self.compile:
+            problem = recipes.compile_problem("any")  # this Python; the device's own check runs in each worker
+            if problem is not None:
+                raise ValueError(f"compile=True cannot run here: {problem}")
+
+    def _check_evaluation(self) -> None:
+        if (self.eval_dataset is None) != (self.evaluate is None):
+            given, missing = ("eval_dataset", "evaluate") if self.evaluate is None else ("evaluate", "eval_dataset")
+            raise ValueError(f"{given}= needs {missing}= too: an evaluation is evaluate(model, batch) over eval_dataset")
+        if self.evaluate is None:
+            if self.eval_batch is not None:
+                raise ValueError("eval_batch= needs an evaluation set (eval_dataset= and evaluate=)")
+            return
+        if not callable(self.evaluate):
+            raise TypeError(f"evaluate= must be a function evaluate(model, batch) -> dict "
+                            f"(got {type(self.evaluate).__name__})")
+        if not hasattr(self.eval_dataset, "__getitem__") or not hasattr(self.eval_dataset, "__len__"):
+            raise TypeError("eval_dataset= must be a map-style Dataset (with __getitem__ and __len__)")
+        if len(self.eval_dataset) < 1:
+            raise ValueError("eval_dataset= is empty")
+        if self.eval_batch is not None and (isinstance(self.eval_batch, bool) or not isinstance(self.eval_batch, int)
+                                            or self.eval_batch < 1):
+            raise ValueError(f"eval_batch={self.eval_batch!r} must be a positive whole number")
+
+    @property
+    def eval_batch_size(self) -> int:
+        """Samples per evaluation batch: eval_batch, else the micro-batch."""
+        return self.eval_batch or self.micro_batch_size
 
     def _virtual_workers(self) -> int:
         if self.virtual_workers is not None and self.micro_batch is not None:
@@ -174,10 +263,49 @@ def check_loss(value, step: int, virtual_worker: int) -> float:
     if not isinstance(value, torch.Tensor) or value.dim() != 0:
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise UserCodeError(
-            f"loss(model, batch) must return a scalar tensor (the mean loss of the batch); at step "
-            f"{step}, virtual worker {virtual_worker} it returned {shape}. Reduce it, e.g. with .mean()"
+            f"loss(model, batch) must return a scalar tensor (the mean loss of the batch) or a pair "
+            f"(loss_sum, count); at step {step}, virtual worker {virtual_worker} it returned {shape}. "
+            f"Reduce it, e.g. with .mean()"
         )
     return float(value.detach())
+
+
+class LossTerms(NamedTuple):
+    """What one VW's loss returned: the tensor to differentiate, its value, and the pair's count (or None)."""
+
+    tensor: torch.Tensor
+    value: float
+    count: Optional[float]
+
+
+def loss_terms(result, step: int, virtual_worker: int) -> LossTerms:
+    """A scalar loss, or a pair (loss_sum, count) with a positive finite count; anything else is a user error."""
+    if not isinstance(result, (tuple, list)):
+        return LossTerms(result, check_loss(result, step, virtual_worker), None)
+    where = f"at step {step}, virtual worker {virtual_worker}"
+    if len(result) != 2:
+        raise UserCodeError(f"loss(model, batch) returned a {type(result).__name__} of {len(result)} items {where}; "
+                            "return a scalar tensor (the mean loss) or a pair (loss_sum, count)")
+    loss_sum, count = result
+    value = check_loss(loss_sum, step, virtual_worker)
+    number = None
+    if isinstance(count, torch.Tensor) and count.numel() == 1 and not count.is_complex():
+        number = float(count.detach())
+    elif _is_real(count):
+        number = float(count)
+    if number is None or not math.isfinite(number) or number <= 0:
+        shown = f"tensor {count.detach().cpu().tolist()!r}" if isinstance(count, torch.Tensor) else repr(count)
+        raise UserCodeError(
+            f"loss(model, batch) returned the pair (loss_sum, count) with count {shown} {where}; the count "
+            "(for example the number of non-padding tokens) must be a positive number, and every virtual "
+            "worker's batch must count at least one"
+        )
+    return LossTerms(loss_sum, value, number)
+
+
+def _is_real(value) -> bool:
+    """A real number: int or float, not bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def nonfinite_message(step: int, virtual_worker: int) -> str:
@@ -198,7 +326,7 @@ def model_digest(model: nn.Module) -> str:
 
 def pickle_pieces(job: Job) -> bytes:
     """The job as bytes for the workers; each piece that cannot travel is named."""
-    for name in ("model", "optimizer", "loss", "lr_scheduler", "collate_fn", "dataset"):
+    for name in ("model", "optimizer", "loss", "lr_scheduler", "collate_fn", "dataset", "evaluate", "eval_dataset"):
         piece = getattr(job, name)
         if piece is None:
             continue
@@ -221,12 +349,20 @@ def first_batch_check(job: Job, model: nn.Module) -> None:
         job.seed, 0, 0, len(job.dataset), job.global_batch, job.virtual_workers
     )
     batch = load_batch(job, indices, batching.data_seed(job.seed, 0, 0))
+    from flexpar import recipes
+
+    if not torch.cuda.is_available():  # a CPU job: the workers' device type is known here already
+        recipes.check_mixed_precision(job, "cpu")
+        recipes.check_compile(job, "cpu")
+    dtype = recipes.autocast_dtype(job)
+    # Under autocast, as in the workers, where the driver's CPU supports it (else plain).
+    precision = recipes.autocast(job, "cpu") if dtype and not recipes.autocast_problem("cpu", dtype) else None
     # Eval mode: the check must not move BatchNorm statistics of the model we return.
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
-            value = check_loss(job.loss(model, batch), 0, 0)
+        with torch.no_grad(), (precision or contextlib.nullcontext()):
+            value = loss_terms(job.loss(model, batch), 0, 0).value
     finally:
         model.train(was_training)
     if not math.isfinite(value):

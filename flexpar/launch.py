@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from flexpar import control, membership, state as training_state
+from flexpar import callbacks as callbacks_module, evaluator, trackers as trackers_module
 from flexpar.job import (
     FitResult, Job, build_model, build_optimizer, first_batch_check,
     model_digest, pickle_pieces,
@@ -132,6 +133,10 @@ def run(job: Job, options: FitOptions) -> FitResult:
     model = build_model(job)
     build_optimizer(job, model)
     first_batch_check(job, model)
+    if options.eval_every and job.evaluate is None:
+        raise ValueError(f"eval_every={options.eval_every} needs an evaluation set: "
+                         "Job(..., eval_dataset=DATASET, evaluate=FUNCTION)")
+    eval_keys = evaluator.metric_keys(job, model) if job.evaluate is not None else ()
     payload = pickle_pieces(job)
     total_steps = options.steps or options.epochs * job.steps_per_epoch()
     resume_path = None
@@ -140,12 +145,16 @@ def run(job: Job, options: FitOptions) -> FitResult:
         if resume_path is None:
             raise ValueError(f"resume=True but {options.checkpoint_dir} holds no checkpoint (step-*.pt)")
     run_dir, metrics_path = run_paths(options)
+    callbacks = callbacks_module.Dispatcher(options.callbacks + tuple(trackers_module.create(options.trackers, run_dir)))
     script = getattr(sys.modules.get("__main__"), "__file__", None) or ""
     settings = RunSettings(total_steps, backend, options.timeout_s, options.bucket_mb,
                            options.checkpoint_every, options.checkpoint_dir, resume_path,
                            tuple((f.step, f.device, f.phase, f.signal) for f in options.faults),
                            rescue_dir=os.path.abspath(run_dir), script=os.path.abspath(script) if script else "",
-                           preemption_grace_s=options.preemption_grace_s, sample_ledger=options.sample_ledger)
+                           preemption_grace_s=options.preemption_grace_s, sample_ledger=options.sample_ledger,
+                           eval_every=options.eval_every, eval_keys=tuple(eval_keys),
+                           eval_verdict=bool(options.eval_every and eval_keys and callbacks.can_stop_at_eval),
+                           keep_checkpoints=options.keep_checkpoints)
     secret = options.secret or secrets.token_hex(16)
     store = control.connect(options.host, options.port, options.timeout_s, server=True)
     address = f"{options.host}:{store.port}"
@@ -168,7 +177,8 @@ def run(job: Job, options: FitOptions) -> FitResult:
     from flexpar.driver_loop import DriverLoop
 
     loop = DriverLoop(store, coordinator, options, total_steps, job.global_batch, address,
-                      run_dir, metrics_path, exit_codes=lambda: dict(local.exit_codes))
+                      run_dir, metrics_path, exit_codes=lambda: dict(local.exit_codes), callbacks=callbacks)
+    ended_well = False
     terminated = threading.Event()
     try:
         with _finish_on_sigterm(coordinator, terminated):
@@ -179,15 +189,18 @@ def run(job: Job, options: FitOptions) -> FitResult:
         model.load_state_dict(result["model"])
         summary = loop.summary(result["step"])
         summary["resumed_from"] = training_state.checkpoint_step(resume_path) if resume_path else None
+        callbacks.call("on_end", summary)
+        ended_well = True
     except KeyboardInterrupt:
-        store.set("stop", "interrupted (Ctrl-C)")
+        control.tell_devices(store, "stop", "interrupted (Ctrl-C)")
         local.shutdown(grace_s=2.0)
         print("flexpar: interrupted (Ctrl-C); the workers are stopped", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
     finally:
         if not store.check(["done"]):
-            store.set("stop", "the driver stopped")
+            control.tell_devices(store, "stop", "the driver stopped")
         local.shutdown()
+        callbacks.close(failed=not ended_well)
     if terminated.is_set():
         where = f"; checkpoint {summary['checkpoint']}" if summary["checkpoint"] else (
             "; no checkpoint (pass --checkpoint-dir to keep one)")

@@ -1,23 +1,25 @@
-"""Step and event records, their JSON-lines file, the live display and the timeline plot.
+"""Step, event and eval records: their schema, validation and JSON-lines file.
 
 A training job reports what it does as plain dict records (JSON-serialisable):
-one *step record* per committed step and one *event record* per change of the
-job (start, join, leave, failure, rebalance, refused joiner, end). The schema is
-fixed here and documented for users in ``docs/metrics.md``; ``validate_record``
-enforces it, so a record that reaches a file or a display is known to be whole.
+one *step record* per committed step, one *event record* per change of the
+job (start, join, leave, failure, rebalance, refused joiner, late or refused
+schedule entry, early stop, end) and one *eval record* per evaluation. The
+schema is fixed here and documented for users in ``docs/metrics.md``;
+``validate_record`` enforces it, so a record that reaches a file or a display
+is known to be whole.
 
-The optional extras are imported lazily: ``rich`` only when a live terminal
-display is wanted (``flexpar[display]``), ``matplotlib`` only when a plot is
-drawn (``flexpar[plot]``). Without them the job still runs and logs.
+This module also holds the small pure helpers that the two readers of
+records share: ``flexpar.display`` (``LiveDisplay``, the live panel and the
+log lines) and ``flexpar.plot`` (``plot_timeline``). Both import from here,
+never the reverse, and this module needs neither ``rich`` nor ``matplotlib``.
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import math
-import sys
+import re
 import threading
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -36,6 +38,7 @@ STEP_KEYS: tuple[str, ...] = (
     "busy_s",
     "imbalance",
     "lr",
+    "grad_norm",
 )
 """Every key of a step record, in schema order; all are required."""
 
@@ -54,9 +57,24 @@ EVENT_KEYS: tuple[str, ...] = (
 EVENT_KINDS: tuple[str, ...] = ("start", "join", "leave", "failure", "rebalance", "end", "refused", "schedule", "stop")
 """The allowed values of an event record's ``event`` field."""
 
+EVAL_KEYS: tuple[str, ...] = (
+    "kind",
+    "step",
+    "time",
+    "elapsed_s",
+    "generation",
+    "devices",
+    "eval_s",
+    "metrics",
+)
+"""Every key of an eval record (one per evaluation of the model), in schema order; all are required."""
+
 # Events after which the device set differs from the one before: the plot marks
 # these with a vertical line, the display shows who came or went.
 DEVICE_SET_EVENTS: tuple[str, ...] = ("join", "leave", "failure")
+
+# Events that call for attention: logged at WARNING by the display.
+WARNING_EVENTS: tuple[str, ...] = ("failure", "refused", "schedule")
 
 LOGGER_NAME = "flexpar"
 
@@ -166,6 +184,8 @@ def _validate_step(record: Mapping[str, Any]) -> None:
     _check_float_list("busy_s", record["busy_s"], minimum=0.0)
     _check_float("imbalance", record["imbalance"], minimum=0.0, maximum=1.0)
     _check_float("lr", record["lr"], minimum=0.0)
+    # The applied gradient's norm before clipping; inf or nan marks a step fp16 skipped.
+    _check_float("grad_norm", record["grad_norm"], minimum=0.0, finite=False)
     device_count = len(record["devices"])
     for field in ("assignment", "busy_s"):
         if len(record[field]) != device_count:
@@ -189,6 +209,25 @@ def _validate_event(record: Mapping[str, Any]) -> None:
         raise ValueError(f"field 'detail' must be a str, got {_type_name(record['detail'])} {record['detail']!r}")
 
 
+def _validate_eval(record: Mapping[str, Any]) -> None:
+    _check_keys("eval", record, EVAL_KEYS)
+    _check_int("step", record["step"], 0)
+    _check_float("time", record["time"])
+    _check_float("elapsed_s", record["elapsed_s"], minimum=0.0)
+    _check_int("generation", record["generation"], 1)
+    _check_devices("devices", record["devices"], allow_empty=False)
+    _check_float("eval_s", record["eval_s"], minimum=0.0)
+    metrics = record["metrics"]
+    if not isinstance(metrics, Mapping) or not metrics:
+        raise ValueError(f"field 'metrics' must be a non-empty dict of metric name -> number, got "
+                         f"{_type_name(metrics)} {metrics!r}")
+    for name, value in metrics.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"field 'metrics' has the key {name!r}; metric names are non-empty strings")
+        # A diverged model's sums may be nan or inf, as a step's loss may.
+        _check_float(f"metrics[{name!r}]", value, finite=False)
+
+
 def validate_record(record: dict) -> None:
     """Raise ValueError, naming the field and the problem, unless `record` follows the schema.
 
@@ -200,14 +239,16 @@ def validate_record(record: dict) -> None:
     if not isinstance(record, Mapping):
         raise ValueError(f"a record must be a dict, got {_type_name(record)}")
     if "kind" not in record:
-        raise ValueError("field 'kind' is missing; it must be 'step' or 'event'")
+        raise ValueError("field 'kind' is missing; it must be 'step', 'event' or 'eval'")
     kind = record["kind"]
     if kind == "step":
         _validate_step(record)
     elif kind == "event":
         _validate_event(record)
+    elif kind == "eval":
+        _validate_eval(record)
     else:
-        raise ValueError(f"field 'kind' must be 'step' or 'event', got {kind!r}")
+        raise ValueError(f"field 'kind' must be 'step', 'event' or 'eval', got {kind!r}")
 
 
 # ---------------------------------------------------------------------------
@@ -329,601 +370,31 @@ def event_label(event: Mapping[str, Any], previous_devices: Sequence[str]) -> st
     return f"{prefix}{event['event']}{stall}"
 
 
-def estimate_remaining_s(
-    first_step: int, first_elapsed_s: float, step: int, elapsed_s: float, total_steps: int
-) -> Optional[float]:
-    """Seconds until step `total_steps - 1` commits, at the mean pace since `first_step`.
+def eval_means(metrics: Mapping[str, Any]) -> dict:
+    """Per-sample means of an eval record's sums when it holds a `count` (flexpar.evaluation.means)."""
+    from flexpar.evaluation import means
 
-    None while there is no pace yet (fewer than two observed steps). The pace
-    includes stalls, which is what a user waiting for the job wants.
+    return means(metrics)
+
+_SPLIT = re.compile(r"\[\s*(\d+(?:\s*,\s*\d+)*)\s*\]\s*->\s*\[\s*(\d+(?:\s*,\s*\d+)*)\s*\]")
+
+
+def rebalance_change(event: Mapping[str, Any]) -> Optional[tuple[list[int], list[int]]]:
+    """(split before, split after) of a rebalance event, read from its detail; None if it has none.
+
+    The worker writes the detail as ``"[8, 8] -> [9, 7]"`` (VWs per device in
+    rank order, aligned with the event's ``devices``). Any other text gives
+    None, so a reader copes with records from elsewhere.
     """
-    steps_done = step - first_step
-    if steps_done <= 0 or elapsed_s <= first_elapsed_s:
+    if event.get("event") != "rebalance":
         return None
-    seconds_per_step = (elapsed_s - first_elapsed_s) / steps_done
-    return max(0, total_steps - 1 - step) * seconds_per_step
-
-
-def format_duration(seconds: Optional[float]) -> str:
-    """"0:01:05" style; "?" when unknown."""
-    if seconds is None or not math.isfinite(seconds):
-        return "?"
-    whole = int(round(seconds))
-    hours, rest = divmod(whole, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}"
-
-
-def _format_assignment(devices: Sequence[str], assignment: Sequence[int], limit: int = 8) -> str:
-    # Beyond a handful of devices a per-device list makes the log line unreadable.
-    if len(devices) > limit:
-        return f"{len(devices)} devices, {min(assignment)}-{max(assignment)} VWs each"
-    return " ".join(f"{device_id}:{count}" for device_id, count in zip(devices, assignment))
-
-
-def format_step_line(record: Mapping[str, Any], total_steps: int, remaining_s: Optional[float]) -> str:
-    """The plain log line of a step record (used without a terminal)."""
-    done = record["step"] + 1
-    percent = 100.0 * done / total_steps if total_steps else 0.0
-    return (
-        f"step {done}/{total_steps} ({percent:.0f}%) loss {record['loss']:.4g} | "
-        f"{record['samples_per_s']:.1f} samples/s | step {record['step_time_s']:.3f} s | "
-        f"generation {record['generation']}, VWs {_format_assignment(record['devices'], record['assignment'])} | "
-        f"imbalance {100.0 * record['imbalance']:.1f}% | ETA {format_duration(remaining_s)}"
-    )
-
-
-def format_event_line(record: Mapping[str, Any], previous_devices: Sequence[str]) -> str:
-    """The plain log line of an event record."""
-    added, removed = device_change(previous_devices, record["devices"])
-    change = " ".join([f"+{device_id}" for device_id in added] + [f"-{device_id}" for device_id in removed])
-    parts = [
-        f"event {record['event']} at step {record['step']}",
-        f"generation {record['generation']}",
-        f"{len(record['devices'])} devices" + (f" ({change})" if change else ""),
-    ]
-    if record["stall_s"] > 0:
-        parts.append(f"stall {record['stall_s']:.2f} s")
-    if record["detail"]:
-        parts.append(record["detail"])
-    return ", ".join(parts)
-
-
-# ---------------------------------------------------------------------------
-# Live display
-# ---------------------------------------------------------------------------
-
-_RECENT_EVENTS = 5
-_EVENT_STYLES = {
-    "join": "green",
-    "leave": "yellow",
-    "failure": "bold red",
-    "rebalance": "cyan",
-    "refused": "magenta",
-    "start": "dim",
-    "end": "dim",
-}
-
-
-def _is_terminal(console, force_terminal: Optional[bool]) -> bool:
-    if force_terminal is not None:
-        return bool(force_terminal)
-    if console is not None:
-        return bool(console.is_terminal)
-    # Checked without importing rich, so that a CI run never pays for it.
-    stream = sys.stdout
-    return bool(getattr(stream, "isatty", None) and stream.isatty())
-
-
-class LiveDisplay:
-    """Shows a job's progress: a rich live panel on a terminal, log lines elsewhere.
-
-    On a terminal (or with ``force_terminal=True``) and with ``rich``
-    installed, a panel shows a progress bar (step / total, ETA), throughput,
-    loss, generation, the device set with each device's VW count and busy time
-    as bars, the imbalance, and the most recent events. It is redrawn by rich's
-    refresh thread a few times a second; ``update`` only stores the record, so
-    it stays cheap when called once per step.
-
-    Otherwise (CI, a pipe, no rich) it logs through the "flexpar" logger: one
-    line every `log_every` steps (and at the last step) and one line per event
-    record (failures and refused joiners at WARNING, the rest at INFO).
-    """
-
-    def __init__(
-        self,
-        total_steps: int,
-        *,
-        log_every: int = 10,
-        console=None,
-        force_terminal: Optional[bool] = None,
-    ):
-        if not _is_int(total_steps) or total_steps < 1:
-            raise ValueError(f"total_steps must be an int >= 1, got {total_steps!r}")
-        if not _is_int(log_every) or log_every < 1:
-            raise ValueError(f"log_every must be an int >= 1, got {log_every!r}")
-        self.total_steps = total_steps
-        self.log_every = log_every
-        self._logger = logging.getLogger(LOGGER_NAME)
-        self._lock = threading.Lock()
-        self._last_step: Optional[Mapping[str, Any]] = None
-        self._first_step: Optional[tuple[int, float]] = None
-        self._devices: tuple[str, ...] = ()
-        self._generation: Optional[int] = None
-        self._events: collections.deque = collections.deque(maxlen=_RECENT_EVENTS)
-        self._closed = False
-        self._live = None
-        self._progress = None
-        self._task = None
-        if _is_terminal(console, force_terminal):
-            self._start_rich(console)
-
-    # -- mode selection ---------------------------------------------------
-
-    @property
-    def uses_rich(self) -> bool:
-        """True when the rich live panel is shown, False when logging."""
-        return self._live is not None
-
-    def _start_rich(self, console) -> None:
-        try:
-            from rich.console import Console
-            from rich.live import Live
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-                TimeRemainingColumn,
-            )
-        except ImportError:
-            self._logger.info("rich is not installed, logging progress instead (pip install flexpar[display])")
-            return
-        if console is None:
-            console = Console(force_terminal=True)
-        # The progress bar is rendered inside our own Live, never started on its own.
-        self._progress = Progress(
-            TextColumn("[bold]training"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("steps"),
-            TimeElapsedColumn(),
-            TextColumn("ETA"),
-            TimeRemainingColumn(),
-            console=console,
-            auto_refresh=False,
-        )
-        self._task = self._progress.add_task("training", total=self.total_steps)
-        # get_renderable is called by the refresh thread; update() only stores state.
-        self._live = Live(
-            get_renderable=self._render,
-            console=console,
-            refresh_per_second=4,
-            transient=False,
-        )
-        self._live.start()
-
-    # -- feeding ------------------------------------------------------------
-
-    def update(self, record: dict) -> None:
-        """Take one step or event record (see the schema). Records of other kinds raise ValueError."""
-        kind = record.get("kind") if isinstance(record, Mapping) else None
-        if kind == "step":
-            self._update_step(record)
-        elif kind == "event":
-            self._update_event(record)
-        else:
-            raise ValueError(f"LiveDisplay.update: field 'kind' must be 'step' or 'event', got {kind!r}")
-
-    def _update_step(self, record: Mapping[str, Any]) -> None:
-        with self._lock:
-            if self._first_step is None:
-                self._first_step = (record["step"], record["elapsed_s"])
-            self._last_step = record
-            self._devices = tuple(record["devices"])
-            self._generation = record["generation"]
-        done = record["step"] + 1
-        if self._progress is not None:
-            self._progress.update(self._task, completed=done)
-            return
-        if done % self.log_every == 0 or done == self.total_steps:
-            first_step, first_elapsed = self._first_step
-            remaining = estimate_remaining_s(
-                first_step, first_elapsed, record["step"], record["elapsed_s"], self.total_steps
-            )
-            self._logger.info(format_step_line(record, self.total_steps, remaining))
-
-    def _update_event(self, record: Mapping[str, Any]) -> None:
-        with self._lock:
-            previous = self._devices
-            line = format_event_line(record, previous)
-            self._events.append((record, line))
-            self._devices = tuple(record["devices"])
-            self._generation = record["generation"]
-        if self._live is None:
-            level = logging.WARNING if record["event"] in ("failure", "refused") else logging.INFO
-            self._logger.log(level, line)
-
-    # -- rendering (rich only) ----------------------------------------------
-
-    def _render(self):
-        from rich.bar import Bar
-        from rich.console import Group
-        from rich.table import Table
-        from rich.text import Text
-
-        with self._lock:
-            step = self._last_step
-            events = list(self._events)
-            generation = self._generation
-            devices = self._devices
-        parts: list = [self._progress]
-        if step is None:
-            parts.append(Text(f"waiting for the first step; generation {generation or '-'}, {len(devices)} devices"))
-        else:
-            parts.append(
-                Text.assemble(
-                    ("loss ", "dim"),
-                    (f"{step['loss']:.4g}", "bold"),
-                    ("   samples/s ", "dim"),
-                    f"{step['samples_per_s']:.1f}",
-                    ("   step ", "dim"),
-                    f"{step['step_time_s']:.3f} s",
-                    ("   lr ", "dim"),
-                    f"{step['lr']:.3g}",
-                    ("   generation ", "dim"),
-                    str(step["generation"]),
-                    ("   imbalance ", "dim"),
-                    (f"{100.0 * step['imbalance']:.1f}%", "bold"),
-                )
-            )
-            parts.append(self._device_table(step, Table, Bar))
-        if events:
-            event_table = Table(title="recent events", title_justify="left", box=None, show_header=False, pad_edge=False)
-            for record, line in events:
-                event_table.add_row(Text(line, style=_EVENT_STYLES.get(record["event"], "")))
-            parts.append(event_table)
-        return Group(*parts)
-
-    @staticmethod
-    def _device_table(step: Mapping[str, Any], table_class, bar_class):
-        table = table_class(box=None, pad_edge=False, header_style="dim")
-        table.add_column("device")
-        table.add_column("VWs", justify="right")
-        table.add_column("busy", justify="right")
-        table.add_column("", width=30)
-        longest = max(step["busy_s"]) or 1.0
-        for device_id, count, busy in zip(step["devices"], step["assignment"], step["busy_s"]):
-            table.add_row(device_id, str(count), f"{busy:.3f} s", bar_class(longest, 0.0, busy, width=30, color="cyan"))
-        return table
-
-    # -- life cycle -----------------------------------------------------------
-
-    def close(self) -> None:
-        """Stop the live panel (its last state stays on screen); closing twice is harmless."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._live is not None:
-            self._live.stop()
-
-    def __enter__(self) -> "LiveDisplay":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
-
-
-# ---------------------------------------------------------------------------
-# Timeline plot
-# ---------------------------------------------------------------------------
-
-_EVENT_COLORS = {"join": "#2ca02c", "leave": "#ff7f0e", "failure": "#d62728", "rebalance": "0.45"}
-_MOST_LABELLED_REBALANCES = 20
-
-
-def _import_matplotlib():
-    try:
-        import matplotlib  # noqa: F401
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise ImportError("plot_timeline needs matplotlib: pip install flexpar[plot]") from None
-    return Figure, FigureCanvasAgg
-
-
-def _device_order(steps: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Device ids in order of first appearance (stable colours and stacking)."""
-    seen: dict[str, None] = {}
-    for record in steps:
-        for device_id in record["devices"]:
-            seen.setdefault(device_id, None)
-    return list(seen)
-
-
-def _per_device_series(
-    steps: Sequence[Mapping[str, Any]], devices: Sequence[str], field: str, absent: float
-) -> list[list[float]]:
-    """For each device, `field` per step; `absent` where the device was not in the step."""
-    series = {device_id: [absent] * len(steps) for device_id in devices}
-    for position, record in enumerate(steps):
-        for device_id, value in zip(record["devices"], record[field]):
-            series[device_id][position] = float(value)
-    return [series[device_id] for device_id in devices]
-
-
-def step_spans(steps: Sequence[Mapping[str, Any]]) -> list[tuple[float, float]]:
-    """(start, end) wall seconds of each step: end is its commit, start end - step_time_s.
-
-    A start is clamped to the previous end, so spans never overlap even when a
-    step's own clock read slightly more than the wall time between commits.
-    """
-    spans: list[tuple[float, float]] = []
-    previous_end = -math.inf
-    for record in steps:
-        end = record["elapsed_s"]
-        start = max(end - record["step_time_s"], min(previous_end, end))
-        spans.append((start, end))
-        previous_end = end
-    return spans
-
-
-def stall_gaps(spans: Sequence[tuple[float, float]]) -> list[bool]:
-    """For each step after the first: did training pause before it?
-
-    A pause is a gap between the previous commit and this step's start longer
-    than a quarter of this step (stalls, checkpoints, a hung peer). Lines and
-    areas are broken there instead of being drawn across time nothing ran.
-    """
-    gaps = []
-    for (_, previous_end), (start, end) in zip(spans, spans[1:]):
-        gaps.append(start - previous_end > 0.25 * max(end - start, 1e-9))
-    return gaps
-
-
-def _broken_line(times: Sequence[float], values: Sequence[float], gaps: Sequence[bool]):
-    """x, y with a NaN point inserted at every gap, which matplotlib draws as a break."""
-    xs, ys = [times[0]], [values[0]]
-    for position in range(1, len(times)):
-        if gaps[position - 1]:
-            xs.append(0.5 * (times[position - 1] + times[position]))
-            ys.append(math.nan)
-        xs.append(times[position])
-        ys.append(values[position])
-    return xs, ys
-
-
-def _step_outline(spans, values: Sequence[float], gaps: Sequence[bool]):
-    """x, y tracing a piecewise constant value over each step's span, NaN across gaps."""
-    xs: list[float] = []
-    ys: list[float] = []
-    for position, ((start, end), value) in enumerate(zip(spans, values)):
-        if position > 0 and gaps[position - 1]:
-            xs.append(0.5 * (spans[position - 1][1] + start))
-            ys.append(math.nan)
-        xs.extend((start, end))
-        ys.extend((value, value))
-    return xs, ys
-
-
-def _labelled_events(records: Sequence[Mapping[str, Any]]) -> list[tuple[Mapping[str, Any], str]]:
-    """(event, label) for each join/leave/failure/rebalance, labelled against the set before it."""
-    labelled = []
-    devices: Sequence[str] = ()
-    for record in records:
-        if record["kind"] == "event" and record["event"] in DEVICE_SET_EVENTS + ("rebalance",):
-            labelled.append((record, event_label(record, devices)))
-        devices = record["devices"]
-    return labelled
-
-
-def plot_timeline(metrics_path, output_path) -> None:
-    """Draw a metrics file as a PNG (or any format matplotlib infers from `output_path`).
-
-    Stacked panels share the x axis (wall seconds since the job started): an
-    event strip, throughput, loss, per-device busy time per step (with each
-    step's wall time) and the VWs per device as a stacked area. Each join,
-    leave and failure is a vertical line across all panels, labelled in the
-    strip with the change and the stall, e.g. "+1 join (stall 0.21 s)"; the
-    stall itself, which ends at the event's time, is shaded. Lines break
-    where training paused. Devices that exist in only part of the run appear
-    only there; alternate generations are shaded grey.
-
-    Raises ValueError when the file holds no step records and ImportError
-    (with the pip command) when matplotlib is missing. Draws on an Agg canvas
-    directly, so pyplot's global backend is never touched.
-    """
-    records = read_records(metrics_path)
-    steps = [record for record in records if record["kind"] == "step"]
-    if not steps:
-        raise ValueError(f"{metrics_path}: no step records to plot (it holds {len(records)} event records)")
-    Figure, FigureCanvasAgg = _import_matplotlib()
-
-    # elapsed_s counts from the job's start; the same origin places events (unix time).
-    origin = steps[0]["time"] - steps[0]["elapsed_s"]
-    times = [record["elapsed_s"] for record in steps]
-    spans = step_spans(steps)
-    gaps = stall_gaps(spans)
-    devices = _device_order(steps)
-    colors = _device_colors(devices)
-    events = _labelled_events(records)
-
-    figure = Figure(figsize=(11, 11.5), dpi=110, layout="constrained")
-    FigureCanvasAgg(figure)
-    axes = figure.subplots(5, 1, sharex=True, height_ratios=[0.75, 1.0, 1.0, 1.3, 1.1])
-    strip_axis, throughput_axis, loss_axis, busy_axis, assignment_axis = axes
-    data_axes = axes[1:]
-
-    end = max([times[-1]] + [event["time"] - origin for event, _ in events])
-    assignment_axis.set_xlim(0.0, end * 1.01 if end > 0 else 1.0)
-    generation_spans = _generation_spans(steps, spans)
-    _shade_generations(axes, generation_spans)
-    _draw_strip(strip_axis, generation_spans, end)
-    _draw_throughput(throughput_axis, times, steps, gaps)
-    _draw_loss(loss_axis, times, steps, gaps)
-    _draw_busy(busy_axis, times, steps, gaps, devices, colors)
-    _draw_assignment(assignment_axis, spans, steps, gaps, devices, colors)
-    _draw_events(strip_axis, data_axes, events, origin)
-
-    assignment_axis.set_xlabel("wall time since start (s)")
-    generations = sorted({record["generation"] for record in steps})
-    figure.suptitle(
-        f"flexpar run: {len(steps)} steps in {times[-1]:.1f} s on {len(devices)} devices "
-        f"(generations {generations[0]}-{generations[-1]})",
-        fontsize=12,
-    )
-    figure.savefig(output_path)
-
-
-def _device_colors(devices: Sequence[str]) -> dict[str, Any]:
-    from matplotlib import colormaps
-
-    palette = colormaps["tab10" if len(devices) <= 10 else "tab20"]
-    return {device_id: palette(position % palette.N) for position, device_id in enumerate(devices)}
-
-
-def _generation_spans(steps, spans) -> list[tuple[int, float, float]]:
-    """(generation, first step start, last step end) for each run of one generation."""
-    result: list[tuple[int, float, float]] = []
-    for record, (start, end) in zip(steps, spans):
-        if result and result[-1][0] == record["generation"]:
-            result[-1] = (result[-1][0], result[-1][1], end)
-        else:
-            result.append((record["generation"], start, end))
-    return result
-
-
-def _shade_generations(axes, generation_spans) -> None:
-    # Alternate light bands make "which steps ran on which device set" readable.
-    for position, (_generation, start, end) in enumerate(generation_spans):
-        if position % 2 == 1:
-            for axis in axes:
-                axis.axvspan(start, end, color="0.94", zorder=0, linewidth=0)
-
-
-def _style(axis, ylabel: str) -> None:
-    axis.set_ylabel(ylabel)
-    axis.set_axisbelow(True)
-    axis.grid(True, axis="y", color="0.88", linewidth=0.6)
-    axis.spines[["top", "right"]].set_visible(False)
-
-
-def _markers(count: int) -> dict[str, Any]:
-    # Markers help on short runs and only blur long ones.
-    return {"marker": "o", "markersize": 2.5} if count <= 200 else {}
-
-
-def _draw_strip(axis, generation_spans, end: float) -> None:
-    axis.set_ylim(0.0, 1.0)
-    axis.set_yticks([])
-    axis.spines[["top", "right", "left"]].set_visible(False)
-    axis.set_ylabel("events")
-    for generation, start, stop in generation_spans:
-        # Narrow generations get a short name or none: it would collide with the event labels.
-        share = (stop - start) / end if end > 0 else 1.0
-        name = f"generation {generation}" if share > 0.13 else f"gen {generation}" if share > 0.06 else ""
-        if name:
-            axis.text(0.5 * (start + stop), 0.97, name, ha="center", va="top", fontsize=8, color="0.35")
-
-
-def _draw_throughput(axis, times, steps, gaps) -> None:
-    values = [record["samples_per_s"] for record in steps]
-    axis.plot(*_broken_line(times, values, gaps), color="#1f77b4", linewidth=1.4, **_markers(len(steps)))
-    axis.set_ylim(bottom=0.0, top=max(values) * 1.1 if max(values) > 0 else 1.0)
-    _style(axis, "throughput\n(samples/s)")
-
-
-def _draw_loss(axis, times, steps, gaps) -> None:
-    values = [record["loss"] for record in steps]
-    finite = [value for value in values if math.isfinite(value)]
-    axis.plot(*_broken_line(times, values, gaps), color="#9467bd", linewidth=1.4, **_markers(len(steps)))
-    # Loss curves spanning decades read better on a log scale.
-    if finite and min(finite) > 0 and max(finite) / min(finite) > 20:
-        axis.set_yscale("log")
-    _style(axis, "loss")
-
-
-_MOST_DEVICE_LINES = 16
-
-
-def _draw_busy(axis, times, steps, gaps, devices, colors) -> None:
-    if len(devices) <= _MOST_DEVICE_LINES:
-        series = _per_device_series(steps, devices, "busy_s", math.nan)
-        for device_id, values in zip(devices, series):
-            axis.plot(
-                *_broken_line(times, values, gaps),
-                color=colors[device_id],
-                linewidth=1.2,
-                label=device_id,
-                **_markers(len(steps)),
-            )
-    else:
-        # Dozens of overlapping lines say nothing; the spread across devices does.
-        lowest = [min(record["busy_s"]) for record in steps]
-        highest = [max(record["busy_s"]) for record in steps]
-        xs, lows = _broken_line(times, lowest, gaps)
-        _, highs = _broken_line(times, highest, gaps)
-        axis.fill_between(xs, lows, highs, color="#1f77b4", alpha=0.3, linewidth=0, label=f"min-max of {len(devices)} devices")
-        medians = [sorted(record["busy_s"])[len(record["busy_s"]) // 2] for record in steps]
-        axis.plot(*_broken_line(times, medians, gaps), color="#1f77b4", linewidth=1.0, label="median device")
-    axis.plot(
-        *_broken_line(times, [record["step_time_s"] for record in steps], gaps),
-        color="black",
-        linestyle=(0, (3, 2)),
-        linewidth=1.0,
-        label="step wall time",
-    )
-    mean_imbalance = sum(record["imbalance"] for record in steps) / len(steps)
-    axis.legend(
-        title=f"mean imbalance {100.0 * mean_imbalance:.1f}%",
-        loc="upper left",
-        bbox_to_anchor=(1.005, 1.0),
-        fontsize=8,
-        title_fontsize=8,
-        frameon=False,
-        alignment="left",
-    )
-    axis.set_ylim(bottom=0.0)
-    _style(axis, "busy time\nper step (s)")
-
-
-def _draw_assignment(axis, spans, steps, gaps, devices, colors) -> None:
-    from matplotlib.ticker import MaxNLocator
-
-    series = _per_device_series(steps, devices, "assignment", 0.0)
-    baseline = [0.0] * len(steps)
-    for device_id, values in zip(devices, series):
-        top = [low + count for low, count in zip(baseline, values)]
-        xs, lows = _step_outline(spans, baseline, gaps)
-        _, highs = _step_outline(spans, top, gaps)
-        axis.fill_between(xs, lows, highs, color=colors[device_id], alpha=0.85, linewidth=0)
-        baseline = top
-    axis.set_ylim(0.0, max(baseline) * 1.05)
-    axis.yaxis.set_major_locator(MaxNLocator(integer=True))
-    _style(axis, "virtual workers\nper device")
-
-
-def _draw_events(strip_axis, data_axes, events, origin: float) -> None:
-    rebalances = sum(1 for event, _ in events if event["event"] == "rebalance")
-    for event, label in events:
-        position = event["time"] - origin
-        color = _EVENT_COLORS[event["event"]]
-        if event["event"] == "rebalance":
-            # Rebalances change no device set: a faint mark in the strip only.
-            strip_axis.axvline(position, ymax=0.35, color=color, linewidth=0.8, linestyle=":")
-            if rebalances <= _MOST_LABELLED_REBALANCES:
-                strip_axis.text(
-                    position, 0.03, "rebalance ", rotation=90, ha="left", va="bottom",
-                    fontsize=7, color=color, transform=strip_axis.get_xaxis_transform(),
-                )
-            continue
-        for axis in (strip_axis, *data_axes):
-            if event["stall_s"] > 0:
-                # The event's time is when the change took effect: the stall ends there.
-                axis.axvspan(position - event["stall_s"], position, color=color, alpha=0.12, linewidth=0, zorder=0.5)
-            axis.axvline(position, color=color, linewidth=1.1, linestyle=(0, (4, 2)), zorder=1)
-        strip_axis.text(
-            position, 0.03, label + " ", rotation=90, ha="right", va="bottom",
-            fontsize=8, color=color, fontweight="bold", transform=strip_axis.get_xaxis_transform(),
-        )
+    match = _SPLIT.search(str(event.get("detail", "")))
+    if match is None:
+        return None
+    before, after = ([int(count) for count in group.split(",")] for group in match.groups())
+    return before, after
+
+
+def format_split(counts: Sequence[int]) -> str:
+    """VWs per device as a compact text, e.g. "9,7"."""
+    return ",".join(str(count) for count in counts)

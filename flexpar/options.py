@@ -75,7 +75,7 @@ def _speed_entry(part: str) -> SpeedChange:
     return change
 
 
-FAULT_PHASES = ("forward", "backward", "sync", "transfer", "formation", "checkpoint")
+FAULT_PHASES = ("forward", "backward", "sync", "transfer", "formation", "checkpoint", "eval")
 FAULT_SIGNALS = ("kill", "term", "stop")
 
 
@@ -86,7 +86,8 @@ class Fault:
     Phases: forward, backward, sync (with gradient buckets in flight), transfer
     (while this device sends the training state to a joiner), formation (as a
     new generation's group forms; `step` is the device's committed step),
-    checkpoint (as rank 0 writes a checkpoint). Signals: kill (kill -9: a
+    checkpoint (as rank 0 writes a checkpoint), eval (in the evaluation after `step`
+    committed steps, before its all-reduce). Signals: kill (kill -9: a
     crash), term (SIGTERM: a preemption notice) and stop (SIGSTOP: a hung peer).
     """
 
@@ -142,6 +143,10 @@ class FitOptions:
     preemption_grace_s: float = 30.0  # after SIGTERM, how long a device may take to leave
     heartbeat_timeout_s: float = 5.0  # a device silent this long is dead (a hung peer), well under timeout_s
     sample_ledger: bool = False       # record the samples each committed step consumed (ledger.jsonl)
+    eval_every: Optional[int] = None  # evaluate every N steps (and after the last) when the job has an eval set
+    callbacks: tuple = ()             # objects with on_step / on_event / on_eval / on_end (flexpar.callbacks)
+    trackers: tuple = ()              # "tensorboard", "mlflow", "csv" (flexpar.trackers)
+    keep_checkpoints: Optional[int] = None  # keep only the newest K checkpoints
 
     def __post_init__(self):
         object.__setattr__(self, "schedule", parse_schedule(self.schedule))
@@ -159,6 +164,14 @@ class FitOptions:
         _positive("max_devices", self.max_devices)
         _positive("checkpoint_every", self.checkpoint_every)
         _positive("log_every", self.log_every)
+        _positive("eval_every", self.eval_every)
+        _positive("keep_checkpoints", self.keep_checkpoints)
+        if self.keep_checkpoints is not None and self.checkpoint_dir is None:
+            raise ValueError(f"keep_checkpoints={self.keep_checkpoints} needs checkpoint_dir= (where they are)")
+        from flexpar import callbacks as callbacks_module, trackers as trackers_module
+
+        object.__setattr__(self, "callbacks", callbacks_module.check_callbacks(self.callbacks))
+        object.__setattr__(self, "trackers", trackers_module.check_names(self.trackers))
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s={self.timeout_s} must be positive (seconds)")
         if self.preemption_grace_s <= 0:

@@ -283,9 +283,13 @@ def fresh_group(release_old_group: Callable[[], None], backend: str, store, rank
     `PeerFailure` (a peer died or never came).
     """
     try:
-        _collective(lambda: dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s)))
+        # A generation of one device has nothing to sum, and its steps call no collective
+        # (they check the world size): no group, whose gloo transport thread would wake
+        # 100 times a second on cores the device computes on.
+        if world_size > 1:
+            _collective(lambda: dist.init_process_group(
+                backend, store=store, rank=rank, world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout_s)))
         yield
     finally:
         release_old_group()

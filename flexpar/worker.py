@@ -47,9 +47,11 @@ import torch
 import torch.distributed as dist
 
 from flexpar import balance, batching, control, ledger as sample_ledger, state as training_state
-from flexpar.job import UserCodeError, build_model, build_optimizer, check_loss, model_digest, nonfinite_message
+from flexpar import checkpoints, evaluation, evaluator, recipes
+from flexpar.callbacks import CALLBACK_STOP
+from flexpar.job import UserCodeError, build_model, build_optimizer, loss_terms, model_digest, nonfinite_message
 from flexpar.loader import VirtualWorkerLoader, load_batch
-from flexpar.sync import GradientSync, GroupReaper, PeerFailure, _collective, fresh_group
+from flexpar.sync import GradientSync, GroupReaper, PeerFailure, _collective, _wait, fresh_group
 from flexpar.version import __version__
 
 
@@ -104,6 +106,10 @@ class RunSettings:
     script: str = ""      # the job's script, for the resume command we print
     preemption_grace_s: float = 30.0
     sample_ledger: bool = False  # count the samples each step consumed (flexpar.ledger)
+    eval_every: Optional[int] = None  # evaluate every N committed steps (and after the last)
+    eval_keys: tuple = ()             # the sorted metric names of job.evaluate (found by the driver)
+    eval_verdict: bool = False        # wait after each evaluation for the driver's callbacks (on_eval may stop)
+    keep_checkpoints: Optional[int] = None  # keep only the newest K checkpoints
 
 
 def main(args: WorkerArgs) -> None:
@@ -144,6 +150,7 @@ def main(args: WorkerArgs) -> None:
     finally:
         if worker is not None:
             worker.loader.close()
+            worker.wait_for_checkpoint()  # a checkpoint in flight is finished before the process exits
         link.close()
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -206,6 +213,14 @@ class Worker:
         self.model = build_model(self.job).to(self.device)
         self.optimizer, self.scheduler = build_optimizer(self.job, self.model)
         self.sync = GradientSync(self.model, self.device, self.settings.bucket_mb, peer_lost=self._peer_lost)
+        # Recipes (flexpar/recipes.py): checked for this device's type before anything runs;
+        # the VWs' forward calls `forward_model` (compiled, or the model itself).
+        recipes.check_mixed_precision(self.job, self.device.type)
+        recipes.check_compile(self.job, self.device.type)
+        self.forward_model = recipes.compiled(self.job, self.model)
+        self.scaler = recipes.make_scaler(self.job)  # fp16 only; part of the training state
+        sparse = {id(parameter) for parameter in self.sync.sparse}
+        self.dense_parameters = [p for p in self.model.parameters() if p.requires_grad and id(p) not in sparse]
         self.reaper = GroupReaper()
         self.loader = VirtualWorkerLoader(self.job, self._plan, self.settings.total_steps)
         self.balance_state = balance.BalanceState(seconds_per_vw={})
@@ -318,9 +333,16 @@ class Worker:
         )
         batch = _to_device(load_batch(self.job, indices, batching.data_seed(self.job.seed, 0, 0)), self.device)
         buffers = [buffer.clone() for buffer in self.model.buffers()]  # BatchNorm must not count it
-        loss = self.job.loss(self.model, batch)
-        check_loss(loss, 0, 0)
-        loss.backward()
+        try:  # under the step's autocast: with compile=True, this compiles the graph the steps run
+            with recipes.autocast(self.job, self.device.type):
+                result = self.job.loss(self.forward_model, batch)
+            loss_terms(result, 0, 0).tensor.backward()
+        except Exception as error:
+            if self.job.compile and recipes.is_compile_error(error):
+                raise UserCodeError(f"torch.compile failed on device {self.args.device_id} during its warm-up "
+                                    f"({type(error).__name__}: {str(error).strip()[:2000]}); run without "
+                                    "compile=True, or try compile_options={'backend': 'aot_eager'}") from error
+            raise
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             for buffer, saved in zip(self.model.buffers(), buffers):
@@ -374,6 +396,7 @@ class Worker:
 
     def finish(self, stopped: str = "", checkpoint: str = "") -> None:
         self.phase = Phase.DONE
+        self._checkpoint_writer_now().wait()  # the checkpoint "done" names exists before the job ends
         if self.rank == 0:
             data = training_state.to_bytes({"model": self.model.state_dict(), "step": self.committed})
             control.put_blob(self.link.store, "result", data, self.args.secret)
@@ -387,7 +410,12 @@ class Worker:
         if self.link.driver_lost:
             self._rescue(self.committed)
             raise control.DriverLost("the job's driver is gone")
-        reason = self.link.finish_reason or "the driver asked to stop"
+        # Another member may have seen the request first: ask the store for its words,
+        # so that every member agrees on the reason (a callback's stop evaluates once more).
+        reason = (self._verdict_stop or self.link.finish_reason or self.link.read_finish_reason()
+                  or "the driver asked to stop")
+        if reason.startswith(CALLBACK_STOP) and self._evaluation_due(final=True):
+            self.evaluate(ask_driver=False)  # a callback's stop ends as the last step does
         checkpoint = ""
         if self.rank == 0:
             if self.settings.checkpoint_dir:
@@ -401,6 +429,7 @@ class Worker:
         directory = self.settings.checkpoint_dir or self.settings.rescue_dir
         if self.rank == 0:
             path = self._write_checkpoint(directory)
+            self.wait_for_checkpoint()
         else:
             path = training_state.checkpoint_path(directory, step)
             path += f" (written by {self.members[0]})" if self.members else ""
@@ -425,6 +454,9 @@ class Worker:
         step's optimizer update (see `_skips_last_update`).
         """
         while self.committed < self.settings.total_steps:
+            if self._evaluation_due():  # the model of the step boundary, in this generation
+                if self.evaluate(ask_driver=self.settings.eval_verdict):
+                    return _StopEarly()
             self.link.check(driver_loss_handled=True)
             assignment = balance.next_assignment(
                 self.balance_state, self.members, self.job.virtual_workers
@@ -443,6 +475,11 @@ class Worker:
             bad = [int(value) for value in summed[slots.bad].tolist() if value > 0]
             if bad:
                 raise UserCodeError(nonfinite_message(step, min(bad) - 1))
+            pairs, count = round(float(summed[slots.pairs])), float(summed[slots.count])
+            if 0 < pairs < self.job.virtual_workers:  # each device ran one kind; they differ
+                raise UserCodeError(_mixed_loss_message(step))
+            if pairs:
+                loss /= count  # the token mean of the whole global batch
             # Stopping early (asked by the driver, or it is gone) wins over a new
             # generation: every member commits this step, then stops.
             stopping = float(summed[slots.stop]) > 0
@@ -452,15 +489,17 @@ class Worker:
                 return upcoming
             if world > 1:
                 self._set_buffers(summed[slots.buffers] / world)
-            self.optimizer.step()
-            if self.scheduler is not None:
-                self.scheduler.step()
+            grad_norm, skip = self._finish_gradients(summed, slots, count if pairs else None)
+            if not skip:
+                self.optimizer.step()
+                if self.scheduler is not None:
+                    self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.committed += 1
             now = time.time()
             step_time, self.committed_wall = now - self.committed_wall, now
             self.balance_state = balance.observe(self.balance_state, self.members, assignment, busy)
-            self.recent_records.append(self._step_record(step, loss, step_time, busy, assignment))
+            self.recent_records.append(self._step_record(step, loss, step_time, busy, assignment, grad_norm))
             if self.settings.sample_ledger:
                 self.recent_records[-1]["ledger"] = self._step_samples
             if self.rank == 0:
@@ -470,7 +509,29 @@ class Worker:
                 return _StopEarly()
             if upcoming is not None:
                 return upcoming
+        if self._evaluation_due():  # after the last step
+            self.evaluate(ask_driver=False)
         return None
+
+    def _finish_gradients(self, summed: torch.Tensor, slots: "_StatsLayout", count: Optional[float]) -> tuple:
+        """The summed gradient made the one to apply: (its norm before clipping, whether to skip the step).
+
+        Divided by the global count (pairs) and the loss scale (fp16), measured,
+        clipped (flexpar/recipes.py). Everything here is a function of the
+        summed gradient and statistics, which every device holds alike, so
+        every device reaches the same verdict. fp16: a step is skipped (no
+        optimizer or scheduler step) when a device's own gradient overflowed
+        or the sum is not finite, and the loss scale backs off; otherwise it
+        may grow.
+        """
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        factor = 1.0 / ((count or 1.0) * scale) if (count or scale != 1.0) else 1.0
+        norm = recipes.finish_gradients(self.dense_parameters, self.sync.sparse, factor, self.job.max_grad_norm)
+        if self.scaler is None:
+            return norm, False
+        skip = float(summed[slots.overflow]) > 0 or not math.isfinite(norm)
+        self.scaler.update(found_inf=skip)
+        return norm, skip
 
     def _skips_last_update(self, upcoming_record: dict) -> bool:
         """Whether this device leaves at this boundary and need not apply this step.
@@ -492,6 +553,11 @@ class Worker:
         busy = 0.0
         loss_sum = 0.0
         first_bad = 0
+        # Recipes: a scalar loss backpropagates loss / V, a pair (loss_sum, count) its
+        # loss_sum (the division by the global count follows the sum across devices);
+        # fp16 multiplies either by the loss scale.
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        pairs, count, first_kind = 0, 0.0, None
         last = virtual_workers[-1]
         for virtual_worker in virtual_workers:
             started = time.perf_counter()
@@ -502,13 +568,25 @@ class Worker:
             if virtual_worker == last:
                 self.sync.arm()
             self._fault_point("forward", step)
-            loss = job.loss(self.model, batch)
-            value = check_loss(loss, step, virtual_worker)
+            with recipes.autocast(job, self.device.type):
+                result = job.loss(self.forward_model, batch)
+            loss, value, vw_count = loss_terms(result, step, virtual_worker)
+            if first_kind is None:
+                first_kind = (virtual_worker, vw_count is not None)
+            elif first_kind[1] != (vw_count is not None):
+                raise UserCodeError(_mixed_loss_message(step, first_kind, virtual_worker))
             if (step, "backward") in self.faults and loss.requires_grad:
                 loss.register_hook(lambda grad: self._fault_point("backward", step))
             if not math.isfinite(value) and not first_bad:
                 first_bad = virtual_worker + 1
-            (loss / job.virtual_workers).backward()
+            if vw_count is not None:
+                pairs += 1
+                count += vw_count
+                (loss * scale if scale != 1.0 else loss).backward()
+            elif scale != 1.0:
+                ((loss / job.virtual_workers) * scale).backward()
+            else:
+                (loss / job.virtual_workers).backward()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             elapsed = time.perf_counter() - started
@@ -519,7 +597,7 @@ class Worker:
                 time.sleep(pause)
                 elapsed += pause
             busy += elapsed
-            loss_sum += value / job.virtual_workers
+            loss_sum += value if vw_count is not None else value / job.virtual_workers
         buffers = self._buffer_vector() if world > 1 else torch.zeros(0, dtype=torch.float64)
         slots = _StatsLayout(world)
         stats = torch.zeros(slots.size + buffers.numel(), dtype=torch.float64)
@@ -529,6 +607,10 @@ class Worker:
         stats[slots.loss] = loss_sum
         stats[slots.bad.start + self.rank] = first_bad
         stats[slots.stop] = 1.0 if (self.link.finish_reason is not None or self.link.driver_lost) else 0.0
+        stats[slots.count] = count
+        stats[slots.pairs] = pairs
+        if self.scaler is not None:  # fp16: this device's own gradient overflowed (all skip the step)
+            stats[slots.overflow] = float(recipes.has_nonfinite(self.dense_parameters, self.sync.sparse))
         summed = self.sync.finish(stats.to(self.device), before_wait=lambda: self._fault_point("sync", step))
         if ledger is not None:
             # Tests and the fault soak only: its own all-reduce, so the ledger never
@@ -577,6 +659,8 @@ class Worker:
     def _capture(self) -> dict:
         extra = {"balance": balance.state_to_dict(self.balance_state), "committed_wall": self.committed_wall,
                  "recent_records": json.dumps(list(self.recent_records))}
+        if self.scaler is not None:  # fp16: the loss scale travels to joiners and into checkpoints
+            extra["grad_scaler"] = self.scaler.state_dict()
         return training_state.capture(self.model, self.optimizer, self.scheduler, self.committed, extra)
 
     def _restore(self, state: dict) -> None:
@@ -587,6 +671,8 @@ class Worker:
             self.balance_state = balance.state_from_dict(extra["balance"])
         self.committed_wall = float(extra.get("committed_wall", self.committed_wall))
         self.recent_records = collections.deque(json.loads(extra.get("recent_records", "[]")), maxlen=_RECORDS_KEPT)
+        if self.scaler is not None and "grad_scaler" in extra:
+            self.scaler.load_state_dict(extra["grad_scaler"])
 
     def _maybe_checkpoint(self) -> None:
         """Every `checkpoint_every` steps, and always after the last step."""
@@ -595,15 +681,120 @@ class Worker:
             self._write_checkpoint(self.settings.checkpoint_dir)
 
     def _write_checkpoint(self, directory: str) -> str:
+        """Start writing the committed state to `directory`; returns the file's path.
+
+        The step loop pays for a CPU copy of the state only; a background
+        thread writes the file (atomically) and keeps the newest
+        `keep_checkpoints` (flexpar.checkpoints). A write in flight is waited
+        for before the next one starts, in `finish`, on the rescue path and
+        before the process exits.
+        """
         path = training_state.checkpoint_path(directory, self.committed)
         self._fault_point("checkpoint", self.committed)
-        if not os.path.exists(path):  # the last step may already be written by the schedule
-            training_state.write_checkpoint(directory, training_state.to_bytes(self._capture()), self.committed)
+        writer = self._checkpoint_writer_now()
+        if not os.path.exists(path) and writer.pending != path:  # the last step may be written already
+            writer.submit(directory, self.committed, checkpoints.cpu_copy(self._capture()))
         return path
+
+    _checkpoint_writer: Optional[checkpoints.CheckpointWriter] = None
+
+    def _checkpoint_writer_now(self) -> checkpoints.CheckpointWriter:
+        if self._checkpoint_writer is None:
+            self._checkpoint_writer = checkpoints.CheckpointWriter(keep=self.settings.keep_checkpoints)
+        return self._checkpoint_writer
+
+    def wait_for_checkpoint(self) -> None:
+        """Return once no checkpoint write is in flight (a failed one is said here, not raised: exiting)."""
+        if self._checkpoint_writer is None:
+            return
+        try:
+            self._checkpoint_writer.wait()
+        except RuntimeError as error:
+            self._say(str(error))
+
+    # ------------------------------------------------------------ evaluation
+
+    # (generation, committed step) of the last evaluation this device took part in. Every
+    # member of a generation runs the same sequence, so this is agreed; a new generation
+    # evaluates its first step boundary again if it is an evaluation's (the old one may
+    # have broken off during it), and the driver keeps one record per step.
+    _evaluated: tuple = (0, -1)
+    _verdict_stop: str = ""  # a callback's on_eval stopped the job at the last evaluation
+
+    def _evaluation_due(self, final: bool = False) -> bool:
+        """Whether the model after `committed` steps is to be evaluated now.
+
+        Every `eval_every` steps, after the last step, and (`final`) at a stop
+        a callback asked for; a function of the committed step and the
+        generation only, so every member reaches the same answer.
+        """
+        if self.job.evaluate is None or self.committed <= 0 or self._evaluated == (self.generation, self.committed):
+            return False
+        every = self.settings.eval_every
+        return final or self.committed == self.settings.total_steps or bool(every and self.committed % every == 0)
+
+    def evaluate(self, ask_driver: bool) -> str:
+        """Evaluate the model after `committed` steps on this generation's devices.
+
+        The devices split the evaluation set's chunks in proportion to the next
+        step's VW assignment (their speeds; flexpar.evaluation), each sums its
+        chunks' metrics, and one all-reduce adds the sums. Only then does the
+        record exist: a failure before it completes leaves nothing published,
+        and the next generation evaluates again. Every member keeps the record
+        (a new rank 0 re-sends it); rank 0 publishes it. With `ask_driver`, the
+        devices then wait for the driver's callbacks' verdict on it; returns
+        the stop reason, or "".
+        """
+        step = self.committed
+        started = time.perf_counter()
+        keys = tuple(self.settings.eval_keys)
+        shares = balance.next_assignment(self.balance_state, self.members, self.job.virtual_workers)
+        samples = evaluation.sample_ranges(len(self.job.eval_dataset), shares, self.job.eval_batch_size)[self.rank]
+        sums = evaluator.evaluate_samples(self.job, self.model, samples, keys, self.device)
+        vector = torch.tensor(evaluation.metric_vector(sums, keys), dtype=torch.float64, device=self.device)
+        self._fault_point("eval", step)  # tests: a death here breaks the all-reduce below
+        if len(self.members) > 1:
+            work = _collective(lambda: dist.all_reduce(vector, async_op=True))
+            _wait(work, self._peer_lost)
+        self._evaluated = (self.generation, step)
+        record = {
+            "kind": "eval", "step": step, "time": time.time(),
+            "elapsed_s": 0.0,  # filled in by the driver, which knows the job's start
+            "generation": self.generation, "devices": list(self.members),
+            "eval_s": time.perf_counter() - started,
+            "metrics": evaluation.metrics_of(vector.cpu().tolist(), keys),
+        }
+        self.recent_records.append(record)
+        if self.rank == 0:
+            self.link.publish(record)
+        if not ask_driver:
+            return ""
+        self._verdict_stop = self._verdict(step)
+        return self._verdict_stop
+
+    def _verdict(self, step: int) -> str:
+        """The driver's callbacks' word on the evaluation at `step`: a stop reason, or "" to go on.
+
+        The driver writes it once, so every member reads the same. A peer that
+        dies meanwhile makes this a failure (the next generation evaluates
+        again and finds the verdict already there).
+        """
+        key = f"verdict/{step}"
+        try:
+            while not self.link.store.check([key]):
+                self.link.check()
+                lost = self._peer_lost()
+                if lost:
+                    raise PeerFailure(f"peer {lost} is gone (reported by the coordinator)")
+                time.sleep(0.002)
+            return self.link.store.get(key).decode()
+        except RuntimeError as error:  # the store, hosted by the driver, is gone
+            self.link.driver_lost = True
+            raise control.DriverLost(f"the job's driver is gone ({str(error).splitlines()[0] if str(error) else error})") from None
 
     # ------------------------------------------------------------ metrics (rank 0)
 
-    def _step_record(self, step, loss, step_time, busy, assignment) -> dict:
+    def _step_record(self, step, loss, step_time, busy, assignment, grad_norm=0.0) -> dict:
         # Every device keeps the record of its last committed step; only rank 0
         # publishes it. It travels with the state, so a rank 0 that was brought
         # level after a failure can publish the step it did not commit itself.
@@ -615,6 +806,7 @@ class Worker:
             "devices": list(self.members), "assignment": list(assignment),
             "busy_s": busy, "imbalance": balance.imbalance(busy),
             "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "grad_norm": grad_norm,  # of the applied gradient, before clipping (inf/nan: an fp16 skip)
         })
 
     def _publish_event(self, event: str, detail: str, stall_s: float) -> None:
@@ -652,7 +844,10 @@ class _StatsLayout:
 
     busy seconds and newest generation seen, one slot per rank; the loss; the
     first non-finite VW (+1) per rank; the stop request (the driver asked to
-    stop, or is gone: any device's 1 stops all); then the BatchNorm buffers.
+    stop, or is gone: any device's 1 stops all); the recipes' figures (the sum
+    of the counts of (loss_sum, count) losses, how many VWs returned such a
+    pair, and - fp16 - how many devices' own gradients overflowed: any makes
+    every device skip the step); then the BatchNorm buffers.
     """
 
     def __init__(self, world: int):
@@ -661,8 +856,23 @@ class _StatsLayout:
         self.loss = 2 * world
         self.bad = slice(2 * world + 1, 3 * world + 1)
         self.stop = 3 * world + 1
-        self.size = 3 * world + 2
+        self.count = 3 * world + 2
+        self.pairs = 3 * world + 3
+        self.overflow = 3 * world + 4
+        self.size = 3 * world + 5
         self.buffers = slice(self.size, None)
+
+
+def _mixed_loss_message(step: int, first_kind: Optional[tuple] = None, virtual_worker: Optional[int] = None) -> str:
+    """A loss that returned a pair at some VWs of a step and a scalar at others."""
+    if first_kind is not None:
+        kinds = {True: "a pair (loss_sum, count)", False: "a scalar"}
+        where = (f"virtual worker {first_kind[0]} returned {kinds[first_kind[1]]}, virtual worker "
+                 f"{virtual_worker} {kinds[not first_kind[1]]}")
+    else:
+        where = "some virtual workers returned a pair (loss_sum, count) and others a scalar"
+    return (f"at step {step}, {where}; loss(model, batch) must return the same kind for every batch "
+            "(a pair weights each VW by its count, a scalar weighs every VW alike)")
 
 
 def _to_device(batch, device):

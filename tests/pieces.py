@@ -3,11 +3,16 @@
 The reference is the plain single-process loop the equivalence promise is
 stated against: per step, the mean loss over the whole global batch (each VW
 slice under its own random stream, so dropout draws the same masks), one
-backward, one optimizer step.
+backward, one optimizer step. It follows the job's recipe by hand too: each
+VW's forward under torch.autocast, a (loss_sum, count) loss as the token mean
+of the whole batch, torch.amp.GradScaler for fp16, clip_grad_norm_ on the
+full-batch gradient.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import time
 
 import torch
@@ -74,26 +79,77 @@ def make_job(optimizer=sgd, virtual_workers=4, global_batch=48, delay_s=0.0, dat
     )
 
 
-def reference(job, steps: int) -> nn.Module:
-    """Plain single-process training over the same global batches."""
+def reference(job, steps: int, trace=None) -> nn.Module:
+    """Plain single-process training over the same global batches.
+
+    With `trace` (a dict), appends per step: "loss" (the global mean, or token
+    mean), "grad_norm" (before clipping), "skipped" (fp16) and "scale" (fp16,
+    after the step).
+    """
     model = build_model(job)
     optimizer, scheduler = build_optimizer(job, model)
     loss_of = job.loss.__class__(0.0) if isinstance(job.loss, Loss) else job.loss
     size = len(job.dataset)
+    precision = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(job.mixed_precision)
+    scaler = torch.amp.GradScaler("cpu", **(job.grad_scaler or {})) if job.mixed_precision == "fp16" else None
+    # compile=True: the forward runs compiled here too (inductor draws dropout masks its own way).
+    forward = torch.compile(model, **(job.compile_options or {})) if getattr(job, "compile", False) else model
     for step in range(steps):
-        losses = []
+        losses, sums, counts = [], [], []
         for virtual_worker in range(job.virtual_workers):
             indices = batching.virtual_worker_indices(
                 job.seed, step, virtual_worker, size, job.global_batch, job.virtual_workers
             )
             batch = load_batch(job, indices, batching.data_seed(job.seed, step, virtual_worker))
             torch.manual_seed(batching.virtual_worker_seed(job.seed, step, virtual_worker))
-            losses.append(loss_of(model, batch))
-        torch.stack(losses).mean().backward()
-        optimizer.step()
-        if scheduler is not None:
+            # One autocast region per VW, as each VW's forward is one on a device.
+            with torch.autocast("cpu", dtype=precision) if precision else contextlib.nullcontext():
+                result = loss_of(forward, batch)
+            pair = isinstance(result, tuple)
+            term = result[0] if pair else result
+            if pair:
+                counts.append(float(result[1]))
+            if precision is not None:
+                # Mixed precision: backward per VW, as the textbook accumulation loop with
+                # GradScaler does (and as flexpar does): fp16/bf16 forwards amplify the last-bit
+                # differences of another float order of the summed gradient (module docstring).
+                part = term if pair else term / job.virtual_workers
+                (scaler.scale(part) if scaler is not None else part).backward()
+                term = term.detach()
+            (sums if pair else losses).append(term)
+        if sums:  # the token mean of the whole batch: every loss_sum, then / every count
+            objective, total = torch.stack(sums).sum(), sum(counts)
+        else:
+            objective, total = torch.stack(losses).mean(), None
+        if precision is None:
+            objective.backward()
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        if total is not None:
+            # / total, as a multiplication by 1 / total (as flexpar does): g / N and
+            # g * (1 / N) differ in the last bit now and then, which bf16 amplifies.
+            for parameter in model.parameters():
+                if parameter.grad is not None:
+                    parameter.grad.mul_(1.0 / total)
+        norm = None
+        if job.max_grad_norm is not None or trace is not None:
+            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), job.max_grad_norm or math.inf))
+        skipped = False
+        if scaler is not None:
+            before = scaler.get_scale()
+            scaler.step(optimizer)  # skipped when the gradient is not finite
+            scaler.update()
+            skipped = scaler.get_scale() < before
+        else:
+            optimizer.step()
+        if scheduler is not None and not skipped:
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        if trace is not None:
+            trace.setdefault("loss", []).append(float(objective.detach()) / (total or 1.0))
+            trace.setdefault("grad_norm", []).append(norm)
+            trace.setdefault("skipped", []).append(skipped)
+            trace.setdefault("scale", []).append(scaler.get_scale() if scaler is not None else None)
     return model
 
 

@@ -112,3 +112,15 @@ def test_assignment_stays_optimal_once_reached(balanced_run):
 def test_parameters_equal_the_reference(balanced_run):
     job, model, _ = balanced_run
     pieces.assert_same_parameters(model, pieces.reference(job, STEPS), rtol=1e-5)
+
+
+def test_two_equal_devices_rebalance_rarely(train):
+    """Issue 22: the split follows speeds, not noise. Two equal devices used to flip it every
+    1-3 steps (1,462 rebalances in 5,000 steps); the noise-aware threshold keeps it to a handful.
+    The summary counts rebalances instead of listing them."""
+    job = pieces.make_job(virtual_workers=16, global_batch=64)
+    model, summary = train(job, steps=300, devices=2)
+    # ~90 in 300 steps before; a handful now (0-4 seen here, also with the suite running beside it).
+    assert summary["rebalances"] <= 8, summary["rebalances"]
+    assert all(event["event"] != "rebalance" for event in summary["events"])
+    print(f"rebalances in 300 steps on two equal devices: {summary['rebalances']}")

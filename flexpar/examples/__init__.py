@@ -4,6 +4,9 @@
   digits (needs scikit-learn: ``pip install flexpar[examples]``).
 - `flexpar.examples.tiny_lm`: a byte-level causal transformer on the Python
   standard library's own source files (needs nothing beyond torch).
+- `flexpar.examples.hf_gpt`: a small Hugging Face GPT-2 (built from a config,
+  not downloaded) on the same text, with bf16, clipping and a token-weighted
+  loss (needs transformers: ``pip install flexpar[hf]``).
 
 Each module defines its pieces (model factory, optimizer factory, loss,
 dataset) at module level, so worker processes can import them by name, plus
@@ -11,4 +14,4 @@ dataset) at module level, so worker processes can import them by name, plus
 importing one demo never pulls in the other's dependencies.
 """
 
-__all__ = ["digits", "tiny_lm"]
+__all__ = ["digits", "tiny_lm", "hf_gpt"]

@@ -135,6 +135,8 @@ class BalancedAssignment:
         Only then does one more noise-free observation leave the state (and so
         the next assignment) unchanged, which is what skipping steps needs.
         """
+        if not balance.noise_known(state, device_ids):
+            return False  # the next measurements can still lift the balancer's wait
         known = state.seconds_per_vw
         for device_id, seconds in zip(device_ids, seconds_per_vw):
             smoothed = known.get(device_id)

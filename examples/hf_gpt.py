@@ -1,0 +1,56 @@
+"""Train a small Hugging Face GPT-2 on the Python standard library's source with flexpar's recipes.
+
+    pip install "flexpar[hf]"                         # transformers (the model is built, not downloaded)
+    python examples/hf_gpt.py --steps 200             # every local device, or one CPU process
+    flexpar run --devices 2 examples/hf_gpt.py        # two devices
+    flexpar run --devices 2 --schedule 100:+1 --oversubscribe examples/hf_gpt.py
+
+The recipe of a real language-model run: bf16 autocast, gradient clipping at
+1.0 (HF Trainer's default), and a token-weighted loss - `loss_fn` returns the
+summed loss of the real (non-padding) tokens and their count, so the gradient
+is the mean over every real token of the global batch, whatever the device set.
+The pieces live in flexpar/examples/hf_gpt.py (module level, because worker
+processes import them by name); the data is tiny_lm's text, cut at line breaks.
+"""
+
+import flexpar
+from flexpar.examples.hf_gpt import (
+    WarmupCosine,
+    bits_per_byte,
+    evaluate,
+    load_splits,
+    loss_fn,
+    make_model,
+    make_optimizer,
+    parse_arguments,
+    sample,
+)
+
+
+def main():
+    arguments = parse_arguments()  # --steps --devices --schedule --global-batch --virtual-workers --max-bytes
+    train, held_out = load_splits(max_bytes=arguments.max_bytes)  # 64-byte windows cut after their last line break
+
+    job = flexpar.Job(
+        model=make_model,  # GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, ...)): random init
+        optimizer=make_optimizer,  # AdamW
+        loss=loss_fn,  # (summed token loss, number of real tokens): padding excluded from both
+        dataset=train,
+        global_batch=arguments.global_batch,
+        virtual_workers=arguments.virtual_workers,
+        seed=arguments.seed,
+        lr_scheduler=WarmupCosine(total_steps=arguments.steps, warmup_steps=min(20, arguments.steps)),
+        mixed_precision=None if arguments.mixed_precision == "none" else arguments.mixed_precision,  # "bf16"
+        max_grad_norm=arguments.max_grad_norm or None,  # clip the summed global gradient's norm to 1.0
+        compile=arguments.compile,  # --compile: torch.compile in every worker
+    )
+    model, summary = job.fit(steps=arguments.steps, devices=arguments.devices, schedule=arguments.schedule)
+
+    loss = evaluate(model, held_out, max_windows=2000)
+    print(f"held-out loss {loss:.3f} nats/byte = {bits_per_byte(loss):.3f} bits/byte (uniform: 8 bits/byte)")
+    print("def " + sample(model, "def ", 120).decode("utf-8", errors="replace"))
+
+
+# Worker processes import this script; the guard keeps them from training again.
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,426 @@
+"""The live display of a running job: a rich panel on a terminal, log lines elsewhere.
+
+``LiveDisplay`` takes the job's records (``flexpar.metrics``: step, event and
+eval records) one at a time. The line formatting of the plain log mode lives
+here too (``format_step_line``, ``format_event_line``, ``format_eval_line``,
+``format_rebalance_line``). ``rich`` is imported only when a live panel is
+wanted (``flexpar[display]``); without it the display logs.
+
+Rebalances are summarised, not listed: they follow measured speeds and can be
+many, so they never push joins, leaves and failures out of view.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import sys
+import threading
+from typing import Any, Mapping, Optional, Sequence
+
+from flexpar.metrics import (
+    LOGGER_NAME,
+    WARNING_EVENTS,
+    device_change,
+    eval_means,
+    format_split,
+    rebalance_change,
+)
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int subclass, but True is never a sensible step count.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# ---------------------------------------------------------------------------
+# Line formatting (the plain log mode)
+# ---------------------------------------------------------------------------
+
+
+def estimate_remaining_s(
+    first_step: int, first_elapsed_s: float, step: int, elapsed_s: float, total_steps: int
+) -> Optional[float]:
+    """Seconds until step `total_steps - 1` commits, at the mean pace since `first_step`.
+
+    None while there is no pace yet (fewer than two observed steps). The pace
+    includes stalls, which is what a user waiting for the job wants.
+    """
+    steps_done = step - first_step
+    if steps_done <= 0 or elapsed_s <= first_elapsed_s:
+        return None
+    seconds_per_step = (elapsed_s - first_elapsed_s) / steps_done
+    return max(0, total_steps - 1 - step) * seconds_per_step
+
+
+def format_duration(seconds: Optional[float]) -> str:
+    """"0:01:05" style; "?" when unknown."""
+    if seconds is None or not math.isfinite(seconds):
+        return "?"
+    whole = int(round(seconds))
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+def format_assignment(devices: Sequence[str], assignment: Sequence[int], limit: int = 8) -> str:
+    """VWs per device for a log line, e.g. "local-0:9 local-1:7"; a range beyond `limit` devices."""
+    # Beyond a handful of devices a per-device list makes the log line unreadable.
+    if len(devices) > limit:
+        return f"{len(devices)} devices, {min(assignment)}-{max(assignment)} VWs each"
+    return " ".join(f"{device_id}:{count}" for device_id, count in zip(devices, assignment))
+
+
+def format_step_line(record: Mapping[str, Any], total_steps: int, remaining_s: Optional[float]) -> str:
+    """The plain log line of a step record (used without a terminal)."""
+    done = record["step"] + 1
+    percent = 100.0 * done / total_steps if total_steps else 0.0
+    return (
+        f"step {done}/{total_steps} ({percent:.0f}%) loss {record['loss']:.4g} | "
+        f"{record['samples_per_s']:.1f} samples/s | step {record['step_time_s']:.3f} s | "
+        f"generation {record['generation']}, VWs {format_assignment(record['devices'], record['assignment'])} | "
+        f"imbalance {100.0 * record['imbalance']:.1f}% | ETA {format_duration(remaining_s)}"
+    )
+
+
+def format_event_line(record: Mapping[str, Any], previous_devices: Sequence[str]) -> str:
+    """The plain log line of an event record."""
+    added, removed = device_change(previous_devices, record["devices"])
+    change = " ".join([f"+{device_id}" for device_id in added] + [f"-{device_id}" for device_id in removed])
+    parts = [
+        f"event {record['event']} at step {record['step']}",
+        f"generation {record['generation']}",
+        f"{len(record['devices'])} devices" + (f" ({change})" if change else ""),
+    ]
+    if record["stall_s"] > 0:
+        parts.append(f"stall {record['stall_s']:.2f} s")
+    if record["detail"]:
+        parts.append(record["detail"])
+    return ", ".join(parts)
+
+
+def format_eval_line(record: Mapping[str, Any]) -> str:
+    """The plain log line of an eval record: per-sample means when there is a `count`, else the sums.
+
+    e.g. "eval at step 20: loss 0.4038, correct 0.8756 (997 samples) | 2 devices, 0.41 s"
+    """
+    metrics = record["metrics"]
+    means = eval_means(metrics)
+    if means:
+        shown = ", ".join(f"{name} {value:.4g}" for name, value in sorted(means.items()))
+        shown += f" ({metrics['count']:g} samples)"
+    else:
+        shown = ", ".join(f"{name} {value:.6g}" for name, value in sorted(metrics.items()))
+    devices = len(record["devices"])
+    return (f"eval at step {record['step']}: {shown} | {devices} device{'s' if devices != 1 else ''}, "
+            f"{record['eval_s']:.2f} s")
+
+
+def format_rebalance_line(count: int, since_step: int, devices: Sequence[str], assignment: Sequence[int]) -> str:
+    """The plain log line that sums up rebalances, e.g. "3 rebalances since step 40, now local-0:9 local-1:7".
+
+    `since_step` is the step count at the previous such line (or at the first
+    step seen); `devices` and `assignment` are the split now in force.
+    """
+    noun = "rebalance" if count == 1 else "rebalances"
+    return f"{count} {noun} since step {since_step}, now {format_assignment(devices, assignment)}"
+
+
+def format_rebalance_summary(count: int, last: Optional[Mapping[str, Any]]) -> str:
+    """The panel's rebalance line, e.g. "rebalances: 7 (last at step 812: 8,8 -> 9,7)"."""
+    if last is None:
+        return f"rebalances: {count}"
+    change = rebalance_change(last)
+    moved = f": {format_split(change[0])} -> {format_split(change[1])}" if change is not None else ""
+    return f"rebalances: {count} (last at step {last['step']}{moved})"
+
+
+# ---------------------------------------------------------------------------
+# Live display
+# ---------------------------------------------------------------------------
+
+_RECENT_EVENTS = 5
+_EVENT_STYLES = {
+    "join": "green",
+    "leave": "yellow",
+    "failure": "bold red",
+    "rebalance": "cyan",
+    "refused": "magenta",
+    "schedule": "magenta",
+    "stop": "bold yellow",
+    "start": "dim",
+    "end": "dim",
+}
+
+
+def _is_terminal(console, force_terminal: Optional[bool]) -> bool:
+    if force_terminal is not None:
+        return bool(force_terminal)
+    if console is not None:
+        return bool(console.is_terminal)
+    # Checked without importing rich, so that a CI run never pays for it.
+    stream = sys.stdout
+    return bool(getattr(stream, "isatty", None) and stream.isatty())
+
+
+class LiveDisplay:
+    """Shows a job's progress: a rich live panel on a terminal, log lines elsewhere.
+
+    On a terminal (or with ``force_terminal=True``) and with ``rich``
+    installed, a panel shows a progress bar (step / total, ETA), throughput,
+    loss, generation, the device set with each device's VW count and busy time
+    as bars, the imbalance, the latest evaluation, one summary line of the
+    rebalances (``rebalances: 7 (last at step 812: 8,8 -> 9,7)``) and the most
+    recent other events (joins, leaves, failures, ...; rebalances never enter
+    that table). It is redrawn by rich's refresh thread a few times a second;
+    ``update`` only stores the record, so it stays cheap when called once per
+    step.
+
+    Otherwise (CI, a pipe, no rich, or ``force_terminal=False``) it logs
+    through the "flexpar" logger: one line every `log_every` steps (and at the
+    last step); one line per event record except rebalances (failures,
+    refused joiners and schedule entries at WARNING, the rest at INFO); one
+    line per evaluation; and at most one rebalance line per `log_every` steps,
+    logged with the step line when rebalances happened since the previous one
+    (``3 rebalances since step 40, now local-0:9 local-1:7``; ``close`` logs
+    any not yet reported). This is the ``--no-display`` mode: the driver
+    constructs ``LiveDisplay(total_steps, log_every=..., force_terminal=False)``
+    and points the "flexpar" logger at stderr (level INFO, bare messages)
+    unless the user configured logging.
+    """
+
+    def __init__(
+        self,
+        total_steps: int,
+        *,
+        log_every: int = 10,
+        console=None,
+        force_terminal: Optional[bool] = None,
+    ):
+        if not _is_int(total_steps) or total_steps < 1:
+            raise ValueError(f"total_steps must be an int >= 1, got {total_steps!r}")
+        if not _is_int(log_every) or log_every < 1:
+            raise ValueError(f"log_every must be an int >= 1, got {log_every!r}")
+        self.total_steps = total_steps
+        self.log_every = log_every
+        self._logger = logging.getLogger(LOGGER_NAME)
+        self._lock = threading.Lock()
+        self._last_step: Optional[Mapping[str, Any]] = None
+        self._first_step: Optional[tuple[int, float]] = None
+        self._devices: tuple[str, ...] = ()
+        self._generation: Optional[int] = None
+        self._events: collections.deque = collections.deque(maxlen=_RECENT_EVENTS)
+        self._last_eval: Optional[str] = None  # the line of the latest eval record
+        self._rebalances = 0  # rebalance events seen
+        self._last_rebalance: Optional[Mapping[str, Any]] = None
+        self._rebalances_unreported = 0  # plain mode: rebalances since the last rebalance line
+        self._rebalance_mark = 0  # plain mode: the step count at that line (or at the first step)
+        self._closed = False
+        self._live = None
+        self._progress = None
+        self._task = None
+        if _is_terminal(console, force_terminal):
+            self._start_rich(console)
+
+    # -- mode selection ---------------------------------------------------
+
+    @property
+    def uses_rich(self) -> bool:
+        """True when the rich live panel is shown, False when logging."""
+        return self._live is not None
+
+    @property
+    def rebalance_count(self) -> int:
+        """How many rebalance event records the display has taken."""
+        with self._lock:
+            return self._rebalances
+
+    def _start_rich(self, console) -> None:
+        try:
+            from rich.console import Console
+            from rich.live import Live
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+        except ImportError:
+            self._logger.info("rich is not installed, logging progress instead (pip install flexpar[display])")
+            return
+        if console is None:
+            console = Console(force_terminal=True)
+        # The progress bar is rendered inside our own Live, never started on its own.
+        self._progress = Progress(
+            TextColumn("[bold]training"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("steps"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=console,
+            auto_refresh=False,
+        )
+        self._task = self._progress.add_task("training", total=self.total_steps)
+        # get_renderable is called by the refresh thread; update() only stores state.
+        self._live = Live(
+            get_renderable=self._render,
+            console=console,
+            refresh_per_second=4,
+            transient=False,
+        )
+        self._live.start()
+
+    # -- feeding ------------------------------------------------------------
+
+    def update(self, record: dict) -> None:
+        """Take one step, event or eval record (see the schema). Records of other kinds raise ValueError."""
+        kind = record.get("kind") if isinstance(record, Mapping) else None
+        if kind == "step":
+            self._update_step(record)
+        elif kind == "event":
+            self._update_event(record)
+        elif kind == "eval":
+            self._update_eval(record)
+        else:
+            raise ValueError(f"LiveDisplay.update: field 'kind' must be 'step', 'event' or 'eval', got {kind!r}")
+
+    def _update_eval(self, record: Mapping[str, Any]) -> None:
+        line = format_eval_line(record)
+        with self._lock:
+            self._last_eval = line
+        if self._live is None:
+            self._logger.info(line)
+
+    def _update_step(self, record: Mapping[str, Any]) -> None:
+        with self._lock:
+            if self._first_step is None:
+                self._first_step = (record["step"], record["elapsed_s"])
+                self._rebalance_mark = record["step"]
+            self._last_step = record
+            self._devices = tuple(record["devices"])
+            self._generation = record["generation"]
+        done = record["step"] + 1
+        if self._progress is not None:
+            self._progress.update(self._task, completed=done)
+            return
+        if done % self.log_every == 0 or done == self.total_steps:
+            first_step, first_elapsed = self._first_step
+            remaining = estimate_remaining_s(
+                first_step, first_elapsed, record["step"], record["elapsed_s"], self.total_steps
+            )
+            self._logger.info(format_step_line(record, self.total_steps, remaining))
+            self._report_rebalances(record, done)
+
+    def _report_rebalances(self, step: Optional[Mapping[str, Any]], done: int) -> None:
+        """Plain mode: one line for the rebalances since the last such line, with the split now in force."""
+        with self._lock:
+            count, since = self._rebalances_unreported, self._rebalance_mark
+            self._rebalances_unreported, self._rebalance_mark = 0, done
+        if count == 0 or step is None:
+            return
+        self._logger.info(format_rebalance_line(count, since, step["devices"], step["assignment"]))
+
+    def _update_event(self, record: Mapping[str, Any]) -> None:
+        rebalance = record["event"] == "rebalance"
+        with self._lock:
+            previous = self._devices
+            line = format_event_line(record, previous)
+            if rebalance:
+                self._rebalances += 1
+                self._rebalances_unreported += 1
+                self._last_rebalance = record
+            else:
+                self._events.append((record, line))
+            self._devices = tuple(record["devices"])
+            self._generation = record["generation"]
+        if self._live is None and not rebalance:
+            level = logging.WARNING if record["event"] in WARNING_EVENTS else logging.INFO
+            self._logger.log(level, line)
+
+    # -- rendering (rich only) ----------------------------------------------
+
+    def _render(self):
+        from rich.bar import Bar
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+
+        with self._lock:
+            step = self._last_step
+            events = list(self._events)
+            generation = self._generation
+            devices = self._devices
+        parts: list = [self._progress]
+        if step is None:
+            parts.append(Text(f"waiting for the first step; generation {generation or '-'}, {len(devices)} devices"))
+        else:
+            parts.append(
+                Text.assemble(
+                    ("loss ", "dim"),
+                    (f"{step['loss']:.4g}", "bold"),
+                    ("   samples/s ", "dim"),
+                    f"{step['samples_per_s']:.1f}",
+                    ("   step ", "dim"),
+                    f"{step['step_time_s']:.3f} s",
+                    ("   lr ", "dim"),
+                    f"{step['lr']:.3g}",
+                    ("   generation ", "dim"),
+                    str(step["generation"]),
+                    ("   imbalance ", "dim"),
+                    (f"{100.0 * step['imbalance']:.1f}%", "bold"),
+                )
+            )
+            parts.append(self._device_table(step, Table, Bar))
+        with self._lock:
+            last_eval = self._last_eval
+            rebalances, last_rebalance = self._rebalances, self._last_rebalance
+        if last_eval is not None:
+            parts.append(Text(last_eval, style="green"))
+        if rebalances:
+            parts.append(Text(format_rebalance_summary(rebalances, last_rebalance), style=_EVENT_STYLES["rebalance"]))
+        if events:
+            event_table = Table(title="recent events", title_justify="left", box=None, show_header=False, pad_edge=False)
+            for record, line in events:
+                event_table.add_row(Text(line, style=_EVENT_STYLES.get(record["event"], "")))
+            parts.append(event_table)
+        return Group(*parts)
+
+    @staticmethod
+    def _device_table(step: Mapping[str, Any], table_class, bar_class):
+        table = table_class(box=None, pad_edge=False, header_style="dim")
+        table.add_column("device")
+        table.add_column("VWs", justify="right")
+        table.add_column("busy", justify="right")
+        table.add_column("", width=30)
+        longest = max(step["busy_s"]) or 1.0
+        for device_id, count, busy in zip(step["devices"], step["assignment"], step["busy_s"]):
+            table.add_row(device_id, str(count), f"{busy:.3f} s", bar_class(longest, 0.0, busy, width=30, color="cyan"))
+        return table
+
+    # -- life cycle -----------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the live panel (its last state stays on screen), or log rebalances not yet reported.
+
+        Closing twice is harmless.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._live is not None:
+            self._live.stop()
+            return
+        with self._lock:
+            step = self._last_step
+        self._report_rebalances(step, step["step"] + 1 if step is not None else 0)
+
+    def __enter__(self) -> "LiveDisplay":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

@@ -1,0 +1,244 @@
+"""Experiment trackers: the job's records in TensorBoard, MLflow or a CSV file.
+
+`fit(..., trackers=["tensorboard", "mlflow", "csv"])` (CLI: `--tracker NAME`,
+repeatable) adds one callback per name; each writes into the run directory
+(`summary["run_dir"]`):
+
+    tensorboard   run_dir/tensorboard/   event files (`tensorboard --logdir run_dir/tensorboard`)
+    mlflow        run_dir/mlruns/        an MLflow file store, one run named after the run directory
+                                         (or the server/database MLFLOW_TRACKING_URI names)
+    csv           run_dir/metrics.csv    one row per value: time, kind, step, name, value, detail
+
+The x axis of every tracker is the number of optimizer steps done: a step
+record is logged at `record["step"] + 1` (the model it leaves has taken that
+many steps), an evaluation at its `step` (the same count), an event at its
+`step` (the steps done before it took effect). Names:
+
+    train/loss, train/samples_per_s, train/step_time_s, train/lr, train/imbalance,
+    train/devices, train/generation                    from each step record
+    eval/<metric>                                      each summed metric of an evaluation
+    eval/<name>_mean                                   with a `count` metric: each other one / count
+                                                       (loss_sum -> eval/loss_mean, correct -> eval/correct_mean)
+    event/<event>/stall_s                              each event's stall (join, leave, failure, ...)
+
+TensorBoard also gets each event as text (tag `events`). The libraries are
+optional extras: naming a tracker whose library is missing is an error before
+any worker starts, naming what to install.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import os
+import time
+from typing import Iterable, Optional
+
+from flexpar.callbacks import Callback
+from flexpar import evaluation
+
+# name -> (module that must import, what to install)
+REQUIREMENTS = {
+    "tensorboard": ("tensorboard", "pip install flexpar[tensorboard] (the tensorboard package)"),
+    "mlflow": ("mlflow", "pip install flexpar[mlflow] (the mlflow or mlflow-skinny package)"),
+    "csv": (None, ""),
+}
+TRACKER_NAMES = tuple(REQUIREMENTS)
+
+_STEP_FIELDS = ("loss", "samples_per_s", "step_time_s", "lr", "imbalance")
+
+
+def check_names(names) -> tuple:
+    """The tracker names as a tuple, checked: known names, each library importable (ValueError otherwise)."""
+    if not names:
+        return ()
+    if isinstance(names, str):
+        names = [part.strip() for part in names.split(",") if part.strip()]
+    checked = []
+    for name in names:
+        if name not in REQUIREMENTS:
+            raise ValueError(f"unknown tracker {name!r}: choose from {', '.join(TRACKER_NAMES)}")
+        module, install = REQUIREMENTS[name]
+        if module is not None and importlib.util.find_spec(module) is None:
+            raise ValueError(f"the {name} tracker needs the {module} package, which is not installed: {install}")
+        if name not in checked:
+            checked.append(name)
+    return tuple(checked)
+
+
+def create(names: Iterable[str], run_dir: str) -> list:
+    """One tracker callback per name, writing under `run_dir`."""
+    makers = {"tensorboard": TensorBoardTracker, "mlflow": MLflowTracker, "csv": CSVTracker}
+    return [makers[name](run_dir) for name in check_names(tuple(names))]
+
+
+def step_values(record: dict) -> dict:
+    """What a tracker logs of a step record: {name: value}."""
+    values = {f"train/{field}": float(record[field]) for field in _STEP_FIELDS}
+    values["train/devices"] = float(len(record["devices"]))
+    values["train/generation"] = float(record["generation"])
+    return values
+
+
+def eval_values(record: dict) -> dict:
+    """What a tracker logs of an eval record: each summed metric, and per-sample means with a `count`."""
+    metrics = record["metrics"]
+    values = {f"eval/{key}": float(value) for key, value in sorted(metrics.items())}
+    for name, value in sorted(evaluation.means(metrics).items()):
+        values[f"eval/{name}_mean"] = float(value)
+    return values
+
+
+class Tracker(Callback):
+    """Base of the trackers: never stops the job, so the devices never wait on it."""
+
+    never_stops = True
+    name = ""
+
+    def __init__(self, run_dir: str):
+        self.run_dir = run_dir
+
+    def on_step(self, record):
+        self.log(step_values(record), record["step"] + 1, record["time"])
+
+    def on_eval(self, record):
+        self.log(eval_values(record), record["step"], record["time"])
+
+    def on_event(self, record):
+        self.log({f"event/{record['event']}/stall_s": float(record["stall_s"])}, record["step"], record["time"])
+
+    def log(self, values: dict, step: int, wall: float) -> None:
+        raise NotImplementedError
+
+    def finish_tracking(self, failed: bool = False) -> None:
+        """Flush and close (the driver calls it when the job ends, well or not)."""
+
+
+class CSVTracker(Tracker):
+    """run_dir/metrics.csv: `time,kind,step,name,value,detail`, one row per value, flushed per record."""
+
+    name = "csv"
+    COLUMNS = ("time", "kind", "step", "name", "value", "detail")
+
+    def __init__(self, run_dir: str):
+        super().__init__(run_dir)
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.join(run_dir, "metrics.csv")
+        self._file = open(self.path, "w", encoding="utf-8", newline="")
+        self._writer = csv.writer(self._file)
+        self._writer.writerow(self.COLUMNS)
+        self._file.flush()
+
+    def _rows(self, kind: str, values: dict, step: int, wall: float, detail: str = "") -> None:
+        if self._file is None:
+            return
+        for name, value in values.items():
+            self._writer.writerow((f"{wall:.6f}", kind, step, name, repr(float(value)), detail))
+        self._file.flush()
+
+    def on_step(self, record):
+        self._rows("train", step_values(record), record["step"] + 1, record["time"])
+
+    def on_eval(self, record):
+        self._rows("eval", eval_values(record), record["step"], record["time"])
+
+    def on_event(self, record):
+        self._rows("event", {f"event/{record['event']}/stall_s": record["stall_s"]}, record["step"],
+                   record["time"], record["detail"])
+
+    def finish_tracking(self, failed: bool = False) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class TensorBoardTracker(Tracker):
+    """run_dir/tensorboard/: event files written by torch.utils.tensorboard's SummaryWriter."""
+
+    name = "tensorboard"
+
+    def __init__(self, run_dir: str):
+        super().__init__(run_dir)
+        self.log_dir = os.path.join(run_dir, "tensorboard")
+        self._writer = None
+
+    def _open(self):
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=self.log_dir, flush_secs=5)
+        return self._writer
+
+    def log(self, values: dict, step: int, wall: float) -> None:
+        writer = self._open()
+        for name, value in values.items():
+            writer.add_scalar(name, value, global_step=step, walltime=wall)
+
+    def on_event(self, record):
+        super().on_event(record)
+        text = f"{record['event']} at step {record['step']}: {record['detail']}".rstrip(": ")
+        self._open().add_text("events", text, global_step=record["step"], walltime=record["time"])
+
+    def finish_tracking(self, failed: bool = False) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+            self._writer.close()
+            self._writer = None
+
+
+class MLflowTracker(Tracker):
+    """An MLflow run (experiment "flexpar") in run_dir/mlruns, or where MLFLOW_TRACKING_URI says.
+
+    MLflow 3 keeps its plain-file store only on request: flexpar asks for it
+    (MLFLOW_ALLOW_FILE_STORE=true, unless set otherwise) when it uses one.
+    Values are batched and sent at most every `flush_s` seconds, and at the end.
+    """
+
+    name = "mlflow"
+    EXPERIMENT = "flexpar"
+
+    def __init__(self, run_dir: str, flush_s: float = 1.0):
+        super().__init__(run_dir)
+        self.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or "file:" + os.path.abspath(
+            os.path.join(run_dir, "mlruns"))
+        self.flush_s = flush_s
+        self._client = None
+        self.run_id: Optional[str] = None
+        self._pending: list = []
+        self._last_flush = time.monotonic()
+
+    def _open(self):
+        if self._client is None:
+            if self.tracking_uri.startswith("file:"):
+                os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            from mlflow.tracking import MlflowClient
+
+            client = MlflowClient(tracking_uri=self.tracking_uri)
+            experiment = client.get_experiment_by_name(self.EXPERIMENT)
+            experiment_id = experiment.experiment_id if experiment else client.create_experiment(self.EXPERIMENT)
+            run = client.create_run(experiment_id, run_name=os.path.basename(os.path.abspath(self.run_dir)),
+                                    tags={"flexpar.run_dir": os.path.abspath(self.run_dir)})
+            self._client, self.run_id = client, run.info.run_id
+        return self._client
+
+    def log(self, values: dict, step: int, wall: float) -> None:
+        from mlflow.entities import Metric
+
+        self._open()
+        stamp = int(wall * 1000)
+        self._pending.extend(Metric(name, float(value), stamp, int(step)) for name, value in values.items())
+        if time.monotonic() - self._last_flush > self.flush_s or len(self._pending) >= 900:
+            self._flush()
+
+    def _flush(self) -> None:
+        self._last_flush = time.monotonic()
+        while self._pending:
+            batch, self._pending = self._pending[:900], self._pending[900:]  # MLflow takes 1000 a batch
+            self._client.log_batch(self.run_id, metrics=batch)
+
+    def finish_tracking(self, failed: bool = False) -> None:
+        if self._client is None:
+            return
+        self._flush()
+        self._client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+        self._client = None

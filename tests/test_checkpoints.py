@@ -1,0 +1,105 @@
+"""Checkpoints off the critical path: a copy in the step loop, the file on a thread, the newest K kept."""
+
+import os
+import threading
+
+import pytest
+import torch
+
+import pieces
+from flexpar import checkpoints, state as training_state
+
+
+def _state(value=1.0):
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight.fill_(value)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    return model, optimizer, training_state.capture(model, optimizer, None, 5, {"note": "x"})
+
+
+def test_the_copy_is_the_state_at_the_time_it_was_taken():
+    model, optimizer, state = _state()
+    copy = checkpoints.cpu_copy(state)
+    with torch.no_grad():
+        model.weight.add_(1.0)  # the next step changes the live tensors in place
+    optimizer.step()
+    assert not torch.equal(copy["model"]["weight"], model.weight)
+    assert copy["model"]["weight"].data_ptr() != model.weight.data_ptr()
+    assert copy["extra"] == {"note": "x"} and copy["step"] == 5
+    assert copy["model"]._metadata == state["model"]._metadata  # load_state_dict reads module versions
+
+
+def test_the_writer_keeps_exactly_the_newest_k(tmp_path):
+    _, _, state = _state()
+    writer = checkpoints.CheckpointWriter(keep=3)
+    for step in range(1, 8):
+        path = writer.submit(str(tmp_path), step, checkpoints.cpu_copy(state))
+        assert writer.pending == path
+    writer.wait()
+    assert sorted(os.listdir(tmp_path)) == ["step-00000005.pt", "step-00000006.pt", "step-00000007.pt"]
+    loaded = training_state.read_checkpoint(str(tmp_path / "step-00000007.pt"), "cpu")
+    torch.testing.assert_close(loaded["model"]["weight"], state["model"]["weight"])
+
+
+def test_submit_returns_before_the_file_is_written(tmp_path, monkeypatch):
+    _, _, state = _state()
+    release = threading.Event()
+    real_save = torch.save
+
+    def slow_save(*args, **kwargs):
+        release.wait(10)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", slow_save)
+    writer = checkpoints.CheckpointWriter()
+    path = writer.submit(str(tmp_path), 1, state)
+    assert writer.busy and not os.path.exists(path), "the step loop goes on while the file is written"
+    release.set()
+    writer.wait()
+    assert os.path.exists(path) and not os.path.exists(path + ".tmp")
+
+
+def test_a_failed_write_is_raised_at_the_next_wait(tmp_path):
+    _, _, state = _state()
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    writer = checkpoints.CheckpointWriter()
+    writer.submit(str(blocker), 1, state)
+    with pytest.raises(RuntimeError, match="writing a checkpoint failed"):
+        writer.wait()
+    writer.wait()  # reported once
+
+
+def test_prune_ignores_other_files(tmp_path):
+    for name in ("step-00000001.pt", "step-00000002.pt", "notes.txt", "step-00000003.pt.tmp"):
+        (tmp_path / name).write_text("")
+    checkpoints.prune(str(tmp_path), 1)
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt", "step-00000002.pt", "step-00000003.pt.tmp"]
+
+
+def test_a_job_keeps_the_newest_k_and_its_last_checkpoint_is_its_model(train, tmp_path):
+    folder = tmp_path / "checkpoints"
+    job = pieces.make_job(virtual_workers=4)
+    model, summary = train(job, steps=11, devices=2, checkpoint_every=2, checkpoint_dir=str(folder),
+                           keep_checkpoints=3)
+    assert sorted(os.listdir(folder)) == ["step-00000008.pt", "step-00000010.pt", "step-00000011.pt"]
+    last = training_state.read_checkpoint(str(folder / "step-00000011.pt"), "cpu")
+    pieces.assert_same_parameters(model, _loaded(job, last["model"]), rtol=0, atol=0)
+
+
+def test_keep_checkpoints_needs_a_folder():
+    from flexpar import FitOptions
+
+    with pytest.raises(ValueError, match="keep_checkpoints=2 needs checkpoint_dir"):
+        FitOptions(steps=1, keep_checkpoints=2)
+    with pytest.raises(ValueError, match="keep_checkpoints=0"):
+        FitOptions(steps=1, keep_checkpoints=0, checkpoint_dir="x")
+
+
+def _loaded(job, state_dict):
+    model = job.model()
+    model.load_state_dict(state_dict)
+    return model

@@ -1,0 +1,221 @@
+"""Tests for flexpar.display: the live panel, the plain log lines and the rebalance summary."""
+
+from __future__ import annotations
+
+import io
+import logging
+import sys
+
+import pytest
+
+from flexpar.display import (
+    LiveDisplay,
+    estimate_remaining_s,
+    format_duration,
+    format_rebalance_line,
+    format_rebalance_summary,
+)
+from metrics_pieces import REBALANCE_STEPS, TOTAL_STEPS, event_record, synthetic_run
+
+
+@pytest.fixture
+def records() -> list[dict]:
+    return synthetic_run()
+
+
+def flexpar_lines(caplog) -> list[logging.LogRecord]:
+    return [entry for entry in caplog.records if entry.name == "flexpar"]
+
+
+def run_plain(records, caplog, log_every: int, upto: int = None) -> LiveDisplay:
+    """Feed `records` (the first `upto` of them) to a plain-mode display and close it."""
+    caplog.set_level(logging.INFO, logger="flexpar")
+    with LiveDisplay(TOTAL_STEPS, log_every=log_every, force_terminal=False) as display:
+        assert not display.uses_rich
+        for record in records[:upto]:
+            display.update(record)
+    return display
+
+
+# --- pure helpers -------------------------------------------------------------------
+
+
+def test_estimate_remaining_uses_the_mean_pace_since_the_first_step():
+    assert estimate_remaining_s(0, 1.0, 0, 1.0, 60) is None
+    # 10 steps in 5 s -> 0.5 s per step; steps 11..59 remain (49 steps).
+    assert estimate_remaining_s(0, 1.0, 10, 6.0, 60) == pytest.approx(24.5)
+    assert estimate_remaining_s(0, 0.0, 59, 30.0, 60) == 0.0
+    assert format_duration(65.4) == "0:01:05" and format_duration(None) == "?"
+
+
+def test_rebalance_line_and_summary_texts():
+    assert format_rebalance_line(3, 40, ["local-0", "local-1"], [9, 7]) == (
+        "3 rebalances since step 40, now local-0:9 local-1:7")
+    assert format_rebalance_line(1, 0, ["a"], [4]) == "1 rebalance since step 0, now a:4"
+    last = {"event": "rebalance", "step": 812, "detail": "[8, 8] -> [9, 7]"}
+    assert format_rebalance_summary(7, last) == "rebalances: 7 (last at step 812: 8,8 -> 9,7)"
+    assert format_rebalance_summary(2, {**last, "detail": "moved"}) == "rebalances: 2 (last at step 812)"
+
+
+# --- plain mode (no terminal, --no-display) -----------------------------------------
+
+
+def test_plain_mode_logs_steps_events_and_one_rebalance_line_per_log_interval(records, caplog):
+    display = run_plain(records, caplog, log_every=10)
+    messages = [entry.getMessage() for entry in flexpar_lines(caplog)]
+    step_lines = [line for line in messages if line.startswith("step ")]
+    assert [line.split()[1] for line in step_lines] == [f"{n}/60" for n in (10, 20, 30, 40, 50, 60)]
+    assert "loss" in step_lines[0] and "samples/s" in step_lines[0] and "ETA" in step_lines[0]
+
+    # Every event except rebalances has its own line, in order.
+    event_lines = [line for line in messages if line.startswith("event ")]
+    events = [record for record in records if record["kind"] == "event" and record["event"] != "rebalance"]
+    assert [line.split()[1] for line in event_lines] == [record["event"] for record in events]
+    assert not any("event rebalance" in line for line in messages)
+    assert any("+hostB-1" in line and "stall 0.34 s" in line for line in event_lines)
+
+    # Rebalances at steps 16, 17, 18, 33 and 47: one summary line with the step
+    # line of each interval that had any, naming the split in force then.
+    rebalance_lines = [line for line in messages if "since step" in line]
+    assert rebalance_lines == [
+        "3 rebalances since step 10, now local-0:4 local-1:4 local-2:8",
+        "1 rebalance since step 30, now local-0:3 local-1:3 local-2:8 hostB-1:2",
+        "1 rebalance since step 40, now local-0:5 local-2:9 hostB-1:2",
+    ]
+    # Each follows its interval's step line.
+    for line in rebalance_lines:
+        assert messages[messages.index(line) - 1].startswith("step ")
+    assert display.rebalance_count == len(REBALANCE_STEPS) == 5
+
+
+def test_plain_mode_warns_of_failures_refusals_and_schedule_entries(records, caplog):
+    run_plain(records, caplog, log_every=10)
+    levels = {entry.getMessage().split()[1]: entry.levelno
+              for entry in flexpar_lines(caplog) if entry.getMessage().startswith("event ")}
+    assert levels == {"start": logging.INFO, "join": logging.INFO, "schedule": logging.WARNING,
+                      "failure": logging.WARNING, "leave": logging.INFO, "end": logging.INFO}
+    failure = next(entry.getMessage() for entry in flexpar_lines(caplog) if "event failure" in entry.getMessage())
+    assert "-local-1" in failure
+    schedule = next(entry.getMessage() for entry in flexpar_lines(caplog) if "event schedule" in entry.getMessage())
+    assert "was refused: over --max-devices 4" in schedule
+
+
+def test_plain_mode_gives_a_stop_and_a_refused_joiner_their_own_lines(caplog):
+    caplog.set_level(logging.INFO, logger="flexpar")
+    stop = {**event_record("stop", 42, 1_700_000_010.0, 3, ["local-0"], 0.0,
+                           "SIGTERM to the driver; stopped after step 42")}
+    refused = {**stop, "event": "refused", "detail": "hostC-0: wrong secret"}
+    with LiveDisplay(60, force_terminal=False) as display:
+        display.update(stop)
+        display.update(refused)
+    entries = flexpar_lines(caplog)
+    assert [(entry.getMessage().split()[1], entry.levelno) for entry in entries] == [
+        ("stop", logging.INFO), ("refused", logging.WARNING)]
+    assert "SIGTERM to the driver" in entries[0].getMessage()
+
+
+def test_plain_mode_with_a_long_interval_sums_up_all_rebalances_once(records, caplog):
+    run_plain(records, caplog, log_every=100)
+    messages = [entry.getMessage() for entry in flexpar_lines(caplog)]
+    assert [line for line in messages if line.startswith("step ")][0].startswith("step 60/60")
+    assert [line for line in messages if "since step" in line] == [
+        "5 rebalances since step 0, now local-0:8 local-2:8"]
+
+
+def test_closing_reports_rebalances_not_yet_reported(records, caplog):
+    # Stop feeding after step 17 (index 17 is the 18th step): the rebalances at
+    # 16 and 17 came after the step-10 line, and the job ends before step 20.
+    upto = next(index for index, record in enumerate(records)
+                if record["kind"] == "step" and record["step"] == 17) + 1
+    display = run_plain(records, caplog, log_every=10, upto=upto)
+    messages = [entry.getMessage() for entry in flexpar_lines(caplog)]
+    assert messages[-1] == "2 rebalances since step 10, now local-0:5 local-1:4 local-2:7"
+    assert display.rebalance_count == 2
+    display.close()  # closing again logs nothing more
+    assert len(flexpar_lines(caplog)) == len(messages)
+
+
+def test_plain_mode_is_the_default_for_a_non_terminal_console(records, caplog):
+    from rich.console import Console
+
+    caplog.set_level(logging.INFO, logger="flexpar")
+    display = LiveDisplay(TOTAL_STEPS, log_every=25, console=Console(file=io.StringIO()))
+    assert not display.uses_rich
+    for record in records:
+        display.update(record)
+    display.close()
+    step_lines = [entry.getMessage() for entry in caplog.records if entry.getMessage().startswith("step ")]
+    assert [line.split()[1] for line in step_lines] == ["25/60", "50/60", "60/60"]
+
+
+def test_plain_mode_without_rich(records, caplog, monkeypatch):
+    for name in [name for name in sys.modules if name == "rich" or name.startswith("rich.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "rich", None)  # makes `import rich...` raise ImportError
+    caplog.set_level(logging.INFO, logger="flexpar")
+    with LiveDisplay(TOTAL_STEPS, log_every=30, force_terminal=True) as display:
+        assert not display.uses_rich
+        for record in records:
+            display.update(record)
+    assert "pip install flexpar[display]" in caplog.text
+    assert "step 30/60" in caplog.text and "event failure" in caplog.text
+    assert "3 rebalances since step 0" in caplog.text and "2 rebalances since step 30" in caplog.text
+
+
+# --- rich mode --------------------------------------------------------------------
+
+
+def rendered_text(display: LiveDisplay) -> str:
+    from rich.console import Console
+
+    buffer = io.StringIO()
+    Console(file=buffer, width=120).print(display._render())
+    return buffer.getvalue()
+
+
+def test_rich_panel_sums_up_rebalances_in_one_line(records):
+    from rich.console import Console
+
+    buffer = io.StringIO()
+    display = LiveDisplay(TOTAL_STEPS, console=Console(file=buffer, width=120), force_terminal=True)
+    assert display.uses_rich
+    for record in records:
+        display.update(record)
+    text = rendered_text(display)
+    display.close()
+    display.close()
+    last = [record for record in records if record["kind"] == "step"][-1]
+    assert f"{last['loss']:.4g}" in text and "60/60" in text and "imbalance" in text
+    for device_id in last["devices"]:
+        assert device_id in text
+    assert "local-1" not in text.split("recent events")[0]  # it left the device table
+    assert display.rebalance_count == 5
+    assert "rebalances: 5 (last at step 47: 6,5,5 -> 5,9,2)" in text
+    # The recent events are the last five others: rebalances push nothing out.
+    recent = text.split("recent events")[1]
+    assert "rebalance" not in recent
+    assert "+hostB-1" in recent and "schedule" in recent and "failure" in recent and "leave" in recent
+    assert "rebalances: 5" in buffer.getvalue()  # the panel's final state, as drawn
+
+
+def test_rich_panel_without_rebalances_shows_no_rebalance_line(records):
+    from rich.console import Console
+
+    display = LiveDisplay(TOTAL_STEPS, console=Console(file=io.StringIO(), width=120), force_terminal=True)
+    for record in records:
+        if record.get("event") != "rebalance":
+            display.update(record)
+    text = rendered_text(display)
+    display.close()
+    assert display.rebalance_count == 0
+    assert "rebalances:" not in text
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="total_steps"):
+        LiveDisplay(0, force_terminal=False)
+    with pytest.raises(ValueError, match="log_every"):
+        LiveDisplay(10, log_every=0, force_terminal=False)
+    display = LiveDisplay(10, force_terminal=False)
+    with pytest.raises(ValueError, match="'kind'"):
+        display.update({"kind": "epoch"})

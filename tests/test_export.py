@@ -1,0 +1,80 @@
+"""`flexpar export`: a checkpoint's weights as safetensors, loadable with load_state_dict."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from flexpar import checkpoints, export, state as training_state
+
+safetensors_torch = pytest.importorskip("safetensors.torch", reason="the safetensors package is not installed "
+                                        "(flexpar[safetensors])")
+
+
+class Tied(nn.Module):
+    """Tied weights (shared memory) and a buffer: what safetensors is strict about."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(7, 4)
+        self.norm = nn.BatchNorm1d(4)
+        self.out = nn.Linear(4, 7, bias=False)
+        self.out.weight = self.embed.weight
+
+
+def _checkpoint(folder):
+    torch.manual_seed(3)
+    model = Tied()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.norm(torch.randn(5, 4))  # moves the running statistics
+    state = training_state.capture(model, optimizer, None, 12, {})
+    return model, checkpoints.write(str(folder), 12, checkpoints.cpu_copy(state))
+
+
+def test_export_round_trips(tmp_path):
+    model, path = _checkpoint(tmp_path)
+    output = export.export(path, str(tmp_path / "out" / "model.safetensors"))
+    fresh = Tied()
+    fresh.load_state_dict(safetensors_torch.load_file(output))
+    for (name, want), (_, got) in zip(model.state_dict().items(), fresh.state_dict().items()):
+        assert torch.equal(want, got), name
+    assert fresh.out.weight is fresh.embed.weight
+
+
+def test_the_command_line_exports(tmp_path):
+    model, path = _checkpoint(tmp_path)
+    output = tmp_path / "model.safetensors"
+    result = subprocess.run([sys.executable, "-m", "flexpar", "export", path, "-o", str(output)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"wrote {output}" in result.stdout
+    loaded = safetensors_torch.load_file(str(output))
+    assert torch.equal(loaded["norm.running_mean"], model.norm.running_mean)
+
+
+def test_export_says_what_is_wrong(tmp_path):
+    with pytest.raises(ValueError, match="no such checkpoint"):
+        export.export(str(tmp_path / "missing.pt"), str(tmp_path / "x.safetensors"))
+    (tmp_path / "junk.pt").write_bytes(b"not torch")
+    with pytest.raises(ValueError, match="not a readable flexpar checkpoint"):
+        export.export(str(tmp_path / "junk.pt"), str(tmp_path / "x.safetensors"))
+    torch.save({"step": 1}, tmp_path / "plain.pt")
+    with pytest.raises(ValueError, match="no model state"):
+        export.export(str(tmp_path / "plain.pt"), str(tmp_path / "x.safetensors"))
+
+
+def test_without_safetensors_the_error_names_the_package(monkeypatch, tmp_path):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def refuse(name, *args, **kwargs):
+        if name.startswith("safetensors"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", refuse)
+    with pytest.raises(ImportError, match=r"pip install safetensors \(or flexpar\[safetensors\]\)"):
+        export.export(str(tmp_path / "x.pt"), str(tmp_path / "x.safetensors"))
