@@ -172,7 +172,8 @@ class Channel:
 
     A writer takes the next index with the store's atomic add, then writes the
     message; the reader follows the indices in order and waits for a message
-    whose index is taken but whose value is not yet written.
+    whose index is taken but whose value is not yet written. The reader is the
+    driver: a writer then bumps DRIVER_NOTICE_KEY.
     """
 
     def __init__(self, store, name: str):
@@ -183,6 +184,7 @@ class Channel:
     def send(self, message: dict) -> None:
         index = self.store.add(f"{self.name}/count", 1)
         self.store.set(f"{self.name}/{index}", json.dumps(message))
+        self.store.add(DRIVER_NOTICE_KEY, 1)
 
     def receive(self) -> list:
         count = self.store.add(f"{self.name}/count", 0)
@@ -195,6 +197,18 @@ class Channel:
             self.store.delete_key(key)
             self.cursor += 1
         return messages
+
+
+# The driver's counterpart of NOTICE_KEY (below): every channel message, and the key
+# "done", bump it after they are written, so the driver's loop reads one counter per
+# poll and its channels only when it moved (driver_loop.DriverLoop.run).
+DRIVER_NOTICE_KEY = "driver/notice"
+
+
+def tell_driver(store, key: str, value: str) -> None:
+    """Set `key` for the driver (as "done") and have its loop look (DRIVER_NOTICE_KEY)."""
+    store.set(key, value)
+    store.add(DRIVER_NOTICE_KEY, 1)
 
 
 # ---------------------------------------------------------------- coordinator
@@ -253,10 +267,14 @@ class Coordinator:
             self._execute(action)
         return actions
 
-    def step(self) -> None:
-        """Turn what happened since the last call into events and apply them."""
+    def step(self, receive: bool = True) -> None:
+        """Turn what happened since the last call into events and apply them.
+
+        `receive=False`: the caller knows no message was sent since the last call
+        (DRIVER_NOTICE_KEY did not move), so the events channel is not read.
+        """
         now = self.clock()
-        for message in self.events.receive():
+        for message in (self.events.receive() if receive else ()):
             event = self._event_of(message, now)
             if event is not None:
                 self.apply(event)

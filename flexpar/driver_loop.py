@@ -21,7 +21,7 @@ from flexpar.metrics import LOGGER_NAME, MetricsWriter
 from flexpar.schedule import ScheduleTracker
 
 _POLL_S = 0.01
-_DONE_EVERY = 10  # polls between looks for "done" before the job may be ending (DriverLoop._may_end)
+_READ_ALL_EVERY = 50  # polls between readings of the channels and "done" that no notice asked for
 
 
 class DriverLoop:
@@ -58,16 +58,22 @@ class DriverLoop:
                 _log_to_stderr()
 
     def run(self) -> None:
+        notice = None
         polls = 0
         try:
             while True:
-                self.coordinator.step()
-                self._relay_metrics()
-                polls += 1
-                # "done" is looked for at every poll only once the job may be ending, else
-                # every _DONE_EVERY polls: each store round trip wakes the store's thread
-                # and this one, on the cores the devices compute on (see control.NOTICE_KEY).
-                if (self._may_end or polls % _DONE_EVERY == 0) and self.store.check(["done"]):
+                # One store round trip per poll while nobody sent anything: the channels
+                # and "done" are read when control.DRIVER_NOTICE_KEY moved (and every
+                # _READ_ALL_EVERY polls regardless). Reading them at every poll (three round
+                # trips) woke the store's thread and this one 400 more times a second, on
+                # the cores the devices compute on (see control.NOTICE_KEY).
+                seen = self.store.add(control.DRIVER_NOTICE_KEY, 0)  # first: what is sent later is read next time
+                read = seen != notice or polls % _READ_ALL_EVERY == 0
+                notice, polls = seen, polls + 1
+                self.coordinator.step(receive=read)
+                if read:
+                    self._relay_metrics()
+                if read and self.store.check(["done"]):
                     self._relay_metrics()
                     self.done = json.loads(self.store.get("done"))
                     self._report_schedule(self.schedule.ended(self.done.get("step", 0)))
@@ -82,13 +88,6 @@ class DriverLoop:
                 self.ledger_file.close()
             if self.display is not None:
                 self.display.close()
-
-    @property
-    def _may_end(self) -> bool:
-        """Whether "done" may come soon: the last step's record, or a stop event, was relayed."""
-        if self.steps and self.steps[-1]["step"] + 1 >= self.total_steps:
-            return True
-        return any(event["event"] == "stop" for event in self.events)
 
     def _stop_message(self, reason: str) -> str:
         if EXIT_MAIN_GUARD in self.exit_codes().values():

@@ -10,12 +10,15 @@ the device set. Where each piece sits in a step (`flexpar.worker`):
    times the loss scale with fp16. The device's last bucket carries, in the
    step's statistics vector, the counts of all its VWs, how many of its VWs
    returned pairs, and (fp16) whether its own gradients hold an inf or NaN.
-3. After the sum across devices, `finish_gradients` multiplies the summed
+3. After the sum across devices, `prepare_gradients` multiplies the summed
    gradient (dense and sparse) by `1 / (total count x scale)`, measures its
    total norm (every step record's `grad_norm`), and clips it to
-   `max_grad_norm` as `torch.nn.utils.clip_grad_norm_` does. The summed
-   gradient and the statistics are the same on every device, so every
-   device computes the same norm, the same clip factor and the same verdict.
+   `max_grad_norm` as `torch.nn.utils.clip_grad_norm_` does; the dense
+   part's clip rides in the copy of the summed buckets into `.grad`
+   (`GradientSync.finish(scale=...)`), so clipping costs no pass over the
+   gradient of its own. The summed gradient and the statistics are the same
+   on every device, so every device computes the same norm, the same clip
+   factor and the same verdict.
 4. fp16: a step whose gradient is not finite (any device said so in the
    statistics, or the summed norm is inf/NaN) is skipped on every device -
    no optimizer or scheduler step - and the `LossScaler` backs off; after
@@ -155,17 +158,35 @@ def make_scaler(job) -> Optional[LossScaler]:
 
 def finish_gradients(dense: Sequence[torch.nn.Parameter], sparse: Sequence[torch.nn.Parameter],
                      factor: float, max_grad_norm: Optional[float]) -> float:
-    """Scale the summed gradient by `factor`, return its total 2-norm, clip it to `max_grad_norm`.
+    """Scale the gradient in `.grad` by `factor`, return its total 2-norm, clip it to `max_grad_norm`.
 
-    `factor` is 1 / (total count x loss scale) (1 for a plain scalar loss in
-    full precision: then the gradient is left untouched). The norm is over
-    dense and sparse parameters together, as `clip_grad_norm_` of the dense
-    equivalent would compute it; clipping multiplies by
-    `max_grad_norm / (norm + 1e-6)` when that is below 1, as `clip_grad_norm_`
-    does. A non-finite norm is returned as it is and nothing is clipped (fp16
-    skips that step).
+    `prepare_gradients` on the parameters' own gradients, then the clip's
+    multiplication (one device, where no write-back of sums could carry it).
     """
     grads = [parameter.grad for parameter in dense if parameter.grad is not None]
+    norm, multiplier = prepare_gradients(grads, sparse, factor, max_grad_norm)
+    if multiplier is not None and grads:
+        torch._foreach_mul_(grads, multiplier)
+    return norm
+
+
+def prepare_gradients(dense_sums: Sequence[Optional[torch.Tensor]], sparse: Sequence[torch.nn.Parameter],
+                      factor: float, max_grad_norm: Optional[float]) -> tuple:
+    """The summed gradient made the one to apply, but for the dense part's clip: (norm, multiplier or None).
+
+    `dense_sums` (changed in place) are the dense parameters' summed
+    gradients, in the model's order; the sparse parameters' summed gradients
+    are in their `.grad`. Both are multiplied by `factor`, 1 / (total count x
+    loss scale) (1 for a plain scalar loss in full precision: then nothing is
+    touched). The norm is over dense and sparse parameters together, computed
+    as `clip_grad_norm_` of the dense equivalent would. Clipping multiplies by
+    `max_grad_norm / (norm + 1e-6)` when that is below 1, as `clip_grad_norm_`
+    does: the sparse gradients here, the dense ones by the caller (returned
+    multiplier; None: nothing to multiply), in the pass that writes the sums
+    back. A non-finite norm is returned as it is and nothing is clipped (fp16
+    skips that step).
+    """
+    grads = [grad for grad in dense_sums if grad is not None]
     for parameter in sparse:
         if parameter.grad is not None:
             # A device's own sum over its VWs is uncoalesced: duplicates must be added
@@ -178,17 +199,17 @@ def finish_gradients(dense: Sequence[torch.nn.Parameter], sparse: Sequence[torch
     values = grads + [parameter.grad._values() for parameter in sparse if parameter.grad is not None]
     norm = total_norm(values)
     value = float(norm)
+    multiplier = None
     if max_grad_norm is not None and math.isfinite(value):
         # In float32 tensor arithmetic, as clip_grad_norm_: a coefficient one bit off would
         # shift every gradient element by a bit, which fp16/bf16 forwards amplify over steps.
         coefficient = max_grad_norm / (norm + 1e-6)
         if float(coefficient) < 1.0:
-            if grads:
-                torch._foreach_mul_(grads, coefficient)
+            multiplier = coefficient
             for parameter in sparse:
                 if parameter.grad is not None:
                     parameter.grad = parameter.grad * coefficient
-    return value
+    return value, multiplier
 
 
 def total_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

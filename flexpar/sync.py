@@ -61,6 +61,7 @@ class GradientSync:
         sparse = {id(parameter) for parameter in sparse_parameters(model)}
         self.sparse = [p for p in model.parameters() if p.requires_grad and id(p) in sparse]
         dense = [p for p in model.parameters() if p.requires_grad and id(p) not in sparse]
+        self.dense = dense  # in the model's order
         self.buckets = _make_buckets(list(reversed(dense)), int(bucket_mb * (1 << 20)))
         self.bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.parameters}
         self.world_size = 1
@@ -124,10 +125,17 @@ class GradientSync:
             bucket.buffer[offset:].copy_(stats)
         bucket.work = _collective(lambda: dist.all_reduce(bucket.buffer, async_op=True))
 
-    def finish(self, stats: torch.Tensor, before_wait=None) -> torch.Tensor:
+    def finish(self, stats: torch.Tensor, before_wait=None, scale=None) -> torch.Tensor:
         """Send what is left, wait for every sum, write the summed gradients back.
 
         Returns the summed statistics vector (the same on every device).
+        `scale(summed_stats, dense_sums)`, if given, is called once every sum
+        is in (sparse gradients already summed into `.grad`) and before the
+        dense sums are written back: `dense_sums` are the summed gradients of
+        `self.dense` (views of the reduced buckets, which it may change in
+        place). The write-back multiplies by what it returns (None: 1), in the
+        pass that copies (flexpar/recipes.py: clipping costs no pass of its own).
+        With one device nothing is summed and `scale` is not called.
         """
         self.armed = False
         if self.world_size == 1:
@@ -144,7 +152,8 @@ class GradientSync:
             before_wait()
         for bucket in self.buckets:
             _wait(bucket.work, self.peer_lost)
-            _unflatten(bucket)
+            if scale is None:
+                _unflatten(bucket)
         if carrier is None:
             _wait(work, self.peer_lost)
             summed = separate
@@ -152,7 +161,22 @@ class GradientSync:
             summed = carrier.buffer[carrier.numel :].to(stats.dtype)
         for parameter in self.sparse:
             parameter.grad = _collective(lambda: all_reduce_sparse(parameter.grad, like=parameter))
-        return summed.cpu()
+        summed = summed.cpu()
+        if scale is not None:
+            multiplier = scale(summed, self._dense_sums())
+            for bucket in self.buckets:
+                _unflatten(bucket, multiplier)
+        return summed
+
+    def _dense_sums(self) -> list:
+        """The reduced buckets' views of each dense parameter's summed gradient, in `self.dense` order."""
+        views = {}
+        for bucket in self.buckets:
+            offset = 0
+            for parameter in bucket.parameters:
+                views[id(parameter)] = bucket.buffer[offset : offset + parameter.numel()].view_as(parameter)
+                offset += parameter.numel()
+        return [views[id(parameter)] for parameter in self.dense]
 
     def _stats_carrier(self, stats):
         """The final bucket carries the stats if its dtype holds them exactly enough."""
@@ -178,11 +202,17 @@ def _make_buckets(parameters, bucket_bytes: int) -> list:
     return buckets
 
 
-def _unflatten(bucket: _Bucket) -> None:
+def _unflatten(bucket: _Bucket, multiplier=None) -> None:
+    """Write the bucket's sums into `.grad`, times `multiplier` (a number or 0-dim tensor) if given."""
     offset = 0
     for parameter in bucket.parameters:
         summed = bucket.buffer[offset : offset + parameter.numel()].view_as(parameter)
-        if parameter.grad is None:
+        if multiplier is not None:
+            if parameter.grad is None:
+                parameter.grad = summed * multiplier
+            else:
+                torch.mul(summed, multiplier, out=parameter.grad)
+        elif parameter.grad is None:
             parameter.grad = summed.clone()
         else:
             parameter.grad.copy_(summed)

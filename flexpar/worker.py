@@ -219,8 +219,7 @@ class Worker:
         recipes.check_compile(self.job, self.device.type)
         self.forward_model = recipes.compiled(self.job, self.model)
         self.scaler = recipes.make_scaler(self.job)  # fp16 only; part of the training state
-        sparse = {id(parameter) for parameter in self.sync.sparse}
-        self.dense_parameters = [p for p in self.model.parameters() if p.requires_grad and id(p) not in sparse]
+        self._grad_norm = 0.0  # of the step in flight's applied gradient (`_prepare_gradient`)
         self.reaper = GroupReaper()
         self.loader = VirtualWorkerLoader(self.job, self._plan, self.settings.total_steps)
         self.balance_state = balance.BalanceState(seconds_per_vw={})
@@ -401,8 +400,8 @@ class Worker:
             data = training_state.to_bytes({"model": self.model.state_dict(), "step": self.committed})
             control.put_blob(self.link.store, "result", data, self.args.secret)
             self.link.flush()
-            self.link.store.set("done", json.dumps({"step": self.committed, "stopped": stopped,
-                                                    "checkpoint": checkpoint}))
+            control.tell_driver(self.link.store, "done", json.dumps({"step": self.committed, "stopped": stopped,
+                                                                     "checkpoint": checkpoint}))
 
     def stop_early(self) -> None:
         """Every member committed the same step and stops: the driver asked, or is gone."""
@@ -489,7 +488,7 @@ class Worker:
                 return upcoming
             if world > 1:
                 self._set_buffers(summed[slots.buffers] / world)
-            grad_norm, skip = self._finish_gradients(summed, slots, count if pairs else None)
+            grad_norm, skip = self._verdict_on_gradient(summed, slots)
             if not skip:
                 self.optimizer.step()
                 if self.scheduler is not None:
@@ -513,20 +512,37 @@ class Worker:
             self.evaluate(ask_driver=False)
         return None
 
-    def _finish_gradients(self, summed: torch.Tensor, slots: "_StatsLayout", count: Optional[float]) -> tuple:
-        """The summed gradient made the one to apply: (its norm before clipping, whether to skip the step).
+    def _prepare_gradient(self, summed: torch.Tensor, dense_sums: Optional[list]):
+        """Make the summed gradient the one to apply: divided by the global count (pairs) and the
+        loss scale (fp16), measured, clipped (flexpar/recipes.py).
 
-        Divided by the global count (pairs) and the loss scale (fp16), measured,
-        clipped (flexpar/recipes.py). Everything here is a function of the
-        summed gradient and statistics, which every device holds alike, so
-        every device reaches the same verdict. fp16: a step is skipped (no
-        optimizer or scheduler step) when a device's own gradient overflowed
-        or the sum is not finite, and the loss scale backs off; otherwise it
-        may grow.
+        Called by `GradientSync.finish` with the summed statistics and the dense
+        sums before they are written back (it returns the clip's multiplier,
+        which the write-back applies), or, on one device, with `dense_sums`
+        None after the step's backward. Everything here is a function of the
+        summed gradient and statistics, which every device holds alike.
         """
+        slots = _StatsLayout(len(self.members))
+        pairs, count = round(float(summed[slots.pairs])), float(summed[slots.count])
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        factor = 1.0 / ((count or 1.0) * scale) if (count or scale != 1.0) else 1.0
-        norm = recipes.finish_gradients(self.dense_parameters, self.sync.sparse, factor, self.job.max_grad_norm)
+        factor = 1.0 / ((count if pairs else 1.0) * scale) if (pairs or scale != 1.0) else 1.0
+        if dense_sums is None:
+            self._grad_norm = recipes.finish_gradients(self.sync.dense, self.sync.sparse, factor,
+                                                       self.job.max_grad_norm)
+            return None
+        self._grad_norm, multiplier = recipes.prepare_gradients(dense_sums, self.sync.sparse, factor,
+                                                                self.job.max_grad_norm)
+        return multiplier
+
+    def _verdict_on_gradient(self, summed: torch.Tensor, slots: "_StatsLayout") -> tuple:
+        """(the applied gradient's norm before clipping, whether every device skips this step).
+
+        fp16: a step is skipped (no optimizer or scheduler step) when a device's
+        own gradient overflowed (the statistics say so) or the sum is not
+        finite, and the loss scale backs off; otherwise it may grow. Every
+        device reads the same statistics and norm: every device agrees.
+        """
+        norm = self._grad_norm
         if self.scaler is None:
             return norm, False
         skip = float(summed[slots.overflow]) > 0 or not math.isfinite(norm)
@@ -610,8 +626,11 @@ class Worker:
         stats[slots.count] = count
         stats[slots.pairs] = pairs
         if self.scaler is not None:  # fp16: this device's own gradient overflowed (all skip the step)
-            stats[slots.overflow] = float(recipes.has_nonfinite(self.dense_parameters, self.sync.sparse))
-        summed = self.sync.finish(stats.to(self.device), before_wait=lambda: self._fault_point("sync", step))
+            stats[slots.overflow] = float(recipes.has_nonfinite(self.sync.dense, self.sync.sparse))
+        summed = self.sync.finish(stats.to(self.device), before_wait=lambda: self._fault_point("sync", step),
+                                  scale=self._prepare_gradient)
+        if world == 1:  # nothing was summed: this device's gradient is the step's
+            self._prepare_gradient(summed, None)
         if ledger is not None:
             # Tests and the fault soak only: its own all-reduce, so the ledger never
             # changes the step's statistics vector.

@@ -328,7 +328,7 @@ def test_token_loss_is_the_global_token_mean_not_a_mean_of_means(train, metrics_
             sums.append(loss_sum)
             counts.append(count)
         loss = torch.stack(sums).sum() / torch.stack(counts).sum()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -366,6 +366,19 @@ def test_fp16_overflowing_steps_are_skipped_everywhere_and_the_scale_halves(trai
     for earlier, later, was_skipped in zip(trace["scale"], trace["scale"][1:], trace["skipped"][1:]):
         if was_skipped:
             assert later == earlier / 2
+
+
+def test_fp16_resume_continues_with_the_checkpointed_scale(train, tmp_path):
+    """The loss scale is in the checkpoint: a resumed run skips and grows exactly as an unbroken one."""
+    job = pieces.make_job(virtual_workers=6, **FP16)
+    trace = {}
+    expected = pieces.reference(job, 12, trace)
+    checkpoints = tmp_path / "ck"
+    train(job, steps=5, devices=2, checkpoint_every=5, checkpoint_dir=str(checkpoints))
+    assert _scale_in_checkpoint(checkpoints)["scale"] == trace["scale"][4] != FP16["grad_scaler"]["init_scale"]
+    model, summary = train(job, steps=12, devices=1, checkpoint_dir=str(checkpoints), resume=True)
+    assert summary["resumed_from"] == 5
+    pieces.assert_same_parameters(model, expected)
 
 
 # ---------------------------------------------------------------- elastic runs with everything on
