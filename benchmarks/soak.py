@@ -1,25 +1,38 @@
 """Fault soak: does an elastic run under random, combined faults equal the failure-free run?
 
 Many short runs of a small job (benchmarks/soak_job.py), each with a schedule
-drawn at random from a seed: joins and planned leaves, and kill -9, SIGSTOP (a
-hung peer) and SIGTERM (preemption) of devices at random steps and phases
-(forward, backward, gradient sync, state transfer, group formation, checkpoint
-write). A run has several faults; some land on the same step (two at once),
-and some are a group-formation fault on another device at a kill's step, which
-fires in the recovery from that kill (a fault during recovery).
+drawn at random from a seed (benchmarks/soak_plan.py): joins and planned
+leaves, and kill -9, SIGSTOP (a hung peer) and SIGTERM (preemption) of devices
+at random steps and phases (forward, backward, gradient sync, state transfer,
+group formation, checkpoint write, evaluation). A run has several faults; some
+land on the same step (two at once), and some are a group-formation fault on
+another device at a kill's step, which fires in the recovery from that kill (a
+fault during recovery). Every drawn fault is placed where it can fire.
 
 Each run is checked against the failure-free single-process run of the same
-job: its parameters (rtol 1e-5, atol 1e-6, as the tests' long runs), and its
-sample ledger (every committed step consumed its global batch once: no sample
-lost, none repeated). A fault counts as injected when it fired (the worker's
-"fault:" line for signals; a schedule entry that applied or cancelled a
-joiner); runs are added until the injected count reaches --faults.
+job: it must reach its last step (STEPS; no drawn run is meant to end early),
+its parameters must match (rtol 1e-5, atol 1e-6, as the tests' long runs), its
+sample ledger must show every committed step consuming its global batch once
+(no sample lost, none repeated), and every evaluation (every EVAL_EVERY steps
+and after the last) must be there once, with each evaluation sample evaluated
+exactly once and the metrics of the failure-free run's evaluation. What fired
+is read from the run's output (benchmarks/soak_tally.py): a fault counts as
+injected only when it fired; runs are added until the injected count reaches
+--faults.
 
 JSON keys: faults_injected, runs, hangs (a run not finished within
 60 s + faults x timeout_s, killed), failed_runs (a run that stopped with an
-error), divergent_runs, samples_lost, samples_repeated, hung_peer_detection_s
-(median seconds from a SIGSTOP to the survivors' next generation, level: the
-failure event's time), and per-run details.
+error, or ended before its last step), divergent_runs, samples_lost,
+samples_repeated, eval_missing (evaluations not recorded), eval_samples_lost /
+eval_samples_repeated (evaluation samples an evaluation skipped / saw twice),
+eval_divergent (evaluations whose metrics differ from the failure-free run's),
+hung_peer_detection_s (median seconds from a SIGSTOP to the survivors' next
+generation, level: the failure event's time); what fired: fired_by_kind,
+fired_by_phase, simultaneous (steps at which two or more signals fired),
+signal_with_change (steps at which a signal fired and a join or leave was
+scheduled), during_recovery (signals that fired while the job recovered from
+another device's kill or SIGSTOP); what was drawn and did not fire:
+not_fired, not_fired_by_kind, not_fired_by_phase; and per-run details.
 
     python benchmarks/soak.py --faults 100 --seed 0 --json soak.json
 """
@@ -28,8 +41,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import re
 import signal
 import statistics
 import subprocess
@@ -43,88 +54,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import common  # noqa: E402
-from soak_job import VIRTUAL_WORKERS  # noqa: E402
-
-SIGNAL_PHASES = ("forward", "backward", "sync", "transfer", "formation", "checkpoint")
-SIGNAL_NAMES = {"kill": "SIGKILL", "stop": "SIGSTOP", "term": "SIGTERM"}
-# Relative frequency of each kind of fault in a drawn run.
-KIND_WEIGHTS = {"kill": 4, "stop": 2, "term": 3, "join": 3, "leave": 2}
-FIRST_STEP, LAST_STEP = 2, 28
-STEPS = 36
-CHECKPOINT_EVERY = 5
-
-
-@dataclass
-class RunPlan:
-    """One run: its starting devices, scheduled changes and signal faults."""
-
-    index: int
-    devices: int
-    schedule: list = field(default_factory=list)  # (step, +1 | -1)
-    faults: list = field(default_factory=list)    # (step, device, phase, signal name)
-
-    @property
-    def size(self) -> int:
-        return len(self.schedule) + len(self.faults)
-
-    def fault_text(self) -> str:
-        return ",".join(f"{step}:{device}:{phase}:{kind}" for step, device, phase, kind in self.faults)
-
-    def schedule_text(self) -> str:
-        return ",".join(f"{step}:{delta:+d}" for step, delta in sorted(self.schedule))
-
-
-def draw_run(rng: random.Random, index: int) -> RunPlan:
-    """A run's plan: 2-4 faults, never more device losses than can leave one device standing.
-
-    Signals go to the devices the run starts with, each at most once, at most
-    devices - 1 of them (a joiner may still be warming up when they fire).
-    Planned leaves never outnumber the joins before them, so they take
-    joiners, not the devices the signals need. Joins never take the job past
-    one device per virtual worker.
-    """
-    devices = rng.choice((2, 3))
-    plan = RunPlan(index, devices)
-    targets = [f"local-{i}" for i in range(devices)]
-    rng.shuffle(targets)
-    losses_left, joins = devices - 1, 0
-    count = rng.randint(2, 4)
-    while plan.size < count:
-        kind = rng.choices(list(KIND_WEIGHTS), weights=list(KIND_WEIGHTS.values()))[0]
-        previous = plan.faults[-1][0] if plan.faults else None
-        # One fault in four lands on the step of the previous one: two at once.
-        step = previous if previous is not None and rng.random() < 0.25 else rng.randint(FIRST_STEP, LAST_STEP)
-        if kind == "join":
-            if devices + sum(1 for _, delta in plan.schedule if delta > 0) >= VIRTUAL_WORKERS:
-                continue
-            plan.schedule.append((step, +1))
-            joins += 1
-        elif kind == "leave":
-            last_join = max((s for s, d in plan.schedule if d > 0), default=LAST_STEP)
-            if joins == 0 or last_join >= LAST_STEP:
-                continue  # a leave comes strictly after a join, and takes that joiner
-            joins -= 1
-            plan.schedule.append((max(step, last_join + 1), -1))
-        else:
-            if losses_left == 0:
-                continue
-            losses_left -= 1
-            device = targets.pop()
-            plan.faults.append((step, device, rng.choice(SIGNAL_PHASES), kind))
-            # One kill in five brings a second fault into its recovery: a group-formation
-            # fault on another device fires at the next formation, which is the recovery's.
-            if kind == "kill" and losses_left and rng.random() < 0.2 and plan.size < count:
-                losses_left -= 1
-                plan.faults.append((step, targets.pop(), "formation", "kill"))
-    return plan
-
-
-def plans(seed: int):
-    rng = random.Random(seed)
-    index = 0
-    while True:
-        yield draw_run(rng, index)
-        index += 1
+import soak_tally  # noqa: E402
+from soak_plan import CHECKPOINT_EVERY, EVAL_EVERY, STEPS, RunPlan, plans  # noqa: E402
 
 
 @dataclass
@@ -138,14 +69,27 @@ class RunResult:
     divergent: bool = False
     samples_lost: int = 0
     samples_repeated: int = 0
+    eval_missing: int = 0
+    eval_samples_lost: int = 0
+    eval_samples_repeated: int = 0
+    eval_divergent: int = 0
     steps: int = 0
     hung_detection_s: list = field(default_factory=list)
+    fired: list = field(default_factory=list)      # soak_tally.Fired as dicts
+    not_fired: list = field(default_factory=list)  # (kind, phase, step, device)
+    simultaneous: int = 0
+    signal_with_change: int = 0
+    during_recovery: int = 0
 
-
-_FAULT_LINE = re.compile(r"flexpar: fault: (\S+) gets (SIG\w+) at step (\d+) \((\w+)\) at ([\d.]+)")
+    @property
+    def bad(self) -> bool:
+        return bool(self.hang or self.failed or self.divergent or self.samples_lost or self.samples_repeated
+                    or self.eval_missing or self.eval_samples_lost or self.eval_samples_repeated
+                    or self.eval_divergent)
 
 
 def run_one(plan: RunPlan, folder: str, timeout_s: float, heartbeat_timeout_s: float, references: dict) -> RunResult:
+    """Run `plan`'s job and check it; `references` caches the failure-free run (filled on first use)."""
     import torch
 
     import soak_job
@@ -153,10 +97,10 @@ def run_one(plan: RunPlan, folder: str, timeout_s: float, heartbeat_timeout_s: f
 
     output = os.path.join(folder, f"run-{plan.index:03d}")
     os.makedirs(output, exist_ok=True)
-    joins = sum(1 for _, delta in plan.schedule if delta > 0)
-    spec = {"output": output, "steps": STEPS, "devices": plan.devices, "max_devices": plan.devices + joins,
+    spec = {"output": output, "steps": STEPS, "devices": plan.devices, "max_devices": plan.devices + plan.joins,
             "schedule": plan.schedule_text(), "faults": plan.fault_text(), "timeout_s": timeout_s,
-            "heartbeat_timeout_s": heartbeat_timeout_s, "checkpoint_every": CHECKPOINT_EVERY}
+            "heartbeat_timeout_s": heartbeat_timeout_s, "checkpoint_every": CHECKPOINT_EVERY,
+            "eval_every": EVAL_EVERY}
     spec_path = os.path.join(output, "spec.json")
     with open(spec_path, "w") as handle:
         json.dump(spec, handle)
@@ -173,37 +117,80 @@ def run_one(plan: RunPlan, folder: str, timeout_s: float, heartbeat_timeout_s: f
             _kill_group(process.pid)
     result = RunResult(plan.index, asdict(plan), time.monotonic() - started)
     text = open(os.path.join(output, "stderr.txt")).read()
-    fired = [match.groups() for match in _FAULT_LINE.finditer(text)]
-    result.injected = len(fired)
+    summary_path = os.path.join(output, "summary.json")
+    summary = json.load(open(summary_path)) if code == 0 and os.path.exists(summary_path) else None
+    metrics_path = os.path.join(output, "metrics.jsonl")
+    records = [json.loads(line) for line in open(metrics_path)] if os.path.exists(metrics_path) else []
+    events = [r for r in records if r["kind"] == "event"]
+    _record_tally(result, soak_tally.tally(plan, text, summary["schedule"] if summary else None, records))
     if code is None:
         result.hang = True
         return result
-    if code != 0:
-        result.failed = (text.strip().splitlines() or ["(no output)"])[-1][:300]
+    if code != 0 or summary is None:
+        result.failed = (text.strip().splitlines() or ["(no output)"])[-1][:300] if code else "no summary.json"
         return result
-    summary = json.load(open(os.path.join(output, "summary.json")))
     result.steps = summary["steps"]
-    result.injected += sum(1 for outcome in summary["schedule"]
-                           if outcome["status"] in ("on time", "late") or "warming up when" in outcome["detail"])
-    if result.steps not in references:
-        references[result.steps] = soak_job.reference(result.steps).state_dict()
+    result.failed = ending_problem(summary)[:300]
+    if "model" not in references:
+        references["model"], references["evaluations"] = soak_job.reference(STEPS, EVAL_EVERY)
+        references["model"] = references["model"].state_dict()
     model = torch.load(os.path.join(output, "model.pt"), weights_only=True)
-    for name, value in references[result.steps].items():
+    for name, value in references["model"].items():
         if not torch.allclose(model[name], value, rtol=1e-5, atol=1e-6):
             result.divergent = True
     job = soak_job.make_job()
-    audit = ledger.audit(ledger.read(summary["sample_ledger"]), job.seed, len(job.dataset), job.global_batch,
-                         result.steps)
+    audit = ledger.audit(ledger.read(summary["sample_ledger"]), job.seed, len(job.dataset), job.global_batch, STEPS)
     result.samples_lost = audit.samples_lost + audit.steps_missing * job.global_batch
     result.samples_repeated = audit.samples_repeated
-    records = [json.loads(line) for line in open(os.path.join(output, "metrics.jsonl"))]
-    failures = [r for r in records if r["kind"] == "event" and r["event"] == "failure"]
-    for device, name, _, _, at in fired:
-        if name == "SIGSTOP":
-            noticed = [f["time"] for f in failures if device in f["detail"] and f["time"] >= float(at)]
+    _check_evaluations(result, [r for r in records if r["kind"] == "eval"], references["evaluations"])
+    failures = [e for e in events if e["event"] == "failure"]
+    for fault in result.fired:
+        if fault["kind"] == "stop":
+            noticed = [f["time"] for f in failures if fault["device"] in f["detail"] and f["time"] >= fault["time"]]
             if noticed:
-                result.hung_detection_s.append(min(noticed) - float(at))
+                result.hung_detection_s.append(min(noticed) - fault["time"])
     return result
+
+
+def ending_problem(summary: dict) -> str:
+    """Why a run that exited cleanly is still not a whole run ("" when it is): it ended before
+    STEPS, or was stopped. No drawn run is meant to end early (one of the devices it starts with
+    never gets a signal), so a shorter run is a failure, never compared with a shorter reference."""
+    steps, stopped = summary["steps"], summary.get("stopped") or ""
+    if steps != STEPS:
+        return f"ended after {steps} of {STEPS} steps" + (f" (stopped: {stopped})" if stopped else "")
+    return f"stopped: {stopped}" if stopped else ""
+
+
+def _record_tally(result: RunResult, tally: "soak_tally.Tally") -> None:
+    result.fired = [asdict(fault) for fault in tally.fired]
+    result.not_fired = list(tally.not_fired)
+    result.injected = len(tally.fired)
+    result.simultaneous, result.signal_with_change = tally.simultaneous, tally.signal_with_change
+    result.during_recovery = tally.during_recovery
+
+
+def _check_evaluations(result: RunResult, records: list, expected: dict) -> None:
+    """One record per evaluation step, each sample evaluated once, metrics as the failure-free run's."""
+    import soak_job
+
+    by_step = {}
+    for record in records:
+        by_step.setdefault(record["step"], record["metrics"])  # the driver keeps one per step
+    for step, reference in expected.items():
+        metrics = by_step.get(step)
+        if metrics is None:
+            result.eval_missing += 1
+            continue
+        for index in range(soak_job.EVAL_SAMPLES):
+            seen = metrics[soak_job.sample_key(index)]
+            result.eval_samples_lost += max(0, 1 - seen)
+            result.eval_samples_repeated += max(0, seen - 1)
+        if metrics["count"] != reference["count"] or \
+                abs(metrics["loss_sum"] - reference["loss_sum"]) > 1e-6 + 1e-5 * abs(reference["loss_sum"]):
+            result.eval_divergent += 1
+    # An evaluation at a step the failure-free run has none at differs from it.
+    result.eval_divergent += sum(1 for step in by_step if step not in expected)
 
 
 def _kill_group(pid: int) -> None:
@@ -215,10 +202,18 @@ def _kill_group(pid: int) -> None:
     # Workers the driver's death orphaned keep its process group; stopped ones die with SIGKILL too.
 
 
+# The figures that must be 0, in the order the table shows them.
+PROBLEMS = ("hangs", "failed_runs", "divergent_runs", "samples_lost", "samples_repeated", "eval_missing",
+            "eval_samples_lost", "eval_samples_repeated", "eval_divergent")
+
+
 def run_soak(faults: int, seed: int, folder: Optional[str] = None, timeout_s: float = 30.0,
-             heartbeat_timeout_s: float = 5.0, progress=print) -> dict:
+             heartbeat_timeout_s: float = 5.0, progress=print, references: Optional[dict] = None) -> dict:
+    """Runs drawn from `seed` until `faults` have fired; the report (see the module doc).
+    `references`: the failure-free run's cache (run_one), shared by callers that run more."""
     folder = folder or tempfile.mkdtemp(prefix="flexpar-soak-")
-    references: dict = {}
+    started = time.monotonic()
+    references = {} if references is None else references
     results = []
     injected = 0
     for plan in plans(seed):
@@ -227,26 +222,52 @@ def run_soak(faults: int, seed: int, folder: Optional[str] = None, timeout_s: fl
         result = run_one(plan, folder, timeout_s, heartbeat_timeout_s, references)
         results.append(result)
         injected += result.injected
-        progress(f"run {plan.index}: devices {plan.devices}, schedule '{plan.schedule_text()}', faults "
-                 f"'{plan.fault_text()}': {result.injected} fired, {result.wall_s:.1f} s"
-                 + (", HANG" if result.hang else "") + (f", FAILED: {result.failed}" if result.failed else "")
-                 + (", DIVERGENT" if result.divergent else "")
-                 + (f", lost {result.samples_lost}" if result.samples_lost else "")
-                 + (f", repeated {result.samples_repeated}" if result.samples_repeated else ""))
+        progress(describe(plan, result))
+    return report(results, seed, timeout_s, heartbeat_timeout_s, folder, time.monotonic() - started)
+
+
+def describe(plan: RunPlan, result: RunResult) -> str:
+    """One progress line per run."""
+    problems = [("HANG", result.hang), (f"FAILED: {result.failed}", result.failed), ("DIVERGENT", result.divergent),
+                (f"lost {result.samples_lost}", result.samples_lost),
+                (f"repeated {result.samples_repeated}", result.samples_repeated),
+                (f"evaluations missing {result.eval_missing}", result.eval_missing),
+                (f"evaluation samples lost {result.eval_samples_lost}", result.eval_samples_lost),
+                (f"evaluation samples repeated {result.eval_samples_repeated}", result.eval_samples_repeated),
+                (f"evaluations divergent {result.eval_divergent}", result.eval_divergent)]
+    missed = f", not fired: {result.not_fired}" if result.not_fired else ""
+    return (f"run {plan.index}: devices {plan.devices}, schedule '{plan.schedule_text()}', faults "
+            f"'{plan.fault_text()}': {result.injected} fired{missed}, {result.wall_s:.1f} s"
+            + "".join(f", {text}" for text, present in problems if present))
+
+
+def report(results: list, seed: int, timeout_s: float, heartbeat_timeout_s: float, folder: str,
+           wall_s: float) -> dict:
+    """The soak's JSON (see the module doc)."""
     detections = [value for result in results for value in result.hung_detection_s]
+    tallies = [soak_tally.Tally(fired=[soak_tally.Fired(**fault) for fault in result.fired],
+                                not_fired=result.not_fired, simultaneous=result.simultaneous,
+                                signal_with_change=result.signal_with_change,
+                                during_recovery=result.during_recovery) for result in results]
     return {
-        "faults_injected": injected,
+        "faults_injected": sum(result.injected for result in results),
         "runs": len(results),
         "hangs": sum(result.hang for result in results),
         "failed_runs": sum(bool(result.failed) for result in results),
         "divergent_runs": sum(result.divergent for result in results),
         "samples_lost": sum(result.samples_lost for result in results),
         "samples_repeated": sum(result.samples_repeated for result in results),
+        "eval_missing": sum(result.eval_missing for result in results),
+        "eval_samples_lost": sum(result.eval_samples_lost for result in results),
+        "eval_samples_repeated": sum(result.eval_samples_repeated for result in results),
+        "eval_divergent": sum(result.eval_divergent for result in results),
         "hung_peer_detection_s": statistics.median(detections) if detections else None,
         "hung_peers": len(detections),
+        **soak_tally.counts(tallies),
         "timeout_s": timeout_s,
         "heartbeat_timeout_s": heartbeat_timeout_s,
         "seed": seed,
+        "wall_s": wall_s,
         "wall_s_median": statistics.median(result.wall_s for result in results) if results else None,
         "wall_s_max": max((result.wall_s for result in results), default=None),
         "folder": folder,
@@ -262,15 +283,17 @@ def main() -> int:
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0, help="the jobs' heartbeat timeout (s)")
     arguments = parser.parse_args()
     faults = 12 if arguments.quick else arguments.faults
-    report = run_soak(faults, arguments.seed, timeout_s=arguments.timeout,
+    result = run_soak(faults, arguments.seed, timeout_s=arguments.timeout,
                       heartbeat_timeout_s=arguments.heartbeat_timeout)
-    keys = ("faults_injected", "runs", "hangs", "failed_runs", "divergent_runs", "samples_lost",
-            "samples_repeated", "hung_peer_detection_s", "hung_peers", "wall_s_median", "wall_s_max")
-    common.print_table([{"figure": key, "value": report[key]} for key in keys], ["figure", "value"], "fault soak")
-    common.write_json(arguments.json, report)
-    bad = report["hangs"] + report["failed_runs"] + report["divergent_runs"] + report["samples_lost"] + \
-        report["samples_repeated"]
-    return 1 if bad else 0
+    keys = ("faults_injected", "runs") + PROBLEMS + (
+        "hung_peer_detection_s", "hung_peers", "simultaneous", "signal_with_change", "during_recovery",
+        "not_fired", "wall_s", "wall_s_median", "wall_s_max")
+    rows = [{"figure": key, "value": result[key]} for key in keys]
+    rows += [{"figure": f"fired: {name}", "value": count}
+             for name, count in {**result["fired_by_kind"], **result["fired_by_phase"]}.items()]
+    common.print_table(rows, ["figure", "value"], "fault soak")
+    common.write_json(arguments.json, result)
+    return 1 if any(result[key] for key in PROBLEMS) else 0
 
 
 if __name__ == "__main__":

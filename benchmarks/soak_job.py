@@ -1,10 +1,17 @@
 """The fault soak's job: a small model whose run is told its schedule and faults on the command line.
 
 `python benchmarks/soak_job.py SPEC.json` trains the job as the spec says (devices,
-schedule, faults, steps, timeouts) with the sample ledger on, and writes
-`model.pt` and `summary.json` into the spec's output folder. Worker processes
-import this file for its pieces, so everything they need is at module level.
-`reference(steps)` is the plain single-process loop the soak compares with.
+schedule, faults, steps, timeouts, evaluations) with the sample ledger on, and
+writes `model.pt` and `summary.json` into the spec's output folder. Worker
+processes import this file for its pieces, so everything they need is at module
+level. `reference(steps, eval_every)` is the plain single-process loop the soak
+compares with, and its evaluations.
+
+The evaluation set says which samples each evaluation saw: `evaluate` returns,
+besides the loss sum and count, one count per evaluation sample
+(`sample_NN`), summed over the devices like any metric, so an evaluation in
+which a sample was skipped or evaluated twice (a chunk lost or redone in a
+device-set change) shows a count other than 1.
 """
 
 from __future__ import annotations
@@ -17,13 +24,17 @@ import time
 import torch
 from torch import nn
 
-import flexpar
-from flexpar import batching
-from flexpar.job import build_model, build_optimizer
-from flexpar.loader import load_batch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import flexpar  # noqa: E402
+from flexpar import batching, evaluator  # noqa: E402
+from flexpar.job import build_model, build_optimizer  # noqa: E402
+from flexpar.loader import load_batch  # noqa: E402
+from soak_plan import VIRTUAL_WORKERS  # noqa: E402
 
 FEATURES, CLASSES, SAMPLES = 12, 3, 480
-GLOBAL_BATCH, VIRTUAL_WORKERS = 48, 6
+GLOBAL_BATCH = 48
+EVAL_SAMPLES, EVAL_BATCH = 30, 4  # 8 chunks, the last one short
 # Each VW sleeps this long: steps of ~0.1 s on two devices, long enough that a
 # scheduled fault lands inside a step and joins apply within a run.
 VW_DELAY_S = 0.015
@@ -33,6 +44,24 @@ def make_dataset():
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(SAMPLES, FEATURES, generator=generator)
     return torch.utils.data.TensorDataset(inputs, inputs[:, :CLASSES].argmax(dim=1))
+
+
+def make_eval_dataset():
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(EVAL_SAMPLES, FEATURES, generator=generator)
+    return torch.utils.data.TensorDataset(inputs, inputs[:, :CLASSES].argmax(dim=1), torch.arange(EVAL_SAMPLES))
+
+
+def sample_key(index: int) -> str:
+    return f"sample_{index:02d}"
+
+
+def evaluate(model, batch):
+    inputs, labels, indices = batch
+    sums = {"loss_sum": nn.functional.cross_entropy(model(inputs), labels, reduction="sum"),
+            "count": len(labels)}
+    sums.update({sample_key(index): int((indices == index).sum()) for index in range(EVAL_SAMPLES)})
+    return sums
 
 
 def make_model():
@@ -51,14 +80,29 @@ def loss(model, batch):
 
 def make_job():
     return flexpar.Job(model=make_model, optimizer=make_optimizer, loss=loss, dataset=make_dataset(),
-                       global_batch=GLOBAL_BATCH, virtual_workers=VIRTUAL_WORKERS, seed=3)
+                       global_batch=GLOBAL_BATCH, virtual_workers=VIRTUAL_WORKERS, seed=3,
+                       eval_dataset=make_eval_dataset(), evaluate=evaluate, eval_batch=EVAL_BATCH)
 
 
-def reference(steps: int) -> nn.Module:
-    """The failure-free single-process loop over the same global batches."""
+def reference(steps: int, eval_every: int):
+    """The failure-free single-process loop over the same global batches: (model, {step: metrics})
+    with the whole evaluation set evaluated after every `eval_every` steps and the last.
+
+    On one thread: this model's matrices are too small to gain from more, and on a host
+    busy with the soak's workers extra threads only wait for cores (seconds per reference)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference(steps, eval_every)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(steps: int, eval_every: int):
     job = make_job()
     model = build_model(job)
     optimizer, _ = build_optimizer(job, model)
+    evaluations = {}
     for step in range(steps):
         losses = []
         for virtual_worker in range(job.virtual_workers):
@@ -71,7 +115,9 @@ def reference(steps: int) -> nn.Module:
         torch.stack(losses).mean().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return model
+        if (step + 1) % eval_every == 0 or step + 1 == steps:
+            evaluations[step + 1] = evaluator.evaluate_all(job, model)
+    return model, evaluations
 
 
 if __name__ == "__main__":
@@ -82,7 +128,7 @@ if __name__ == "__main__":
         schedule=spec["schedule"], faults=spec["faults"], oversubscribe=True, display=False, quiet=True,
         timeout_s=spec["timeout_s"], heartbeat_timeout_s=spec["heartbeat_timeout_s"],
         checkpoint_every=spec["checkpoint_every"], checkpoint_dir=os.path.join(output, "checkpoints"),
-        metrics=os.path.join(output, "metrics.jsonl"), sample_ledger=True,
+        metrics=os.path.join(output, "metrics.jsonl"), sample_ledger=True, eval_every=spec["eval_every"],
     )
     torch.save(model.state_dict(), os.path.join(output, "model.pt"))
     with open(os.path.join(output, "summary.json"), "w") as handle:

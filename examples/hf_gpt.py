@@ -13,37 +13,28 @@ The pieces live in flexpar/examples/hf_gpt.py (module level, because worker
 processes import them by name); the data is tiny_lm's text, cut at line breaks.
 """
 
-import flexpar
 from flexpar.examples.hf_gpt import (
-    WarmupCosine,
     bits_per_byte,
     evaluate,
+    job_from_arguments,
     load_splits,
-    loss_fn,
-    make_model,
-    make_optimizer,
     parse_arguments,
     sample,
 )
 
 
 def main():
-    arguments = parse_arguments()  # --steps --devices --schedule --global-batch --virtual-workers --max-bytes
+    # --steps --devices --schedule --global-batch --virtual-workers --max-bytes --mixed-precision
+    # --max-grad-norm --compile --seed
+    arguments = parse_arguments()
     train, held_out = load_splits(max_bytes=arguments.max_bytes)  # 64-byte windows cut after their last line break
 
-    job = flexpar.Job(
-        model=make_model,  # GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, ...)): random init
-        optimizer=make_optimizer,  # AdamW
-        loss=loss_fn,  # (summed token loss, number of real tokens): padding excluded from both
-        dataset=train,
-        global_batch=arguments.global_batch,
-        virtual_workers=arguments.virtual_workers,
-        seed=arguments.seed,
-        lr_scheduler=WarmupCosine(total_steps=arguments.steps, warmup_steps=min(20, arguments.steps)),
-        mixed_precision=None if arguments.mixed_precision == "none" else arguments.mixed_precision,  # "bf16"
-        max_grad_norm=arguments.max_grad_norm or None,  # clip the summed global gradient's norm to 1.0
-        compile=arguments.compile,  # --compile: torch.compile in every worker
-    )
+    # The example's own job (flexpar.examples.hf_gpt.build_job; one copy, which the tests train):
+    #   model=make_model          GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, ...)): random init
+    #   optimizer=make_optimizer  AdamW, with a warm-up and cosine decay (lr_scheduler=WarmupCosine)
+    #   loss=loss_fn              (summed token loss, number of real tokens): padding excluded from both
+    #   mixed_precision="bf16", max_grad_norm=1.0 (HF Trainer's default), compile=--compile
+    job = job_from_arguments(arguments, train)
     model, summary = job.fit(steps=arguments.steps, devices=arguments.devices, schedule=arguments.schedule)
 
     loss = evaluate(model, held_out, max_windows=2000)

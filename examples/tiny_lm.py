@@ -36,7 +36,8 @@ def main():
         virtual_workers=arguments.virtual_workers,
         seed=arguments.seed,
         # optimizer -> scheduler; an object rather than a lambda, so that it pickles.
-        # Under `flexpar run --steps N`, pass the same N with the script's --steps.
+        # The schedule's length is the script's --steps: under `flexpar run`, give the steps to the
+        # script (`flexpar run --devices 2 examples/tiny_lm.py --steps N`), not as flexpar's --steps.
         lr_scheduler=WarmupCosine(total_steps=arguments.steps, warmup_steps=min(20, arguments.steps)),
     )
     model, summary = job.fit(steps=arguments.steps, devices=arguments.devices, schedule=arguments.schedule)

@@ -15,8 +15,10 @@ The pieces:
   (the interquartile mean of the raw per-VW times since the device's speed
   last changed, up to 32 of them, exponentially smoothed) and keeps each
   device's last ``NOISE_WINDOW`` raw per-VW times.
-- ``next_assignment``: the optimum for the smoothed times, unless it does not
-  beat the current split by more than the measurement noise (below).
+- ``next_assignment``: the most even of the splits that are as fast as the
+  optimum within the measurement noise (``most_even_assignment``,
+  ``tie_tolerance``; below), unless it does not beat the current split by more
+  than the measurement noise (below).
 - ``imbalance``: the reported figure ``(max - min) / max`` of busy time.
 
 When the split changes (the rule)
@@ -27,22 +29,29 @@ VW and makes step times jump, and on a noisy host a rule that follows every
 wobble of the measured times reshuffles every few steps (with a fixed 5%
 hysteresis, two equal CPU devices of a busy 2-core host switched split 1,462
 times in 5,000 steps). So for the same device set and V, the current split is
-kept unless the optimum's predicted step time is shorter by more than
+kept unless the preferred split's (the next section) predicted step time is
+shorter by more than
 
-    threshold = max(hysteresis, min(MAXIMUM_THRESHOLD, NOISE_FACTOR * noise))
-              = max(0.05,       min(0.5,               5 * noise))
+    threshold = max(floor, min(MAXIMUM_THRESHOLD, NOISE_FACTOR * noise))
+              = max(floor, min(0.5,               5 * noise))
 
-relative to the current split's, that is unless ``optimum < (1 - threshold) *
-current``. ``noise`` is the largest *standard error* among the devices whose
-VW count would change: for a device, ``relative_noise(raw) / sqrt(n)``, where
-``raw`` are its last ``NOISE_WINDOW`` = 32 raw per-VW times,
-``relative_noise`` = ``median(|x[i] - x[i-1]|) / median(x)`` (about the
+relative to the current split's, that is unless ``preferred < (1 - threshold)
+* current``. ``floor`` is ``hysteresis`` (5%) while a device whose count would
+change has no measured noise (fewer than 3 raw times, or none: a state built
+by hand), and ``MEASURED_HYSTERESIS_SHARE * hysteresis`` (1%) once all of them
+have: then the noise term decides, and a split that is measurably 1-5% slower
+(say one VW off at V = 128) no longer stays for good. ``noise`` is the largest
+*standard error* among the devices whose VW count would change: for a
+device, ``relative_noise(raw) / sqrt(n)``, where ``raw`` are its last
+``NOISE_WINDOW`` = 32 raw per-VW times, ``relative_noise`` =
+``median(|x[i] - x[i-1]|) / median(x)`` (about the
 relative standard deviation of one measurement; a lasting change of speed is
 one large difference and hardly moves it), and ``n`` is the number of raw
 times behind its smoothed time (those measured since its speed last changed,
 at most 32). So:
 
-- noise-free or steady devices: the fixed 5% floor;
+- noise-free or steady devices: the floor, 5% until the noise is measured,
+  1% after;
 - the threshold is large right after a start or a change of speed (little
   evidence) and shrinks as measurements accumulate: with uniform +-10% noise
   (``relative_noise`` about 0.058) it is 17% three steps after a start or a
@@ -56,24 +65,56 @@ at most 32). So:
   is always taken once the noise is known.
 
 A change of device set or of V, or a state without an assignment, always
-yields the optimum at once. A lasting change of a device's speed is seen
+yields the preferred split at once. A lasting change of a device's speed is seen
 within two steps (``observe``: its smoothed time jumps to the new level when
 the median of its last 3 raw times leaves it by more than ``max(5%, 3 *
 relative_noise)``), and then moves the split at once if the gain beats the
 threshold.
 
+Near ties: the most even of the near-fastest splits
+---------------------------------------------------
+
+Measured times never tie exactly, so the fastest split is often fastest by a
+hair and leaves a slow device idle for much of the step: at per-VW times 1, 1,
+2, 4.08 (speeds 1, 1, 0.5, 0.245) and V = 32, (12, 12, 6, 2) takes 12 units
+with imbalance 0.32, (12, 11, 6, 3) 12.24 units (2% more) with 0.10. A
+difference the measurements cannot resolve is no evidence that one split is
+faster, so the preferred split is the one with the smallest predicted
+imbalance (``(max - min) / max`` of ``count * seconds``; ties: the shorter
+step, then lower ranks take more) among those whose predicted step time is at
+most ``(1 + tolerance)`` times the optimum's, with
+
+    tolerance = min(hysteresis, NOISE_FACTOR * noise) = min(0.05, 5 * noise)
+
+``noise`` the largest standard error of any device of the set (the noise part
+of the threshold, over every device): 0 for devices without raw times (exact
+ties only, the tie-break of ``optimal_assignment``), 5% while one has only 1 or
+2. Above the floor a gain is acted on, so it is never a tie. The balance
+benchmark's devices measure a relative noise of 0.5-2.5% a step, so the
+tolerance is 1.4-5% after 3 steps and 0.5-2.2% after 32; its nominal ties
+(whole-VW splits of the same 12 units, measured 0.2-1% apart) come out as
+ties, and the 2% above is one when the noise is 0.4% or more per standard
+error, and resolved otherwise. ``flexpar/even_split.py`` finds that split
+exactly in O((n + E) log n) (E: multiples ``k * s_i`` inside the tolerance,
+about ``tolerance * V``); it only runs when a move is possible at all.
+
 The numbers, from simulating ``observe`` -> ``next_assignment`` (the tests
 check them): equal devices with multiplicative noise of +-40% (uniform) or
-lognormal sigma 0.3, 2 or 3 devices, V in {4, 16, 32}, 1,000 steps: at most 3
-changes of split in 720 runs (typically none), where the old rule (the median
-of 3 measurements and a fixed 5%) made 100 to 660; speeds 1,
-1, 0.5, 0.25 with V = 32 and +-10% noise: the first move comes at the fourth
-step (after 3 measurements) and lands within one VW of the optimum in about
-93% of runs (the rest get there within about 60 steps), and the split never
-leaves that neighbourhood; one device becoming 2x slower is followed 2 steps
-after the change with +-10% noise (3 in a few runs), and typically 5 to 30
-steps after it with +-40% noise (when the estimate's standard error has
-become small enough to be sure; rarely much later).
+lognormal sigma 0.3, 2 or 3 devices, V in {4, 16, 32}, 1,000 steps: at most 4
+changes of split in 720 runs (typically none; 106 in all), where the old rule
+(the median of 3 measurements and a fixed 5%) made 100 to 660; speeds 1, 1,
+0.5, 0.25 with V = 32 and +-10% noise: the first move comes at the fourth step
+(after 3 measurements) and lands within one VW of the optimum in 299 of 300
+runs (the rest get there within about 35 steps), and the split never leaves
+that neighbourhood; with +-2% noise every one of 100 runs settles on a split of
+imbalance 1/12 at the fourth step (the rule without near ties: half of them on
+(12, 12, 6, 2), imbalance 1/3); with +-10%, 85 of 100 (47 without). At V =
+128, +-2%: every run of 100 ends on the optimum (47, 47, 23, 11), by step 18
+in half of them and 61 at most (the rule before, with its 5% floor and no near
+ties: 21 kept a 48-unit split for good). One device becoming 2x slower is followed 2 steps after the change
+with +-10% noise (3 in a few runs, 44 in 1 of 300), and typically 5 to 30 steps
+after it with +-40% noise (when the estimate's standard error has become small
+enough to be sure; rarely much later).
 
 Times that are zero or negative (a coarse clock, a clock step) do not crash
 anything: every per-VW time below ``MINIMUM_SECONDS_PER_VW`` is treated as
@@ -88,7 +129,9 @@ import math
 import operator
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from flexpar.even_split import most_even_split
 
 MINIMUM_SECONDS_PER_VW = 1e-9
 """Floor for a per-VW time. Non-positive or smaller measured times count as this.
@@ -119,6 +162,10 @@ NOISE_WINDOW = 32
 
 MINIMUM_NOISE_SAMPLES = 3
 """Raw times a device needs before its noise counts as known."""
+
+MEASURED_HYSTERESIS_SHARE = 0.2
+"""The floor of the change threshold for a move whose devices all have measured noise:
+this share of ``hysteresis`` (1% by default); the full ``hysteresis`` otherwise."""
 
 SHIFT_FACTOR = 3.0
 SHIFT_MINIMUM = 0.05
@@ -546,14 +593,80 @@ def change_threshold(
     for device_id, before, after in zip(device_ids, current, proposed):
         if before == after:
             continue
-        measurements = state.recent.get(device_id, ())
-        if not measurements:
-            continue
-        if len(measurements) < MINIMUM_NOISE_SAMPLES:
+        error = standard_error(state, device_id)
+        if math.isinf(error):
             return math.inf
-        behind = min(state.steady.get(device_id, len(measurements)), len(measurements))
-        noise = max(noise, _relative_noise(measurements) / math.sqrt(max(1, behind)))
+        noise = max(noise, error)
     return max(hysteresis, min(MAXIMUM_THRESHOLD, noise_factor * noise))
+
+
+def standard_error(state: BalanceState, device_id: str) -> float:
+    """The relative standard error of ``device_id``'s smoothed time: ``relative_noise(recent) / sqrt(n)``.
+
+    ``n`` is the number of raw times behind the smoothed one (``steady``).
+    0.0 for a device without raw times (a state built by hand: noise-free),
+    ``math.inf`` for one with only 1 or 2 (its noise is not known yet).
+    """
+    measurements = state.recent.get(device_id, ())
+    if not measurements:
+        return 0.0
+    if len(measurements) < MINIMUM_NOISE_SAMPLES:
+        return math.inf
+    behind = min(state.steady.get(device_id, len(measurements)), len(measurements))
+    return _relative_noise(measurements) / math.sqrt(max(1, behind))
+
+
+def tie_tolerance(
+    state: BalanceState,
+    device_ids: Sequence[str],
+    hysteresis: float = DEFAULT_HYSTERESIS,
+    noise_factor: float = NOISE_FACTOR,
+) -> float:
+    """How much longer a split's predicted step time may be than the optimum's and still count as a tie.
+
+    ``min(hysteresis, noise_factor * noise)``, where ``noise`` is the largest
+    ``standard_error`` among ``device_ids``: the noise part of the change
+    threshold, over every device of the set. A difference the measurements
+    cannot resolve is no evidence that one split is faster; above
+    ``hysteresis`` the change rule would act on it, so it is no tie. 0.0 for
+    devices without raw times (exact ties only), ``hysteresis`` while one has
+    only 1 or 2. The module docstring gives the numbers.
+    """
+    hysteresis = _check_hysteresis(hysteresis)
+    noise_factor = _check_noise_factor(noise_factor)
+    noise = max(standard_error(state, device_id) for device_id in _device_id_tuple(device_ids, "device_ids"))
+    if math.isinf(noise):
+        return hysteresis  # (noise_factor 0 would make 0 * inf a NaN)
+    return min(hysteresis, noise_factor * noise)
+
+
+def most_even_assignment(seconds_per_vw: Sequence[float], virtual_workers: int, tolerance: float) -> Tuple[int, ...]:
+    """Among splits whose predicted step time is within ``tolerance`` of the optimum's, the most even.
+
+    Every count at least 1, summing to ``virtual_workers``;
+    ``predicted_step_seconds`` at most ``(1 + tolerance)`` times that of
+    ``optimal_assignment``, and no such split has a smaller predicted
+    imbalance ``(max - min) / max`` of ``count * seconds`` (ties: the
+    shorter step, then lower ranks take more). ``tolerance`` 0 gives
+    ``optimal_assignment`` itself (whose tie-break is already the most even of
+    the fastest). flexpar/even_split.py has the method and the proof.
+    """
+    seconds = _seconds_list(seconds_per_vw, "seconds_per_vw")
+    if not seconds:
+        raise ValueError("seconds_per_vw is empty; an assignment needs at least one device")
+    virtual_workers = _count(virtual_workers, "virtual_workers", minimum=1)
+    _check_enough_virtual_workers(virtual_workers, len(seconds))
+    tolerance = _finite_seconds(tolerance, "tolerance")
+    if not 0.0 <= tolerance < 1.0:
+        raise ValueError(f"tolerance={tolerance} must be at least 0 and below 1 (it is a relative step time)")
+    return _most_even(seconds, virtual_workers, optimal_assignment(seconds, virtual_workers), tolerance)
+
+
+def _most_even(seconds: List[float], virtual_workers: int, optimum: Tuple[int, ...], tolerance: float):
+    if tolerance == 0.0:
+        return optimum
+    limit = predicted_step_seconds(optimum, seconds) * (1.0 + tolerance)
+    return most_even_split(seconds, virtual_workers, optimum, limit)
 
 
 def next_assignment(
@@ -565,16 +678,18 @@ def next_assignment(
 ) -> Tuple[int, ...]:
     """The assignment for the next step of ``device_ids`` (rank order).
 
-    Returns the optimum (``optimal_assignment``) for the state's smoothed
-    per-VW times, with unknown devices assumed at the median of the known ones.
-    Exception, to avoid oscillation: when ``device_ids`` equal the state's
-    device set and its assignment is still a valid split of
-    ``virtual_workers``, that assignment is kept unless the optimum's predicted
-    step time is better than the measurement noise allows to be sure of:
-    unless ``optimum < (1 - threshold) * current`` with ``threshold =
-    change_threshold(...)`` (the module docstring gives the rule and the
-    numbers). So a change of device set, a change of V, or a state without an
-    assignment always yields the optimum.
+    The preferred split is the most even one (``most_even_assignment``) among
+    those whose predicted step time, for the state's smoothed per-VW times, is
+    within ``tie_tolerance`` of the optimum's; unknown devices are assumed at
+    the median of the known ones. A change of device set, a change of V, or a
+    state without an assignment yields it at once. Otherwise, to avoid
+    oscillation, the current split is kept unless the preferred one's
+    predicted step time is shorter by more than the measurement noise allows
+    to be sure of: unless ``preferred < (1 - threshold) * current`` with
+    ``threshold = change_threshold(...)``, whose floor is ``hysteresis`` or,
+    when every device whose count would change has measured noise (3 raw
+    times or more), ``MEASURED_HYSTERESIS_SHARE * hysteresis``. The module
+    docstring gives the rule and the numbers.
     """
     device_ids = _device_id_tuple(device_ids, "device_ids")
     if not device_ids:
@@ -587,13 +702,24 @@ def next_assignment(
     seconds = _seconds_for_devices(state, device_ids)
     optimum = optimal_assignment(seconds, virtual_workers)
     current = state.assignment
-    if device_ids != state.device_ids or sum(current) != virtual_workers or current == optimum:
-        return optimum
-    optimum_seconds = predicted_step_seconds(optimum, seconds)
+    if device_ids != state.device_ids or sum(current) != virtual_workers:
+        return _most_even(seconds, virtual_workers, optimum,
+                          tie_tolerance(state, device_ids, hysteresis, noise_factor))
     current_seconds = predicted_step_seconds(current, seconds)
-    threshold = change_threshold(state, device_ids, current, optimum, hysteresis, noise_factor)
-    if optimum_seconds < (1.0 - threshold) * current_seconds:
-        return optimum
+    # The common case, decided without the noise: nothing beats the current split by
+    # even the smallest floor (the preferred split is never faster than the optimum).
+    if not predicted_step_seconds(optimum, seconds) < (1.0 - MEASURED_HYSTERESIS_SHARE * hysteresis) * current_seconds:
+        return current
+    preferred = _most_even(seconds, virtual_workers, optimum, tie_tolerance(state, device_ids, hysteresis, noise_factor))
+    if preferred == current:
+        return current
+    floor = hysteresis
+    if all(len(state.recent.get(device_id, ())) >= MINIMUM_NOISE_SAMPLES
+           for device_id, before, after in zip(device_ids, current, preferred) if before != after):
+        floor = MEASURED_HYSTERESIS_SHARE * hysteresis
+    threshold = change_threshold(state, device_ids, current, preferred, floor, noise_factor)
+    if predicted_step_seconds(preferred, seconds) < (1.0 - threshold) * current_seconds:
+        return preferred
     return current
 
 
@@ -620,6 +746,7 @@ def observe(
     busy_seconds: Sequence[float],
     smoothing: float = 0.5,
     window: int = NOISE_WINDOW,
+    work: Optional[Sequence[float]] = None,
 ) -> BalanceState:
     """Fold one step's measurements into a new state.
 
@@ -646,6 +773,11 @@ def observe(
     ``window`` raw times keeps the estimate (and so the split) quiet: its noise
     is about the raw noise / sqrt(n), which ``change_threshold`` relies on.
     ``window=1`` smooths the raw values.
+
+    ``work`` (balancing by cost, flexpar/cost_balance.py): the units of work
+    each device ran, finite and > 0, in place of its VW count; the raw value
+    is then ``busy_seconds[i] / work[i]`` (seconds per unit of work) and
+    ``seconds_per_vw`` holds those. ``assignment`` is still recorded.
     """
     device_ids = _device_id_tuple(device_ids, "device_ids")
     counts = _assignment_tuple(assignment, "assignment", minimum=1)
@@ -659,12 +791,13 @@ def observe(
     if not 0.0 < weight <= 1.0:
         raise ValueError(f"smoothing={weight} must be above 0 and at most 1 (it is the weight of the new measurement)")
     window = _count(window, "window", minimum=1)
+    units = counts if work is None else _work_list(work, len(counts))
 
     kept = max(window, NOISE_WINDOW)
     seconds = dict(state.seconds_per_vw)
     recent = dict(state.recent)
     steady = dict(state.steady)
-    for device_id, count, device_busy in zip(device_ids, counts, busy):
+    for device_id, count, device_busy in zip(device_ids, units, busy):
         earlier = recent.get(device_id, ())
         values = (earlier + (_usable_seconds(device_busy / count),))[-kept:]
         level = min(steady.get(device_id, len(earlier)) + 1, len(values))
@@ -678,3 +811,14 @@ def observe(
         recent[device_id] = values
         steady[device_id] = level
     return BalanceState._trusted(seconds, device_ids, counts, recent, steady)
+
+
+def _work_list(work: Sequence[Any], devices: int) -> List[float]:
+    """``observe``'s ``work``: one finite amount > 0 per device."""
+    amounts = [_finite_seconds(value, f"work[{index}]") for index, value in enumerate(work)]
+    if len(amounts) != devices:
+        raise ValueError(f"work has {len(amounts)} entries for {devices} devices; give one per device")
+    for index, amount in enumerate(amounts):
+        if not amount > 0.0:
+            raise ValueError(f"work[{index}]={amount} must be above 0 (a device that did no work has no rate)")
+    return amounts

@@ -35,7 +35,10 @@ evaluation, final checkpoint, the model returned):
 `summary["stopped"]` then names the callback, its hook and the step. A
 callback whose `on_eval` never stops the job can say so with a class
 attribute `never_stops = True` (the trackers do): the devices then do not
-wait for the driver after an evaluation on its account.
+wait for the driver after an evaluation on its account. The attribute vouches
+for the `on_eval` of the class that sets it (and those above it) only: a
+subclass that overrides `on_eval` may stop, unless it sets `never_stops`
+itself (`vouched_never_stops`).
 
 An exception in a callback stops the job (the workers are stopped) and
 `fit()` raises `CallbackError` with the callback's traceback in its message,
@@ -124,6 +127,26 @@ def overrides(callback, hook: str) -> bool:
     return method is not getattr(Callback, hook, None)
 
 
+def vouched_never_stops(callback) -> bool:
+    """Whether `never_stops` covers the `on_eval` this callback really runs.
+
+    An instance attribute speaks for the instance. A class attribute speaks
+    for the class that sets it: an `on_eval` defined in a subclass below it
+    (a Tracker subclass that returns STOP, say) is not covered.
+    """
+    own = getattr(callback, "__dict__", {})
+    if "never_stops" in own:
+        return bool(callback.never_stops)
+    if "on_eval" in own:  # set on the instance: no class attribute vouches for it
+        return False
+    mro = type(callback).__mro__
+    declared = next((klass for klass in mro if "never_stops" in vars(klass)), None)
+    if declared is None or not declared.never_stops:
+        return False
+    defined = next((klass for klass in mro if "on_eval" in vars(klass)), None)
+    return defined is None or mro.index(defined) >= mro.index(declared)
+
+
 def _name(callback) -> str:
     return type(callback).__name__
 
@@ -141,7 +164,7 @@ class Dispatcher:
     @property
     def can_stop_at_eval(self) -> bool:
         """Whether some callback's own `on_eval` may stop the job (the devices then wait for its verdict)."""
-        return any(overrides(callback, "on_eval") and not getattr(callback, "never_stops", False)
+        return any(overrides(callback, "on_eval") and not vouched_never_stops(callback)
                    for callback in self.callbacks)
 
     def call(self, hook: str, record: dict) -> Optional[str]:

@@ -15,9 +15,11 @@ cluster's environment (see `cluster_address` and `read_secret`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
+import signal
 import sys
 import time
 import traceback
@@ -107,7 +109,14 @@ def cluster_address(environment=None) -> Optional[tuple]:
     if environment.get("FLEXPAR_ADDRESS"):
         return environment["FLEXPAR_ADDRESS"], "FLEXPAR_ADDRESS"
     if environment.get("MASTER_ADDR") and environment.get("MASTER_PORT"):
-        return f"{environment['MASTER_ADDR']}:{environment['MASTER_PORT']}", "MASTER_ADDR/MASTER_PORT"
+        port = environment["MASTER_PORT"].strip()
+        if not port.isdigit():
+            # Kubernetes' service links set <SERVICE>_PORT=tcp://IP:PORT, so a Service named
+            # "master" yields MASTER_PORT=tcp://...: not a port, and never to be guessed at.
+            raise SystemExit(f"flexpar: MASTER_PORT={port!r} is not a port number (a Kubernetes Service "
+                             "named 'master' sets it so: set enableServiceLinks: false in the pod spec, "
+                             "or give the address with FLEXPAR_ADDRESS=HOST:PORT)")
+        return f"{environment['MASTER_ADDR'].strip()}:{port}", "MASTER_ADDR/MASTER_PORT"
     if environment.get("PET_RDZV_ENDPOINT"):
         return environment["PET_RDZV_ENDPOINT"], "PET_RDZV_ENDPOINT"
     return None
@@ -242,8 +251,10 @@ def run_script_as_main(path: str, argv: list, overrides: dict) -> None:
 
 
 def _parse_address(address: str, source: str = "") -> tuple:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    host, _, port = address.strip().rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")  # [IPv6]:PORT
+    if not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host or (
+            ":" in host and not bracketed):
         where = f" (from {source})" if source else ""
         raise SystemExit(f"flexpar: address {address!r}{where} is not HOST:PORT (the job prints it at start)")
     return host.strip("[]"), int(port)
@@ -264,8 +275,10 @@ def command_join(arguments) -> int:
     host, port = _job_address(arguments.address, "join")
     if arguments.preemption_grace is not None and arguments.preemption_grace <= 0:
         raise SystemExit(f"flexpar join: --preemption-grace {arguments.preemption_grace} must be positive (seconds)")
+    if arguments.timeout <= 0:
+        raise SystemExit(f"flexpar join: --timeout {arguments.timeout:g} must be positive (seconds)")
     return join(f"{host}:{port}", arguments.devices, secret, arguments.script, arguments.emulate_speed,
-                arguments.preemption_grace)
+                arguments.preemption_grace, connect_timeout_s=arguments.timeout)
 
 
 def command_scale(arguments) -> int:
@@ -281,14 +294,29 @@ def command_scale(arguments) -> int:
         raise SystemExit(f"flexpar scale: --devices {text}: a job needs at least one device")
     request["id"] = secrets.token_hex(8)
     store = control.connect_client(host, port, arguments.timeout)
+    with _answers(host, port):
+        return _ask_to_scale(store, host, port, request, secret, arguments.timeout)
+
+
+@contextlib.contextmanager
+def _answers(host: str, port: int):
+    """A job that stops answering mid-conversation (stopped, finished, SIGSTOPped) is one line too."""
+    try:
+        yield
+    except RuntimeError as error:  # the store client's timeout or a dropped connection
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise control.Unreachable(f"the job at {host}:{port} stopped answering ({reason})") from None
+
+
+def _ask_to_scale(store, host: str, port: int, request: dict, secret: str, timeout_s: float) -> int:
     control.Channel(store, "events").send(
         {"type": "scale", "request": request, "proof": control.scale_proof(secret, request)}
     )
     key = f"answer/{request['id']}"
-    deadline = time.monotonic() + arguments.timeout
+    deadline = time.monotonic() + timeout_s
     while not control.has(store, key):
         if time.monotonic() > deadline:
-            print(f"flexpar scale: no answer from {host}:{port} within {arguments.timeout:g} s; the job may "
+            print(f"flexpar scale: no answer from {host}:{port} within {timeout_s:g} s; the job may "
                   "be busy or finished (see `flexpar status`)", file=sys.stderr)
             return 1
         time.sleep(0.05)
@@ -304,7 +332,8 @@ def command_scale(arguments) -> int:
 def command_status(arguments) -> int:
     host, port = _job_address(arguments.address, "status")
     store = control.connect_client(host, port, arguments.timeout)
-    status = control.get_json(store, "status") if control.has(store, "status") else {}
+    with _answers(host, port):
+        status = control.get_json(store, "status") if control.has(store, "status") else {}
     if arguments.json:
         print(json.dumps(status))
         return 0
@@ -344,11 +373,13 @@ def command_demo(arguments) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flexpar", description=__doc__.splitlines()[0])
+    # No abbreviated flags: `--dev 2` must not mean --devices before the script and go to the
+    # script after it (where only exact flexpar flags are caught).
+    parser = argparse.ArgumentParser(prog="flexpar", description=__doc__.splitlines()[0], allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser(
-        "run", help="run a training script on local devices",
+        "run", help="run a training script on local devices", allow_abbrev=False,
         usage="flexpar run [flexpar flags] SCRIPT [script arguments]",
         epilog="flexpar's flags go before the script; what follows the script is the script's.")
     _add_run_flags(run)
@@ -358,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     address_help = f"HOST:PORT the job printed (default: from {', '.join(ADDRESS_VARIABLES)})"
     secret_help = "file holding the job's secret (default: FLEXPAR_SECRET, else the file FLEXPAR_SECRET_FILE names)"
-    join = commands.add_parser("join", help="add this host's devices to a running job")
+    join = commands.add_parser("join", help="add this host's devices to a running job", allow_abbrev=False)
     join.add_argument("address", nargs="?", help=address_help)
     join.add_argument("--devices", type=int, default=1)
     join.add_argument("--script", help="the job's script on this host (default: the path the job ran)")
@@ -366,30 +397,33 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--emulate-speed", type=float, default=1.0, help="emulated relative speed (testing)")
     join.add_argument("--preemption-grace", type=float, default=None,
                       help="seconds this host's devices may take to leave after SIGTERM (default: the job's, 30)")
-    join.set_defaults(handler=command_join)
+    join.add_argument("--timeout", type=float, default=60.0,
+                      help="seconds to wait for the job to answer (a joiner may start before its job; default 60)")
+    join.set_defaults(handler=command_join, parser=join)
 
-    scale = commands.add_parser("scale", help="change the job's device count and wait for its answer")
+    scale = commands.add_parser("scale", help="change the job's device count and wait for its answer",
+                                allow_abbrev=False)
     scale.add_argument("address", nargs="?", help=address_help)
     scale.add_argument("--devices", required=True, help="N, +K or -K")
     scale.add_argument("--secret-file", help=secret_help)
     scale.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the job's answer")
-    scale.set_defaults(handler=command_scale)
+    scale.set_defaults(handler=command_scale, parser=scale)
 
     status = commands.add_parser("status", help="show a running job's device set and progress")
     status.add_argument("address", nargs="?", help=address_help)
     status.add_argument("--json", action="store_true")
     status.add_argument("--timeout", type=float, default=1.0, help="seconds to wait for the job to answer")
-    status.set_defaults(handler=command_status)
+    status.set_defaults(handler=command_status, parser=status)
 
     plot = commands.add_parser("plot", help="draw a metrics file as a timeline")
     plot.add_argument("metrics")
     plot.add_argument("-o", "--output", default="timeline.png")
-    plot.set_defaults(handler=command_plot)
+    plot.set_defaults(handler=command_plot, parser=plot)
 
     export = commands.add_parser("export", help="write a checkpoint's model weights as safetensors")
     export.add_argument("checkpoint", help="a flexpar checkpoint (step-NNNNNNNN.pt)")
     export.add_argument("-o", "--output", default="model.safetensors")
-    export.set_defaults(handler=command_export)
+    export.set_defaults(handler=command_export, parser=export)
 
     simulate = commands.add_parser("simulate", help="simulate a cluster scenario", add_help=False)
     simulate.add_argument("simulate_arguments", nargs=argparse.REMAINDER)
@@ -398,8 +432,25 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="train a small real model and show an elastic change")
     demo.add_argument("--steps", type=int, default=160)
     demo.add_argument("--output-dir", default="runs/demo")
-    demo.set_defaults(handler=command_demo)
+    demo.set_defaults(handler=command_demo, parser=demo)
     return parser
+
+
+def _exit_on_early_sigterm() -> None:
+    """SIGTERM before training or joining has started ends the command at once.
+
+    In a container flexpar often runs as process 1, for which the kernel
+    ignores any signal that has no handler: a pod deleted while its job or
+    joiner starts would wait out its whole grace period. The run and join
+    paths install their own handlers (a clean stop, a planned leave) later.
+    """
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def on_sigterm(signum, frame):
+        raise SystemExit(143)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def _simulate(argv) -> int:
@@ -410,7 +461,12 @@ def _simulate(argv) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    arguments = build_parser().parse_args(argv)
+    _exit_on_early_sigterm()
+    parser = build_parser()
+    arguments, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # A subcommand's unknown flag (`flexpar run --devcies 2 train.py`): that command's usage.
+        (getattr(arguments, "parser", None) or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     arguments.argv = argv
     if arguments.command in ("run", "simulate"):
         return arguments.handler(arguments)  # the script's own errors keep their traceback

@@ -108,17 +108,63 @@ def _quiet_native_stderr():
         os.close(saved)
 
 
-def connect_client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
-    """A store client for a command-line tool: Unreachable (one line) instead of c10d's dumps."""
+def connect_client(host: str, port: int, timeout_s: float, wait_for_job: bool = False) -> dist.TCPStore:
+    """A store client for a command-line tool: Unreachable (one line) instead of c10d's dumps or a hang.
+
+    Answers within about `timeout_s` whatever listens at the address:
+    - nothing (a closed port, a dead job): at once, unless `wait_for_job`
+      (`flexpar join` started beside its job, as under SLURM), which keeps
+      trying until `timeout_s` (a plain connection attempt every 0.5 s);
+    - a program that is not a flexpar job (an HTTP server, a silent
+      listener): TCPStore's handshake waits for an answer that never comes,
+      without a timeout of its own, so the connection is made on a daemon
+      thread that is abandoned at the deadline.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            _probe(host, port, timeout_s)
+            break
+        except Unreachable:
+            if not wait_for_job or time.monotonic() + 0.5 > deadline:
+                raise
+            time.sleep(0.5)
+    # Something listens: a job answers its handshake in milliseconds.
+    handshake_s = max(1.0, deadline - time.monotonic())
+    outcome: queue.Queue = queue.Queue()
+
+    def attempt():
+        try:
+            outcome.put(connect(host, port, handshake_s))
+        except BaseException as error:  # handed to the caller's thread
+            outcome.put(error)
+
+    with _quiet_native_stderr():
+        threading.Thread(target=attempt, name="flexpar-connect", daemon=True).start()
+        try:
+            result = outcome.get(timeout=handshake_s + 1.0)
+        except queue.Empty:
+            result = TimeoutError("something listens there but does not answer as a flexpar job does")
+    if isinstance(result, dist.TCPStore):
+        return result
+    if isinstance(result, (RuntimeError, OSError)):  # DistNetworkError is a RuntimeError
+        raise _unreachable(host, port, timeout_s, result) from None
+    raise result
+
+
+def _probe(host: str, port: int, timeout_s: float) -> None:
+    """Unreachable at once when nothing listens at host:port (TCPStore would retry until its timeout)."""
     try:
-        with _quiet_native_stderr():
-            return connect(host, port, timeout_s)
-    except (RuntimeError, OSError) as error:  # DistNetworkError is a RuntimeError
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise Unreachable(
-            f"no flexpar job answers at {host}:{port} within {timeout_s:g} s ({reason}); "
-            "check the address the job printed, and that the job is still running"
-        ) from None
+        socket.create_connection((host, port), timeout=min(timeout_s, 5.0)).close()
+    except OSError as error:
+        raise _unreachable(host, port, timeout_s, error) from None
+
+
+def _unreachable(host: str, port: int, timeout_s: float, error: BaseException) -> "Unreachable":
+    text = str(getattr(error, "strerror", None) or error).strip()
+    reason = text.splitlines()[0] if text else type(error).__name__
+    return Unreachable(f"no flexpar job answers at {host}:{port} within {timeout_s:g} s ({reason}); "
+                       "check the address the job printed, and that the job is still running")
 
 
 def sign(secret: str, *parts: bytes) -> str:
@@ -167,34 +213,58 @@ def has(store, key: str) -> bool:
     return store.check([key])
 
 
+# A writer takes an index and writes its message right after (two store calls); one killed
+# in between (kill -9 of a device while its follower thread sends a record) never writes it.
+# The reader waits this long for a taken index, then skips it: otherwise every later message
+# would wait behind the hole for ever (step records, then joins and failure reports).
+HOLE_GRACE_S = 5.0
+
+
 class Channel:
     """An append-only list of JSON messages in the store: many writers, one reader.
 
     A writer takes the next index with the store's atomic add, then writes the
     message; the reader follows the indices in order and waits for a message
-    whose index is taken but whose value is not yet written. The reader is the
-    driver: a writer then bumps DRIVER_NOTICE_KEY.
+    whose index is taken but whose value is not yet written, for up to
+    HOLE_GRACE_S (then its writer is taken for dead and the index skipped). The
+    reader is the driver: a writer then bumps DRIVER_NOTICE_KEY.
     """
 
-    def __init__(self, store, name: str):
+    def __init__(self, store, name: str, clock: Callable[[], float] = time.monotonic):
         self.store = store
         self.name = name
         self.cursor = 0
+        self.clock = clock
+        self.skipped = 0  # indices whose writer never wrote them
+        self._hole_since: Optional[float] = None  # when the reader first found the index at cursor empty
 
     def send(self, message: dict) -> None:
         index = self.store.add(f"{self.name}/count", 1)
         self.store.set(f"{self.name}/{index}", json.dumps(message))
         self.store.add(DRIVER_NOTICE_KEY, 1)
 
-    def receive(self) -> list:
+    def receive(self, writers_done: bool = False) -> list:
+        """The messages written since the last call, in order.
+
+        `writers_done`: every writer still alive has finished writing (the job
+        is over), so an index still empty now never will be written: skip it at
+        once instead of after HOLE_GRACE_S.
+        """
         count = self.store.add(f"{self.name}/count", 0)
         messages = []
         while self.cursor < count:
             key = f"{self.name}/{self.cursor + 1}"
             if not self.store.check([key]):
-                break
-            messages.append(json.loads(self.store.get(key)))
-            self.store.delete_key(key)
+                now = self.clock()
+                if self._hole_since is None:
+                    self._hole_since = now
+                if now - self._hole_since < HOLE_GRACE_S and not writers_done:
+                    break  # being written
+                self.skipped += 1  # its writer died between taking the index and writing
+            else:
+                messages.append(json.loads(self.store.get(key)))
+                self.store.delete_key(key)
+            self._hole_since = None
             self.cursor += 1
         return messages
 
@@ -258,7 +328,18 @@ class Coordinator:
         self.published: list = []     # Publish actions, for metrics and status
         self.errors: list = []        # error messages from devices: the job stops on the first
         self.heartbeats: dict = {}    # device_id -> (last heartbeat value, time it changed)
+        self.warmups: dict = {}       # device_id -> its warm-up's seconds (from "ready"): in the join event
         self._heartbeats_read_at = float("-inf")
+        self._finish_asked: queue.SimpleQueue = queue.SimpleQueue()  # by signal handlers (request_finish)
+
+    def request_finish(self, reason: str, note: bool = True) -> None:
+        """`finish` from a signal handler: only recorded here, decided at the next `step()`.
+
+        A handler runs between two bytecodes of the driver's loop, possibly in
+        the middle of `apply`; deciding there could lose a state update.
+        (SimpleQueue.put is reentrant: safe in a signal handler.)
+        """
+        self._finish_asked.put(ms.FinishRequested(reason, quiet=not note))
 
     def apply(self, event) -> tuple:
         """Decide on `event` and carry the actions out; returns them (the schedule reads its answers)."""
@@ -274,6 +355,8 @@ class Coordinator:
         (DRIVER_NOTICE_KEY did not move), so the events channel is not read.
         """
         now = self.clock()
+        while not self._finish_asked.empty():
+            self.apply(self._finish_asked.get())
         for message in (self.events.receive() if receive else ()):
             event = self._event_of(message, now)
             if event is not None:
@@ -330,6 +413,8 @@ class Coordinator:
             self.heartbeats[device] = (None, now)
             return ms.Announced(device)
         if kind == "ready":
+            if isinstance(message.get("warmup_s"), (int, float)):
+                self.warmups[device] = float(message["warmup_s"])
             return ms.Ready(device, self._ready_problem(message))
         if kind == "formed":
             return ms.Formed(device, int(message["generation"]))
@@ -397,6 +482,9 @@ class Coordinator:
                 "joined": list(action.joined),
                 "left": list(action.left),
                 "failed": list(action.failed),
+                # What each joiner's warm-up took (its start-up costs and, with compile=True, the
+                # compilation): paid before this generation, the join event's detail says it.
+                "warmup_s": {device: self.warmups[device] for device in action.joined if device in self.warmups},
             }
             self.store.set(f"gen/{action.generation}", json.dumps(record))
             tell_devices(self.store, "gen/latest", str(action.generation))
@@ -412,7 +500,9 @@ class Coordinator:
             self.stop_reason = action.reason
             tell_devices(self.store, "stop", action.reason)
         elif isinstance(action, ms.FinishJob):
-            self.finish(action.reason)
+            if not action.quiet:
+                self.on_note(f"stopping at the next step boundary: {action.reason}")
+            tell_devices(self.store, "finish", action.reason)
         elif isinstance(action, ms.Answer):
             if action.request_id:
                 answer = {"accepted": action.accepted, "message": action.message, "devices": action.devices}
@@ -421,11 +511,13 @@ class Coordinator:
             self.on_note(action.message)
 
     def finish(self, reason: str, note: bool = True) -> None:
-        """Ask the devices to stop after the step in flight (they agree on it in the step's statistics)."""
-        if not has(self.store, "finish"):
-            if note:
-                self.on_note(f"stopping at the next step boundary: {reason}")
-            tell_devices(self.store, "finish", reason)
+        """Ask the devices to stop after the step in flight (they agree on it in the step's statistics).
+
+        A decision like any other (membership.FinishRequested): from then on
+        the device set no longer changes, so a whole host's SIGTERM, which
+        also reaches every device, stops the job instead of emptying it.
+        """
+        self.apply(ms.FinishRequested(reason, quiet=not note))
 
     def write_status(self, extra: Optional[dict] = None) -> None:
         state = self.state

@@ -91,7 +91,8 @@ def format_event_line(record: Mapping[str, Any], previous_devices: Sequence[str]
     parts = [
         f"event {record['event']} at step {record['step']}",
         f"generation {record['generation']}",
-        f"{len(record['devices'])} devices" + (f" ({change})" if change else ""),
+        f"{len(record['devices'])} device{'s' if len(record['devices']) != 1 else ''}"
+        + (f" ({change})" if change else ""),
     ]
     if record["stall_s"] > 0:
         parts.append(f"stall {record['stall_s']:.2f} s")

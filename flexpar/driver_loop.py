@@ -74,7 +74,8 @@ class DriverLoop:
                 if read:
                     self._relay_metrics()
                 if read and self.store.check(["done"]):
-                    self._relay_metrics()
+                    # Rank 0 sent every record before "done"; a hole left now is a dead rank 0's.
+                    self._relay_metrics(writers_done=True)
                     self.done = json.loads(self.store.get("done"))
                     self._report_schedule(self.schedule.ended(self.done.get("step", 0)))
                     return
@@ -115,8 +116,8 @@ class DriverLoop:
             return f"{text}\n\n--- the device's traceback ---\n{detail}"
         return f"{text}\n(the device's traceback is in {path}; --verbose shows it here)"
 
-    def _relay_metrics(self) -> None:
-        for record in self.metrics.receive():
+    def _relay_metrics(self, writers_done: bool = False) -> None:
+        for record in self.metrics.receive(writers_done):
             if record["kind"] == "step":
                 if self.steps and record["step"] <= self.steps[-1]["step"]:
                     continue  # re-sent by a new rank 0 after a change
@@ -209,6 +210,7 @@ class DriverLoop:
             "final_loss": self.steps[-1]["loss"] if self.steps else float("nan"),
             "wall_s": time.time() - self.started,
             "generations": self.coordinator.state.generation,
+            "devices": list(self.devices),  # the device set of the last record
             "events": [dict(event=e["event"], step=e["step"], stall_s=e["stall_s"], detail=e["detail"])
                        for e in listed],
             "rebalances": len(self.events) - len(listed),

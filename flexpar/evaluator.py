@@ -2,9 +2,19 @@
 
 Which chunks a device evaluates is `flexpar.evaluation` (pure); this module
 loads them (`loader.load_batch`, under each chunk's own data seed), runs the
-user's function in eval mode under `torch.no_grad()`, and adds the results.
-`evaluate_all` is the single-process evaluation of the whole set that any
-device set must reproduce.
+user's function in eval mode under `torch.no_grad()` and the job's autocast,
+and adds the results. `evaluate_all` is the single-process evaluation of the
+whole set that any device set must reproduce.
+
+Precision and compile, decided: with `mixed_precision`, evaluation runs under
+the same `torch.autocast` as training's forward, as Accelerate (its prepared
+model's forward is wrapped in autocast) and Lightning (its precision plugin
+covers validation steps) do, so the metrics are those of the model as it
+trains. It does not run compiled with `compile=True`: eval mode and
+`no_grad` make torch.compile trace another graph, and that compilation
+would be paid at the first evaluation of every device, joiners included,
+with the others waiting in the evaluation's all-reduce (a joiner's warm-up
+compiles the training graph only). The eager model has the same parameters.
 """
 
 from __future__ import annotations
@@ -13,7 +23,7 @@ import contextlib
 
 import torch
 
-from flexpar import evaluation
+from flexpar import evaluation, recipes
 from flexpar.job import UserCodeError
 from flexpar.loader import load_batch
 
@@ -43,10 +53,23 @@ def evaluate_chunk(job, model, samples: range, keys=(), device=None) -> dict:
         raise UserCodeError(f"{error} (evaluation samples {samples.start}-{samples.stop - 1})") from None
 
 
+def precision(job, device_type: str):
+    """The job's autocast for `device_type` (the module docstring), or nothing.
+
+    Nothing also where autocast does not support the job's dtype on that
+    device type: only the driver's CPU evaluation of a CUDA job's first chunk
+    (`metric_keys`) can meet that; workers refused such a job already.
+    """
+    dtype = recipes.autocast_dtype(job)
+    if dtype is None or recipes.autocast_problem(device_type, dtype) is not None:
+        return contextlib.nullcontext()
+    return recipes.autocast(job, device_type)
+
+
 def evaluate_samples(job, model, samples: range, keys, device=None) -> dict:
     """The sums over one device's chunk-aligned sample range (all `keys`, 0 where it has no chunk)."""
     sums = {key: 0.0 for key in keys}
-    with eval_mode(model):
+    with eval_mode(model), precision(job, device.type if device is not None else "cpu"):
         for chunk in evaluation.batches_of(samples, job.eval_batch_size):
             for key, value in evaluate_chunk(job, model, chunk, keys, device).items():
                 sums[key] += value
@@ -57,7 +80,7 @@ def metric_keys(job, model) -> tuple:
     """The sorted metric names of `job.evaluate` on the first chunk (run in the driver, so errors show once)."""
     size = len(job.eval_dataset)
     first = range(0, min(size, job.eval_batch_size))
-    with eval_mode(model):
+    with eval_mode(model), precision(job, "cpu"):
         return tuple(sorted(evaluate_chunk(job, model, first)))
 
 

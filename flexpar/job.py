@@ -55,6 +55,9 @@ class Job:
     max_grad_norm:  clip the 2-norm of the summed global gradient (dense and sparse) to this
     compile / compile_options: torch.compile the model in every worker (options: torch.compile's
                     keyword arguments, e.g. {"mode": "max-autotune"} or {"backend": "aot_eager"})
+    sample_cost:    optional sample_cost(index) -> number >= 0, e.g. the token count of sample
+                    `index` (cheap: called in the workers for every sample of every step); VWs are
+                    then assigned to devices by predicted cost, not count (flexpar/cost_balance.py)
     """
 
     model: Callable[[], nn.Module]
@@ -76,6 +79,7 @@ class Job:
     grad_scaler: Optional[dict] = None
     compile: bool = False
     compile_options: Optional[dict] = None
+    sample_cost: Optional[Callable[[int], float]] = None
 
     def __post_init__(self):
         for name in ("model", "optimizer", "loss"):
@@ -83,6 +87,9 @@ class Job:
                 raise TypeError(f"{name}= must be a function (got {type(getattr(self, name)).__name__})")
         if self.lr_scheduler is not None and not callable(self.lr_scheduler):
             raise TypeError("lr_scheduler= must be a function of the optimizer")
+        if self.sample_cost is not None and not callable(self.sample_cost):
+            raise TypeError(f"sample_cost= must be a function sample_cost(index) -> number (e.g. the token "
+                            f"count of sample index), not {type(self.sample_cost).__name__}")
         if not isinstance(self.global_batch, int) or self.global_batch < 1:
             raise ValueError(f"global_batch={self.global_batch!r} must be a positive whole number")
         object.__setattr__(self, "virtual_workers", self._virtual_workers())
@@ -102,7 +109,9 @@ class Job:
         """mixed_precision, grad_scaler, max_grad_norm, compile and compile_options (flexpar/recipes.py)."""
         from flexpar import recipes
 
-        if self.mixed_precision is not None and self.mixed_precision not in recipes.MIXED_PRECISION:
+        # The type first: a list or dict is not hashable, and `in` a dict would raise TypeError.
+        if self.mixed_precision is not None and (
+                not isinstance(self.mixed_precision, str) or self.mixed_precision not in recipes.MIXED_PRECISION):
             raise ValueError(f"mixed_precision={self.mixed_precision!r} must be None, \"bf16\" or \"fp16\"")
         if self.grad_scaler is not None:
             if self.mixed_precision != "fp16":
@@ -214,7 +223,32 @@ class Job:
             if resolved.verbose:
                 raise
             # The message says what went wrong and where; flexpar's own frames would bury it.
+            # Uncaught (a plain `python train.py`), it is shown as one line, on top.
+            _show_uncaught_as_one_line()
+            error.flexpar_message = True
             raise error.with_traceback(None) from None
+
+
+def _show_uncaught_as_one_line() -> None:
+    """Have an uncaught flexpar error print as `flexpar: MESSAGE`, without Python's traceback.
+
+    Only where nobody replaced Python's own hook (an IDE, IPython or a
+    framework keeps theirs), and only for errors fit() raised with a message
+    worded for the user; everything else reaches the previous hook unchanged.
+    """
+    import sys
+
+    if sys.excepthook is not sys.__excepthook__:
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback):
+        if getattr(value, "flexpar_message", False):
+            print(f"flexpar: {value}", file=sys.stderr, flush=True)
+        else:
+            previous(kind, value, traceback)
+
+    sys.excepthook = hook
 
 
 MAIN_GUARD_MESSAGE = (
@@ -326,7 +360,8 @@ def model_digest(model: nn.Module) -> str:
 
 def pickle_pieces(job: Job) -> bytes:
     """The job as bytes for the workers; each piece that cannot travel is named."""
-    for name in ("model", "optimizer", "loss", "lr_scheduler", "collate_fn", "dataset", "evaluate", "eval_dataset"):
+    for name in ("model", "optimizer", "loss", "lr_scheduler", "collate_fn", "dataset", "evaluate", "eval_dataset",
+                 "sample_cost"):
         piece = getattr(job, name)
         if piece is None:
             continue
@@ -367,3 +402,17 @@ def first_batch_check(job: Job, model: nn.Module) -> None:
         model.train(was_training)
     if not math.isfinite(value):
         raise UserCodeError(nonfinite_message(0, 0))
+    if job.sample_cost is not None:
+        check_sample_cost(job, indices)
+
+
+def check_sample_cost(job: Job, indices) -> None:
+    """Call sample_cost on a few indices (those of VW 0 of step 0, and the dataset's last) in the driver.
+
+    A function that raises or returns a non-number, NaN, an infinity or a
+    negative number is refused here, once, naming the index, before any
+    worker starts; the workers check every value they use too.
+    """
+    from flexpar.cost_planner import sample_costs
+
+    sample_costs(job, list(indices)[:8] + [len(job.dataset) - 1])

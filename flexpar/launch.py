@@ -12,6 +12,7 @@ import json
 import multiprocessing
 import os
 import secrets
+import shlex
 import signal
 import socket
 import sys
@@ -65,11 +66,34 @@ def worker_context(verbose: bool = False):
     if quiet:
         os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     try:
-        forkserver.ensure_running()  # start it now: it imports while the driver checks the job
+        with _sigterm_ignored():
+            forkserver.ensure_running()  # start it now: it imports while the driver checks the job
     finally:
         if quiet:
             del os.environ["TORCH_CPP_LOG_LEVEL"]
     return context
+
+
+@contextlib.contextmanager
+def _sigterm_ignored():
+    """Start the fork server deaf to SIGTERM (an ignored signal stays ignored across exec).
+
+    A whole host's SIGTERM (SLURM's scancel, systemd, `kill -- -PGID`) also
+    reaches the fork server; by default it would die, and with it the pipes
+    through which the driver learns that its workers are alive: every worker
+    would count as failed at once. The driver and the workers handle SIGTERM
+    themselves (a clean stop, a planned leave); the fork server ends with the
+    driver as it always does. Workers start with SIGTERM at its default again
+    (`worker.main`).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class LocalDevices:
@@ -151,17 +175,18 @@ def run(job: Job, options: FitOptions) -> FitResult:
                            options.checkpoint_every, options.checkpoint_dir, resume_path,
                            tuple((f.step, f.device, f.phase, f.signal) for f in options.faults),
                            rescue_dir=os.path.abspath(run_dir), script=os.path.abspath(script) if script else "",
+                           resume_command=resume_command(os.path.abspath(options.checkpoint_dir or run_dir)),
                            preemption_grace_s=options.preemption_grace_s, sample_ledger=options.sample_ledger,
                            eval_every=options.eval_every, eval_keys=tuple(eval_keys),
                            eval_verdict=bool(options.eval_every and eval_keys and callbacks.can_stop_at_eval),
                            keep_checkpoints=options.keep_checkpoints)
     secret = options.secret or secrets.token_hex(16)
     store = control.connect(options.host, options.port, options.timeout_s, server=True)
-    address = f"{options.host}:{store.port}"
+    address = f"{advertised_host(options.host)}:{store.port}"
     _publish_job(store, payload, settings, secret, model_digest(model))
     secret_note = _keep_secret(options, secret, run_dir)
     if not options.quiet:
-        _banner(address, initial, kind, max_devices, options, secret_note, resume_path)
+        _banner(address, initial, kind, max_devices, options, secret_note, resume_path, cores=available)
     threads = max(1, available // max_devices) if kind == "cpu" else 0
     local = LocalDevices(context, options.host, store.port, secret, kind, threads, options.emulate_speeds)
     grace_s = options.timeout_s + 5.0
@@ -191,11 +216,13 @@ def run(job: Job, options: FitOptions) -> FitResult:
         summary["resumed_from"] = training_state.checkpoint_step(resume_path) if resume_path else None
         callbacks.call("on_end", summary)
         ended_well = True
-    except KeyboardInterrupt:
-        control.tell_devices(store, "stop", "interrupted (Ctrl-C)")
+    except (KeyboardInterrupt, _SecondSigterm) as interruption:
+        what, code = (("a second SIGTERM", 143) if isinstance(interruption, _SecondSigterm)
+                      else ("interrupted (Ctrl-C)", 130))
+        control.tell_devices(store, "stop", what)
         local.shutdown(grace_s=2.0)
-        print("flexpar: interrupted (Ctrl-C); the workers are stopped", file=sys.stderr, flush=True)
-        raise SystemExit(130) from None
+        print(f"flexpar: {what}; the workers are stopped", file=sys.stderr, flush=True)
+        raise SystemExit(code) from None
     finally:
         if not store.check(["done"]):
             control.tell_devices(store, "stop", "the driver stopped")
@@ -209,12 +236,39 @@ def run(job: Job, options: FitOptions) -> FitResult:
     return FitResult(model, summary)
 
 
+def resume_command(directory: str, argv: Optional[list] = None, script_argv: Optional[list] = None) -> str:
+    """The command that resumes this job from the checkpoints in `directory`, ready to paste.
+
+    Under `flexpar run`, the same command line with `--resume --checkpoint-dir
+    DIRECTORY` added; for a plain `python train.py ARGS`, `flexpar run` with
+    those two flags on the same script and arguments (the script's own fit()
+    options stay in force). `argv` is the process's whole command line
+    (sys.orig_argv), `script_argv` the script's own (sys.argv).
+    """
+    argv = list(getattr(sys, "orig_argv", None) or [sys.executable] + sys.argv) if argv is None else argv
+    script_argv = list(sys.argv) if script_argv is None else script_argv
+    added = ["flexpar", "run", "--resume", "--checkpoint-dir", directory]
+    for index, word in enumerate(argv[:-1]):  # .../bin/flexpar run ..., or python -m flexpar run ...
+        if os.path.basename(word) == "flexpar" and argv[index + 1] == "run":
+            return shlex.join(added + argv[index + 2:])
+    script = script_argv[0] if script_argv and script_argv[0].endswith(".py") else "SCRIPT"
+    rest = script_argv[1:] if script != "SCRIPT" else []
+    return shlex.join(added + [script] + (["--"] + rest if rest else []))
+
+
 def run_paths(options: FitOptions) -> tuple:
     """(run directory, metrics file): the metrics file's folder, or a fresh one under run_dir."""
     if options.metrics:
         return os.path.dirname(os.path.abspath(options.metrics)), options.metrics
     run_dir = os.path.join(options.run_dir, time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
     return run_dir, os.path.join(run_dir, "metrics.jsonl")
+
+
+def advertised_host(host: str) -> str:
+    """The name others join by: this host's name where the job listens on every interface."""
+    if host in ("0.0.0.0", "::", ""):
+        return socket.getfqdn()
+    return host
 
 
 def _keep_secret(options: FitOptions, secret: str, run_dir: str) -> str:
@@ -229,6 +283,7 @@ def _keep_secret(options: FitOptions, secret: str, run_dir: str) -> str:
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "secret")
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(descriptor, 0o600)  # a file left by an earlier run keeps its mode through O_CREAT
     with os.fdopen(descriptor, "w") as handle:
         handle.write(secret + "\n")
     if options.show_secret or not is_loopback(options.host):
@@ -236,17 +291,26 @@ def _keep_secret(options: FitOptions, secret: str, run_dir: str) -> str:
     return f"secret in {path}"
 
 
-def _banner(address, initial, kind, max_devices, options, secret_note, resume_path) -> None:
+def _banner(address, initial, kind, max_devices, options, secret_note, resume_path, cores=0) -> None:
     if max_devices > initial:
         growth = f"may grow to {max_devices}"
     else:
         growth = "cannot grow"
-    how = "" if options.max_devices else " (pass --max-devices N to allow more)"
+    how = ""
+    if not options.max_devices:
+        beyond_cores = (f"; more than this host's {cores} cores also need --oversubscribe"
+                        if kind == "cpu" and not options.oversubscribe and cores else "")
+        how = f" (--max-devices N, or fit(max_devices=N), allows more{beyond_cores})"
     print(f"flexpar: job at {address}; {initial} x {kind} device{'s' if initial != 1 else ''}, "
           f"{growth}{how}; {secret_note}", flush=True)
     if resume_path:
         print(f"flexpar: resuming from step {training_state.checkpoint_step(resume_path)} ({resume_path})",
               flush=True)
+
+
+class _SecondSigterm(BaseException):
+    """A second SIGTERM to the driver: stop the workers now, as Ctrl-C does (not an Exception: nothing
+    of the user's may swallow it)."""
 
 
 @contextlib.contextmanager
@@ -262,9 +326,9 @@ def _finish_on_sigterm(coordinator, terminated: threading.Event):
 
     def on_sigterm(signum, frame):
         if terminated.is_set():
-            raise KeyboardInterrupt
+            raise _SecondSigterm()
         terminated.set()
-        coordinator.finish("the driver got SIGTERM", note=False)
+        coordinator.request_finish("the driver got SIGTERM", note=False)
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
@@ -310,19 +374,26 @@ def _joiner_main(args: WorkerArgs, script: str) -> None:
 
 
 def join(address: str, devices: int, secret: str, script: Optional[str] = None, speed: float = 1.0,
-         preemption_grace_s: Optional[float] = None) -> int:
+         preemption_grace_s: Optional[float] = None, connect_timeout_s: float = 60.0) -> int:
     """Start `devices` workers on this host that join the running job at `address`.
 
-    SIGTERM (a preemption notice) is passed on to the workers, which leave at
-    the next step boundary; a second SIGTERM is passed on too and stops them
-    at once. Returns the workers' worst exit code (0: all left or finished).
+    Waits up to `connect_timeout_s` for the job to answer (under SLURM or
+    Kubernetes a joiner may start before its job listens). SIGTERM (a
+    preemption notice) is passed on to the workers, which leave at the next
+    step boundary; a second SIGTERM is passed on too and stops them at once.
+    Returns the workers' worst exit code (0: all left or finished).
     """
     host, _, port_text = address.rpartition(":")
-    store = control.connect_client(host, int(port_text), 30.0)
-    script = script or store.get("job/script").decode()
+    print(f"flexpar join: connecting to the job at {address} (waiting up to {connect_timeout_s:g} s)",
+          file=sys.stderr, flush=True)
+    store = control.connect_client(host, int(port_text), connect_timeout_s, wait_for_job=True)
+    try:
+        script = script or store.get("job/script").decode()
+        settings = json.loads(store.get("job/settings"))
+    except RuntimeError as error:  # connected, then the job stopped answering
+        raise control.Unreachable(f"the job at {address} stopped answering ({str(error).strip()[:200]})") from None
     if script and not os.path.exists(script):
         raise ValueError(f"the job's script {script} is not on this host; pass --script PATH")
-    settings = json.loads(store.get("job/settings"))
     kind = "cuda" if settings["backend"] == "nccl" else "cpu"
     context = worker_context()
     processes = []

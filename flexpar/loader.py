@@ -50,6 +50,29 @@ class _SeededDataset(Dataset):
         return [self.dataset[index] for _, index in items]
 
 
+class _RecordingDataset(_SeededDataset):
+    """The sample ledger's wrapper: each item comes with the index it was loaded from."""
+
+    def __getitem__(self, item):
+        return item[1], super().__getitem__(item)
+
+    def __getitems__(self, items):
+        return list(zip([index for _, index in items], super().__getitems__(items)))
+
+
+class _CollateWithIndices:
+    """Collates the samples of `_RecordingDataset` items; returns (loaded indices, batch).
+
+    A class, not a closure: DataLoader worker processes may need to pickle it.
+    """
+
+    def __init__(self, collate):
+        self.collate = collate
+
+    def __call__(self, pairs):
+        return [index for index, _ in pairs], self.collate([sample for _, sample in pairs])
+
+
 def load_batch(job, indices, seed: int):
     """One VW's batch, loaded in this process (used for checks and warm-up)."""
     seed_everything(seed)
@@ -67,10 +90,18 @@ class VirtualWorkerLoader:
     known. With DataLoader workers, batches are prefetched along the plan; if
     the plan changes (re-balancing, a new device set), the prefetched batches
     are dropped and loading restarts at the requested VW.
+
+    With `record_indices` (the sample ledger), every batch travels with the
+    sample indices its dataset items were loaded from, through the same
+    DataLoader path (worker processes included): `loaded_indices` holds those
+    of the batch `batch` returned last, so the ledger counts what was loaded,
+    not what the plan says should have been.
     """
 
-    def __init__(self, job, plan: Callable[[int], range], total_steps: int):
+    def __init__(self, job, plan: Callable[[int], range], total_steps: int, record_indices: bool = False):
         self.job = job
+        self.record_indices = record_indices
+        self.loaded_indices: list = []
         self.plan = plan
         self.total_steps = total_steps
         self.dataset_size = len(job.dataset)
@@ -105,10 +136,11 @@ class VirtualWorkerLoader:
     def _restart(self, step: int, virtual_worker: int) -> None:
         self._issued.clear()
         self.close()
+        collate = self.job.collate_fn or default_collate
         loader = DataLoader(
-            _SeededDataset(self.job.dataset),
+            (_RecordingDataset if self.record_indices else _SeededDataset)(self.job.dataset),
             batch_sampler=_Requests(self, step, virtual_worker),
-            collate_fn=self.job.collate_fn or default_collate,
+            collate_fn=_CollateWithIndices(collate) if self.record_indices else collate,
             num_workers=self.job.num_workers,
             # Loader processes are this worker's own children (fork), so they end with it.
             # Under the worker's inherited fork-server start method they would be the fork
@@ -123,10 +155,6 @@ class VirtualWorkerLoader:
         shutdown = getattr(iterator, "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()
-
-    def indices_of(self, step: int, virtual_worker: int) -> list:
-        """The sample indices the loader loads for `virtual_worker` at `step`."""
-        return list(self._step_indices(step)[virtual_worker])
 
     def batch(self, step: int, virtual_worker: int):
         """The batch of `virtual_worker` at `step`."""
@@ -148,6 +176,8 @@ class VirtualWorkerLoader:
         except StopIteration:
             self._iterator = None
             return None, None
+        if self.record_indices:
+            self.loaded_indices, batch = batch
         return batch, self._issued.popleft()
 
 

@@ -21,6 +21,13 @@ Rules, in one place:
   At least one device always stays.
 - A device that asks to leave (preemption: SIGTERM) leaves at the next
   generation like a planned scale-in; one still on its way is cancelled.
+- Once the job is finishing (SIGTERM to the driver, a callback, its last
+  device preempted: every member stops after the step in flight), nothing
+  changes the device set any more: leave requests are moot (the devices stop
+  anyway), scale requests are refused, and no planned generation is
+  published; only a failure is still recovered from, so that the survivors
+  can stop together. A whole host's SIGTERM (SLURM's scancel, systemd) reaches
+  the driver and its devices at once: the stop wins over their leaves.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ class Membership:
     failure_since: Optional[float] = None
     next_local: int = 0           # counter for local device ids
     stopped: bool = False
+    finishing: bool = False       # every member stops after the step in flight (FinishRequested)
     local_capacity: Optional[int] = None  # devices this host may run (cores or GPUs); None: no limit
 
     @property
@@ -132,11 +140,20 @@ class LeaveRequested:
 
 
 @dataclass(frozen=True)
+class FinishRequested:
+    """Stop after the step in flight (SIGTERM to the driver, a callback's STOP); `quiet`: say nothing."""
+
+    reason: str
+    quiet: bool = False
+
+
+@dataclass(frozen=True)
 class Tick:
     now: float
 
 
-Event = Union[Start, Announced, Ready, Formed, FailureReported, Exited, ScaleBy, LeaveRequested, Tick]
+Event = Union[Start, Announced, Ready, Formed, FailureReported, Exited, ScaleBy, LeaveRequested,
+              FinishRequested, Tick]
 
 
 # ---------------------------------------------------------------- actions
@@ -180,6 +197,7 @@ class FinishJob:
     """Stop training cleanly after the step in flight (checkpointed when checkpointing is on)."""
 
     reason: str
+    quiet: bool = False
 
 
 @dataclass(frozen=True)
@@ -247,6 +265,11 @@ def _known(state, device_id):
 
 
 def _on_ready(state, event):
+    if event.device_id not in state.starting:
+        # Only a device on its way is admitted: one refused when it announced itself (over
+        # --max-devices) may finish its warm-up before it reads the refusal; a cancelled or
+        # dead one stays out (its refusal or eviction was sent already).
+        return state, []
     starting = tuple(d for d in state.starting if d != event.device_id)
     state = dataclasses.replace(state, starting=starting)
     if event.problem:
@@ -293,6 +316,11 @@ def _on_exited(state, event):
 
 
 def _on_scale(state, event):
+    if state.finishing:
+        return _refusal(state, event, "the job is stopping after the step in flight")
+    if event.delta == 0:
+        return state, [Answer(event.request_id, True, f"already at {_devices(state.device_count)}; nothing changes",
+                              state.device_count)]
     if event.delta > 0:
         return _grow(state, event)
     return _shrink(state, event)
@@ -300,6 +328,10 @@ def _on_scale(state, event):
 
 def _devices(count: int) -> str:
     return f"{count} device" + ("" if count == 1 else "s")
+
+
+def _more(count: int) -> str:
+    return f"{count} more device{' does' if count == 1 else 's do'} not fit"
 
 
 def _refusal(state, event, reason):
@@ -312,12 +344,12 @@ def _grow(state, event):
     if event.delta > room:
         return _refusal(state, event, (
             f"the job has {_devices(state.device_count)} and may grow to {state.max_devices} "
-            f"(--max-devices {state.max_devices}), so {event.delta} more do not fit; start the job "
+            f"(--max-devices {state.max_devices}), so {_more(event.delta)}; start the job "
             "with a larger --max-devices"))
     if state.local_capacity is not None and state.local_count + event.delta > state.local_capacity:
         return _refusal(state, event, (
             f"this host runs {_devices(state.local_count)} and has room for {state.local_capacity} "
-            f"(its cores or GPUs), so {event.delta} more do not fit; pass --oversubscribe to the job "
+            f"(its cores or GPUs), so {_more(event.delta)}; pass --oversubscribe to the job "
             "to run more CPU processes than cores, or add devices from other hosts with `flexpar join`"))
     state, actions = _spawn(state, event.delta)
     started = actions[0].device_ids
@@ -365,6 +397,8 @@ def _drop(state, leavers, cancelled):
 
 def _on_leave_requested(state, event):
     device = event.device_id
+    if state.finishing:
+        return state, [Note(f"{device} got SIGTERM; the job stops at the next step boundary anyway")]
     if device in state.waiting or device in state.starting:
         state = _drop(state, (), (device,))
         return state, [Evict(device, "it was asked to stop (SIGTERM) before it was admitted"),
@@ -375,8 +409,14 @@ def _on_leave_requested(state, event):
     if len(staying) <= 1:
         # Nobody can take its VWs over: the job stops at the next step boundary, as
         # after a SIGTERM to the driver (final checkpoint when checkpointing is on).
-        return state, [FinishJob(f"its last device, {device}, got SIGTERM")]
+        return _on_finish_requested(state, FinishRequested(f"its last device, {device}, got SIGTERM"))
     return _drop(state, (device,), ()), [Note(f"{device} got SIGTERM: it leaves at the next step boundary")]
+
+
+def _on_finish_requested(state, event):
+    if state.finishing:
+        return state, []
+    return dataclasses.replace(state, finishing=True), [FinishJob(event.reason, quiet=event.quiet)]
 
 
 def _on_tick(state, event):
@@ -397,6 +437,7 @@ _HANDLERS = {
     Exited: _on_exited,
     ScaleBy: _on_scale,
     LeaveRequested: _on_leave_requested,
+    FinishRequested: _on_finish_requested,
     Tick: _on_tick,
 }
 
@@ -415,7 +456,7 @@ def _advance(state: Membership):
         return state, ()
     if state.failure_since is not None:
         return _recover(state)
-    if not state.is_formed:
+    if not state.is_formed or state.finishing:
         return state, ()
     if state.waiting or state.leaving:
         members = tuple(m for m in state.members if m not in state.leaving) + state.waiting
@@ -436,8 +477,10 @@ def _recover(state: Membership):
     accounted = set(state.survivors) | state.dead | set(state.leaving)
     if not set(state.members) <= accounted:
         return state, ()
-    members = tuple(m for m in state.members if m in state.survivors and m not in state.leaving)
-    failed = tuple(m for m in state.members if m not in state.survivors and m not in state.leaving)
+    # A survivor that died before the new generation was published (reported, then exited) failed too.
+    alive = set(state.survivors) - state.dead
+    members = tuple(m for m in state.members if m in alive and m not in state.leaving)
+    failed = tuple(m for m in state.members if m not in alive and m not in state.leaving)
     members = members + state.waiting
     if not members:
         return _stop(state, f"every device failed ({', '.join(failed)}); no worker is left")

@@ -42,6 +42,9 @@ STEP_KEYS: tuple[str, ...] = (
 )
 """Every key of a step record, in schema order; all are required."""
 
+OPTIONAL_STEP_KEYS: tuple[str, ...] = ("cost", "virtual_worker_sets")
+"""Keys a step record has only when balancing by cost (``Job(sample_cost=...)``)."""
+
 EVENT_KEYS: tuple[str, ...] = (
     "kind",
     "event",
@@ -156,21 +159,22 @@ def _check_int_list(field: str, value: Any, *, minimum: int) -> None:
         _check_int(f"{field}[{position}]", item, minimum)
 
 
-def _check_keys(kind: str, record: Mapping[str, Any], keys: Sequence[str]) -> None:
+def _check_keys(kind: str, record: Mapping[str, Any], keys: Sequence[str], optional: Sequence[str] = ()) -> None:
     missing = [key for key in keys if key not in record]
     if missing:
         fields = ", ".join(repr(key) for key in missing)
         raise ValueError(f"{kind} record: field {fields} is missing")
     # Unknown keys are refused rather than ignored so that a typo ("los") or a
     # field the schema does not know fails where it is written, not in a plot later.
-    unknown = [key for key in record if key not in keys]
+    unknown = [key for key in record if key not in keys and key not in optional]
     if unknown:
         fields = ", ".join(repr(key) for key in unknown)
-        raise ValueError(f"{kind} record: field {fields} is not part of the schema (allowed: {', '.join(keys)})")
+        raise ValueError(f"{kind} record: field {fields} is not part of the schema "
+                         f"(allowed: {', '.join(tuple(keys) + tuple(optional))})")
 
 
 def _validate_step(record: Mapping[str, Any]) -> None:
-    _check_keys("step", record, STEP_KEYS)
+    _check_keys("step", record, STEP_KEYS, OPTIONAL_STEP_KEYS)
     _check_int("step", record["step"], 0)
     _check_float("time", record["time"])
     _check_float("elapsed_s", record["elapsed_s"], minimum=0.0)
@@ -187,12 +191,31 @@ def _validate_step(record: Mapping[str, Any]) -> None:
     # The applied gradient's norm before clipping; inf or nan marks a step fp16 skipped.
     _check_float("grad_norm", record["grad_norm"], minimum=0.0, finite=False)
     device_count = len(record["devices"])
-    for field in ("assignment", "busy_s"):
+    if "cost" in record:
+        _check_float_list("cost", record["cost"], minimum=0.0)
+    if "virtual_worker_sets" in record:
+        _check_virtual_worker_sets(record)
+    for field in ("assignment", "busy_s") + tuple(key for key in OPTIONAL_STEP_KEYS if key in record):
         if len(record[field]) != device_count:
             raise ValueError(
                 f"field {field!r} has {len(record[field])} entries but 'devices' has {device_count}; "
                 f"they must be aligned (one entry per device)"
             )
+
+
+def _check_virtual_worker_sets(record: Mapping[str, Any]) -> None:
+    """Each device's VW ids: ints >= 0, as many as its ``assignment`` count, each VW once over all."""
+    sets = record["virtual_worker_sets"]
+    _check_sequence("virtual_worker_sets", sets)
+    for position, members in enumerate(sets):
+        _check_int_list(f"virtual_worker_sets[{position}]", members, minimum=0)
+        counts = record["assignment"]
+        if position < len(counts) and len(members) != counts[position]:
+            raise ValueError(f"field 'virtual_worker_sets[{position}]' has {len(members)} VWs but "
+                             f"'assignment[{position}]' is {counts[position]}")
+    every = sorted(member for members in sets for member in members)
+    if every != list(range(len(every))):
+        raise ValueError("field 'virtual_worker_sets' must hold every VW id 0..V-1 exactly once")
 
 
 def _validate_event(record: Mapping[str, Any]) -> None:

@@ -7,9 +7,10 @@ the device set. Where each piece sits in a step (`flexpar.worker`):
    fp16). The loss is a scalar (the VW's mean) or a pair `(loss_sum, count)`
    (`flexpar.job.loss_terms`).
 2. Backward runs on `loss / V` (a scalar loss) or on `loss_sum` (a pair),
-   times the loss scale with fp16. The device's last bucket carries, in the
-   step's statistics vector, the counts of all its VWs, how many of its VWs
-   returned pairs, and (fp16) whether its own gradients hold an inf or NaN.
+   times the loss scale with fp16. The step's statistics vector, summed
+   across devices with the last bucket, carries the counts of all its VWs
+   (for pairs summed exactly, in float64: `flexpar.sync`), how many of its
+   VWs returned pairs, and (fp16) whether its own gradients hold an inf or NaN.
 3. After the sum across devices, `prepare_gradients` multiplies the summed
    gradient (dense and sparse) by `1 / (total count x scale)`, measures its
    total norm (every step record's `grad_norm`), and clips it to
@@ -23,7 +24,10 @@ the device set. Where each piece sits in a step (`flexpar.worker`):
    statistics, or the summed norm is inf/NaN) is skipped on every device -
    no optimizer or scheduler step - and the `LossScaler` backs off; after
    `growth_interval` good steps in a row it grows. Its state travels with the
-   training state (to joiners, and into checkpoints).
+   training state (to joiners, and into checkpoints). Without a loss scaler
+   (fp32, bf16) a non-finite summed gradient stops the job at that step, with
+   an error that says the gradient, not the loss, is not finite: applied, it
+   would make the next step fail and blame that step.
 
 Token weighting divides after the sum: the total count is known only when
 every VW has run, and the division by one number common to all devices keeps
@@ -92,7 +96,14 @@ def check_mixed_precision(job, device_type: str) -> None:
     from flexpar.job import UserCodeError
 
     raise UserCodeError(f"mixed_precision={job.mixed_precision!r} is not supported on {device_type} devices "
-                        f"by torch {torch.__version__}: {problem}.{hint}")
+                        f"by torch {torch.__version__}: {_sentence(problem)}.{hint}")
+
+
+def _sentence(text: str) -> str:
+    """torch's warning as one line without its final period (the message adds its own) and without
+    "Disabling autocast." (flexpar refuses the job rather than run it without autocast)."""
+    text = " ".join(text.replace("Disabling autocast.", "").split())
+    return text.rstrip(". ")
 
 
 def autocast(job, device_type: str):

@@ -100,7 +100,10 @@ class ScheduleTracker:
                 outcome.detail = f"{outcome.label} applied at step {outcome.applied_step}"
             else:
                 outcome.status = "late"
-                why = " (the new device was warming up)" if outcome.delta > 0 else ""
+                # A leave fires once the driver has seen its step commit; steps faster than that
+                # view (a few ms of polling per record) move on before it reaches a boundary.
+                why = (" (the new device was warming up)" if outcome.delta > 0 else
+                       " (the steps ran on before the driver's request reached a step boundary)")
                 outcome.detail = (f"{outcome.label} applied at step {outcome.applied_step}, "
                                   f"{late} steps late{why}")
                 reports.append(outcome.detail)

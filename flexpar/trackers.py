@@ -4,10 +4,15 @@
 repeatable) adds one callback per name; each writes into the run directory
 (`summary["run_dir"]`):
 
-    tensorboard   run_dir/tensorboard/   event files (`tensorboard --logdir run_dir/tensorboard`)
-    mlflow        run_dir/mlruns/        an MLflow file store, one run named after the run directory
-                                         (or the server/database MLFLOW_TRACKING_URI names)
-    csv           run_dir/metrics.csv    one row per value: time, kind, step, name, value, detail
+    tensorboard   run_dir/tensorboard/       event files (`tensorboard --logdir run_dir/tensorboard`)
+    mlflow        run_dir/mlruns/            an MLflow file store, one run named after the run directory
+                                             (or the server/database MLFLOW_TRACKING_URI names)
+    csv           run_dir/csv/metrics.csv    one row per value: time, kind, step, name, value, detail
+
+The CSV file sits in its own folder, so it cannot be the job's metrics file
+(`--metrics run/metrics.csv` makes `run` the run directory); a CSV left there
+by an earlier run with the same run directory is kept, and this run's goes to
+`metrics-2.csv` (`-3`, ...), which it says on stderr (`CSVTracker.path`).
 
 The x axis of every tracker is the number of optimizer steps done: a step
 record is logged at `record["step"] + 1` (the model it leaves has taken that
@@ -15,7 +20,11 @@ many steps), an evaluation at its `step` (the same count), an event at its
 `step` (the steps done before it took effect). Names:
 
     train/loss, train/samples_per_s, train/step_time_s, train/lr, train/imbalance,
-    train/devices, train/generation                    from each step record
+    train/grad_norm, train/devices, train/generation   from each step record
+    train/skipped_step                                 1 at an fp16 step skipped for an inf/NaN gradient,
+                                                       whose grad_norm (inf or NaN) is not logged: one
+                                                       such point wrecks a plot's scale (MLflow's SQL
+                                                       stores even keep an inf as 1.8e308)
     eval/<metric>                                      each summed metric of an evaluation
     eval/<name>_mean                                   with a `count` metric: each other one / count
                                                        (loss_sum -> eval/loss_mean, correct -> eval/correct_mean)
@@ -28,9 +37,12 @@ any worker starts, naming what to install.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
+import math
 import os
+import sys
 import time
 from typing import Iterable, Optional
 
@@ -73,8 +85,13 @@ def create(names: Iterable[str], run_dir: str) -> list:
 
 
 def step_values(record: dict) -> dict:
-    """What a tracker logs of a step record: {name: value}."""
+    """What a tracker logs of a step record: {name: value}, every value finite (module docstring)."""
     values = {f"train/{field}": float(record[field]) for field in _STEP_FIELDS}
+    grad_norm = float(record["grad_norm"])
+    if math.isfinite(grad_norm):
+        values["train/grad_norm"] = grad_norm
+    else:  # fp16: the step was skipped and the loss scale backed off
+        values["train/skipped_step"] = 1.0
     values["train/devices"] = float(len(record["devices"]))
     values["train/generation"] = float(record["generation"])
     return values
@@ -114,17 +131,39 @@ class Tracker(Callback):
         """Flush and close (the driver calls it when the job ends, well or not)."""
 
 
+def fresh_path(folder: str, name: str) -> str:
+    """folder/name, or folder/<stem>-2<ext> (-3, ...) when that exists: an earlier run's file is kept."""
+    stem, extension = os.path.splitext(name)
+    path, number = os.path.join(folder, name), 1
+    while os.path.exists(path):
+        number += 1
+        path = os.path.join(folder, f"{stem}-{number}{extension}")
+    return path
+
+
 class CSVTracker(Tracker):
-    """run_dir/metrics.csv: `time,kind,step,name,value,detail`, one row per value, flushed per record."""
+    """run_dir/csv/metrics.csv: `time,kind,step,name,value,detail`, one row per value, flushed per record.
+
+    Its own folder: the job's metrics file is in run_dir itself, whatever its
+    name, so the two cannot be one file. A CSV of an earlier run there is not
+    overwritten: this run writes the next free `metrics-N.csv` and says so.
+    """
 
     name = "csv"
+    never_stops = True  # for its own on_eval too (flexpar.callbacks.vouched_never_stops)
     COLUMNS = ("time", "kind", "step", "name", "value", "detail")
+    FOLDER, FILE = "csv", "metrics.csv"
 
     def __init__(self, run_dir: str):
         super().__init__(run_dir)
-        os.makedirs(run_dir, exist_ok=True)
-        self.path = os.path.join(run_dir, "metrics.csv")
-        self._file = open(self.path, "w", encoding="utf-8", newline="")
+        folder = os.path.join(run_dir, self.FOLDER)
+        os.makedirs(folder, exist_ok=True)
+        self.path = fresh_path(folder, self.FILE)
+        if os.path.basename(self.path) != self.FILE:
+            print(f"flexpar: the csv tracker keeps {os.path.join(folder, self.FILE)} (an earlier run's) and "
+                  f"writes {self.path}", file=sys.stderr, flush=True)
+        # "x": never truncate a file that appeared since (another run starting in the same folder).
+        self._file = open(self.path, "x", encoding="utf-8", newline="")
         self._writer = csv.writer(self._file)
         self._writer.writerow(self.COLUMNS)
         self._file.flush()
@@ -190,7 +229,10 @@ class MLflowTracker(Tracker):
     """An MLflow run (experiment "flexpar") in run_dir/mlruns, or where MLFLOW_TRACKING_URI says.
 
     MLflow 3 keeps its plain-file store only on request: flexpar asks for it
-    (MLFLOW_ALLOW_FILE_STORE=true, unless set otherwise) when it uses one.
+    (MLFLOW_ALLOW_FILE_STORE=true, unless set otherwise) when it uses one, and
+    only for its own calls into MLflow (`_file_store_allowed`): the variable is
+    set around each and removed after, so the user's process, and MLflow code
+    of their own in it, see their own environment.
     Values are batched and sent at most every `flush_s` seconds, and at the end.
     """
 
@@ -207,19 +249,38 @@ class MLflowTracker(Tracker):
         self._pending: list = []
         self._last_flush = time.monotonic()
 
+    @contextlib.contextmanager
+    def _file_store_allowed(self):
+        """MLFLOW_ALLOW_FILE_STORE=true for the block, when the store is a file store and the user set nothing.
+
+        Every call into MLflow runs in it, not only the client's creation:
+        MLflow builds its store object on demand (cached per URI, evicted
+        after 100 others), and the check runs in that object's constructor.
+        """
+        if not self.tracking_uri.startswith("file:") or "MLFLOW_ALLOW_FILE_STORE" in os.environ:
+            yield
+            return
+        os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+        try:
+            yield
+        finally:
+            os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)
+
     def _open(self):
         if self._client is None:
-            if self.tracking_uri.startswith("file:"):
-                os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-            from mlflow.tracking import MlflowClient
-
-            client = MlflowClient(tracking_uri=self.tracking_uri)
-            experiment = client.get_experiment_by_name(self.EXPERIMENT)
-            experiment_id = experiment.experiment_id if experiment else client.create_experiment(self.EXPERIMENT)
-            run = client.create_run(experiment_id, run_name=os.path.basename(os.path.abspath(self.run_dir)),
-                                    tags={"flexpar.run_dir": os.path.abspath(self.run_dir)})
-            self._client, self.run_id = client, run.info.run_id
+            with self._file_store_allowed():
+                self._create_run()
         return self._client
+
+    def _create_run(self) -> None:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=self.tracking_uri)
+        experiment = client.get_experiment_by_name(self.EXPERIMENT)
+        experiment_id = experiment.experiment_id if experiment else client.create_experiment(self.EXPERIMENT)
+        run = client.create_run(experiment_id, run_name=os.path.basename(os.path.abspath(self.run_dir)),
+                                tags={"flexpar.run_dir": os.path.abspath(self.run_dir)})
+        self._client, self.run_id = client, run.info.run_id
 
     def log(self, values: dict, step: int, wall: float) -> None:
         from mlflow.entities import Metric
@@ -232,13 +293,15 @@ class MLflowTracker(Tracker):
 
     def _flush(self) -> None:
         self._last_flush = time.monotonic()
-        while self._pending:
-            batch, self._pending = self._pending[:900], self._pending[900:]  # MLflow takes 1000 a batch
-            self._client.log_batch(self.run_id, metrics=batch)
+        with self._file_store_allowed():
+            while self._pending:
+                batch, self._pending = self._pending[:900], self._pending[900:]  # MLflow takes 1000 a batch
+                self._client.log_batch(self.run_id, metrics=batch)
 
     def finish_tracking(self, failed: bool = False) -> None:
         if self._client is None:
             return
         self._flush()
-        self._client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+        with self._file_store_allowed():
+            self._client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
         self._client = None

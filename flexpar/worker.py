@@ -41,7 +41,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,7 @@ import torch.distributed as dist
 from flexpar import balance, batching, control, ledger as sample_ledger, state as training_state
 from flexpar import checkpoints, evaluation, evaluator, recipes
 from flexpar.callbacks import CALLBACK_STOP
+from flexpar.cost_planner import CostPlanner
 from flexpar.job import UserCodeError, build_model, build_optimizer, loss_terms, model_digest, nonfinite_message
 from flexpar.loader import VirtualWorkerLoader, load_batch
 from flexpar.sync import GradientSync, GroupReaper, PeerFailure, _collective, _wait, fresh_group
@@ -103,7 +104,8 @@ class RunSettings:
     resume_path: Optional[str]
     faults: tuple = ()  # (step, device_id, phase, signal): send the signal there (tests only)
     rescue_dir: str = ""  # where the last committed step goes if the driver is lost
-    script: str = ""      # the job's script, for the resume command we print
+    script: str = ""      # the job's script
+    resume_command: str = ""  # the command that resumes the job from its checkpoints (launch.resume_command)
     preemption_grace_s: float = 30.0
     sample_ledger: bool = False  # count the samples each step consumed (flexpar.ledger)
     eval_every: Optional[int] = None  # evaluate every N committed steps (and after the last)
@@ -116,6 +118,9 @@ def main(args: WorkerArgs) -> None:
     """Entry point of a worker process (local or joining)."""
     # Ctrl-C reaches the whole process group; the driver alone answers it and stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The fork server ignores SIGTERM (launch._sigterm_ignored); until it is admitted and
+    # can leave (_leave_on_sigterm), a device told to go simply goes.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if args.threads:
         torch.set_num_threads(args.threads)
     link = control.DeviceLink(args.host, args.port, args.device_id, timeout_s=60.0)
@@ -159,18 +164,26 @@ def main(args: WorkerArgs) -> None:
     os._exit(code)  # skip interpreter teardown: DataLoader / gloo threads must not hang the exit
 
 
+# SIGTERMs this close after the first are the same notice: a SLURM step's or a systemd
+# unit's SIGTERM reaches every process, and `flexpar join` passes its own on as well.
+SAME_NOTICE_S = 2.0
+
+
 def _leave_on_sigterm(worker: "Worker") -> None:
     """SIGTERM (a preemption notice) makes this device leave at the next step boundary.
 
     The leave is planned (the others lose milliseconds, not a step); a second
-    SIGTERM, or no leave within the grace period, kills the process, which
-    the others then recover from as from any failure.
+    SIGTERM (more than SAME_NOTICE_S after the first), or no leave within the
+    grace period, kills the process, which the others then recover from as
+    from any failure.
     """
     link = worker.link
     grace_s = worker.args.preemption_grace_s or worker.settings.preemption_grace_s
 
     def on_sigterm(signum, frame):
         if link.leave_requested_at is not None:
+            if time.monotonic() - link.leave_requested_at < SAME_NOTICE_S:
+                return  # the same notice twice: to the whole host, and passed on by `flexpar join`
             print(f"flexpar: device {worker.args.device_id}: second SIGTERM: exiting now", file=sys.stderr,
                   flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -221,8 +234,11 @@ class Worker:
         self.scaler = recipes.make_scaler(self.job)  # fp16 only; part of the training state
         self._grad_norm = 0.0  # of the step in flight's applied gradient (`_prepare_gradient`)
         self.reaper = GroupReaper()
-        self.loader = VirtualWorkerLoader(self.job, self._plan, self.settings.total_steps)
+        self.loader = VirtualWorkerLoader(self.job, self._plan, self.settings.total_steps,
+                                          record_indices=self.settings.sample_ledger)
         self.balance_state = balance.BalanceState(seconds_per_vw={})
+        # Job(sample_cost=...): each step's VW sets by predicted cost (flexpar/cost_planner.py).
+        self.cost_planner = CostPlanner(self.job) if self.job.sample_cost is not None else None
         self.generation = 0
         self.members: tuple = ()
         self.rank = 0
@@ -335,7 +351,11 @@ class Worker:
         try:  # under the step's autocast: with compile=True, this compiles the graph the steps run
             with recipes.autocast(self.job, self.device.type):
                 result = self.job.loss(self.forward_model, batch)
-            loss_terms(result, 0, 0).tensor.backward()
+            terms = loss_terms(result, 0, 0)
+            terms.tensor.backward()
+            # A token-weighted loss needs its counts summed exactly (flexpar/sync.py). Every device
+            # warms up on the same batch, so every device takes the same collectives.
+            self.sync.exact_stats = terms.count is not None
         except Exception as error:
             if self.job.compile and recipes.is_compile_error(error):
                 raise UserCodeError(f"torch.compile failed on device {self.args.device_id} during its warm-up "
@@ -432,9 +452,10 @@ class Worker:
         else:
             path = training_state.checkpoint_path(directory, step)
             path += f" (written by {self.members[0]})" if self.members else ""
+        command = self.settings.resume_command or (f"flexpar run --resume --checkpoint-dir {directory} "
+                                                   f"{self.settings.script or 'SCRIPT'}")
         self._say(f"the job's driver is gone (its store stopped answering); the last committed step, "
-                  f"{step}, is in {path}. Resume with: flexpar run --resume --checkpoint-dir "
-                  f"{directory} [the job's other flags] {self.settings.script or 'SCRIPT'}")
+                  f"{step}, is in {path}. Resume with: {command}")
 
     def _say(self, message: str) -> None:
         print(f"flexpar: device {self.args.device_id}: {message}", file=sys.stderr, flush=True)
@@ -443,6 +464,8 @@ class Worker:
 
     def _plan(self, step: int) -> range:
         """This device's VWs at `step` as currently known (the loader prefetches along it)."""
+        if self.cost_planner is not None:  # known ahead: planned rates move only past the noise
+            return self.cost_planner.assignment(step, self.members)[self.rank] if self.members else ()
         return batching.virtual_workers_of(self.assignment, self.rank) if self.assignment else range(0)
 
     def train(self) -> Optional[tuple]:
@@ -457,15 +480,20 @@ class Worker:
                 if self.evaluate(ask_driver=self.settings.eval_verdict):
                     return _StopEarly()
             self.link.check(driver_loss_handled=True)
-            assignment = balance.next_assignment(
-                self.balance_state, self.members, self.job.virtual_workers
-            )
-            if self.rank == 0 and self.assignment and assignment != self.assignment and \
-                    tuple(self.balance_state.device_ids) == self.members:
-                self._publish_event("rebalance", f"{list(self.assignment)} -> {list(assignment)}", 0.0)
+            if self.cost_planner is not None:  # by cost: this step's own VW sets, any VWs per device
+                sets = self.cost_planner.assignment(self.committed, self.members)
+                assignment, mine = tuple(len(members) for members in sets), sets[self.rank]
+            else:
+                assignment = balance.next_assignment(
+                    self.balance_state, self.members, self.job.virtual_workers
+                )
+                if self.rank == 0 and self.assignment and assignment != self.assignment and \
+                        tuple(self.balance_state.device_ids) == self.members:
+                    self._publish_event("rebalance", f"{list(self.assignment)} -> {list(assignment)}", 0.0)
+                mine = batching.virtual_workers_of(assignment, self.rank)
             self.assignment = assignment
             step = self.committed
-            summed = self.run_step(step, batching.virtual_workers_of(assignment, self.rank))
+            summed = self.run_step(step, mine)
             world = len(self.members)
             slots = _StatsLayout(world)
             busy = summed[slots.busy].tolist()
@@ -488,7 +516,7 @@ class Worker:
                 return upcoming
             if world > 1:
                 self._set_buffers(summed[slots.buffers] / world)
-            grad_norm, skip = self._verdict_on_gradient(summed, slots)
+            grad_norm, skip = self._verdict_on_gradient(summed, slots, step)
             if not skip:
                 self.optimizer.step()
                 if self.scheduler is not None:
@@ -501,8 +529,11 @@ class Worker:
             self.recent_records.append(self._step_record(step, loss, step_time, busy, assignment, grad_norm))
             if self.settings.sample_ledger:
                 self.recent_records[-1]["ledger"] = self._step_samples
+            moved = self._observe_costs(step, sets, busy) if self.cost_planner is not None else ""
             if self.rank == 0:
                 self.link.publish(self.recent_records[-1])
+                if moved:  # a planned rate moved past the noise: the plans of later steps change
+                    self._publish_event("rebalance", moved, 0.0)
                 self._maybe_checkpoint()
             if stopping:
                 return _StopEarly()
@@ -511,6 +542,16 @@ class Worker:
         if self._evaluation_due():  # after the last step
             self.evaluate(ask_driver=False)
         return None
+
+    def _observe_costs(self, step: int, sets: tuple, busy: list) -> str:
+        """By cost: the step's costs and VW sets go into its record, its busy times into the rates.
+
+        Returns the rebalance event's detail when a planned rate moved, else "".
+        """
+        record = self.recent_records[-1]
+        record["cost"] = self.cost_planner.device_costs(step, sets)
+        record["virtual_worker_sets"] = [list(members) for members in sets]
+        return self.cost_planner.observe(step, self.members, sets, busy)
 
     def _prepare_gradient(self, summed: torch.Tensor, dense_sums: Optional[list]):
         """Make the summed gradient the one to apply: divided by the global count (pairs) and the
@@ -534,16 +575,20 @@ class Worker:
                                                                 self.job.max_grad_norm)
         return multiplier
 
-    def _verdict_on_gradient(self, summed: torch.Tensor, slots: "_StatsLayout") -> tuple:
+    def _verdict_on_gradient(self, summed: torch.Tensor, slots: "_StatsLayout", step: int) -> tuple:
         """(the applied gradient's norm before clipping, whether every device skips this step).
 
         fp16: a step is skipped (no optimizer or scheduler step) when a device's
         own gradient overflowed (the statistics say so) or the sum is not
-        finite, and the loss scale backs off; otherwise it may grow. Every
-        device reads the same statistics and norm: every device agrees.
+        finite, and the loss scale backs off; otherwise it may grow. Without a
+        loss scaler a non-finite summed gradient stops the job here, naming the
+        step: applied, it would make the next step's loss fail and blame that
+        step. Every device reads the same statistics and norm: every device agrees.
         """
         norm = self._grad_norm
         if self.scaler is None:
+            if not math.isfinite(norm):
+                raise UserCodeError(nonfinite_gradient_message(step, norm))
             return norm, False
         skip = float(summed[slots.overflow]) > 0 or not math.isfinite(norm)
         self.scaler.update(found_inf=skip)
@@ -560,7 +605,7 @@ class Worker:
         """
         return self.rank != 0 and self.args.device_id not in upcoming_record["members"]
 
-    def run_step(self, step: int, virtual_workers: range) -> torch.Tensor:
+    def run_step(self, step: int, virtual_workers: Sequence[int]) -> torch.Tensor:
         """Run this device's VWs of `step` and sum gradients and statistics across devices."""
         job = self.job
         world = len(self.members)
@@ -579,7 +624,9 @@ class Worker:
             started = time.perf_counter()
             batch = _to_device(self.loader.batch(step, virtual_worker), self.device)
             if ledger is not None:
-                ledger[self.loader.indices_of(step, virtual_worker)] += 1.0
+                # What the loader really loaded (its DataLoader carried the indices with the
+                # batch), not the plan's indices: a wrong or stale batch shows in the audit.
+                ledger[self.loader.loaded_indices] += 1.0
             self._seed_model_randomness(batching.virtual_worker_seed(job.seed, step, virtual_worker))
             if virtual_worker == last:
                 self.sync.arm()
@@ -680,6 +727,8 @@ class Worker:
                  "recent_records": json.dumps(list(self.recent_records))}
         if self.scaler is not None:  # fp16: the loss scale travels to joiners and into checkpoints
             extra["grad_scaler"] = self.scaler.state_dict()
+        if self.cost_planner is not None:  # by cost: joiners plan with the same rates
+            extra["cost_rates"] = self.cost_planner.state()
         return training_state.capture(self.model, self.optimizer, self.scheduler, self.committed, extra)
 
     def _restore(self, state: dict) -> None:
@@ -692,6 +741,8 @@ class Worker:
         self.recent_records = collections.deque(json.loads(extra.get("recent_records", "[]")), maxlen=_RECORDS_KEPT)
         if self.scaler is not None and "grad_scaler" in extra:
             self.scaler.load_state_dict(extra["grad_scaler"])
+        if self.cost_planner is not None and "cost_rates" in extra:
+            self.cost_planner.restore(extra["cost_rates"])
 
     def _maybe_checkpoint(self) -> None:
         """Every `checkpoint_every` steps, and always after the last step."""
@@ -848,7 +899,12 @@ class Worker:
             self._publish_event("leave", "left: " + ", ".join(record["left"]), stall)
         if record["joined"]:
             kind = "start" if self.generation == 1 else "join"
-            self._publish_event(kind, "joined: " + ", ".join(record["joined"]), 0.0 if kind == "start" else stall)
+            joined = record["joined"]
+            if kind == "join":  # a joiner's warm-up (compile included) was paid before the stall began
+                warmups = record.get("warmup_s") or {}
+                joined = [f"{device} (warm-up {warmups[device]:.2f} s)" if device in warmups else device
+                          for device in joined]
+            self._publish_event(kind, "joined: " + ", ".join(joined), 0.0 if kind == "start" else stall)
 
 
 # Step records each device keeps for a new rank 0 to send again (the driver drops
@@ -880,6 +936,16 @@ class _StatsLayout:
         self.overflow = 3 * world + 4
         self.size = 3 * world + 5
         self.buffers = slice(self.size, None)
+
+
+def nonfinite_gradient_message(step: int, norm: float) -> str:
+    """A summed gradient with an inf or NaN, every VW's loss being finite (a non-finite loss stops earlier)."""
+    return (
+        f"the gradient is not finite (its norm is {norm}) at step {step}, although the loss of every virtual "
+        "worker is finite: some operation's derivative overflowed (sqrt, log or pow near 0, a division by a "
+        "tiny number, an overflow in reduced precision); training stopped before applying that step. Guard "
+        "that operation or lower the learning rate."
+    )
 
 
 def _mixed_loss_message(step: int, first_kind: Optional[tuple] = None, virtual_worker: Optional[int] = None) -> str:

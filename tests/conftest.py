@@ -3,8 +3,17 @@ job (worker processes over gloo) with a time limit and always cleans up: fit()
 kills its workers when it returns or raises, and the fixture checks none is left."""
 
 import multiprocessing
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 
 import pytest
+
+import processes
 
 
 @pytest.fixture
@@ -30,14 +39,6 @@ def train(tmp_path):
 def metrics_file(tmp_path):
     return tmp_path / "metrics.jsonl"
 
-
-import os
-import re
-import signal
-import subprocess
-import sys
-import textwrap
-import time
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -109,47 +110,9 @@ def command_line_job(tmp_path):
 
 # ------------------------------------------------------------ no process outlives the suite
 
-_FORKSERVER = "from multiprocessing.forkserver import main"
-
-
-def _processes():
-    """{pid: (parent pid, command line, name)} of every process, from /proc."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                stat = handle.read()
-            with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                command = handle.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] != "Z":
-            found[int(entry)] = (int(fields[1]), command, name)
-    return found
-
-
-def _strays(before):
-    """Worker, fork-server and data-loader processes this session left behind.
-
-    This process's own fork server may stay (it ends with this process); its
-    children, and any orphaned flexpar process that was not there before the
-    session, may not.
-    """
-    processes = _processes()
-    mine = {pid for pid, (parent, command, _) in processes.items()
-            if parent == os.getpid() and _FORKSERVER in command}
-    strays = []
-    for pid, (parent, command, name) in processes.items():
-        if pid in before or pid in mine:
-            continue
-        flexpar_like = _FORKSERVER in command or name == "pt_data_worker"
-        if flexpar_like and (parent in mine or parent == 1):
-            strays.append((pid, name, command[:80]))
-    return strays
+# Set at import, before any test starts a process: the suite's processes carry it
+# (tests/processes.py), whoever their parent is by the end.
+_SESSION = processes.mark_this_session()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -157,14 +120,13 @@ def no_process_outlives_the_suite():
     if not os.path.isdir("/proc"):
         yield
         return
-    before = set(_processes())
     yield
     deadline = time.monotonic() + 15.0
-    strays = _strays(before)
+    strays = processes.strays(processes.table(), os.getpid(), _SESSION)
     while strays and time.monotonic() < deadline:
         time.sleep(0.5)
-        strays = _strays(before)
-    for pid, _, _ in strays:
+        strays = processes.strays(processes.table(), os.getpid(), _SESSION)
+    for pid, _, _ in strays:  # the suite's own processes only (processes.strays)
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -41,6 +41,12 @@ def make_model():
     )
 
 
+def make_model_slowly():
+    """make_model after 1.5 s: a device that takes seconds to build its model (a big one, a slow disk)."""
+    time.sleep(1.5)
+    return make_model()
+
+
 def make_wider_model():
     """A different architecture: a joiner with it must be refused."""
     return nn.Sequential(nn.Linear(FEATURES, 64), nn.Tanh(), nn.Linear(64, CLASSES))

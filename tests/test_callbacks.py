@@ -8,6 +8,7 @@ import evaluation_pieces as ep
 import flexpar
 import pieces
 from flexpar.callbacks import CALLBACK_STOP, Callback, Dispatcher, check_callbacks
+from flexpar.trackers import CSVTracker
 
 
 def test_callbacks_are_checked():
@@ -37,8 +38,6 @@ def test_stop_is_one_value_and_a_stop_is_a_reason():
 
 
 def test_only_a_callbacks_own_on_eval_makes_the_devices_wait_for_a_verdict():
-    from flexpar.trackers import CSVTracker
-
     class StepsOnly(Callback):
         def on_step(self, record):
             pass
@@ -46,6 +45,44 @@ def test_only_a_callbacks_own_on_eval_makes_the_devices_wait_for_a_verdict():
     assert not Dispatcher([StepsOnly()]).can_stop_at_eval
     assert Dispatcher([ep.Recorder()]).can_stop_at_eval
     assert not Dispatcher([CSVTracker.__new__(CSVTracker)]).can_stop_at_eval  # trackers never stop
+
+
+class StoppingTracker(CSVTracker):
+    """A tracker that also stops the job at an evaluation: its own on_eval, below Tracker's never_stops."""
+
+    def on_eval(self, record):
+        super().on_eval(record)
+        return flexpar.STOP if record["step"] == 6 else None
+
+
+def test_an_overridden_on_eval_counts_even_below_never_stops():
+    from flexpar.callbacks import vouched_never_stops
+
+    class StillQuiet(CSVTracker):
+        never_stops = True  # it says so for its own on_eval
+
+        def on_eval(self, record):
+            super().on_eval(record)
+
+    class StepsOnlyTracker(CSVTracker):
+        def on_step(self, record):
+            pass
+
+    stopping = StoppingTracker.__new__(StoppingTracker)
+    assert not vouched_never_stops(stopping) and Dispatcher([stopping]).can_stop_at_eval
+    assert not Dispatcher([StillQuiet.__new__(StillQuiet)]).can_stop_at_eval
+    assert not Dispatcher([StepsOnlyTracker.__new__(StepsOnlyTracker)]).can_stop_at_eval
+    quiet = ep.Recorder()
+    quiet.never_stops = True  # an instance's word covers the instance
+    assert not Dispatcher([quiet]).can_stop_at_eval
+
+
+def test_a_tracker_subclass_that_stops_at_an_evaluation_stops_exactly(train, tmp_path):
+    """Its STOP from on_eval is exact (the devices wait for the verdict), as any callback's."""
+    job = ep.make_job(virtual_workers=4, eval_batch=50)
+    model, summary = train(job, steps=40, devices=2, eval_every=3, callbacks=[StoppingTracker(str(tmp_path))])
+    assert summary["steps"] == 6 and "StoppingTracker.on_eval at step 6" in summary["stopped"]
+    pieces.assert_same_parameters(model, pieces.reference(job, 6))
 
 
 def test_callbacks_see_every_step_once_and_in_order_across_a_failure(train):

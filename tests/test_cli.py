@@ -1,9 +1,20 @@
 """The command line: `flexpar run` maps onto fit() one to one; `flexpar plot` draws the metrics."""
 
+import json
 import os
+import shlex
+import signal
+import socket
+import stat
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+
+from conftest import flexpar_command
+from flexpar import launch
+from flexpar.options import FitOptions
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -16,14 +27,14 @@ def test_run_overrides_the_script_and_plot_draws_it(tmp_path):
         import pieces
         if __name__ == "__main__":
             model, summary = pieces.make_job().fit(steps=50, devices=1)
-            print("steps", summary["steps"], "generations", summary["generations"])
+            print("steps", summary["steps"], "generations", summary["generations"], "devices", len(summary["devices"]))
     """))
     metrics, picture = tmp_path / "m.jsonl", tmp_path / "timeline.png"
     run = subprocess.run([sys.executable, "-m", "flexpar", "run", "--devices", "2", "--steps", "4",
                           "--oversubscribe", "--no-display", "--metrics", str(metrics), str(script)],
                          capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr
-    assert "steps 4 generations 1" in run.stdout
+    assert "steps 4 generations 1 devices 2" in run.stdout, "the asked device count, not the script's"
     from flexpar.metrics import read_records
 
     records = read_records(metrics)  # every record of the run validates against the schema
@@ -48,12 +59,6 @@ def test_bad_flag_is_refused_before_the_script_runs(tmp_path):
 
 # ------------------------------------------------------------ launcher conventions (issue 19)
 
-import json
-import signal
-import stat
-import time
-
-from conftest import flexpar_command
 
 
 def test_flexpar_flags_after_the_script_are_refused_with_the_right_command(tmp_path):
@@ -239,4 +244,125 @@ def test_a_missing_main_guard_is_said_once(tmp_path):
     run = flexpar_command("run", "--oversubscribe", "--no-display", "--metrics", str(tmp_path / "m.jsonl"),
                           str(script), timeout_s=120)
     assert run.returncode == 1
+    assert run.stderr.count('if __name__ == "__main__":') == 1 and "Traceback" not in run.stderr, run.stderr
+
+
+# ------------------------------------------------------------ answers in one line, wherever they come from
+
+
+
+def test_a_typo_before_the_script_shows_runs_usage_and_abbreviations_are_not_flags(tmp_path):
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit('the script ran')\n")
+    typo = flexpar_command("run", "--devcies", "2", str(script))
+    assert typo.returncode == 2 and "usage: flexpar run" in typo.stderr and "--devcies" in typo.stderr
+    # `--dev 2` must not mean --devices before the script (and the script's own flag after it).
+    short = flexpar_command("run", "--dev", "2", str(script))
+    assert short.returncode == 2 and "the script ran" not in short.stderr
+
+
+def _listener(answer):
+    """A program at an address that is not a flexpar job: silent, or answering as an HTTP server would."""
+    server = socket.create_server(("127.0.0.1", 0))
+    held = []
+
+    def serve():
+        while True:
+            try:
+                connection, _ = server.accept()
+            except OSError:
+                return
+            held.append(connection)
+            if answer:
+                connection.recv(1024)
+                connection.sendall(b"HTTP/1.0 400 Bad Request\r\n\r\n")
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server, held
+
+
+def test_status_and_scale_at_an_address_that_is_no_flexpar_job_answer_in_one_line():
+    """A wrong address used to hang for minutes (an HTTP server) or until the listener gave up."""
+    for answer in (False, True):
+        server, held = _listener(answer)
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        try:
+            # The subprocess timeout (30 s) is only the hang guard: the command's own --timeout is 2 s.
+            status = flexpar_command("status", address, "--timeout", "2", timeout_s=30)
+            scale = flexpar_command("scale", address, "--devices", "+1", "--timeout", "2", timeout_s=30,
+                                    environment={**os.environ, "FLEXPAR_SECRET": "s"})
+        finally:
+            server.close()
+            for connection in held:
+                connection.close()
+        for result in (status, scale):
+            assert result.returncode == 1 and result.stdout == ""
+            assert result.stderr.strip().count("\n") == 0 and f"no flexpar job answers at {address}" in result.stderr
+
+
+def test_a_kubernetes_service_link_in_master_port_is_refused_by_name():
+    environment = {**os.environ, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "tcp://10.0.0.1:29500"}
+    environment.pop("FLEXPAR_ADDRESS", None)
+    status = flexpar_command("status", environment=environment)
+    assert status.returncode == 1 and "MASTER_PORT='tcp://10.0.0.1:29500' is not a port number" in status.stderr
+    assert "enableServiceLinks: false" in status.stderr
+
+
+def test_the_secret_is_printed_only_off_loopback_and_its_file_is_the_owners_even_if_it_existed(tmp_path):
+    (tmp_path / "secret").write_text("old\n")
+    os.chmod(tmp_path / "secret", 0o644)
+    note = launch._keep_secret(FitOptions(steps=1, host="127.0.0.1"), "s3cret", str(tmp_path))
+    assert note == f"secret in {tmp_path / 'secret'}" and "s3cret" not in note
+    assert stat.S_IMODE(os.stat(tmp_path / "secret").st_mode) == 0o600
+    assert (tmp_path / "secret").read_text() == "s3cret\n"
+    shown = launch._keep_secret(FitOptions(steps=1, host="0.0.0.0"), "s3cret", str(tmp_path))
+    assert shown.startswith("secret s3cret "), "joinable from elsewhere: the banner shows it"
+
+
+def test_the_banner_says_how_far_the_job_can_grow(capsys):
+    launch._banner("h:1", 2, "cpu", 2, FitOptions(steps=1), "secret in x", None, cores=2)
+    assert ("2 x cpu devices, cannot grow (--max-devices N, or fit(max_devices=N), allows more; more than this "
+            "host's 2 cores also need --oversubscribe)") in capsys.readouterr().out
+    launch._banner("h:1", 1, "cpu", 3, FitOptions(steps=1, max_devices=3, oversubscribe=True), "s", None, cores=2)
+    assert "1 x cpu device, may grow to 3; s" in capsys.readouterr().out
+
+
+def test_the_resume_command_is_the_jobs_own_with_resume_added():
+    assert launch.resume_command("/ck", ["python3", "/venv/bin/flexpar", "run", "--devices", "2", "t.py", "--lr", "1"],
+                                 ["t.py", "--lr", "1"]) == "flexpar run --resume --checkpoint-dir /ck --devices 2 t.py --lr 1"
+    assert launch.resume_command("/my ck", ["python3", "-u", "t.py", "--lr", "1"], ["t.py", "--lr", "1"]) == \
+        "flexpar run --resume --checkpoint-dir '/my ck' t.py -- --lr 1"
+    assert shlex.split(launch.resume_command("/ck", ["python3", "-m", "flexpar", "run", "t.py"], ["t.py"]))[-1] == "t.py"
+
+
+SLOW_JOB = """
+if __name__ == "__main__":
+    pieces.make_job(delay_s=1.0).fit(steps=100000, devices=1)
+"""
+
+
+def test_a_second_sigterm_stops_at_once_in_one_line(command_line_job, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    job = command_line_job(["--no-display", "--metrics", str(metrics)], SLOW_JOB).wait_for_banner()
+    _wait_for_step(metrics, 0)
+    job.process.send_signal(signal.SIGTERM)  # a step takes ~4 s: the second comes before its boundary
+    time.sleep(0.5)
+    job.process.send_signal(signal.SIGTERM)
+    assert job.wait(timeout_s=60) == 143
+    _, err = job.output()
+    assert "flexpar: a second SIGTERM; the workers are stopped" in err and "Ctrl-C" not in err, err
+    assert "Traceback" not in err and "frame #" not in err
+
+
+def test_a_plain_python_run_says_a_user_error_in_one_line_on_top(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {TESTS!r})
+        import pieces
+        pieces.make_job().fit(steps=3, devices=2, oversubscribe=True, display=False)
+    """))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 1
+    assert run.stderr.startswith("flexpar: fit() was called while a worker process imported your script"), run.stderr
     assert run.stderr.count('if __name__ == "__main__":') == 1 and "Traceback" not in run.stderr, run.stderr

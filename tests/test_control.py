@@ -1,4 +1,4 @@
-"""The control plane's store: where it listens, and how a client that finds no job says so."""
+"""The control plane's store: where it listens, how a client that finds no job says so, and its channels."""
 
 import pytest
 
@@ -40,3 +40,63 @@ def test_a_client_with_no_job_to_reach_gets_one_line():
     with pytest.raises(control.Unreachable) as raised:
         control.connect_client("127.0.0.1", 1, 0.5)
     assert "no flexpar job answers at 127.0.0.1:1" in str(raised.value) and "\n" not in str(raised.value)
+
+
+class _DictStore:
+    """The store calls a Channel makes, in a dict."""
+
+    def __init__(self):
+        self.values = {}
+
+    def add(self, key, amount):
+        self.values[key] = self.values.get(key, 0) + amount
+        return self.values[key]
+
+    def set(self, key, value):
+        self.values[key] = value
+
+    def get(self, key):
+        return self.values[key].encode()
+
+    def check(self, keys):
+        return all(key in self.values for key in keys)
+
+    def delete_key(self, key):
+        del self.values[key]
+
+
+def test_a_channel_skips_the_index_of_a_writer_killed_before_it_wrote():
+    store, now = _DictStore(), [0.0]
+    reader = control.Channel(store, "metrics", clock=lambda: now[0])
+    writer = control.Channel(store, "metrics")
+    writer.send({"step": 1})
+    store.add("metrics/count", 1)  # a writer took index 2 and was killed before writing it
+    writer.send({"step": 3})
+    assert reader.receive() == [{"step": 1}], "a message being written is waited for"
+    now[0] = control.HOLE_GRACE_S / 2
+    assert reader.receive() == []
+    now[0] = control.HOLE_GRACE_S + 0.1
+    assert reader.receive() == [{"step": 3}] and reader.skipped == 1
+    writer.send({"step": 4})
+    assert reader.receive() == [{"step": 4}]
+
+
+def test_a_channel_reads_a_late_writer_that_wrote_within_the_grace():
+    store, now = _DictStore(), [0.0]
+    reader = control.Channel(store, "events", clock=lambda: now[0])
+    index = store.add("events/count", 1)
+    assert reader.receive() == []
+    now[0] = control.HOLE_GRACE_S - 0.1
+    store.set(f"events/{index}", '{"type": "ready"}')
+    assert reader.receive() == [{"type": "ready"}] and reader.skipped == 0
+
+
+def test_once_every_writer_is_done_a_hole_is_skipped_at_once():
+    """The job is over ("done" was written after rank 0 sent everything): an empty index is a dead
+    rank 0's, and what a later rank 0 wrote after it must not wait out the grace (it would be lost)."""
+    store, now = _DictStore(), [0.0]
+    reader = control.Channel(store, "metrics", clock=lambda: now[0])
+    store.add("metrics/count", 1)  # taken by a rank 0 killed before it wrote
+    control.Channel(store, "metrics").send({"step": 5})
+    assert reader.receive() == []
+    assert reader.receive(writers_done=True) == [{"step": 5}] and reader.skipped == 1

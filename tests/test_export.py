@@ -78,3 +78,21 @@ def test_without_safetensors_the_error_names_the_package(monkeypatch, tmp_path):
     monkeypatch.setattr(builtins, "__import__", refuse)
     with pytest.raises(ImportError, match=r"pip install safetensors \(or flexpar\[safetensors\]\)"):
         export.export(str(tmp_path / "x.pt"), str(tmp_path / "x.safetensors"))
+
+
+def test_a_checkpoint_of_a_real_job_exports_the_returned_model(train, tmp_path):
+    """fit() on two devices writes its last step's checkpoint; exported and loaded into a fresh model, it is
+    the model fit() returned, tensor for tensor."""
+    import pieces
+
+    job = pieces.make_job(virtual_workers=4)
+    model, summary = train(job, steps=5, devices=2, checkpoint_every=5, checkpoint_dir=str(tmp_path / "ck"))
+    checkpoint = training_state.latest_checkpoint(str(tmp_path / "ck"))
+    assert checkpoint.endswith("step-00000005.pt") and summary["steps"] == 5
+    output = export.export(checkpoint, str(tmp_path / "model.safetensors"))
+    fresh = job.model()
+    fresh.load_state_dict(safetensors_torch.load_file(output))
+    returned = model.state_dict()
+    assert list(fresh.state_dict()) == list(returned)
+    for name, tensor in fresh.state_dict().items():
+        assert torch.equal(tensor, returned[name]), name

@@ -1,7 +1,14 @@
 """The sample ledger counts what each committed step consumed; the audit finds lost and repeated samples."""
 
+import dataclasses
+
+import pytest
+import torch
+
+import ledger_pieces
 import pieces
 from flexpar import batching, ledger
+from flexpar.loader import VirtualWorkerLoader
 
 
 def _true_entries(seed, size, global_batch, steps):
@@ -34,3 +41,34 @@ def test_a_run_with_a_join_a_leave_and_a_kill_consumes_every_sample_once(train):
     entries = ledger.read(summary["sample_ledger"])
     assert ledger.audit(entries, job.seed, len(job.dataset), job.global_batch, 30).clean
     pieces.assert_same_parameters(model, pieces.reference(job, 30))
+
+
+def test_the_loader_hands_over_the_indices_it_loaded():
+    job = pieces.make_job(virtual_workers=4, num_workers=0)
+    plain = VirtualWorkerLoader(job, lambda step: range(4), total_steps=3)
+    recording = VirtualWorkerLoader(job, lambda step: range(4), total_steps=3, record_indices=True)
+    inputs = job.dataset.tensors[0]
+    for step in range(3):
+        for virtual_worker in (0, 2, 3):  # skipping VW 1: the loader restarts along the plan
+            expected = batching.virtual_worker_indices(job.seed, step, virtual_worker, len(job.dataset),
+                                                       job.global_batch, job.virtual_workers)
+            batch = recording.batch(step, virtual_worker)
+            assert recording.loaded_indices == expected
+            assert torch.equal(batch[0], inputs[expected])
+            assert torch.equal(plain.batch(step, virtual_worker)[0], batch[0]), "the batch itself is unchanged"
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_stale_batch_shows_in_the_ledger_even_though_the_plan_is_right(train, num_workers):
+    # The workers' loaders serve the previous step's samples at STALE_STEP while the plan
+    # (what batching says) names the right ones: the ledger counts what was loaded (with
+    # DataLoader worker processes too: the indices travel with the batch).
+    job = dataclasses.replace(pieces.make_job(virtual_workers=6, num_workers=num_workers),
+                              loss=ledger_pieces.StaleBatchLoss())
+    _, summary = train(job, steps=6, devices=2, sample_ledger=True)
+    entries = ledger.read(summary["sample_ledger"])
+    stale = ledger_pieces.STALE_STEP
+    assert entries[stale] == sorted(batching.global_batch_indices(job.seed, stale - 1, len(job.dataset),
+                                                                  job.global_batch).tolist())
+    assert ledger.audit(entries, job.seed, len(job.dataset), job.global_batch, 6) == \
+        ledger.Audit(0, job.global_batch, job.global_batch)

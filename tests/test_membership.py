@@ -171,3 +171,49 @@ def test_preempting_the_last_device_finishes_the_job():
     state, actions = _run(state, ms.LeaveRequested("local-0"))
     assert any(isinstance(a, ms.FinishJob) and "local-0" in a.reason for a in actions)
     assert not _published(actions)
+
+
+def test_once_finishing_the_device_set_stays_and_only_failures_are_recovered():
+    """A whole host's SIGTERM reaches the driver (a finish) and every device (leave requests):
+    the stop wins, so the job ends with its devices instead of emptying itself."""
+    state = _started(initial=3)
+    state, actions = _run(state, ms.FinishRequested("the driver got SIGTERM"), ms.FinishRequested("again"))
+    assert [a for a in actions if isinstance(a, ms.FinishJob)] == [ms.FinishJob("the driver got SIGTERM")]
+    state, actions = _run(state, ms.LeaveRequested("local-1"), ms.LeaveRequested("local-0"))
+    assert not _published(actions) and not state.leaving
+    assert all(isinstance(a, ms.Note) and "stops at the next step boundary anyway" in a.message for a in actions)
+    state, actions = _run(state, ms.ScaleBy(1, "r1"), ms.ScaleBy(-1, "r2"))
+    assert [a.accepted for a in _answers(actions)] == [False, False] and not state.starting
+    assert "stopping" in _answers(actions)[0].message
+    # A member that dies meanwhile is still recovered from, so the others can stop together.
+    state, actions = _run(state, ms.Exited("local-2", 1.0), ms.FailureReported("local-0", 1, 1.0),
+                          ms.FailureReported("local-1", 1, 1.0))
+    (published,) = _published(actions)
+    assert published.members == ("local-0", "local-1") and published.failed == ("local-2",)
+
+
+def test_a_quiet_finish_is_carried_quietly_and_scaling_by_nothing_changes_nothing():
+    state = _started(initial=2)
+    state, actions = _run(state, ms.ScaleBy(0, "r0"))
+    (answer,) = _answers(actions)
+    assert answer.accepted and answer.message == "already at 2 devices; nothing changes" and not state.starting
+    state, actions = _run(state, ms.FinishRequested("SIGTERM", quiet=True))
+    assert actions == [ms.FinishJob("SIGTERM", quiet=True)]
+
+
+# Found by the state machine (tests/test_membership_properties.py), pinned as examples.
+
+def test_a_survivor_that_dies_before_the_recovery_is_published_is_not_in_it():
+    state = _started(initial=3, maximum=3)
+    state, actions = _run(state, ms.FailureReported("local-1", 1, now=1.0), ms.Exited("local-2", now=1.1),
+                          ms.Exited("local-1", now=1.2), ms.FailureReported("local-0", 1, now=1.3))
+    (published,) = [a for a in actions if isinstance(a, ms.Publish)]
+    assert published.members == ("local-0",) and published.failed == ("local-1", "local-2")
+
+
+def test_a_device_refused_over_max_devices_stays_out_when_it_says_ready():
+    state = _started(initial=1, maximum=1)
+    state, actions = _run(state, ms.Announced("hostb-0"))
+    assert isinstance(actions[0], ms.Refuse)
+    state, actions = _run(state, ms.Ready("hostb-0"))
+    assert actions == [] and state.waiting == () and state.device_count == 1

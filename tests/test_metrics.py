@@ -238,3 +238,25 @@ def test_metrics_imports_neither_the_display_nor_the_plot():
              "print(sorted(m for m in ('rich', 'matplotlib') if m in sys.modules))")
     completed = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True, timeout=60)
     assert completed.stdout.strip() == "[]"  # both extras stay lazy
+
+
+def test_step_records_of_balancing_by_cost_carry_their_sets_and_costs():
+    """The optional keys `cost` and `virtual_worker_sets` (Job(sample_cost=...)): checked when present."""
+    import copy
+
+    from flexpar.metrics import validate_record
+
+    record = {"kind": "step", "step": 3, "time": 1.0, "elapsed_s": 2.0, "loss": 0.5, "samples_per_s": 10.0,
+              "step_time_s": 0.1, "generation": 1, "devices": ["a", "b"], "assignment": [3, 1],
+              "busy_s": [0.05, 0.04], "imbalance": 0.2, "lr": 0.1, "grad_norm": 1.0,
+              "cost": [30.0, 28.0], "virtual_worker_sets": [[0, 2, 3], [1]]}
+    validate_record(record)
+    for change, message in ((lambda r: r.update(virtual_worker_sets=[[0, 2], [1, 3]]), "has 2 VWs"),
+                            (lambda r: r.update(virtual_worker_sets=[[0, 2, 2], [1]]), "exactly once"),
+                            (lambda r: r.update(cost=[30.0]), "'cost' has 1 entries"),
+                            (lambda r: r.update(cost=[-1.0, 2.0]), r"cost\[0\]"),
+                            (lambda r: r.update(costs=[1.0, 2.0]), "'costs' is not part of the schema")):
+        broken = copy.deepcopy(record)
+        change(broken)
+        with pytest.raises(ValueError, match=message):
+            validate_record(broken)

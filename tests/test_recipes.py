@@ -149,6 +149,8 @@ def _scale_in_checkpoint(directory):
 @pytest.mark.parametrize("fields,message", [
     ({"mixed_precision": "fp32"}, r"mixed_precision='fp32' must be None, \"bf16\" or \"fp16\""),
     ({"mixed_precision": "bfloat16"}, r"must be None, \"bf16\" or \"fp16\""),
+    ({"mixed_precision": ["bf16"]}, r"mixed_precision=\['bf16'\] must be None, \"bf16\" or \"fp16\""),
+    ({"mixed_precision": {"bf16": True}}, r"must be None, \"bf16\" or \"fp16\""),
     ({"max_grad_norm": 0.0}, r"max_grad_norm=0.0 must be a number > 0"),
     ({"max_grad_norm": -1}, r"max_grad_norm=-1 must be a number > 0"),
     ({"max_grad_norm": float("nan")}, r"max_grad_norm=nan must be a number > 0"),
@@ -228,6 +230,20 @@ def test_unsupported_autocast_is_refused_with_the_alternative(monkeypatch):
     with pytest.raises(UserCodeError, match=r"mixed_precision='fp16' is not supported on cpu devices .* "
                                             r"Use mixed_precision=\"bf16\" on CPU devices"):
         recipes.check_mixed_precision(token_job(mixed_precision="fp16"), "cpu")
+
+
+def test_the_refusal_quotes_torchs_warning_as_one_sentence(monkeypatch):
+    """torch's own warning (two lines, each ending in a period) reads as one clause: no "..", no newline."""
+    warning = recipes.autocast_problem("cpu", torch.float64)  # this torch's words for an unsupported dtype
+    assert warning is not None and warning.rstrip().endswith(".")
+    monkeypatch.setattr(recipes, "autocast_problem", lambda device_type, dtype: warning)
+    with pytest.raises(UserCodeError) as refused:
+        recipes.check_mixed_precision(token_job(mixed_precision="fp16"), "cpu")
+    message = str(refused.value)
+    assert ".." not in message and "\n" not in message, message
+    assert "Disabling autocast" not in message, "flexpar refuses the job; it does not run it without autocast"
+    last_words = " ".join(warning.split()).rstrip(".")[-24:]
+    assert message.endswith(f'{last_words}. Use mixed_precision="bf16" on CPU devices.'), message
 
 
 def test_compile_without_a_compiler_is_refused_before_workers_start(monkeypatch):
@@ -317,7 +333,7 @@ def test_token_loss_is_the_global_token_mean_not_a_mean_of_means(train, metrics_
     from flexpar import batching
     from flexpar.loader import load_batch
 
-    losses = []
+    losses, norms = [], []
     for step in range(steps):
         sums, counts = [], []
         for virtual_worker in range(job.virtual_workers):
@@ -330,10 +346,14 @@ def test_token_loss_is_the_global_token_mean_not_a_mean_of_means(train, metrics_
         loss = torch.stack(sums).sum() / torch.stack(counts).sum()
         losses.append(float(loss.detach()))
         loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(by_hand.parameters(), math.inf)))  # measures only
         optimizer.step()
         optimizer.zero_grad()
     pieces.assert_same_parameters(model, by_hand)
-    assert [r["loss"] for r in _records(metrics_file)] == pytest.approx(losses, rel=1e-5)
+    records = _records(metrics_file)
+    assert [r["loss"] for r in records] == pytest.approx(losses, rel=1e-5)
+    # No clipping: grad_norm is still the norm of the gradient applied (the global token mean's).
+    assert [r["grad_norm"] for r in records] == pytest.approx(norms, rel=1e-5)
 
     # The mean of the VWs' own token means is a different objective, measurably.
     mean_of_means = pieces.reference(token_job(loss=MeanTokenLoss(), optimizer=plain_sgd), steps)
@@ -381,7 +401,116 @@ def test_fp16_resume_continues_with_the_checkpointed_scale(train, tmp_path):
     pieces.assert_same_parameters(model, expected)
 
 
+def _first_sample_of(job, step: int, virtual_worker: int):
+    """The input of the first sample VW `virtual_worker` of `step` trains on (an epoch holds it once)."""
+    from flexpar import batching
+
+    index = batching.virtual_worker_indices(job.seed, step, virtual_worker, len(job.dataset), job.global_batch,
+                                            job.virtual_workers)[0]
+    return job.dataset[index][0]
+
+
+def _holds(batch, sample) -> bool:
+    return bool((batch[0] == sample).all(dim=1).any())
+
+
+class OverflowingGradientAt:
+    """Cross-entropy, times 1e4 for the batch that holds `sample`: a finite loss whose fp16 gradient overflows.
+
+    The factor acts after the float32 cross-entropy, so the loss stays finite
+    (about 1e4); times the loss scale (2**8) the gradient reaching the fp16
+    layers is about 2e5, beyond float16's 65504. Only the VW that holds the
+    sample, so only the device that runs that VW, overflows.
+    """
+
+    def __init__(self, sample=None):
+        self.sample = sample
+
+    def __call__(self, model, batch):
+        loss = nn.functional.cross_entropy(model(batch[0]), batch[1])
+        return loss * 1e4 if self.sample is not None and _holds(batch, self.sample) else loss
+
+
+class NonFiniteGradientAt(OverflowingGradientAt):
+    """Cross-entropy, plus sqrt(0 * w.sum()) for the batch that holds `sample`: the loss is unchanged
+    (finite), the gradient is 0 * inf = NaN."""
+
+    def __call__(self, model, batch):
+        loss = nn.functional.cross_entropy(model(batch[0]), batch[1])
+        if self.sample is not None and _holds(batch, self.sample):
+            weight = next(model.parameters())
+            loss = loss + torch.sqrt(weight.sum() * 0.0)
+        return loss
+
+
+def _poisoned_job(loss_class, step, virtual_worker, **recipe):
+    plain = pieces.make_job(virtual_workers=6, **recipe)
+    import dataclasses
+
+    return dataclasses.replace(plain, loss=loss_class(_first_sample_of(plain, step, virtual_worker)))
+
+
+def test_fp16_overflow_on_one_device_skips_the_step_on_every_device(train, metrics_file, tmp_path):
+    """One VW of step 3 overflows; it runs on one of the two devices, whose own gradient holds the inf.
+    Both skip step 3 and halve the scale, exactly where GradScaler does on one process."""
+    poisoned_step, poisoned_vw = 3, 1
+    job = _poisoned_job(OverflowingGradientAt, poisoned_step, poisoned_vw, mixed_precision="fp16",
+                        grad_scaler={"init_scale": 2.0 ** 8, "growth_interval": 1000})
+    steps = 6
+    trace = {}
+    expected = pieces.reference(job, steps, trace)
+    assert trace["skipped"] == [step == poisoned_step for step in range(steps)], trace["skipped"]
+    model, _ = train(job, steps=steps, devices=2, checkpoint_every=steps, checkpoint_dir=str(tmp_path / "ck"))
+    records = _records(metrics_file)
+    assignment = records[poisoned_step]["assignment"]
+    assert len(assignment) == 2 and poisoned_vw < assignment[0], "the poisoned VW ran on local-0 alone"
+    assert [not math.isfinite(r["grad_norm"]) for r in records] == trace["skipped"]
+    assert math.isfinite(records[poisoned_step]["loss"]), "the loss is finite: only the gradient overflowed"
+    assert _scale_in_checkpoint(tmp_path / "ck")["scale"] == 2.0 ** 7 == trace["scale"][-1]
+    pieces.assert_same_parameters(model, expected)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_nonfinite_gradient_without_loss_scaling_stops_naming_the_step(train, devices):
+    """fp32 (no scaler): a NaN gradient behind a finite loss stops the job at its step, before it is applied."""
+    job = _poisoned_job(NonFiniteGradientAt, 3, 4)
+    with pytest.raises(flexpar.TrainingError, match=r"the gradient is not finite \(its norm is nan\) at step 3, "
+                                                    r"although the loss of every virtual worker is finite"):
+        train(job, steps=6, devices=devices)
+
+
+def test_counts_are_summed_exactly_on_any_device_set(train, metrics_file):
+    """The statistics of a token-weighted loss are summed in float64 (flexpar/sync.py): the first step's
+    recorded token mean on two devices is bit for bit the one-device value (the same parameters at step 0;
+    a float32 sum of the loss sums would round them to 24 bits)."""
+    job = token_job(optimizer=plain_sgd)
+    train(job, steps=1, devices=1)
+    (alone,) = _records(metrics_file)
+    os.remove(metrics_file)
+    train(job, steps=1, devices=2)
+    (split,) = _records(metrics_file)
+    assert split["loss"] == alone["loss"], (split["loss"], alone["loss"])
+
+
 # ---------------------------------------------------------------- elastic runs with everything on
+
+
+def test_bf16_join_and_leave_match_the_reference(train, metrics_file):
+    """2 -> 3 -> 2 devices with bf16, clipping at every step, a token loss and AdamW, at the bf16 tolerance."""
+    job = token_job(loss=TokenLoss(delay_s=0.2), **ALL_ON)
+    join_headroom = math.ceil(JOIN_HEADROOM_S / (3 * 0.2))  # at 3 VWs a device
+    leave = 2 + join_headroom
+    steps = leave + 4
+    trace = {}
+    expected = pieces.reference(job, steps, trace)
+    model, _ = train(job, steps=steps, devices=2, schedule=f"2:+1,{leave}:-1", max_devices=3)
+    records = _records(metrics_file)
+    sizes = [len(r["devices"]) for r in records]
+    assert 3 in sizes and sizes[-1] == 2, sizes
+    assert [r["step"] for r in records] == list(range(steps))
+    pieces.assert_same_parameters(model, expected, rtol=BF16_RTOL, atol=BF16_ATOL)
+    assert [r["grad_norm"] for r in records] == pytest.approx(trace["grad_norm"], rel=1e-3)
+    assert all(norm > ALL_ON["max_grad_norm"] for norm in trace["grad_norm"]), "clipping acts at every step"
 
 # fp16 with a loss scale that overflows at first and then bounces (GradScaler's rules),
 # clipping, a token loss, and compile=True in every worker (aot_eager: TorchDynamo and
@@ -417,6 +546,13 @@ def test_join_and_leave_with_everything_on_match_the_reference(train, metrics_fi
     pieces.assert_same_parameters(model, expected, atol=LONG_RUN_ATOL)
     assert [not math.isfinite(r["grad_norm"]) for r in records] == trace["skipped"]
     assert trace["skipped"][0] and sum(trace["skipped"]) < steps - 4
+    # Compile is paid in the joiner's warm-up, before the join: the running devices' stall at the
+    # join (forming the group, sending the state) is below it - a structural bound, not a timing one.
+    (join,) = [r for r in _records(metrics_file, "event") if r["event"] == "join"]
+    import re
+
+    warmup_s = float(re.search(r"local-2 \(warm-up ([0-9.]+) s\)", join["detail"]).group(1))
+    assert 0 < join["stall_s"] < warmup_s, (join["stall_s"], join["detail"])
     from flexpar import state as training_state
 
     checkpoint = training_state.read_checkpoint(training_state.latest_checkpoint(str(tmp_path / "ck")), "cpu")

@@ -109,3 +109,55 @@ def test_stock_source_is_the_lowest_rank_with_the_latest_step():
 def test_stock_of_members_level_has_no_receivers():
     stock = training_state.stock_of([3.0, 3.0, 10.0, 12.0], own_wall=0.0)
     assert stock.receivers == () and stock.source == 0 and stock.last_commit_wall == 12.0
+
+
+# ------------------------------------------------------------ the statistics' sum across two devices
+
+# Per device: a total token count above 2**24 that float32 cannot hold (2**24 + 1), and fractional
+# ones. One device's float64 sum is what every device set must reproduce.
+_STATS = ([2.0 ** 24 + 1, 0.1, 5.0], [2.0, 0.2, 7.0])
+
+
+def _sum_stats(rank: int, port: int, folder: str) -> None:
+    """One of two gloo processes: finish() a step of a float32 model with and without `exact_stats`."""
+    import os
+
+    from torch import nn
+
+    from flexpar.sync import GradientSync
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    model = nn.Linear(3, 2)
+    sync = GradientSync(model, "cpu")
+    sync.start_generation(2)
+    results = {}
+    for exact in (False, True):
+        sync.exact_stats = exact
+        sync.reset()
+        model.zero_grad(set_to_none=True)
+        model(torch.ones(1, 3) * (rank + 1)).sum().backward()
+        results[exact] = sync.finish(torch.tensor(_STATS[rank], dtype=torch.float64)).tolist()
+        results[f"grad {exact}"] = model.weight.grad.tolist()
+    torch.save(results, os.path.join(folder, f"{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_exact_statistics_are_summed_in_float64_across_devices(tmp_path):
+    """`exact_stats` (token-weighted losses): the summed counts are the float64 sums, bit for bit.
+    Without it the statistics ride in the float32 bucket, which rounds them (why counts need it)."""
+    import socket
+
+    import torch.multiprocessing as torch_multiprocessing
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    torch_multiprocessing.spawn(_sum_stats, args=(port, str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"{rank}.pt") for rank in range(2)]
+    expected = [a + b for a, b in zip(*_STATS)]
+    assert ranks[0][True] == ranks[1][True] == expected
+    assert ranks[0][False] != expected, "float32 rounds 2**24 + 3 and 0.1 + 0.2"
+    assert ranks[0][False][2] == 12.0, "small whole numbers (VW counts, flags) are exact either way"
+    # The gradients are summed alike on both paths: only where the statistics travel changed.
+    assert ranks[0]["grad True"] == ranks[0]["grad False"] == ranks[1]["grad True"] == [[3.0] * 3] * 2

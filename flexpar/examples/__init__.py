@@ -4,6 +4,10 @@
   digits (needs scikit-learn: ``pip install flexpar[examples]``).
 - `flexpar.examples.tiny_lm`: a byte-level causal transformer on the Python
   standard library's own source files (needs nothing beyond torch).
+- `flexpar.examples.tiny_lm_variable`: the same model on variable-length samples
+  (standard-library paragraphs, each at its own length), balanced by token count
+  with `Job(sample_cost=...)`; the data of `benchmarks/balance.py`'s
+  variable-length round.
 - `flexpar.examples.hf_gpt`: a small Hugging Face GPT-2 (built from a config,
   not downloaded) on the same text, with bf16, clipping and a token-weighted
   loss (needs transformers: ``pip install flexpar[hf]``).
@@ -14,4 +18,4 @@ dataset) at module level, so worker processes can import them by name, plus
 importing one demo never pulls in the other's dependencies.
 """
 
-__all__ = ["digits", "tiny_lm", "hf_gpt"]
+__all__ = ["digits", "tiny_lm", "tiny_lm_variable", "hf_gpt"]
