@@ -70,7 +70,7 @@ import numpy as np
 from common import base_parser, median, print_table, write_json
 
 import elastic as elastic_benchmark  # its fault schedule and the names of its changes
-from flexpar import control, driver_loop
+from flexpar import control
 from flexpar.options import cpu_count
 from flexpar.sim import (
     DeviceSpec,
@@ -736,14 +736,15 @@ def compare_elastic(elastic: dict, probe: dict) -> tuple:
 def recovery_notice_seconds() -> float:
     """Expected time from the survivors' failure reports to their seeing the rebuilt generation.
 
-    The chain runs through three polls, each waited half its period on average:
-    the driver's loop (it reads the reports and publishes the generation), the
-    device's follower thread (it reads the published generation), and the
-    survivor's own wait loop (it reads what the follower saw). Store round
-    trips (a fraction of a millisecond each) are left out. A planned change
-    has no such chain: its generation rides in the step's all-reduce.
+    The chain runs through two polls, each waited half its period on average:
+    the device's follower thread (it reads the published generation), and the
+    survivor's own wait loop (it reads what the follower saw). The driver's
+    loop is woken by the reports themselves (control.DriverWaker), so it adds
+    store round trips only, which (a fraction of a millisecond each) are left
+    out. A planned change has no such chain: its generation rides in the
+    step's all-reduce.
     """
-    return 0.5 * (driver_loop._POLL_S + 2 * control.DEVICE_POLL_S)
+    return 0.5 * (2 * control.DEVICE_POLL_S)
 
 
 def fault_death_fraction(phase: str, victim_vws: int, backward_fraction: float) -> float:

@@ -597,7 +597,16 @@ def change_threshold(
         if math.isinf(error):
             return math.inf
         noise = max(noise, error)
-    return max(hysteresis, min(MAXIMUM_THRESHOLD, noise_factor * noise))
+    return noise_threshold(noise, hysteresis, noise_factor)
+
+
+def noise_threshold(noise: float, floor: float, noise_factor: float = NOISE_FACTOR) -> float:
+    """``max(floor, min(MAXIMUM_THRESHOLD, noise_factor * noise))``: the gain a move must beat.
+
+    The one form of the rule, shared by the count split (``change_threshold``)
+    and the cost balancer's planned rates (``cost_rates.replan``).
+    """
+    return max(floor, min(MAXIMUM_THRESHOLD, noise_factor * noise))
 
 
 def standard_error(state: BalanceState, device_id: str) -> float:

@@ -49,8 +49,13 @@ def global_batch_indices(seed: int, step: int, dataset_size: int, global_batch: 
         raise ValueError(
             f"the dataset has {dataset_size} samples, fewer than one global batch of {global_batch}"
         )
-    epoch, position = divmod(step, per_epoch)
-    order = epoch_permutation(seed, epoch, dataset_size)
+    return batch_in_order(epoch_permutation(seed, step // per_epoch, dataset_size), step, dataset_size,
+                          global_batch)
+
+
+def batch_in_order(order: torch.Tensor, step: int, dataset_size: int, global_batch: int) -> torch.Tensor:
+    """Step `step`'s global batch, given its epoch's sample order (for callers that keep the order)."""
+    position = step % steps_per_epoch(dataset_size, global_batch)
     return order[position * global_batch : (position + 1) * global_batch]
 
 

@@ -448,6 +448,7 @@ def _exit_on_early_sigterm() -> None:
         return
 
     def on_sigterm(signum, frame):
+        print("flexpar: stopped by SIGTERM before training started; nothing to keep", file=sys.stderr, flush=True)
         raise SystemExit(143)
 
     signal.signal(signal.SIGTERM, on_sigterm)
@@ -473,7 +474,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return arguments.handler(arguments)
     except control.Unreachable as error:
-        print(f"flexpar {arguments.command}: {error}", file=sys.stderr)
+        print(f"flexpar {arguments.command}: {error}", file=sys.stderr, flush=True)
+        if error.exit_at_once:
+            sys.stdout.flush()
+            os._exit(1)
         return 1
     except ValueError as error:
         print(f"flexpar: {error}", file=sys.stderr)

@@ -58,7 +58,13 @@ class DriverLost(Exception):
 
 
 class Unreachable(Exception):
-    """No job answers at an address; the message says where and why, in one line."""
+    """No job answers at an address; the message says where and why, in one line.
+
+    `exit_at_once`: a connection attempt was abandoned on a thread that is
+    still inside C++ code: a command line must end with os._exit.
+    """
+
+    exit_at_once = False
 
 
 def connect(host: str, port: int, timeout_s: float, server: bool = False) -> dist.TCPStore:
@@ -132,6 +138,7 @@ def connect_client(host: str, port: int, timeout_s: float, wait_for_job: bool = 
     # Something listens: a job answers its handshake in milliseconds.
     handshake_s = max(1.0, deadline - time.monotonic())
     outcome: queue.Queue = queue.Queue()
+    abandoned = False
 
     def attempt():
         try:
@@ -145,10 +152,15 @@ def connect_client(host: str, port: int, timeout_s: float, wait_for_job: bool = 
             result = outcome.get(timeout=handshake_s + 1.0)
         except queue.Empty:
             result = TimeoutError("something listens there but does not answer as a flexpar job does")
+            abandoned = True
     if isinstance(result, dist.TCPStore):
         return result
     if isinstance(result, (RuntimeError, OSError)):  # DistNetworkError is a RuntimeError
-        raise _unreachable(host, port, timeout_s, result) from None
+        error = _unreachable(host, port, timeout_s, result)
+        # A thread still inside TCPStore's C++ handshake must not meet the interpreter's
+        # teardown (it aborts the process): the command line exits at once instead.
+        error.exit_at_once = abandoned
+        raise error from None
     raise result
 
 
@@ -218,6 +230,7 @@ def has(store, key: str) -> bool:
 # The reader waits this long for a taken index, then skips it: otherwise every later message
 # would wait behind the hole for ever (step records, then joins and failure reports).
 HOLE_GRACE_S = 5.0
+_LATE_KEPT = 64  # skipped indices a reader keeps looking at
 
 
 class Channel:
@@ -235,13 +248,14 @@ class Channel:
         self.name = name
         self.cursor = 0
         self.clock = clock
-        self.skipped = 0  # indices whose writer never wrote them
+        self.skipped = 0  # indices whose writer never wrote them (in time)
+        self._skipped_indices: list = []  # the last _LATE_KEPT of them, looked at again on every receive
         self._hole_since: Optional[float] = None  # when the reader first found the index at cursor empty
 
     def send(self, message: dict) -> None:
         index = self.store.add(f"{self.name}/count", 1)
         self.store.set(f"{self.name}/{index}", json.dumps(message))
-        self.store.add(DRIVER_NOTICE_KEY, 1)
+        wake_driver(self.store)
 
     def receive(self, writers_done: bool = False) -> list:
         """The messages written since the last call, in order.
@@ -252,6 +266,14 @@ class Channel:
         """
         count = self.store.add(f"{self.name}/count", 0)
         messages = []
+        # An index skipped as a dead writer's may have been a stalled one's (SIGSTOP, a
+        # starved thread): deliver it late rather than never.
+        for index in list(self._skipped_indices):
+            key = f"{self.name}/{index}"
+            if self.store.check([key]):
+                messages.append(json.loads(self.store.get(key)))
+                self.store.delete_key(key)
+                self._skipped_indices.remove(index)
         while self.cursor < count:
             key = f"{self.name}/{self.cursor + 1}"
             if not self.store.check([key]):
@@ -261,6 +283,7 @@ class Channel:
                 if now - self._hole_since < HOLE_GRACE_S and not writers_done:
                     break  # being written
                 self.skipped += 1  # its writer died between taking the index and writing
+                self._skipped_indices = (self._skipped_indices + [self.cursor + 1])[-_LATE_KEPT:]
             else:
                 messages.append(json.loads(self.store.get(key)))
                 self.store.delete_key(key)
@@ -271,14 +294,72 @@ class Channel:
 
 # The driver's counterpart of NOTICE_KEY (below): every channel message, and the key
 # "done", bump it after they are written, so the driver's loop reads one counter per
-# poll and its channels only when it moved (driver_loop.DriverLoop.run).
+# pass and its channels only when it moved (driver_loop.DriverLoop.run). They then set
+# DRIVER_WAKE_KEY, which a thread of the driver waits for in the store (DriverWaker):
+# the driver's loop sleeps until something was sent, instead of polling the store 100
+# times a second on cores that compute.
 DRIVER_NOTICE_KEY = "driver/notice"
+DRIVER_WAKE_KEY = "driver/wake"
+
+
+def wake_driver(store) -> None:
+    """Have the driver's loop look at what was just written (the counter first, then the wake-up)."""
+    store.add(DRIVER_NOTICE_KEY, 1)
+    store.set(DRIVER_WAKE_KEY, "1")
 
 
 def tell_driver(store, key: str, value: str) -> None:
-    """Set `key` for the driver (as "done") and have its loop look (DRIVER_NOTICE_KEY)."""
+    """Set `key` for the driver (as "done") and wake its loop."""
     store.set(key, value)
-    store.add(DRIVER_NOTICE_KEY, 1)
+    wake_driver(store)
+
+
+class DriverWaker:
+    """A thread of the driver that waits in the store for DRIVER_WAKE_KEY and sets `woken`.
+
+    TCPStore's `wait` answers when the key is set (the store's own server
+    holds the waiter: no polling). The thread deletes the key before it sets
+    the event, and writers bump DRIVER_NOTICE_KEY before they set the key, so
+    no message is missed: one sent while the loop runs either moved the
+    counter the loop reads next, or sets the key again. `close()` sets the key
+    itself to let the thread end.
+    """
+
+    # A wait that long never times out in practice; if it does, the thread waits again on
+    # a fresh connection (a client whose wait timed out may still get the late answer).
+    _WAIT = datetime.timedelta(days=7)
+
+    def __init__(self, host: str, port: int, timeout_s: float, store):
+        self.store = store
+        self.woken = threading.Event()
+        self._closing = threading.Event()
+        self._client = connect(host, port, timeout_s)
+        self._thread = threading.Thread(target=self._run, args=(host, port, timeout_s), name="flexpar-waker",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, host: str, port: int, timeout_s: float) -> None:
+        client = self._client
+        while not self._closing.is_set():
+            try:
+                client.wait([DRIVER_WAKE_KEY], self._WAIT)
+                client.delete_key(DRIVER_WAKE_KEY)
+            except RuntimeError:
+                if self._closing.is_set():
+                    return
+                try:
+                    client = connect(host, port, timeout_s)
+                except RuntimeError:
+                    return  # the store is gone: the driver is ending
+            self.woken.set()
+
+    def close(self) -> None:
+        self._closing.set()
+        try:
+            self.store.set(DRIVER_WAKE_KEY, "1")
+        except RuntimeError:
+            pass
+        self._thread.join(timeout=5.0)
 
 
 # ---------------------------------------------------------------- coordinator
@@ -655,6 +736,11 @@ class DeviceLink:
             self.leave_requested_at = time.monotonic()
 
     def _enforce_leave_grace(self, now: float) -> None:
+        # Once the job is stopping (the driver's SIGTERM came with this one: a whole host's),
+        # the device stops with the others at the boundary, and rank 0 may be writing the
+        # final checkpoint: the grace no longer applies (a later second SIGTERM still kills).
+        if self.finish_reason is not None or self.stop_reason is not None:
+            return
         if self.leave_requested_at is not None and now - self.leave_requested_at > self._leave_grace_s:
             print(f"flexpar: device {self.device_id}: did not leave within {self._leave_grace_s:g} s of "
                   "SIGTERM; exiting now (the others recover as after a failure)", file=sys.stderr, flush=True)

@@ -49,8 +49,9 @@ def sample_costs(job, indices: Sequence[int], step: Optional[int] = None) -> Lis
 class CostPlanner:
     """The per-step VW sets of one job, as every member computes them."""
 
-    def __init__(self, job):
+    def __init__(self, job, total_steps: Optional[int] = None):
         self.job = job
+        self.total_steps = total_steps  # no step at or after it runs: never priced or planned
         self.rates = cost_rates.CostRates()
         self._size = len(job.dataset)
         self._orders: collections.OrderedDict = collections.OrderedDict()  # epoch -> sample order
@@ -62,13 +63,12 @@ class CostPlanner:
 
     def _indices(self, step: int) -> List[List[int]]:
         """The VWs' sample indices at ``step`` (as batching.virtual_worker_indices, one permutation per epoch)."""
-        per_epoch = batching.steps_per_epoch(self._size, self.job.global_batch)
-        epoch, position = divmod(step, per_epoch)
+        epoch = batching.epoch_of(step, self._size, self.job.global_batch)
         order = self._orders.get(epoch)
         if order is None:
             order = batching.epoch_permutation(self.job.seed, epoch, self._size)
             _remember(self._orders, epoch, order, 2)
-        batch = order[position * self.job.global_batch:(position + 1) * self.job.global_batch]
+        batch = batching.batch_in_order(order, step, self._size, self.job.global_batch)
         return batching.split_global_batch(batch, self.job.virtual_workers)
 
     def raw_costs(self, step: int) -> Tuple[float, ...]:
@@ -120,6 +120,9 @@ class CostPlanner:
         # Compared on the next step's costs, where the current plan (the one the loader
         # prefetches along, cached) would run.
         following = step + 1
+        if self.total_steps is not None and following >= self.total_steps:
+            self.rates = measured  # the last step: no plan follows it
+            return ""
         self.rates = cost_rates.replan(measured, members, self._step_costs(following)[1],
                                          self.assignment(following, members))
         moved = any(device in before.planned and self.rates.planned[device] != before.planned[device]

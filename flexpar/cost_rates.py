@@ -19,8 +19,10 @@ The data loader prefetches along the plan of upcoming steps and restarts when
 a plan changes, so the plan of step ``s + 1`` must be known during step ``s``
 and must not move with every wobble of the measurements. Plans therefore use
 *planned* rates (``CostRates.planned``), a frozen copy of the smoothed ones,
-which move by the count balancer's rule carried over to costs
-(``replan``). After each step, the proposal is every device's smoothed rate,
+which move by the count balancer's rule (``balance.noise_threshold``) with
+its fixed floor (the count split lowers its floor to 1% once the noise is
+measured; planned rates keep 5%, because every move of them restarts the
+data loader) (``replan``). After each step, the proposal is every device's smoothed rate,
 for the devices with at least 3 measurements (with 1 or 2 the noise is not
 known yet: such a device keeps its planned rate, or the fallback below). The
 proposal is taken only if the plan it gives for the next step is predicted,
@@ -157,5 +159,5 @@ def replan(rates: CostRates, device_ids: Sequence[str], next_costs: Sequence[flo
     current_time = predicted_step_seconds(current_plan, next_costs, proposed_seconds)
     proposed_time = predicted_step_seconds(cost_assignment(next_costs, proposed_seconds), next_costs,
                                            proposed_seconds)
-    threshold = max(hysteresis, min(balance.MAXIMUM_THRESHOLD, noise_factor * noise))
+    threshold = balance.noise_threshold(noise, hysteresis, noise_factor)
     return proposed if proposed_time < (1.0 - threshold) * current_time else rates

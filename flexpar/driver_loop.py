@@ -20,8 +20,10 @@ from flexpar.job import EXIT_MAIN_GUARD, MAIN_GUARD_MESSAGE, TrainingError
 from flexpar.metrics import LOGGER_NAME, MetricsWriter
 from flexpar.schedule import ScheduleTracker
 
-_POLL_S = 0.01
-_READ_ALL_EVERY = 50  # polls between readings of the channels and "done" that no notice asked for
+# The loop runs when something was sent (control.DriverWaker), and at least this often for
+# what nobody sends: local processes' exits, heartbeats, the grace of a failure, the display.
+_HOUSEKEEPING_S = 0.1
+_READ_ALL_EVERY = 10  # passes between readings of the channels and "done" that no notice asked for
 
 
 class DriverLoop:
@@ -57,16 +59,20 @@ class DriverLoop:
             if not self.display.uses_rich:
                 _log_to_stderr()
 
-    def run(self) -> None:
+    def run(self, waker: "control.DriverWaker" = None) -> None:
+        """Until the job ends; `waker` wakes the loop when a device or a command sent something.
+
+        Without one (tests) the loop polls every 10 ms.
+        """
         notice = None
         polls = 0
         try:
             while True:
-                # One store round trip per poll while nobody sent anything: the channels
+                # One store round trip per pass while nobody sent anything: the channels
                 # and "done" are read when control.DRIVER_NOTICE_KEY moved (and every
-                # _READ_ALL_EVERY polls regardless). Reading them at every poll (three round
-                # trips) woke the store's thread and this one 400 more times a second, on
-                # the cores the devices compute on (see control.NOTICE_KEY).
+                # _READ_ALL_EVERY passes regardless). The loop itself sleeps until woken:
+                # polling the store every 10 ms woke the store's thread and this one 200
+                # times a second, on the cores the devices compute on (see control.NOTICE_KEY).
                 seen = self.store.add(control.DRIVER_NOTICE_KEY, 0)  # first: what is sent later is read next time
                 read = seen != notice or polls % _READ_ALL_EVERY == 0
                 notice, polls = seen, polls + 1
@@ -82,8 +88,14 @@ class DriverLoop:
                 self._check_errors()
                 if self.coordinator.stop_reason is not None:
                     raise TrainingError(self._stop_message(self.coordinator.stop_reason))
-                time.sleep(_POLL_S)
+                if waker is None:
+                    time.sleep(0.01)
+                else:
+                    waker.woken.wait(_HOUSEKEEPING_S)
+                    waker.woken.clear()  # what woke it is read in the next pass (the counter first)
         finally:
+            if waker is not None:
+                waker.close()
             self.writer.close()
             if self.ledger_file is not None:
                 self.ledger_file.close()

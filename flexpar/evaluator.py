@@ -25,7 +25,7 @@ import torch
 
 from flexpar import evaluation, recipes
 from flexpar.job import UserCodeError
-from flexpar.loader import load_batch
+from flexpar.loader import load_batch, to_device
 
 
 @contextlib.contextmanager
@@ -43,10 +43,8 @@ def eval_mode(model):
 def evaluate_chunk(job, model, samples: range, keys=(), device=None) -> dict:
     """`job.evaluate` on one chunk (a range of sample indices), checked: {key: float}."""
     batch = load_batch(_EvalView(job), list(samples), evaluation.chunk_seed(job.seed, samples.start))
-    if device is not None and device.type != "cpu":
-        from flexpar.worker import _to_device
-
-        batch = _to_device(batch, device)
+    if device is not None:
+        batch = to_device(batch, device)
     try:
         return evaluation.as_numbers(job.evaluate(model, batch), keys)
     except evaluation.MetricsError as error:

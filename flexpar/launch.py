@@ -27,7 +27,7 @@ import torch
 from flexpar import control, membership, state as training_state
 from flexpar import callbacks as callbacks_module, evaluator, trackers as trackers_module
 from flexpar.job import (
-    FitResult, Job, build_model, build_optimizer, first_batch_check,
+    FitResult, Job, TrainingError, build_model, build_optimizer, first_batch_check,
     model_digest, pickle_pieces,
 )
 from flexpar.options import FitOptions, cpu_count, is_loopback
@@ -55,7 +55,8 @@ def worker_context(verbose: bool = False):
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
     # torch._dynamo is what torch.optim imports on first use: seconds, paid once here.
-    context.set_forkserver_preload(["flexpar.worker", "torch.optim", "torch.distributed", "torch._dynamo"])
+    context.set_forkserver_preload(["flexpar.forkserver_preload", "flexpar.worker", "torch.optim",
+                                    "torch.distributed", "torch._dynamo"])
     from multiprocessing import forkserver
 
     # c10d logs each lost store connection as a warning with a C++ frame dump;
@@ -83,8 +84,9 @@ def _sigterm_ignored():
     through which the driver learns that its workers are alive: every worker
     would count as failed at once. The driver and the workers handle SIGTERM
     themselves (a clean stop, a planned leave); the fork server ends with the
-    driver as it always does. Workers start with SIGTERM at its default again
-    (`worker.main`).
+    driver as it always does. Every child it forks starts with SIGTERM at its
+    default again (flexpar.forkserver_preload). If the user's code started the
+    fork server before fit() did, it is that one, with the user's settings.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -208,7 +210,7 @@ def run(job: Job, options: FitOptions) -> FitResult:
     try:
         with _finish_on_sigterm(coordinator, terminated):
             coordinator.apply(membership.Start(initial))
-            loop.run()
+            loop.run(control.DriverWaker(options.host, store.port, options.timeout_s, store))
         data = control.get_blob(store, "result", secret)
         result = training_state.from_bytes(data, torch.device("cpu"))
         model.load_state_dict(result["model"])
@@ -216,6 +218,11 @@ def run(job: Job, options: FitOptions) -> FitResult:
         summary["resumed_from"] = training_state.checkpoint_step(resume_path) if resume_path else None
         callbacks.call("on_end", summary)
         ended_well = True
+    except TrainingError:
+        if coordinator.stop_reason != membership.STOPPED_BEFORE_START:
+            raise
+        print("flexpar: stopped by SIGTERM before training started; nothing to keep", file=sys.stderr, flush=True)
+        raise SystemExit(143) from None
     except (KeyboardInterrupt, _SecondSigterm) as interruption:
         what, code = (("a second SIGTERM", 143) if isinstance(interruption, _SecondSigterm)
                       else ("interrupted (Ctrl-C)", 130))
@@ -248,12 +255,29 @@ def resume_command(directory: str, argv: Optional[list] = None, script_argv: Opt
     argv = list(getattr(sys, "orig_argv", None) or [sys.executable] + sys.argv) if argv is None else argv
     script_argv = list(sys.argv) if script_argv is None else script_argv
     added = ["flexpar", "run", "--resume", "--checkpoint-dir", directory]
+    typed = script_argv[0] if script_argv and script_argv[0].endswith(".py") else ""
+    # Absolute: the devices that print it may run on other hosts or in other folders.
+    script = os.path.abspath(typed) if typed else "SCRIPT"
     for index, word in enumerate(argv[:-1]):  # .../bin/flexpar run ..., or python -m flexpar run ...
         if os.path.basename(word) == "flexpar" and argv[index + 1] == "run":
-            return shlex.join(added + argv[index + 2:])
-    script = script_argv[0] if script_argv and script_argv[0].endswith(".py") else "SCRIPT"
-    rest = script_argv[1:] if script != "SCRIPT" else []
+            rest = argv[index + 2:]
+            position = rest.index(typed) if typed in rest else len(rest)
+            return shlex.join(added + _without_resume_flags(rest[:position]) + [script] + rest[position + 1:])
+    rest = script_argv[1:] if typed else []
     return shlex.join(added + [script] + (["--"] + rest if rest else []))
+
+
+def _without_resume_flags(flags: list) -> list:
+    """`flags` less --resume and --checkpoint-dir (resume_command puts its own first)."""
+    kept, skip_value = [], False
+    for flag in flags:
+        if skip_value:
+            skip_value = False
+        elif flag == "--checkpoint-dir":
+            skip_value = True
+        elif flag != "--resume" and not flag.startswith("--checkpoint-dir="):
+            kept.append(flag)
+    return kept
 
 
 def run_paths(options: FitOptions) -> tuple:
@@ -267,7 +291,7 @@ def run_paths(options: FitOptions) -> tuple:
 def advertised_host(host: str) -> str:
     """The name others join by: this host's name where the job listens on every interface."""
     if host in ("0.0.0.0", "::", ""):
-        return socket.getfqdn()
+        return socket.gethostname()  # not getfqdn: a reverse DNS lookup can take seconds in a container
     return host
 
 
@@ -380,7 +404,8 @@ def join(address: str, devices: int, secret: str, script: Optional[str] = None, 
     Waits up to `connect_timeout_s` for the job to answer (under SLURM or
     Kubernetes a joiner may start before its job listens). SIGTERM (a
     preemption notice) is passed on to the workers, which leave at the next
-    step boundary; a second SIGTERM is passed on too and stops them at once.
+    step boundary; a second SIGTERM (more than worker.SAME_NOTICE_S after the
+    first) is passed on too and stops them at once.
     Returns the workers' worst exit code (0: all left or finished).
     """
     host, _, port_text = address.rpartition(":")
@@ -425,4 +450,6 @@ def join(address: str, devices: int, secret: str, script: Optional[str] = None, 
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
-    return max((process.exitcode or 0) for process in processes)
+    # A worker killed by a signal has exitcode -N: report it as a shell does (128 + N), not as 0.
+    return max((128 - process.exitcode if (process.exitcode or 0) < 0 else process.exitcode or 0)
+               for process in processes)

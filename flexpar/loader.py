@@ -192,3 +192,16 @@ class _Requests:
 
     def __len__(self):
         return self.loader.total_steps * self.loader.job.virtual_workers
+
+
+def to_device(batch, device):
+    """`batch` (tensors, lists, tuples, dicts of them) on `device`; CPU batches as they are."""
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(item, device) for item in batch)
+    if isinstance(batch, dict):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    return batch

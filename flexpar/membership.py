@@ -445,6 +445,8 @@ _HANDLERS = {
 def _advance(state: Membership):
     """Publish the next generation when the rules allow it."""
     if state.generation == 0:
+        if state.finishing:  # asked to stop before anything trained: nothing to finish
+            return _stop(state, STOPPED_BEFORE_START)
         if len(state.waiting) >= state.initial_devices or (
             state.waiting and not state.starting
         ):
@@ -464,6 +466,9 @@ def _advance(state: Membership):
             state, members=members, joined=state.waiting, left=state.leaving, failed=()
         )
     return state, ()
+
+
+STOPPED_BEFORE_START = "it was asked to stop before training started"
 
 
 def _id_order(device_id: str):

@@ -51,7 +51,7 @@ from flexpar import checkpoints, evaluation, evaluator, recipes
 from flexpar.callbacks import CALLBACK_STOP
 from flexpar.cost_planner import CostPlanner
 from flexpar.job import UserCodeError, build_model, build_optimizer, loss_terms, model_digest, nonfinite_message
-from flexpar.loader import VirtualWorkerLoader, load_batch
+from flexpar.loader import VirtualWorkerLoader, load_batch, to_device as _to_device
 from flexpar.sync import GradientSync, GroupReaper, PeerFailure, _collective, _wait, fresh_group
 from flexpar.version import __version__
 
@@ -118,8 +118,8 @@ def main(args: WorkerArgs) -> None:
     """Entry point of a worker process (local or joining)."""
     # Ctrl-C reaches the whole process group; the driver alone answers it and stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # The fork server ignores SIGTERM (launch._sigterm_ignored); until it is admitted and
-    # can leave (_leave_on_sigterm), a device told to go simply goes.
+    # The fork server ignores SIGTERM (launch._sigterm_ignored); until its Worker is built
+    # and it can leave (_leave_on_sigterm), a device told to go simply goes.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -188,7 +188,8 @@ def _leave_on_sigterm(worker: "Worker") -> None:
                   flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         print(f"flexpar: device {worker.args.device_id}: SIGTERM: leaving at the next step boundary "
-              f"(a second SIGTERM, or {grace_s:g} s without a boundary, stops it at once)", file=sys.stderr,
+              f"(a second SIGTERM over {SAME_NOTICE_S:g} s later, or {grace_s:g} s without a boundary, "
+              "stops it at once)", file=sys.stderr,
               flush=True)
         link.request_leave(worker.proof, grace_s)
 
@@ -238,7 +239,8 @@ class Worker:
                                           record_indices=self.settings.sample_ledger)
         self.balance_state = balance.BalanceState(seconds_per_vw={})
         # Job(sample_cost=...): each step's VW sets by predicted cost (flexpar/cost_planner.py).
-        self.cost_planner = CostPlanner(self.job) if self.job.sample_cost is not None else None
+        self.cost_planner = (CostPlanner(self.job, self.settings.total_steps) if self.job.sample_cost is not None
+                             else None)
         self.generation = 0
         self.members: tuple = ()
         self.rank = 0
@@ -958,15 +960,3 @@ def _mixed_loss_message(step: int, first_kind: Optional[tuple] = None, virtual_w
         where = "some virtual workers returned a pair (loss_sum, count) and others a scalar"
     return (f"at step {step}, {where}; loss(model, batch) must return the same kind for every batch "
             "(a pair weights each VW by its count, a scalar weighs every VW alike)")
-
-
-def _to_device(batch, device):
-    if device.type == "cpu":
-        return batch
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(item, device) for item in batch)
-    if isinstance(batch, dict):
-        return {key: _to_device(value, device) for key, value in batch.items()}
-    return batch

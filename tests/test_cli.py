@@ -2,7 +2,6 @@
 
 import json
 import os
-import shlex
 import signal
 import socket
 import stat
@@ -287,9 +286,9 @@ def test_status_and_scale_at_an_address_that_is_no_flexpar_job_answer_in_one_lin
         server, held = _listener(answer)
         address = f"127.0.0.1:{server.getsockname()[1]}"
         try:
-            # The subprocess timeout (30 s) is only the hang guard: the command's own --timeout is 2 s.
-            status = flexpar_command("status", address, "--timeout", "2", timeout_s=30)
-            scale = flexpar_command("scale", address, "--devices", "+1", "--timeout", "2", timeout_s=30,
+            # The subprocess timeout (30 s) is only the hang guard: the command's own --timeout is 1 s.
+            status = flexpar_command("status", address, "--timeout", "1", timeout_s=30)
+            scale = flexpar_command("scale", address, "--devices", "+1", "--timeout", "1", timeout_s=30,
                                     environment={**os.environ, "FLEXPAR_SECRET": "s"})
         finally:
             server.close()
@@ -327,12 +326,18 @@ def test_the_banner_says_how_far_the_job_can_grow(capsys):
     assert "1 x cpu device, may grow to 3; s" in capsys.readouterr().out
 
 
-def test_the_resume_command_is_the_jobs_own_with_resume_added():
+def test_the_resume_command_is_the_jobs_own_with_resume_added(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script = str(tmp_path / "t.py")
     assert launch.resume_command("/ck", ["python3", "/venv/bin/flexpar", "run", "--devices", "2", "t.py", "--lr", "1"],
-                                 ["t.py", "--lr", "1"]) == "flexpar run --resume --checkpoint-dir /ck --devices 2 t.py --lr 1"
+                                 ["t.py", "--lr", "1"]) == \
+        f"flexpar run --resume --checkpoint-dir /ck --devices 2 {script} --lr 1"
     assert launch.resume_command("/my ck", ["python3", "-u", "t.py", "--lr", "1"], ["t.py", "--lr", "1"]) == \
-        "flexpar run --resume --checkpoint-dir '/my ck' t.py -- --lr 1"
-    assert shlex.split(launch.resume_command("/ck", ["python3", "-m", "flexpar", "run", "t.py"], ["t.py"]))[-1] == "t.py"
+        f"flexpar run --resume --checkpoint-dir '/my ck' {script} -- --lr 1"
+    # The job's own --resume and --checkpoint-dir give way to the ones that resume it.
+    assert launch.resume_command("/ck", ["python3", "-m", "flexpar", "run", "--checkpoint-dir", "ck", "--resume",
+                                         "--checkpoint-dir=ck", "--steps", "9", "t.py"], ["t.py"]) == \
+        f"flexpar run --resume --checkpoint-dir /ck --steps 9 {script}"
 
 
 SLOW_JOB = """

@@ -237,3 +237,20 @@ def test_a_device_that_cannot_leave_within_the_grace_period_fails_over(train, me
         [("failure", "failed: local-1 (while leaving)")],  # ... or after: the others still lost the step
     )
     pieces.assert_same_parameters(model, pieces.reference(job, 6))
+
+
+SLOW_START_JOB = """
+if __name__ == "__main__":
+    pieces.make_job(model=pieces.make_model_slowly).fit(steps=1000, devices=2)
+"""
+
+
+def test_a_whole_hosts_sigterm_during_start_up_stops_in_one_line(tmp_path, command_line_job):
+    """The devices are still building their model (1.5 s) when SLURM or systemd signals them all."""
+    job = command_line_job(["--oversubscribe", "--no-display", "--metrics", str(tmp_path / "m.jsonl")],
+                           SLOW_START_JOB).wait_for_banner()
+    os.killpg(job.process.pid, signal.SIGTERM)
+    assert job.wait(timeout_s=60) == 143
+    _, err = job.output()
+    assert "flexpar: stopped by SIGTERM before training started" in err, err
+    assert "__main__" not in err and "Traceback" not in err, err

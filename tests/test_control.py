@@ -100,3 +100,17 @@ def test_once_every_writer_is_done_a_hole_is_skipped_at_once():
     control.Channel(store, "metrics").send({"step": 5})
     assert reader.receive() == []
     assert reader.receive(writers_done=True) == [{"step": 5}] and reader.skipped == 1
+
+
+def test_a_message_written_after_its_index_was_skipped_still_arrives():
+    """A writer stopped (SIGSTOP) between taking its index and writing it is late, not dead."""
+    store, now = _DictStore(), [0.0]
+    reader = control.Channel(store, "events", clock=lambda: now[0])
+    index = store.add("events/count", 1)
+    control.Channel(store, "events").send({"type": "after"})
+    assert reader.receive() == []
+    now[0] = control.HOLE_GRACE_S + 0.1
+    assert reader.receive() == [{"type": "after"}] and reader.skipped == 1
+    store.set(f"events/{index}", '{"type": "late"}')
+    assert reader.receive() == [{"type": "late"}]
+    assert reader.receive() == [] and f"events/{index}" not in store.values

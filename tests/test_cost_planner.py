@@ -97,20 +97,22 @@ def test_a_bad_cost_found_later_stops_the_job_naming_the_index_and_step(train):
 
 @pytest.mark.timeout(300)
 def test_parameters_equal_the_reference_through_a_join(train, metrics_file):
-    # local-1 at half speed: the planned rates (set after a device's third step) differ from
+    # local-1 at a quarter speed: the planned rates (set after a device's third step) differ from
     # the start's equal ones before the join at step 6 or later, so a joiner that did not
     # receive them would plan other sets than its peers (the ledger and the parameters show it).
     job = cost_pieces.make_cost_job(virtual_workers=6, delay_s=0.001)
     step_s = 4 * 27 * job.loss.delay_s  # about 4 VWs on the fast device, 8 samples of mean cost 26.7 / 8
     steps = 6 + math.ceil(JOIN_HEADROOM_S / step_s)
     model, summary = train(job, steps=steps, devices=2, max_devices=3, schedule="6:+1", sample_ledger=True,
-                           emulate_speeds=[1.0, 0.5])
+                           emulate_speeds=[1.0, 0.25])
     records = _records(metrics_file)
     assert [record["step"] for record in records] == list(range(steps))
     assert {len(record["devices"]) for record in records} == {2, 3}, "the join took effect"
     before_join = [record for record in records if len(record["devices"]) == 2]
-    fast, slow = before_join[-1]["cost"]  # about 2:1, in whole VWs of cost 8 to 64 out of about 213
-    assert fast > 1.3 * slow, f"planned by the speeds: {before_join[-1]}"
+    # About 4:1, in whole VWs of cost 8 to 64 out of about 213. Moving off the equal split gains over
+    # 50% of the predicted step time, beyond the noise threshold's cap: taken however noisy the host.
+    fast, slow = before_join[-1]["cost"]
+    assert fast > 1.5 * slow, f"planned by the speeds: {before_join[-1]}"
     _check_step_records(records, job)
     assert ledger.audit(ledger.read(summary["sample_ledger"]), job.seed, len(job.dataset), job.global_batch,
                         steps).clean, "every sample of every step ran exactly once"

@@ -92,7 +92,7 @@ def test_a_near_tie_fills_the_slowest_device():
     assert predicted_step_seconds(most_even_assignment(exact, 128, 0.025), exact) == 48.0
 
 
-def test_the_stated_scale_is_quick():
+def test_the_stated_scale_is_handled():
     # 1,024 devices, V = 4,096 (balance.py's stated scale) with the widest tolerance
     # the balancer uses (5%): a few thousand heap operations.
     seconds = [0.5 + (rank * 7919 % 1000) / 1000 for rank in range(1024)]

@@ -217,3 +217,11 @@ def test_a_device_refused_over_max_devices_stays_out_when_it_says_ready():
     assert isinstance(actions[0], ms.Refuse)
     state, actions = _run(state, ms.Ready("hostb-0"))
     assert actions == [] and state.waiting == () and state.device_count == 1
+
+
+def test_a_stop_asked_before_the_first_generation_stops_at_once():
+    """A whole host's SIGTERM during start-up: the devices may die of it before they can train."""
+    state = ms.Membership(initial_devices=2, max_devices=2, grace_s=5.0)
+    state, _ = _run(state, ms.Start(2), ms.Ready("local-0"))
+    state, actions = _run(state, ms.FinishRequested("the driver got SIGTERM"))
+    assert state.stopped and ms.StopJob(ms.STOPPED_BEFORE_START) in actions and not _published(actions)

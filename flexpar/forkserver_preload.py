@@ -1,0 +1,20 @@
+"""Imported by the fork server only (launch.worker_context): its children get SIGTERM back.
+
+The fork server starts with SIGTERM ignored, so that a whole host's SIGTERM
+does not kill it (launch._sigterm_ignored). An ignored signal is inherited by
+every child it forks, the user's own forkserver processes included (Python's
+fork server is one per driver, shared with any `get_context("forkserver")`):
+their `terminate()` would do nothing. So every child forked from the fork
+server starts with SIGTERM at its default again, before any of its own code
+runs; flexpar's workers then install their own handler (worker.main).
+"""
+
+import os
+import signal
+
+
+def _default_sigterm() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+os.register_at_fork(after_in_child=_default_sigterm)
