@@ -2,7 +2,7 @@
 
 `run(job, options)` is what `Job.fit()` calls. `join(...)` is what
 `flexpar join` calls on another host. Both start worker processes that import
-the user's script (as `__mp_main__`) and then run `worker.main`.
+the user's script (as `__mp_main__`) and then run `worker_process.main`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from flexpar.job import (
 )
 from flexpar.options import FitOptions, cpu_count, is_loopback
 from flexpar.version import __version__
-from flexpar.worker import RunSettings, WorkerArgs, main as worker_main
+from flexpar.worker_process import main as worker_main
+from flexpar.worker_settings import RunSettings, WorkerArgs
 
 
 def detect_devices(backend: str) -> tuple:
@@ -55,7 +56,7 @@ def worker_context(verbose: bool = False):
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
     # torch._dynamo is what torch.optim imports on first use: seconds, paid once here.
-    context.set_forkserver_preload(["flexpar.forkserver_preload", "flexpar.worker", "torch.optim",
+    context.set_forkserver_preload(["flexpar.forkserver_preload", "flexpar.worker_process", "torch.optim",
                                     "torch.distributed", "torch._dynamo"])
     from multiprocessing import forkserver
 
@@ -404,7 +405,7 @@ def join(address: str, devices: int, secret: str, script: Optional[str] = None, 
     Waits up to `connect_timeout_s` for the job to answer (under SLURM or
     Kubernetes a joiner may start before its job listens). SIGTERM (a
     preemption notice) is passed on to the workers, which leave at the next
-    step boundary; a second SIGTERM (more than worker.SAME_NOTICE_S after the
+    step boundary; a second SIGTERM (more than worker_process.SAME_NOTICE_S after the
     first) is passed on too and stops them at once.
     Returns the workers' worst exit code (0: all left or finished).
     """

@@ -39,21 +39,24 @@ import pickle
 import signal
 import sys
 import time
-import traceback
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from flexpar import balance, batching, control, ledger as sample_ledger, state as training_state
-from flexpar import checkpoints, evaluation, evaluator, recipes
+from flexpar import recipes
 from flexpar.callbacks import CALLBACK_STOP
 from flexpar.cost_planner import CostPlanner
 from flexpar.job import UserCodeError, build_model, build_optimizer, loss_terms, model_digest, nonfinite_message
 from flexpar.loader import VirtualWorkerLoader, load_batch, to_device as _to_device
-from flexpar.sync import GradientSync, GroupReaper, PeerFailure, _collective, _wait, fresh_group
+from flexpar.step_statistics import StatsLayout, mixed_loss_message, nonfinite_gradient_message
+from flexpar.sync import GradientSync, GroupReaper, PeerFailure, _collective, fresh_group
 from flexpar.version import __version__
+from flexpar.worker_checkpoints import WorkerCheckpoints
+from flexpar.worker_evaluation import WorkerEvaluation
+from flexpar.worker_records import RECORDS_KEPT, WorkerRecords
+from flexpar.worker_settings import RunSettings, WorkerArgs
 
 
 class Phase(enum.Enum):
@@ -67,133 +70,8 @@ class Phase(enum.Enum):
     DONE = "done"
 
 
-# Exit codes of a worker process, read by the driver and by `flexpar join`.
-EXIT_EVICTED = 3
-EXIT_DRIVER_LOST = 4
-
-
 class _StopEarly:
     """What `Worker.train` returns when the members agreed to stop after a step."""
-
-
-@dataclass(frozen=True)
-class WorkerArgs:
-    """What a worker process needs to find its job; everything else comes from the store."""
-
-    host: str
-    port: int
-    device_id: str
-    secret: str
-    device: str = "cpu"
-    threads: int = 0
-    speed: float = 1.0
-    remote: bool = False
-    preemption_grace_s: Optional[float] = None  # this host's own (flexpar join --preemption-grace)
-
-
-@dataclass(frozen=True)
-class RunSettings:
-    """The parts of FitOptions a worker needs, published by the driver with the job."""
-
-    total_steps: int
-    backend: str
-    timeout_s: float
-    bucket_mb: float
-    checkpoint_every: Optional[int]
-    checkpoint_dir: Optional[str]
-    resume_path: Optional[str]
-    faults: tuple = ()  # (step, device_id, phase, signal): send the signal there (tests only)
-    rescue_dir: str = ""  # where the last committed step goes if the driver is lost
-    script: str = ""      # the job's script
-    resume_command: str = ""  # the command that resumes the job from its checkpoints (launch.resume_command)
-    preemption_grace_s: float = 30.0
-    sample_ledger: bool = False  # count the samples each step consumed (flexpar.ledger)
-    eval_every: Optional[int] = None  # evaluate every N committed steps (and after the last)
-    eval_keys: tuple = ()             # the sorted metric names of job.evaluate (found by the driver)
-    eval_verdict: bool = False        # wait after each evaluation for the driver's callbacks (on_eval may stop)
-    keep_checkpoints: Optional[int] = None  # keep only the newest K checkpoints
-
-
-def main(args: WorkerArgs) -> None:
-    """Entry point of a worker process (local or joining)."""
-    # Ctrl-C reaches the whole process group; the driver alone answers it and stops us.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # The fork server ignores SIGTERM (launch._sigterm_ignored); until its Worker is built
-    # and it can leave (_leave_on_sigterm), a device told to go simply goes.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    link = control.DeviceLink(args.host, args.port, args.device_id, timeout_s=60.0)
-    worker = None
-    try:
-        try:
-            worker = Worker(args, link)
-        except ValueError as refusal:
-            if "secret" not in str(refusal):
-                raise
-            raise control.Evicted(str(refusal)) from None
-        _leave_on_sigterm(worker)
-        worker.run()
-        code = 0
-    except control.JobStopped:
-        code = 0
-    except control.DriverLost:
-        code = EXIT_DRIVER_LOST  # Worker.run said what happened and where the state is
-    except control.Evicted as refusal:
-        if link.leave_requested_at is not None:
-            code = 0  # asked to stop before it was admitted: it was let go
-        else:
-            print(f"flexpar: device {args.device_id}: {refusal}", file=sys.stderr)
-            code = EXIT_EVICTED
-    except Exception as error:  # the user's code (or ours) raised: stop the job, say why once
-        try:
-            link.events.send({"type": "error", "device_id": args.device_id,
-                              "message": _describe(error), "traceback": traceback.format_exc()})
-        except Exception:  # no driver to tell: say it here
-            traceback.print_exc()
-        code = 1
-    finally:
-        if worker is not None:
-            worker.loader.close()
-            worker.wait_for_checkpoint()  # a checkpoint in flight is finished before the process exits
-        link.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # skip interpreter teardown: DataLoader / gloo threads must not hang the exit
-
-
-# SIGTERMs this close after the first are the same notice: a SLURM step's or a systemd
-# unit's SIGTERM reaches every process, and `flexpar join` passes its own on as well.
-SAME_NOTICE_S = 2.0
-
-
-def _leave_on_sigterm(worker: "Worker") -> None:
-    """SIGTERM (a preemption notice) makes this device leave at the next step boundary.
-
-    The leave is planned (the others lose milliseconds, not a step); a second
-    SIGTERM (more than SAME_NOTICE_S after the first), or no leave within the
-    grace period, kills the process, which the others then recover from as
-    from any failure.
-    """
-    link = worker.link
-    grace_s = worker.args.preemption_grace_s or worker.settings.preemption_grace_s
-
-    def on_sigterm(signum, frame):
-        if link.leave_requested_at is not None:
-            if time.monotonic() - link.leave_requested_at < SAME_NOTICE_S:
-                return  # the same notice twice: to the whole host, and passed on by `flexpar join`
-            print(f"flexpar: device {worker.args.device_id}: second SIGTERM: exiting now", file=sys.stderr,
-                  flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        print(f"flexpar: device {worker.args.device_id}: SIGTERM: leaving at the next step boundary "
-              f"(a second SIGTERM over {SAME_NOTICE_S:g} s later, or {grace_s:g} s without a boundary, "
-              "stops it at once)", file=sys.stderr,
-              flush=True)
-        link.request_leave(worker.proof, grace_s)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def _yield_cores() -> None:
@@ -208,13 +86,14 @@ def _yield_cores() -> None:
         pass
 
 
-def _describe(error: Exception) -> str:
-    if isinstance(error, UserCodeError):
-        return str(error)
-    return f"{type(error).__name__}: {error}"
+class Worker(WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
+    """One device's training: its lifecycle (`Phase`), the step loop, the boundaries between generations.
 
+    State capture and checkpoints, evaluation, and step records live in the
+    mixins named for them (flexpar/worker_checkpoints.py, worker_evaluation.py,
+    worker_records.py); the step itself, from `train` to the optimizer, is here.
+    """
 
-class Worker:
     def __init__(self, args: WorkerArgs, link: control.DeviceLink):
         self.args = args
         self.link = link
@@ -251,7 +130,7 @@ class Worker:
         self.proof = control.join_proof(args.secret, args.device_id, self.salt)
         # The step records of the last steps this device committed (every device keeps
         # them; rank 0 publishes). A rank 0 that dies may take queued records with it.
-        self.recent_records: collections.deque = collections.deque(maxlen=_RECORDS_KEPT)
+        self.recent_records: collections.deque = collections.deque(maxlen=RECORDS_KEPT)
         self.recovering = False  # the next generation follows a failed collective
         self.faults = {(int(step), phase): _SIGNALS[fault[3] if len(fault) > 3 else "kill"]
                        for fault in self.settings.faults for step, device, phase in [fault[:3]]
@@ -445,20 +324,6 @@ class Worker:
                                 + (f", checkpoint {checkpoint}" if checkpoint else ""), 0.0)
         self.finish(stopped=reason, checkpoint=checkpoint)
 
-    def _rescue(self, step: int) -> None:
-        """The driver is gone: rank 0 writes the last committed step; everyone says where it is."""
-        directory = self.settings.checkpoint_dir or self.settings.rescue_dir
-        if self.rank == 0:
-            path = self._write_checkpoint(directory)
-            self.wait_for_checkpoint()
-        else:
-            path = training_state.checkpoint_path(directory, step)
-            path += f" (written by {self.members[0]})" if self.members else ""
-        command = self.settings.resume_command or (f"flexpar run --resume --checkpoint-dir {directory} "
-                                                   f"{self.settings.script or 'SCRIPT'}")
-        self._say(f"the job's driver is gone (its store stopped answering); the last committed step, "
-                  f"{step}, is in {path}. Resume with: {command}")
-
     def _say(self, message: str) -> None:
         print(f"flexpar: device {self.args.device_id}: {message}", file=sys.stderr, flush=True)
 
@@ -497,7 +362,7 @@ class Worker:
             step = self.committed
             summed = self.run_step(step, mine)
             world = len(self.members)
-            slots = _StatsLayout(world)
+            slots = StatsLayout(world)
             busy = summed[slots.busy].tolist()
             seen = summed[slots.seen].tolist()
             loss = float(summed[slots.loss])
@@ -506,7 +371,7 @@ class Worker:
                 raise UserCodeError(nonfinite_message(step, min(bad) - 1))
             pairs, count = round(float(summed[slots.pairs])), float(summed[slots.count])
             if 0 < pairs < self.job.virtual_workers:  # each device ran one kind; they differ
-                raise UserCodeError(_mixed_loss_message(step))
+                raise UserCodeError(mixed_loss_message(step))
             if pairs:
                 loss /= count  # the token mean of the whole global batch
             # Stopping early (asked by the driver, or it is gone) wins over a new
@@ -565,7 +430,7 @@ class Worker:
         None after the step's backward. Everything here is a function of the
         summed gradient and statistics, which every device holds alike.
         """
-        slots = _StatsLayout(len(self.members))
+        slots = StatsLayout(len(self.members))
         pairs, count = round(float(summed[slots.pairs])), float(summed[slots.count])
         scale = self.scaler.scale if self.scaler is not None else 1.0
         factor = 1.0 / ((count if pairs else 1.0) * scale) if (pairs or scale != 1.0) else 1.0
@@ -577,7 +442,7 @@ class Worker:
                                                                 self.job.max_grad_norm)
         return multiplier
 
-    def _verdict_on_gradient(self, summed: torch.Tensor, slots: "_StatsLayout", step: int) -> tuple:
+    def _verdict_on_gradient(self, summed: torch.Tensor, slots: "StatsLayout", step: int) -> tuple:
         """(the applied gradient's norm before clipping, whether every device skips this step).
 
         fp16: a step is skipped (no optimizer or scheduler step) when a device's
@@ -639,7 +504,7 @@ class Worker:
             if first_kind is None:
                 first_kind = (virtual_worker, vw_count is not None)
             elif first_kind[1] != (vw_count is not None):
-                raise UserCodeError(_mixed_loss_message(step, first_kind, virtual_worker))
+                raise UserCodeError(mixed_loss_message(step, first_kind, virtual_worker))
             if (step, "backward") in self.faults and loss.requires_grad:
                 loss.register_hook(lambda grad: self._fault_point("backward", step))
             if not math.isfinite(value) and not first_bad:
@@ -664,7 +529,7 @@ class Worker:
             busy += elapsed
             loss_sum += value if vw_count is not None else value / job.virtual_workers
         buffers = self._buffer_vector() if world > 1 else torch.zeros(0, dtype=torch.float64)
-        slots = _StatsLayout(world)
+        slots = StatsLayout(world)
         stats = torch.zeros(slots.size + buffers.numel(), dtype=torch.float64)
         stats[slots.buffers] = buffers
         stats[slots.busy.start + self.rank] = busy
@@ -722,241 +587,6 @@ class Worker:
             buffer.copy_(part.to(buffer.device, buffer.dtype))
             offset += buffer.numel()
 
-    # ------------------------------------------------------------ state
-
-    def _capture(self) -> dict:
-        extra = {"balance": balance.state_to_dict(self.balance_state), "committed_wall": self.committed_wall,
-                 "recent_records": json.dumps(list(self.recent_records))}
-        if self.scaler is not None:  # fp16: the loss scale travels to joiners and into checkpoints
-            extra["grad_scaler"] = self.scaler.state_dict()
-        if self.cost_planner is not None:  # by cost: joiners plan with the same rates
-            extra["cost_rates"] = self.cost_planner.state()
-        return training_state.capture(self.model, self.optimizer, self.scheduler, self.committed, extra)
-
-    def _restore(self, state: dict) -> None:
-        training_state.restore(self.model, self.optimizer, self.scheduler, state)
-        self.committed = int(state["step"])
-        extra = state.get("extra") or {}
-        if "balance" in extra:
-            self.balance_state = balance.state_from_dict(extra["balance"])
-        self.committed_wall = float(extra.get("committed_wall", self.committed_wall))
-        self.recent_records = collections.deque(json.loads(extra.get("recent_records", "[]")), maxlen=_RECORDS_KEPT)
-        if self.scaler is not None and "grad_scaler" in extra:
-            self.scaler.load_state_dict(extra["grad_scaler"])
-        if self.cost_planner is not None and "cost_rates" in extra:
-            self.cost_planner.restore(extra["cost_rates"])
-
-    def _maybe_checkpoint(self) -> None:
-        """Every `checkpoint_every` steps, and always after the last step."""
-        every = self.settings.checkpoint_every
-        if every and (self.committed % every == 0 or self.committed == self.settings.total_steps):
-            self._write_checkpoint(self.settings.checkpoint_dir)
-
-    def _write_checkpoint(self, directory: str) -> str:
-        """Start writing the committed state to `directory`; returns the file's path.
-
-        The step loop pays for a CPU copy of the state only; a background
-        thread writes the file (atomically) and keeps the newest
-        `keep_checkpoints` (flexpar.checkpoints). A write in flight is waited
-        for before the next one starts, in `finish`, on the rescue path and
-        before the process exits.
-        """
-        path = training_state.checkpoint_path(directory, self.committed)
-        self._fault_point("checkpoint", self.committed)
-        writer = self._checkpoint_writer_now()
-        if not os.path.exists(path) and writer.pending != path:  # the last step may be written already
-            writer.submit(directory, self.committed, checkpoints.cpu_copy(self._capture()))
-        return path
-
-    _checkpoint_writer: Optional[checkpoints.CheckpointWriter] = None
-
-    def _checkpoint_writer_now(self) -> checkpoints.CheckpointWriter:
-        if self._checkpoint_writer is None:
-            self._checkpoint_writer = checkpoints.CheckpointWriter(keep=self.settings.keep_checkpoints)
-        return self._checkpoint_writer
-
-    def wait_for_checkpoint(self) -> None:
-        """Return once no checkpoint write is in flight (a failed one is said here, not raised: exiting)."""
-        if self._checkpoint_writer is None:
-            return
-        try:
-            self._checkpoint_writer.wait()
-        except RuntimeError as error:
-            self._say(str(error))
-
-    # ------------------------------------------------------------ evaluation
-
-    # (generation, committed step) of the last evaluation this device took part in. Every
-    # member of a generation runs the same sequence, so this is agreed; a new generation
-    # evaluates its first step boundary again if it is an evaluation's (the old one may
-    # have broken off during it), and the driver keeps one record per step.
-    _evaluated: tuple = (0, -1)
-    _verdict_stop: str = ""  # a callback's on_eval stopped the job at the last evaluation
-
-    def _evaluation_due(self, final: bool = False) -> bool:
-        """Whether the model after `committed` steps is to be evaluated now.
-
-        Every `eval_every` steps, after the last step, and (`final`) at a stop
-        a callback asked for; a function of the committed step and the
-        generation only, so every member reaches the same answer.
-        """
-        if self.job.evaluate is None or self.committed <= 0 or self._evaluated == (self.generation, self.committed):
-            return False
-        every = self.settings.eval_every
-        return final or self.committed == self.settings.total_steps or bool(every and self.committed % every == 0)
-
-    def evaluate(self, ask_driver: bool) -> str:
-        """Evaluate the model after `committed` steps on this generation's devices.
-
-        The devices split the evaluation set's chunks in proportion to the next
-        step's VW assignment (their speeds; flexpar.evaluation), each sums its
-        chunks' metrics, and one all-reduce adds the sums. Only then does the
-        record exist: a failure before it completes leaves nothing published,
-        and the next generation evaluates again. Every member keeps the record
-        (a new rank 0 re-sends it); rank 0 publishes it. With `ask_driver`, the
-        devices then wait for the driver's callbacks' verdict on it; returns
-        the stop reason, or "".
-        """
-        step = self.committed
-        started = time.perf_counter()
-        keys = tuple(self.settings.eval_keys)
-        shares = balance.next_assignment(self.balance_state, self.members, self.job.virtual_workers)
-        samples = evaluation.sample_ranges(len(self.job.eval_dataset), shares, self.job.eval_batch_size)[self.rank]
-        sums = evaluator.evaluate_samples(self.job, self.model, samples, keys, self.device)
-        vector = torch.tensor(evaluation.metric_vector(sums, keys), dtype=torch.float64, device=self.device)
-        self._fault_point("eval", step)  # tests: a death here breaks the all-reduce below
-        if len(self.members) > 1:
-            work = _collective(lambda: dist.all_reduce(vector, async_op=True))
-            _wait(work, self._peer_lost)
-        self._evaluated = (self.generation, step)
-        record = {
-            "kind": "eval", "step": step, "time": time.time(),
-            "elapsed_s": 0.0,  # filled in by the driver, which knows the job's start
-            "generation": self.generation, "devices": list(self.members),
-            "eval_s": time.perf_counter() - started,
-            "metrics": evaluation.metrics_of(vector.cpu().tolist(), keys),
-        }
-        self.recent_records.append(record)
-        if self.rank == 0:
-            self.link.publish(record)
-        if not ask_driver:
-            return ""
-        self._verdict_stop = self._verdict(step)
-        return self._verdict_stop
-
-    def _verdict(self, step: int) -> str:
-        """The driver's callbacks' word on the evaluation at `step`: a stop reason, or "" to go on.
-
-        The driver writes it once, so every member reads the same. A peer that
-        dies meanwhile makes this a failure (the next generation evaluates
-        again and finds the verdict already there).
-        """
-        key = f"verdict/{step}"
-        try:
-            while not self.link.store.check([key]):
-                self.link.check()
-                lost = self._peer_lost()
-                if lost:
-                    raise PeerFailure(f"peer {lost} is gone (reported by the coordinator)")
-                time.sleep(0.002)
-            return self.link.store.get(key).decode()
-        except RuntimeError as error:  # the store, hosted by the driver, is gone
-            self.link.driver_lost = True
-            raise control.DriverLost(f"the job's driver is gone ({str(error).splitlines()[0] if str(error) else error})") from None
-
-    # ------------------------------------------------------------ metrics (rank 0)
-
-    def _step_record(self, step, loss, step_time, busy, assignment, grad_norm=0.0) -> dict:
-        # Every device keeps the record of its last committed step; only rank 0
-        # publishes it. It travels with the state, so a rank 0 that was brought
-        # level after a failure can publish the step it did not commit itself.
-        return ({
-            "kind": "step", "step": step, "time": self.committed_wall,
-            "elapsed_s": 0.0,  # filled in by the driver, which knows the job's start
-            "loss": loss, "samples_per_s": self.job.global_batch / max(step_time, 1e-9),
-            "step_time_s": step_time, "generation": self.generation,
-            "devices": list(self.members), "assignment": list(assignment),
-            "busy_s": busy, "imbalance": balance.imbalance(busy),
-            "lr": float(self.optimizer.param_groups[0]["lr"]),
-            "grad_norm": grad_norm,  # of the applied gradient, before clipping (inf/nan: an fp16 skip)
-        })
-
-    def _publish_event(self, event: str, detail: str, stall_s: float) -> None:
-        self.link.publish({
-            "kind": "event", "event": event, "step": self.committed, "time": time.time(),
-            "generation": self.generation, "devices": list(self.members),
-            "stall_s": stall_s, "detail": detail,
-        })
-
-    def _publish_generation_event(self, record: dict, previous_members: tuple, stall: float) -> None:
-        recovered, self.recovering = self.recovering, False
-        if record["failed"]:
-            self._publish_event("failure", "failed: " + ", ".join(record["failed"]), stall)
-        if record["left"] and recovered and not record["failed"]:
-            # A planned leave ends gracefully at a boundary and breaks no collective; this
-            # generation follows a broken one, so a leaver died on the way (its grace ran
-            # out, or a second SIGTERM): the others lost the step in flight, as in a failure.
-            self._publish_event("failure", "failed: " + ", ".join(record["left"]) + " (while leaving)", stall)
-        elif record["left"]:
-            self._publish_event("leave", "left: " + ", ".join(record["left"]), stall)
-        if record["joined"]:
-            kind = "start" if self.generation == 1 else "join"
-            joined = record["joined"]
-            if kind == "join":  # a joiner's warm-up (compile included) was paid before the stall began
-                warmups = record.get("warmup_s") or {}
-                joined = [f"{device} (warm-up {warmups[device]:.2f} s)" if device in warmups else device
-                          for device in joined]
-            self._publish_event(kind, "joined: " + ", ".join(joined), 0.0 if kind == "start" else stall)
-
-
-# Step records each device keeps for a new rank 0 to send again (the driver drops
-# steps it has): more than a dying rank 0 can have queued unsent.
-_RECORDS_KEPT = 32
-
 _SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}
 
 
-class _StatsLayout:
-    """Where each figure sits in a step's statistics vector (summed across devices).
-
-    busy seconds and newest generation seen, one slot per rank; the loss; the
-    first non-finite VW (+1) per rank; the stop request (the driver asked to
-    stop, or is gone: any device's 1 stops all); the recipes' figures (the sum
-    of the counts of (loss_sum, count) losses, how many VWs returned such a
-    pair, and - fp16 - how many devices' own gradients overflowed: any makes
-    every device skip the step); then the BatchNorm buffers.
-    """
-
-    def __init__(self, world: int):
-        self.busy = slice(0, world)
-        self.seen = slice(world, 2 * world)
-        self.loss = 2 * world
-        self.bad = slice(2 * world + 1, 3 * world + 1)
-        self.stop = 3 * world + 1
-        self.count = 3 * world + 2
-        self.pairs = 3 * world + 3
-        self.overflow = 3 * world + 4
-        self.size = 3 * world + 5
-        self.buffers = slice(self.size, None)
-
-
-def nonfinite_gradient_message(step: int, norm: float) -> str:
-    """A summed gradient with an inf or NaN, every VW's loss being finite (a non-finite loss stops earlier)."""
-    return (
-        f"the gradient is not finite (its norm is {norm}) at step {step}, although the loss of every virtual "
-        "worker is finite: some operation's derivative overflowed (sqrt, log or pow near 0, a division by a "
-        "tiny number, an overflow in reduced precision); training stopped before applying that step. Guard "
-        "that operation or lower the learning rate."
-    )
-
-
-def _mixed_loss_message(step: int, first_kind: Optional[tuple] = None, virtual_worker: Optional[int] = None) -> str:
-    """A loss that returned a pair at some VWs of a step and a scalar at others."""
-    if first_kind is not None:
-        kinds = {True: "a pair (loss_sum, count)", False: "a scalar"}
-        where = (f"virtual worker {first_kind[0]} returned {kinds[first_kind[1]]}, virtual worker "
-                 f"{virtual_worker} {kinds[not first_kind[1]]}")
-    else:
-        where = "some virtual workers returned a pair (loss_sum, count) and others a scalar"
-    return (f"at step {step}, {where}; loss(model, batch) must return the same kind for every batch "
-            "(a pair weights each VW by its count, a scalar weighs every VW alike)")

@@ -1,0 +1,55 @@
+"""The step's statistics vector: where each figure sits, and the messages its verdicts give.
+
+Every device adds its own figures into one small vector that rides in the
+step's last gradient bucket (flexpar.sync); after the sum every device reads
+the same numbers, so every decision taken from them is agreed.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+class StatsLayout:
+    """Where each figure sits in a step's statistics vector (summed across devices).
+
+    busy seconds and newest generation seen, one slot per rank; the loss; the
+    first non-finite VW (+1) per rank; the stop request (the driver asked to
+    stop, or is gone: any device's 1 stops all); the recipes' figures (the sum
+    of the counts of (loss_sum, count) losses, how many VWs returned such a
+    pair, and - fp16 - how many devices' own gradients overflowed: any makes
+    every device skip the step); then the BatchNorm buffers.
+    """
+
+    def __init__(self, world: int):
+        self.busy = slice(0, world)
+        self.seen = slice(world, 2 * world)
+        self.loss = 2 * world
+        self.bad = slice(2 * world + 1, 3 * world + 1)
+        self.stop = 3 * world + 1
+        self.count = 3 * world + 2
+        self.pairs = 3 * world + 3
+        self.overflow = 3 * world + 4
+        self.size = 3 * world + 5
+        self.buffers = slice(self.size, None)
+
+
+def nonfinite_gradient_message(step: int, norm: float) -> str:
+    """A summed gradient with an inf or NaN, every VW's loss being finite (a non-finite loss stops earlier)."""
+    return (
+        f"the gradient is not finite (its norm is {norm}) at step {step}, although the loss of every virtual "
+        "worker is finite: some operation's derivative overflowed (sqrt, log or pow near 0, a division by a "
+        "tiny number, an overflow in reduced precision); training stopped before applying that step. Guard "
+        "that operation or lower the learning rate."
+    )
+
+
+def mixed_loss_message(step: int, first_kind: Optional[tuple] = None, virtual_worker: Optional[int] = None) -> str:
+    """A loss that returned a pair at some VWs of a step and a scalar at others."""
+    if first_kind is not None:
+        kinds = {True: "a pair (loss_sum, count)", False: "a scalar"}
+        where = (f"virtual worker {first_kind[0]} returned {kinds[first_kind[1]]}, virtual worker "
+                 f"{virtual_worker} {kinds[not first_kind[1]]}")
+    else:
+        where = "some virtual workers returned a pair (loss_sum, count) and others a scalar"
+    return (f"at step {step}, {where}; loss(model, batch) must return the same kind for every batch "
+            "(a pair weights each VW by its count, a scalar weighs every VW alike)")

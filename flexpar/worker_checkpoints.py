@@ -1,0 +1,98 @@
+"""A worker's training state: captured for peers and checkpoints, restored, written off the step loop.
+
+The state is the model, optimizer and scheduler plus what must travel with
+them (balancing, fp16 loss scale, cost rates, the last step records); a
+checkpoint is written by a background thread (flexpar.checkpoints) so the
+step loop pays only for an in-memory copy. When the driver is lost, the
+device that was rank 0 writes the last committed step (`_rescue`)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+from typing import Optional
+
+from flexpar import balance, checkpoints, state as training_state
+from flexpar.worker_records import RECORDS_KEPT
+
+
+class WorkerCheckpoints:
+    """Part of `flexpar.worker.Worker` (its attributes are the worker's own; see there)."""
+
+    # ------------------------------------------------------------ state
+
+    def _capture(self) -> dict:
+        extra = {"balance": balance.state_to_dict(self.balance_state), "committed_wall": self.committed_wall,
+                 "recent_records": json.dumps(list(self.recent_records))}
+        if self.scaler is not None:  # fp16: the loss scale travels to joiners and into checkpoints
+            extra["grad_scaler"] = self.scaler.state_dict()
+        if self.cost_planner is not None:  # by cost: joiners plan with the same rates
+            extra["cost_rates"] = self.cost_planner.state()
+        return training_state.capture(self.model, self.optimizer, self.scheduler, self.committed, extra)
+
+    def _restore(self, state: dict) -> None:
+        training_state.restore(self.model, self.optimizer, self.scheduler, state)
+        self.committed = int(state["step"])
+        extra = state.get("extra") or {}
+        if "balance" in extra:
+            self.balance_state = balance.state_from_dict(extra["balance"])
+        self.committed_wall = float(extra.get("committed_wall", self.committed_wall))
+        self.recent_records = collections.deque(json.loads(extra.get("recent_records", "[]")), maxlen=RECORDS_KEPT)
+        if self.scaler is not None and "grad_scaler" in extra:
+            self.scaler.load_state_dict(extra["grad_scaler"])
+        if self.cost_planner is not None and "cost_rates" in extra:
+            self.cost_planner.restore(extra["cost_rates"])
+
+    def _maybe_checkpoint(self) -> None:
+        """Every `checkpoint_every` steps, and always after the last step."""
+        every = self.settings.checkpoint_every
+        if every and (self.committed % every == 0 or self.committed == self.settings.total_steps):
+            self._write_checkpoint(self.settings.checkpoint_dir)
+
+    def _write_checkpoint(self, directory: str) -> str:
+        """Start writing the committed state to `directory`; returns the file's path.
+
+        The step loop pays for a CPU copy of the state only; a background
+        thread writes the file (atomically) and keeps the newest
+        `keep_checkpoints` (flexpar.checkpoints). A write in flight is waited
+        for before the next one starts, in `finish`, on the rescue path and
+        before the process exits.
+        """
+        path = training_state.checkpoint_path(directory, self.committed)
+        self._fault_point("checkpoint", self.committed)
+        writer = self._checkpoint_writer_now()
+        if not os.path.exists(path) and writer.pending != path:  # the last step may be written already
+            writer.submit(directory, self.committed, checkpoints.cpu_copy(self._capture()))
+        return path
+
+    _checkpoint_writer: Optional[checkpoints.CheckpointWriter] = None
+
+    def _checkpoint_writer_now(self) -> checkpoints.CheckpointWriter:
+        if self._checkpoint_writer is None:
+            self._checkpoint_writer = checkpoints.CheckpointWriter(keep=self.settings.keep_checkpoints)
+        return self._checkpoint_writer
+
+    def wait_for_checkpoint(self) -> None:
+        """Return once no checkpoint write is in flight (a failed one is said here, not raised: exiting)."""
+        if self._checkpoint_writer is None:
+            return
+        try:
+            self._checkpoint_writer.wait()
+        except RuntimeError as error:
+            self._say(str(error))
+
+
+    def _rescue(self, step: int) -> None:
+        """The driver is gone: rank 0 writes the last committed step; everyone says where it is."""
+        directory = self.settings.checkpoint_dir or self.settings.rescue_dir
+        if self.rank == 0:
+            path = self._write_checkpoint(directory)
+            self.wait_for_checkpoint()
+        else:
+            path = training_state.checkpoint_path(directory, step)
+            path += f" (written by {self.members[0]})" if self.members else ""
+        command = self.settings.resume_command or (f"flexpar run --resume --checkpoint-dir {directory} "
+                                                   f"{self.settings.script or 'SCRIPT'}")
+        self._say(f"the job's driver is gone (its store stopped answering); the last committed step, "
+                  f"{step}, is in {path}. Resume with: {command}")

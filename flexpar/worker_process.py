@@ -1,0 +1,112 @@
+"""A worker process from start to exit: signals, the Worker's run, and what the exit code says.
+
+`main(args)` is what the driver's and `flexpar join`'s processes run. The
+training itself is `flexpar.worker.Worker`; this module is the process
+around it: Ctrl-C left to the driver, SIGTERM as a planned leave
+(preemption), errors said once to the driver, and an exit that no
+DataLoader or gloo thread can hang.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from flexpar import control
+from flexpar.job import UserCodeError
+from flexpar.worker import Worker
+from flexpar.worker_settings import EXIT_DRIVER_LOST, EXIT_EVICTED, WorkerArgs
+
+
+def main(args: WorkerArgs) -> None:
+    """Entry point of a worker process (local or joining)."""
+    # Ctrl-C reaches the whole process group; the driver alone answers it and stops us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The fork server ignores SIGTERM (launch._sigterm_ignored); until its Worker is built
+    # and it can leave (_leave_on_sigterm), a device told to go simply goes.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    link = control.DeviceLink(args.host, args.port, args.device_id, timeout_s=60.0)
+    worker = None
+    try:
+        try:
+            worker = Worker(args, link)
+        except ValueError as refusal:
+            if "secret" not in str(refusal):
+                raise
+            raise control.Evicted(str(refusal)) from None
+        _leave_on_sigterm(worker)
+        worker.run()
+        code = 0
+    except control.JobStopped:
+        code = 0
+    except control.DriverLost:
+        code = EXIT_DRIVER_LOST  # Worker.run said what happened and where the state is
+    except control.Evicted as refusal:
+        if link.leave_requested_at is not None:
+            code = 0  # asked to stop before it was admitted: it was let go
+        else:
+            print(f"flexpar: device {args.device_id}: {refusal}", file=sys.stderr)
+            code = EXIT_EVICTED
+    except Exception as error:  # the user's code (or ours) raised: stop the job, say why once
+        try:
+            link.events.send({"type": "error", "device_id": args.device_id,
+                              "message": _describe(error), "traceback": traceback.format_exc()})
+        except Exception:  # no driver to tell: say it here
+            traceback.print_exc()
+        code = 1
+    finally:
+        if worker is not None:
+            worker.loader.close()
+            worker.wait_for_checkpoint()  # a checkpoint in flight is finished before the process exits
+        link.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown: DataLoader / gloo threads must not hang the exit
+
+
+# SIGTERMs this close after the first are the same notice: a SLURM step's or a systemd
+# unit's SIGTERM reaches every process, and `flexpar join` passes its own on as well.
+SAME_NOTICE_S = 2.0
+
+
+def _leave_on_sigterm(worker: "Worker") -> None:
+    """SIGTERM (a preemption notice) makes this device leave at the next step boundary.
+
+    The leave is planned (the others lose milliseconds, not a step); a second
+    SIGTERM (more than SAME_NOTICE_S after the first), or no leave within the
+    grace period, kills the process, which the others then recover from as
+    from any failure.
+    """
+    link = worker.link
+    grace_s = worker.args.preemption_grace_s or worker.settings.preemption_grace_s
+
+    def on_sigterm(signum, frame):
+        if link.leave_requested_at is not None:
+            if time.monotonic() - link.leave_requested_at < SAME_NOTICE_S:
+                return  # the same notice twice: to the whole host, and passed on by `flexpar join`
+            print(f"flexpar: device {worker.args.device_id}: second SIGTERM: exiting now", file=sys.stderr,
+                  flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        print(f"flexpar: device {worker.args.device_id}: SIGTERM: leaving at the next step boundary "
+              f"(a second SIGTERM over {SAME_NOTICE_S:g} s later, or {grace_s:g} s without a boundary, "
+              "stops it at once)", file=sys.stderr,
+              flush=True)
+        link.request_leave(worker.proof, grace_s)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _describe(error: Exception) -> str:
+    if isinstance(error, UserCodeError):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
