@@ -882,8 +882,8 @@ def calibration_rows(balance: dict, elastic_raw: dict, probe: dict, noise: float
         {"parameter": "host cores, shared", "value": elastic_costs.host_cores,
          "from": "this host's cores (the probe and the benchmarks share them)"},
         {"parameter": "recovery_notice_s", "value": elastic_costs.recovery_notice_s,
-         "from": "half of each poll on the failure -> new generation path (driver loop, device follower, "
-                 "device wait loop)"},
+         "from": "half of each poll on the failure -> new generation path (device follower, device wait "
+                 "loop; the driver's loop is woken by the reports)"},
         {"parameter": "lost compute, failed step", "value": elastic_extra["failed_step_compute_s"],
          "from": "elastic.py metrics: survivors' busy in 3-device steps, the part after the victim's death "
                  "at 2-process contention"},
@@ -1074,8 +1074,11 @@ def gather_inputs(options, scratch: str) -> tuple:
     else:
         metrics_dir = os.path.join(scratch, "balance-metrics")
         os.makedirs(metrics_dir, exist_ok=True)
+        # The rounds the simulator predicts only: not the V=128 round or balancing by cost,
+        # which it does not model (they more than double balance.py's time).
         balance = run_benchmark("balance.py", os.path.join(scratch, "balance.json"), options.quick,
-                                ["--keep-metrics", metrics_dir])
+                                ["--keep-metrics", metrics_dir, "--fine-virtual-workers", "0",
+                                 "--variable-length", "skip"])
     if options.elastic_json:
         elastic = load_json(options.elastic_json)
     else:
