@@ -17,6 +17,7 @@ from hypothesis import given, settings, strategies as st
 import evaluation_pieces as ep
 import pieces
 from flexpar import evaluation
+from flexpar.control import FOLLOW_ALL_S
 from flexpar.evaluator import evaluate_all
 
 # ------------------------------------------------------------------ the split (pure)
@@ -183,6 +184,13 @@ class EvaluateUntilTheDeviceSetChanges(ep.Evaluate):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"no generation 2 within {self.timeout_s} s of an evaluation in generation 1")
                 time.sleep(0.02)
+            # This read the store itself. The device's own follower thread (flexpar.control.DeviceLink)
+            # sees the generation one poll (DEVICE_POLL_S) after the coordinator's notice, which follows
+            # the key, and at the latest at its next full read (FOLLOW_ALL_S); the device then puts what it
+            # saw into the next step's statistics. Held until the follower has had two full reads, "became
+            # ready during this evaluation" means "applies at the next step boundary"; without the hold, a
+            # short step could pass before the follower's poll (CI saw the leave at step 4, not 3).
+            time.sleep(2 * FOLLOW_ALL_S)
             open(os.path.join(self.folder, f"waited-{multiprocessing.current_process().name}"), "w").close()
         self._past = True
 
