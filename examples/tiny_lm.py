@@ -37,7 +37,7 @@ def main():
         seed=arguments.seed,
         # optimizer -> scheduler; an object rather than a lambda, so that it pickles.
         # The schedule's length is the script's --steps: under `flexpar run`, give the steps to the
-        # script (`flexpar run --devices 2 examples/tiny_lm.py --steps N`), not as flexpar's --steps.
+        # script (`flexpar run --devices 2 examples/tiny_lm.py -- --steps N`), not as flexpar's --steps.
         lr_scheduler=WarmupCosine(total_steps=arguments.steps, warmup_steps=min(20, arguments.steps)),
     )
     model, summary = job.fit(steps=arguments.steps, devices=arguments.devices, schedule=arguments.schedule)

@@ -35,7 +35,7 @@ def write(directory: str, step: int, state) -> str:
     """Write `state` as the checkpoint of `step`, atomically (temporary file, then rename)."""
     os.makedirs(directory, exist_ok=True)
     path = training_state.checkpoint_path(directory, step)
-    temporary = path + ".tmp"
+    temporary = training_state.temporary_path(path)
     with open(temporary, "wb") as handle:
         torch.save(state, handle)
     os.replace(temporary, path)

@@ -666,12 +666,26 @@ class DeviceLink:
         self._leave_proof = ""
         self._leave_grace_s = 30.0
         self._poll_s = poll_s
+        self._follower_store: Optional[dist.TCPStore] = None
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._follow, name="flexpar-link", daemon=True)
         self._thread.start()
 
+    def set_timeout(self, timeout_s: float) -> None:
+        """Use the job's `timeout_s` for every store call from here on (the process starts with a default).
+
+        It bounds how long a store call can wait for an answer: a driver whose
+        host vanished (no connection reset) is noticed within it.
+        """
+        self.timeout_s = timeout_s
+        for store in (self.store, self._follower_store):
+            if store is not None:
+                store.set_timeout(datetime.timedelta(seconds=timeout_s))
+
     def _follow(self) -> None:
         store = connect(self.host, self.port, self.timeout_s)
+        self._follower_store = store
+        store.set_timeout(datetime.timedelta(seconds=self.timeout_s))  # set_timeout may have run meanwhile
         metrics = Channel(store, "metrics")
         beats = 0
         last_beat = 0.0

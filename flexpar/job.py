@@ -6,7 +6,10 @@ import contextlib
 import hashlib
 import math
 import multiprocessing
+import os
 import pickle
+import sys
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -216,17 +219,35 @@ class Job:
         from flexpar import launch, options as options_module
 
         refuse_inside_worker_import()
-        resolved = options_module.resolve(dict(steps=steps, epochs=epochs, devices=devices, **options))
+        verbose = bool(options.get("verbose"))
         try:
+            resolved = options_module.resolve(dict(steps=steps, epochs=epochs, devices=devices, **options))
+            verbose = resolved.verbose
             return launch.run(self, resolved)
-        except (TrainingError, UserCodeError) as error:
-            if resolved.verbose:
+        except (TrainingError, UserCodeError, ValueError) as error:
+            # flexpar's own checks (options, device counts, resume) raise ValueError too; one
+            # raised inside the user's code or a library keeps its traceback, which is the point.
+            if verbose or (isinstance(error, ValueError) and not _raised_by_flexpar(error)):
                 raise
             # The message says what went wrong and where; flexpar's own frames would bury it.
             # Uncaught (a plain `python train.py`), it is shown as one line, on top.
             _show_uncaught_as_one_line()
             error.flexpar_message = True
             raise error.with_traceback(None) from None
+        except KeyboardInterrupt:
+            # Ctrl-C while the driver checks the job and starts its store (launch.run answers
+            # it itself once the devices run): no worker is running yet.
+            if verbose:
+                raise
+            print("flexpar: interrupted (Ctrl-C) before training started", file=sys.stderr, flush=True)
+            raise SystemExit(130) from None
+
+
+def _raised_by_flexpar(error: BaseException) -> bool:
+    """Whether `error` was raised by flexpar's own code (its innermost frame is in this package)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and os.path.dirname(os.path.abspath(frames[-1].filename)).startswith(
+        os.path.dirname(os.path.abspath(__file__)))
 
 
 def _show_uncaught_as_one_line() -> None:
@@ -236,17 +257,15 @@ def _show_uncaught_as_one_line() -> None:
     framework keeps theirs), and only for errors fit() raised with a message
     worded for the user; everything else reaches the previous hook unchanged.
     """
-    import sys
-
     if sys.excepthook is not sys.__excepthook__:
         return
     previous = sys.excepthook
 
-    def hook(kind, value, traceback):
+    def hook(kind, value, trace):
         if getattr(value, "flexpar_message", False):
             print(f"flexpar: {value}", file=sys.stderr, flush=True)
         else:
-            previous(kind, value, traceback)
+            previous(kind, value, trace)
 
     sys.excepthook = hook
 
@@ -265,9 +284,6 @@ def refuse_inside_worker_import() -> None:
     which sees its exit code, says so once (not once per worker).
     """
     if getattr(multiprocessing.current_process(), "_inheriting", False):
-        import os
-        import sys
-
         sys.stderr.flush()
         os._exit(EXIT_MAIN_GUARD)
 

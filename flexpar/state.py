@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Optional
@@ -276,11 +277,17 @@ def checkpoint_step(path: str) -> int:
     return int(match.group(1))
 
 
+def temporary_path(path: str) -> str:
+    """Where a writer of `path` writes before its atomic rename: its own name, so that two processes
+    writing the same step to a shared folder (survivors of a lost driver) never mix their bytes."""
+    return f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
+
+
 def write_checkpoint(directory: str, state_bytes: bytes, step: int) -> str:
     """Write atomically (temporary file, then rename): a crash never leaves half a file."""
     os.makedirs(directory, exist_ok=True)
     path = checkpoint_path(directory, step)
-    temporary = path + ".tmp"
+    temporary = temporary_path(path)
     with open(temporary, "wb") as handle:
         handle.write(state_bytes)
     os.replace(temporary, path)

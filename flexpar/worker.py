@@ -103,6 +103,7 @@ class Worker(WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
             torch.cuda.set_device(self.device)
         self.job = pickle.loads(control.get_blob(link.store, "job/payload", args.secret))
         self.settings = RunSettings(**control.get_json(link.store, "job/settings"))
+        link.set_timeout(self.settings.timeout_s)  # a vanished driver is noticed within the job's timeout
         self.model = build_model(self.job).to(self.device)
         self.optimizer, self.scheduler = build_optimizer(self.job, self.model)
         self.sync = GradientSync(self.model, self.device, self.settings.bucket_mb, peer_lost=self._peer_lost)
@@ -172,10 +173,10 @@ class Worker(WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
         except control.DriverLost:
             if self.phase is Phase.STOPPING:
                 raise  # the members stopped together and said where the state is
-            # Lost outside a step (waiting, forming): no peer can be asked, so the
-            # device that was rank 0 of the last generation writes what it holds.
+            # Lost outside a healthy step (waiting, forming, or a collective failed with it):
+            # no peer can be asked who is alive, so every member writes what it committed.
             if self.committed >= 0 and self.members:
-                self._rescue(self.committed)
+                self._rescue(self.committed, agreed=False)
             else:
                 self._say("the job's driver is gone; this device held no committed state")
             raise
@@ -308,7 +309,7 @@ class Worker(WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
         """Every member committed the same step and stops: the driver asked, or is gone."""
         self.phase = Phase.STOPPING
         if self.link.driver_lost:
-            self._rescue(self.committed)
+            self._rescue(self.committed, agreed=True)
             raise control.DriverLost("the job's driver is gone")
         # Another member may have seen the request first: ask the store for its words,
         # so that every member agrees on the reason (a callback's stop evaluates once more).

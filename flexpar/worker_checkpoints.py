@@ -4,7 +4,8 @@ The state is the model, optimizer and scheduler plus what must travel with
 them (balancing, fp16 loss scale, cost rates, the last step records); a
 checkpoint is written by a background thread (flexpar.checkpoints) so the
 step loop pays only for an in-memory copy. When the driver is lost, the
-device that was rank 0 writes the last committed step (`_rescue`)."""
+device that was rank 0 writes the last committed step, or every survivor
+does where rank 0 may have gone too (`_rescue`)."""
 
 from __future__ import annotations
 
@@ -83,10 +84,19 @@ class WorkerCheckpoints:
             self._say(str(error))
 
 
-    def _rescue(self, step: int) -> None:
-        """The driver is gone: rank 0 writes the last committed step; everyone says where it is."""
+    def _rescue(self, step: int, agreed: bool) -> None:
+        """The driver is gone: write the last committed step somewhere a resume finds it; say where.
+
+        `agreed`: the members stopped together in a step (every one of them is
+        alive and holds step `step`), so rank 0 alone writes. Otherwise a
+        collective failed as well (rank 0 may have gone with the driver, as
+        when the driver's host dies), and with the store gone no survivor can
+        learn which others are alive: each one writes what it committed. On a
+        shared folder that is one file per step (each writer renames its own
+        temporary file into place); on separate hosts each keeps its own copy.
+        """
         directory = self.settings.checkpoint_dir or self.settings.rescue_dir
-        if self.rank == 0:
+        if self.rank == 0 or not agreed:
             path = self._write_checkpoint(directory)
             self.wait_for_checkpoint()
         else:

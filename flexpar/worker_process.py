@@ -33,6 +33,7 @@ def main(args: WorkerArgs) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if args.threads:
         torch.set_num_threads(args.threads)
+    # 60 s until the Worker has read the job's settings, then the job's timeout_s (Worker.__init__).
     link = control.DeviceLink(args.host, args.port, args.device_id, timeout_s=60.0)
     worker = None
     try:

@@ -59,7 +59,7 @@ def test_submit_returns_before_the_file_is_written(tmp_path, monkeypatch):
     assert writer.busy and not os.path.exists(path), "the step loop goes on while the file is written"
     release.set()
     writer.wait()
-    assert os.path.exists(path) and not os.path.exists(path + ".tmp")
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(path)], "no temporary file is left"
 
 
 def test_a_failed_write_is_raised_at_the_next_wait(tmp_path):

@@ -11,6 +11,8 @@ import textwrap
 import threading
 import time
 
+import pytest
+
 from conftest import flexpar_command
 from flexpar import launch
 from flexpar.options import FitOptions
@@ -371,3 +373,85 @@ def test_a_plain_python_run_says_a_user_error_in_one_line_on_top(tmp_path):
     assert run.returncode == 1
     assert run.stderr.startswith("flexpar: fit() was called while a worker process imported your script"), run.stderr
     assert run.stderr.count('if __name__ == "__main__":') == 1 and "Traceback" not in run.stderr, run.stderr
+
+
+CLUSTER_VARIABLES = ("FLEXPAR_ADDRESS", "MASTER_ADDR", "MASTER_PORT", "PET_RDZV_ENDPOINT",
+                     "FLEXPAR_SECRET", "FLEXPAR_SECRET_FILE")
+
+
+def test_run_listens_where_the_cluster_environment_points(monkeypatch):
+    """`flexpar run` under torchrun-style variables: their port, every interface unless the host is loopback."""
+    import argparse
+
+    from flexpar import cli
+
+    for variable in CLUSTER_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "trainer-0.jobs.svc")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    arguments = argparse.Namespace(host=None, port=None)
+    cli._listen_address(arguments)
+    assert (arguments.host, arguments.port) == ("0.0.0.0", 29500), "reached from other hosts: every interface"
+    monkeypatch.setenv("FLEXPAR_ADDRESS", "127.0.0.1:4000")  # wins over MASTER_*
+    arguments = argparse.Namespace(host=None, port=None)
+    cli._listen_address(arguments)
+    assert (arguments.host, arguments.port) == ("127.0.0.1", 4000), "loopback stays loopback"
+    arguments = argparse.Namespace(host="127.0.0.2", port=5000)
+    cli._listen_address(arguments)
+    assert (arguments.host, arguments.port) == ("127.0.0.2", 5000), "flags win over the environment"
+
+
+def test_the_secret_comes_from_the_flag_then_the_value_then_the_file(monkeypatch, tmp_path):
+    from flexpar import cli
+
+    for variable in CLUSTER_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    flag_file, mounted = tmp_path / "flag", tmp_path / "mounted"
+    flag_file.write_text("from-flag\n")
+    mounted.write_text("from-mounted-file\n")
+    assert cli.read_secret(None) is None
+    monkeypatch.setenv("FLEXPAR_SECRET_FILE", str(mounted))
+    assert cli.read_secret(None) == "from-mounted-file"
+    monkeypatch.setenv("FLEXPAR_SECRET", "from-value")
+    assert cli.read_secret(None) == "from-value"
+    assert cli.read_secret(str(flag_file)) == "from-flag"
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        cli.read_secret(str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="cannot read the secret file"):
+        cli.read_secret(str(tmp_path / "missing"))
+
+
+def test_a_plain_python_run_says_flexpars_own_refusal_in_one_line(tmp_path):
+    """A bad option (here more CPU devices than cores, without oversubscribe) is flexpar's own ValueError:
+    one line on top, no traceback; a ValueError raised in the user's own code keeps its traceback."""
+    script = tmp_path / "too_many.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {TESTS!r})
+        import pieces
+        from flexpar.launch import cpu_count
+        if __name__ == "__main__":
+            devices = cpu_count() + 1
+            pieces.make_job(virtual_workers=devices, global_batch=4 * devices).fit(steps=3, devices=devices,
+                                                                                  display=False)
+    """))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 1
+    assert run.stderr.startswith("flexpar: ") and "--oversubscribe" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and run.stderr.count("\n") == 1, run.stderr
+
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {TESTS!r})
+        import pieces
+
+        def broken_model():
+            raise ValueError("the user's own mistake")
+
+        if __name__ == "__main__":
+            pieces.make_job(model=broken_model).fit(steps=3, devices=1, display=False)
+    """))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 1
+    assert "Traceback" in run.stderr and "broken_model" in run.stderr and "the user's own mistake" in run.stderr

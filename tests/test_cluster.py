@@ -3,6 +3,7 @@ environment, and a job that survives the loss of its driver as a checkpoint it c
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -190,6 +191,67 @@ def test_kill_9_of_the_driver_leaves_a_checkpoint_that_resumes(tmp_path, command
     model = pieces.make_model()
     model.load_state_dict(torch.load(tmp_path / "final.pt", weights_only=True))
     pieces.assert_same_parameters(model, pieces.reference(pieces.make_job(), 60), atol=LONG_RUN_ATOL)
+
+
+# Records each worker's pid under its device id (pid-local-N in the job's folder), so a test can kill
+# one device together with the driver, as the death of the driver's host does.
+PID_RECORDING_JOB = """
+import dataclasses, multiprocessing, os, torch
+
+
+class PidRecordingLoss(pieces.Loss):
+    def __call__(self, model, batch):
+        name = multiprocessing.current_process().name.replace("flexpar-", "pid-")
+        if name.startswith("pid-") and not os.path.exists(name):
+            with open(name + ".tmp", "w") as handle:
+                handle.write(str(os.getpid()))
+            os.replace(name + ".tmp", name)
+        return super().__call__(model, batch)
+
+
+if __name__ == "__main__":
+    job = dataclasses.replace(pieces.make_job(virtual_workers=6), loss=PidRecordingLoss(0.02))
+    model, summary = job.fit(steps=60, devices=3)
+    torch.save(model.state_dict(), "final.pt")
+"""
+
+
+@pytest.mark.timeout(400)
+def test_the_driver_and_rank_0_killed_together_leave_the_survivors_checkpoint(tmp_path, command_line_job):
+    """The driver's host dies with local-0 (rank 0) on it: the survivors' step fails as well, no one can
+    ask who is left, and each survivor writes the step it committed; the resume equals the whole run."""
+    metrics = tmp_path / "m.jsonl"
+    timeout_s = 10
+    flags = ["--oversubscribe", "--no-display", "--timeout", str(timeout_s), "--metrics", str(metrics)]
+    job = command_line_job(flags, PID_RECORDING_JOB).wait_for_banner()
+    _wait_for(lambda: metrics.exists() and sum(r["kind"] == "step" for r in _records(metrics)) >= 10
+              and all((tmp_path / f"pid-local-{index}").exists() for index in range(3)), "ten steps")
+    workers = _descendants(job.process.pid)
+    rank_0 = int((tmp_path / "pid-local-0").read_text())
+    assert rank_0 in workers
+    os.kill(job.process.pid, signal.SIGKILL)
+    os.kill(rank_0, signal.SIGKILL)
+    _wait_for(lambda: not any(_alive(pid) for pid in workers), "the workers to exit", timeout_s=timeout_s + 10)
+    _, err = job.output()
+    notes = [line for line in err.splitlines() if "the job's driver is gone" in line]
+    assert sorted(note.split(":")[1].strip() for note in notes) == ["device local-1", "device local-2"], err
+    assert not any("written by" in note for note in notes), "each survivor wrote its own, none names local-0"
+    said = [re.search(r"the last committed step, (\d+), is in (\S+)\. Resume with", note) for note in notes]
+    assert all(said), notes
+    for match in said:
+        assert os.path.exists(match.group(2)) and match.group(2).endswith(f"step-{int(match.group(1)):08d}.pt")
+    saved_step = max(int(match.group(1)) for match in said)
+    committed = [r["step"] for r in _records(metrics) if r["kind"] == "step"]
+    assert saved_step >= max(committed) + 1, "the checkpoint holds the last committed step"
+
+    command = shlex.split(notes[0].split("Resume with: ", 1)[1])
+    resumed = flexpar_command(*command[1:], timeout_s=300, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming from step {saved_step}" in resumed.stdout
+    model = pieces.make_model()
+    model.load_state_dict(torch.load(tmp_path / "final.pt", weights_only=True))
+    pieces.assert_same_parameters(model, pieces.reference(pieces.make_job(virtual_workers=6), 60),
+                                  atol=LONG_RUN_ATOL)
 
 
 # ------------------------------------------------------------ hung peers and faults at boundaries
