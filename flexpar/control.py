@@ -629,9 +629,9 @@ DEVICE_POLL_S = 0.02
 # Followers used to poll the store 50 times a second; each poll woke a thread in the
 # worker and the store's thread in the driver, and where every core computes (one CPU
 # device takes them all) each wake-up preempts a compute thread, whose OpenMP team then
-# waits for it at its next barrier (benchmarks/overhead.py, accumulation_ratio). A
-# follower still reads every key each FOLLOW_ALL_S, so a writer that does not tell is
-# seen late, not never.
+# waits for it at its next barrier. Now a notice reaches a device at once instead of
+# within a poll. A follower still reads every key each FOLLOW_ALL_S, so a writer that
+# does not tell is seen late, not never.
 NOTICE_KEY = "devices/notice"
 FOLLOW_ALL_S = 2.0
 HEARTBEAT_S = 0.5
