@@ -736,15 +736,15 @@ def compare_elastic(elastic: dict, probe: dict) -> tuple:
 def recovery_notice_seconds() -> float:
     """Expected time from the survivors' failure reports to their seeing the rebuilt generation.
 
-    The chain runs through one poll, waited half its period on average: the
-    survivor's own wait loop (it reads what its follower thread saw). The
-    follower is woken by the coordinator's notice (control.NoticeWaiter) and
-    the driver's loop by the reports themselves (control.DriverWaker), so they
-    add store round trips only, which (a fraction of a millisecond each) are
-    left out. A planned change has no such chain: its generation rides in the
+    The chain runs through two polls, each waited half its period on average:
+    the device's follower thread (it reads the published generation), and the
+    survivor's own wait loop (it reads what the follower saw). The driver's
+    loop is woken by the reports themselves (control.DriverWaker), so it adds
+    store round trips only, which (a fraction of a millisecond each) are left
+    out. A planned change has no such chain: its generation rides in the
     step's all-reduce.
     """
-    return 0.5 * control.DEVICE_POLL_S
+    return 0.5 * (2 * control.DEVICE_POLL_S)
 
 
 def fault_death_fraction(phase: str, victim_vws: int, backward_fraction: float) -> float:

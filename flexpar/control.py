@@ -616,79 +616,37 @@ class Coordinator:
 # ---------------------------------------------------------------- device side
 
 
-# How often a device waiting for a generation looks at what its follower thread saw.
+# How often a device's follower thread reads the store, and how often a device
+# waiting for a generation looks at what the follower saw.
 DEVICE_POLL_S = 0.02
 
 # Devices follow a few keys: gen/latest, gen/<G>/dead, stop, finish, speed/<device> and
 # reply/<device>. Whoever writes one of them does so with `tell_devices`, which then
-# bumps NOTICE_KEY to N and sets NOTICE_KEY/N. A thread of each device waits in the
-# store for the next of those keys (NoticeWaiter: TCPStore's wait, held by the store's
-# server, no polling) and wakes the device's follower thread, which reads the keys.
-# Between notices the follower wakes only to beat its heartbeat (HEARTBEAT_S), to send
-# what the step loop queued (it is woken for that too), and every FOLLOWER_IDLE_S.
-# Followers used to poll the store 50 times a second; each poll woke a thread in the
-# worker and the store's thread in the driver, and where every core computes (one CPU
-# device takes them all) each wake-up preempts a compute thread, whose OpenMP team then
-# waits for it at its next barrier. Now a notice reaches a device at once instead of
-# within a poll. A follower still reads every key each FOLLOW_ALL_S, so a writer that
-# does not tell is seen late, not never.
+# bumps NOTICE_KEY: a follower reads that one counter per poll, and the keys only when
+# it moved. Reading them all at every poll took seven store round trips, 50 times a
+# second; each wakes a thread in the worker and the store's thread in the driver, and
+# where every core computes (one CPU device takes them all) each wake-up preempts a
+# compute thread, whose OpenMP team then waits for it. (A one-device job's overhead
+# against a plain accumulation loop turned out to be page faults, not these wake-ups:
+# worker_process.keep_freed_memory.) A follower still reads every key each FOLLOW_ALL_S,
+# so a writer that does not tell is seen late, not never.
 NOTICE_KEY = "devices/notice"
-FOLLOW_ALL_S = 2.0
-HEARTBEAT_S = 0.5
-FOLLOWER_IDLE_S = 0.25
+FOLLOW_ALL_S = 0.5
 
 
 def tell_devices(store, key: str, value: str) -> None:
-    """Set `key`, one of the keys devices follow, and wake their followers to read it (NOTICE_KEY)."""
+    """Set `key`, one of the keys devices follow, and have their followers read it (NOTICE_KEY)."""
     store.set(key, value)
-    notice = store.add(NOTICE_KEY, 1)
-    store.set(f"{NOTICE_KEY}/{notice}", "")
-
-
-class NoticeWaiter:
-    """A thread of a device that waits in the store for the devices' next notice and sets `woken`.
-
-    `tell_devices` bumps NOTICE_KEY to N, then sets NOTICE_KEY/N; this thread
-    waits for the key after the newest count it read, on a client of its own
-    (a wait holds its connection). A notice sent while it reads the count is
-    either counted or its key is the one waited for: none is missed. If the
-    store is gone the wait fails: the thread sets `woken` (the follower then
-    finds out) and ends. The thread is a daemon: its wait ends with the
-    process, or when the store goes.
-    """
-
-    # As DriverWaker's: a wait that long never times out in practice (a client whose wait
-    # timed out may still get the late answer, so none is ever let time out).
-    _WAIT = datetime.timedelta(days=7)
-
-    def __init__(self, host: str, port: int, timeout_s: float, woken: threading.Event,
-                 closing: threading.Event):
-        self.woken, self._closing = woken, closing
-        self._thread = threading.Thread(target=self._run, args=(host, port, timeout_s),
-                                        name="flexpar-notices", daemon=True)
-        self._thread.start()
-
-    def _run(self, host: str, port: int, timeout_s: float) -> None:
-        try:
-            client = connect(host, port, timeout_s)
-            seen = client.add(NOTICE_KEY, 0)
-            while not self._closing.is_set():
-                client.wait([f"{NOTICE_KEY}/{seen + 1}"], self._WAIT)
-                seen = max(seen + 1, client.add(NOTICE_KEY, 0))
-                self.woken.set()
-        except Exception:  # the store (the driver) is gone, or never answered: the follower finds out
-            self.woken.set()
+    store.add(NOTICE_KEY, 1)
 
 
 class DeviceLink:
     """A worker's connection to the coordinator.
 
     A background thread follows the published generation, the stop flag and
-    this device's reply key, sends the records the step loop queues, and
-    beats the heartbeat, on its own store client: the training loop reads
-    plain attributes and never waits on the store between steps. The
-    follower sleeps until a notice (NoticeWaiter), a queued record or its
-    next heartbeat wakes it.
+    this device's reply key, and bumps the heartbeat, on its own store client:
+    the training loop reads plain attributes and never waits on the store
+    between steps.
     """
 
     def __init__(self, host: str, port: int, device_id: str, timeout_s: float, poll_s: float = DEVICE_POLL_S):
@@ -710,8 +668,6 @@ class DeviceLink:
         self._poll_s = poll_s
         self._follower_store: Optional[dist.TCPStore] = None
         self._closing = threading.Event()
-        self._wake = threading.Event()  # the follower's: a notice, a queued record, closing
-        self._notices = NoticeWaiter(host, port, timeout_s, self._wake, self._closing)
         self._thread = threading.Thread(target=self._follow, name="flexpar-link", daemon=True)
         self._thread.start()
 
@@ -750,7 +706,7 @@ class DeviceLink:
                     self._outbox.task_done()
                 now = time.monotonic()
                 self._enforce_leave_grace(now)
-                if now - last_beat >= HEARTBEAT_S:
+                if now - last_beat > 0.5:
                     beats += 1
                     store.set(f"heartbeat/{self.device_id}", str(beats))
                     last_beat = now
@@ -758,9 +714,7 @@ class DeviceLink:
                 self.driver_lost = True
                 self._wait_out_leave_grace()
                 return
-            # Cleared once woken, before the next pass reads: what wakes it later is read then.
-            self._wake.wait(min(FOLLOWER_IDLE_S, max(0.0, last_beat + HEARTBEAT_S - time.monotonic())))
-            self._wake.clear()
+            self._closing.wait(self._poll_s)
         try:
             while not self._outbox.empty():
                 metrics.send(self._outbox.get())
@@ -815,7 +769,6 @@ class DeviceLink:
     def publish(self, record: dict) -> None:
         """Queue a metrics record; the follower thread sends it, off the step's critical path."""
         self._outbox.put(record)
-        self._wake.set()
 
     def flush(self) -> None:
         """Wait until every queued record has been sent."""
@@ -828,10 +781,6 @@ class DeviceLink:
         The step loop passes `driver_loss_handled=True`: it agrees with its
         peers on stopping (in the step's statistics) instead.
         """
-        if self._leave_proof:
-            # SIGTERM asked to leave: the handler only sets attributes (an Event's lock is not
-            # safe in a signal handler); the follower sends the request as soon as it is woken.
-            self._wake.set()
         if self.reply is not None:
             raise Evicted(self.reply)
         if self.stop_reason is not None:
@@ -903,5 +852,4 @@ class DeviceLink:
     def close(self) -> None:
         """Stop following; records still queued are sent first."""
         self._closing.set()
-        self._wake.set()
         self._thread.join(timeout=5)

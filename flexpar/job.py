@@ -246,8 +246,10 @@ class Job:
 def _raised_by_flexpar(error: BaseException) -> bool:
     """Whether `error` was raised by flexpar's own code (its innermost frame is in this package)."""
     frames = traceback.extract_tb(error.__traceback__)
-    return bool(frames) and os.path.dirname(os.path.abspath(frames[-1].filename)).startswith(
-        os.path.dirname(os.path.abspath(__file__)))
+    if not frames:
+        return False
+    package = os.path.dirname(os.path.abspath(__file__))
+    return os.path.commonpath([package, os.path.abspath(frames[-1].filename)]) == package
 
 
 def _show_uncaught_as_one_line() -> None:

@@ -185,12 +185,12 @@ class EvaluateUntilTheDeviceSetChanges(ep.Evaluate):
                     raise RuntimeError(f"no generation 2 within {self.timeout_s} s of an evaluation in generation 1")
                 time.sleep(0.02)
             # This read the store itself. The device's own follower thread (flexpar.control.DeviceLink)
-            # reads the generation when the coordinator's notice, which follows the key, wakes it, and at
-            # the latest at its next full read (FOLLOW_ALL_S); the device then puts what it saw into the
-            # next step's statistics. Held for a full read, "became ready during this evaluation" means
-            # "applies at the next step boundary"; without the hold, a short step could pass before the
-            # follower's read (CI saw the leave at step 4, not 3).
-            time.sleep(FOLLOW_ALL_S)
+            # sees the generation one poll (DEVICE_POLL_S) after the coordinator's notice, which follows
+            # the key, and at the latest at its next full read (FOLLOW_ALL_S); the device then puts what it
+            # saw into the next step's statistics. Held until the follower has had two full reads, "became
+            # ready during this evaluation" means "applies at the next step boundary"; without the hold, a
+            # short step could pass before the follower's poll (CI saw the leave at step 4, not 3).
+            time.sleep(2 * FOLLOW_ALL_S)
             open(os.path.join(self.folder, f"waited-{multiprocessing.current_process().name}"), "w").close()
         self._past = True
 
