@@ -166,6 +166,24 @@ class EvaluateUntilTheDeviceSetChanges(ep.Evaluate):
         super().__init__(0.0)
         self.port, self.folder, self.timeout_s = port, folder, timeout_s
         self._past = False
+        self._store = None
+
+    # In a worker the store client connects when the job is unpickled (the worker's start), so that
+    # its first look at the generation, at the first evaluation batch, costs no connection.
+    def __getstate__(self):
+        return {**self.__dict__, "_store": None}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if multiprocessing.current_process().name.startswith("flexpar-"):
+            self._store = self._connect()
+
+    def _connect(self):
+        import datetime
+
+        import torch.distributed as dist
+
+        return dist.TCPStore("127.0.0.1", self.port, is_master=False, timeout=datetime.timedelta(seconds=30))
 
     def __call__(self, model, batch):
         if not self._past and multiprocessing.current_process().name.startswith("flexpar-"):
@@ -173,11 +191,7 @@ class EvaluateUntilTheDeviceSetChanges(ep.Evaluate):
         return super().__call__(model, batch)
 
     def _wait_for_a_new_generation(self) -> None:
-        import datetime
-
-        import torch.distributed as dist
-
-        store = dist.TCPStore("127.0.0.1", self.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        store = self._store or self._connect()
         if store.get("gen/latest") == b"1":
             deadline = time.monotonic() + self.timeout_s
             while store.get("gen/latest") == b"1":
@@ -237,7 +251,13 @@ def test_a_scheduled_leave_landing_during_an_evaluation_waits_for_the_next_step_
     port = _free_port()
     job = _held_job(str(tmp_path), port, virtual_workers=6, eval_batch=20)
     model, summary = train(job, steps=6, devices=3, eval_every=2, schedule="2:-1", port=port)
-    assert _waited(tmp_path) == [f"waited-flexpar-local-{index}" for index in range(3)]
+    # The driver asks for the leave when it reads step 2's record, which rank 0 sends as it starts
+    # evaluating: a device may find the leave accepted before its first evaluation batch (CI saw
+    # local-0 do so). The evaluation cannot end before every device's does (their sums meet in one
+    # all-reduce), so one device held until the leave was accepted is enough for "accepted during
+    # the evaluation"; that it still ran on all three devices is asserted below.
+    waited = _waited(tmp_path)
+    assert waited and set(waited) <= {f"waited-flexpar-local-{index}" for index in range(3)}, waited
     evals = _evals(metrics_file)
     assert [record["step"] for record in evals] == [2, 4, 6], "one record per evaluated step"
     assert [len(record["devices"]) for record in evals] == [3, 2, 2]
