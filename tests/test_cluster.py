@@ -301,6 +301,20 @@ def test_a_device_that_cannot_leave_within_the_grace_period_fails_over(train, me
     pieces.assert_same_parameters(model, pieces.reference(job, 6))
 
 
+def test_a_second_sigterm_to_a_leaving_device_stops_it_at_once(train, metrics_file):
+    """SIGTERM at a step's first forward, then another at the same step's gradient sum, over
+    SAME_NOTICE_S later (two VWs of 1.5 s): the device kills itself there instead of waiting for the
+    boundary, the others recover as from a failure, and the result is unchanged."""
+    job = pieces.make_job(virtual_workers=6, delay_s=1.5)
+    model, summary = train(job, steps=4, devices=3, faults="1:local-1:forward:term,1:local-1:sync:term")
+    events = [r for r in _records(metrics_file) if r["kind"] == "event" and r["event"] in ("leave", "failure")]
+    assert [(e["event"], e["detail"]) for e in events] in (
+        [("failure", "failed: local-1")],
+        [("failure", "failed: local-1 (while leaving)")],
+    )
+    pieces.assert_same_parameters(model, pieces.reference(job, 4))
+
+
 SLOW_START_JOB = """
 if __name__ == "__main__":
     pieces.make_job(model=pieces.make_model_slowly).fit(steps=1000, devices=2)

@@ -318,3 +318,21 @@ def test_tiny_lm_pieces_pickle_by_reference_and_build_a_valid_job():
 def test_tiny_lm_command_line_defaults_and_flags():
     arguments = tiny_lm.parse_arguments(["--steps", "9", "--max-bytes", "5000"])
     assert (arguments.steps, arguments.max_bytes, arguments.devices) == (9, 5000, None)
+
+
+# ---------------------------------------------------------------- hf_gpt, run as a script
+
+
+def test_hf_gpt_script_without_transformers_names_the_extra_to_install():
+    """`python examples/hf_gpt.py` on an install without the [hf] extra: one line naming it, exit 1,
+    before any argument is read or any process starts (transformers hidden from the import system)."""
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "hf_gpt.py")
+    hide = ("import runpy, sys; sys.modules['transformers'] = None; sys.argv = [sys.argv[1], '--steps', '1']; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    run = subprocess.run([sys.executable, "-c", hide, script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert run.stderr.strip() == 'examples/hf_gpt.py needs Hugging Face transformers: pip install "flexpar[hf]"'
