@@ -440,6 +440,9 @@ def _floor_worker(rank: int, world: int, port: int, model_name: str, repeats: in
 
     import torch.distributed as dist
 
+    from flexpar.worker_process import keep_freed_memory
+
+    keep_freed_memory()  # the source and the others are workers in a job: as every worker does first
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=120))
     model, optimizer = trained_state(Settings(quick=model_name == "small", rounds=1))
@@ -494,21 +497,29 @@ def _floor_worker(rank: int, world: int, port: int, model_name: str, repeats: in
 def _fresh_receiver(port: int, repeat: int, model_name: str, results) -> None:
     """A joiner's side of the transfer, in a process that never held the state.
 
-    Like a joiner, it has built the model, receives the model's tensors into
-    its own (`receive_state` with its state_dict) and the rest into fresh
-    memory, then restores. It says when it is built: the floor waits for
-    every receiver before it measures anything.
+    Like a joiner (flexpar.worker_process.main, Worker.warm_up), it keeps the
+    memory it frees (`keep_freed_memory`, every worker's first call), has
+    built the model and run one VW's forward and backward without an update,
+    receives the model's tensors into its own (`receive_state` with its
+    state_dict) and the rest into fresh memory, then restores. Forked from
+    flexpar's fork server (fit() started it), it has the workers' allocator
+    tunables too. It says when it is built: the floor waits for every
+    receiver before it measures anything.
     """
     import datetime
 
     import torch.distributed as dist
 
     from flexpar import state as training_state
+    from flexpar.worker_process import keep_freed_memory
 
+    keep_freed_memory()
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=180))
     model = model_factory(Settings(quick=model_name == "small", rounds=1))()
     optimizer = adam(model.parameters())
+    cross_entropy(model, make_dataset()[:GLOBAL_BATCH // VIRTUAL_WORKERS]).backward()  # the warm-up
+    optimizer.zero_grad(set_to_none=True)
     store.add("floor/joiners_built", 1)
     dist.init_process_group("gloo", store=dist.PrefixStore(f"join/{repeat}", store), rank=1, world_size=3,
                             timeout=datetime.timedelta(seconds=120))

@@ -20,7 +20,7 @@ Which measured figure calibrates which model parameter, and which are predicted
 | all-reduce bandwidth | probe: gloo all-reduce of those bytes over 4 processes |
 | optimizer_s | probe: the balance job's optimizer step |
 | host_cores | this host's cores: CPU phases of a boundary or a step stretch by busy processes / cores when there are more processes |
-| pg_formation_s, pg_formation_per_device_s | probe: a boundary without a state transfer, each right after a training step of elastic.py's job in every member as in a job (the generation lookup, flexpar's `GroupReaper` and `fresh_group`, as `Worker.enter` uses them: the old group retired, a fresh one, "formed", `take_stock`'s one small all-reduce, the old group released after it) in groups of 2 and 3 running processes, timed by the member that arrives last, each divided by its host contention, then a least-squares line with both terms >= 0 (the 4-process boundary is a check, not in the fit) |
+| pg_formation_s, pg_formation_per_device_s | probe: a boundary without a state transfer, each right after a training step of elastic.py's job in every member as in a job (the generation lookup, the members meeting in the store (`control.meet`), flexpar's `GroupReaper` and `fresh_group`, as `Worker.enter` uses them: the old group retired, a fresh one, "formed", `take_stock`'s one small all-reduce, the old group released after it) in groups of 2 and 3 running processes, timed by the member that arrives last, each divided by its host contention, then a least-squares line with both terms >= 0 (the 4-process boundary is a check, not in the fit) |
 | recovery_notice_s | flexpar's poll periods: half of each poll on the path from the survivors' failure reports to their seeing the new generation |
 | state bytes, broadcast bandwidth | elastic.py `state_bytes` and its `flexpar_transfer_parts_s` (flexpar's own transfer path, timed on its own outside fit(): receive_state in a fresh process, as a joiner receives, which spans the source's capture and send_state; then restore) |
 | detection_s | probe: a peer killed with SIGKILL during an all-reduce, until the first survivor's error (elastic.py's victim dies long before the survivors reach the all-reduce, so there it only bounds when they can learn of it) |
@@ -441,7 +441,8 @@ def _probe_boundaries(rank: int, world: int, store, repeats: int, step: Callable
     Each repeat follows a training step of elastic.py's job in every member
     (`elastic_step`), as a boundary follows a commit, and then does what a
     boundary does from a commit on when nobody needs the state (`Worker.run` and `Worker.enter`): read the generation's record
-    from the store, retire the old group (flexpar's `GroupReaper`) and form a
+    from the store, meet the other members there (`control.meet`, as
+    `DeviceLink.gather`), retire the old group (flexpar's `GroupReaper`) and form a
     fresh one (`fresh_group`, which releases the old group at the end),
     report it formed and take stock (source, receivers, last commit: one
     all-reduce). Every member times it from its own arrival, so the member
@@ -467,6 +468,7 @@ def _probe_boundaries(rank: int, world: int, store, repeats: int, step: Callable
             step()
             started = time.perf_counter()
             control.get_json(store, "probe/generation")  # the new generation's record
+            control.meet(store, f"probe/{size}/{repeat}/arrived", size)  # as DeviceLink.gather, before forming
             with fresh_group(reaper.retire([]), "gloo", dist.PrefixStore(f"probe/{size}/{repeat}", store), rank,
                              size, 30):
                 events.send({"type": "formed", "device_id": f"probe-{rank}", "generation": repeat})

@@ -640,6 +640,24 @@ def tell_devices(store, key: str, value: str) -> None:
     store.add(NOTICE_KEY, 1)
 
 
+def meet(store, key: str, count: int, problem: Callable[[], str] = lambda: "", poll_s: float = 0.0005) -> str:
+    """Arrive at `key` in the store and wait until `count` members have: "" then, or `problem()`'s
+    first non-empty answer (why the meeting cannot complete), asked between polls.
+
+    Every member of a new generation meets so before it forms the generation's
+    process group (`DeviceLink.gather`): forming a gloo group waits inside C++,
+    where a member's death shows only at the timeout, while here it shows at
+    once. benchmarks/sim_validation.py's probe meets the same way.
+    """
+    store.add(key, 1)
+    while store.add(key, 0) < count:
+        why = problem()
+        if why:
+            return why
+        time.sleep(poll_s)
+    return ""
+
+
 class DeviceLink:
     """A worker's connection to the coordinator.
 
@@ -818,18 +836,15 @@ class DeviceLink:
         Returns "" once every member has arrived, or why the generation cannot
         form: a member the coordinator knows is dead, or a newer generation.
         """
-        key = f"gen/{generation}/arrived"
+        def problem() -> str:
+            self.check()
+            if self.latest_generation > generation:
+                return f"generation {generation} was superseded by {self.latest_generation} before it formed"
+            lost = self.dead_members & set(members) if self.latest_generation == generation else set()
+            return f"peer {min(lost)} died before generation {generation} formed" if lost else ""
+
         with self._driver_needed():
-            self.store.add(key, 1)
-            while self.store.add(key, 0) < len(members):
-                self.check()
-                if self.latest_generation > generation:
-                    return f"generation {generation} was superseded by {self.latest_generation} before it formed"
-                lost = self.dead_members & set(members) if self.latest_generation == generation else set()
-                if lost:
-                    return f"peer {min(lost)} died before generation {generation} formed"
-                time.sleep(poll_s)
-        return ""
+            return meet(self.store, f"gen/{generation}/arrived", len(members), problem, poll_s)
 
     def wait_for_generation(self, after: int, joining: bool) -> tuple:
         """The first published generation > `after` that holds this device, with its record.

@@ -1,7 +1,7 @@
-"""Imported by the fork server only (launch.worker_context): its children get SIGTERM back.
+"""Imported by the fork server only (fork_server.worker_context): its children get SIGTERM back.
 
 The fork server starts with SIGTERM ignored, so that a whole host's SIGTERM
-does not kill it (launch._sigterm_ignored). An ignored signal is inherited by
+does not kill it (fork_server._sigterm_ignored). An ignored signal is inherited by
 every child it forks, the user's own forkserver processes included (Python's
 fork server is one per driver, shared with any `get_context("forkserver")`):
 their `terminate()` would do nothing. So every child forked from the fork

@@ -28,7 +28,7 @@ def main(args: WorkerArgs) -> None:
     """Entry point of a worker process (local or joining)."""
     # Ctrl-C reaches the whole process group; the driver alone answers it and stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # The fork server ignores SIGTERM (launch._sigterm_ignored); until its Worker is built
+    # The fork server ignores SIGTERM (fork_server._sigterm_ignored); until its Worker is built
     # and it can leave (_leave_on_sigterm), a device told to go simply goes.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if args.threads:

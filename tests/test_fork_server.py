@@ -1,4 +1,4 @@
-"""How worker processes start (flexpar/launch.py `worker_context`): glibc's tunables for their memory.
+"""How worker processes start (flexpar/fork_server.py `worker_context`): glibc's tunables for their memory.
 
 The equivalence of the training itself is covered by test_equivalence.py and
 test_elastic.py; these pin the allocator settings every worker inherits from
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from flexpar.launch import worker_context, worker_malloc_tunables
+from flexpar.fork_server import worker_context, worker_malloc_tunables
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc and /proc: Linux only")
 
