@@ -368,7 +368,7 @@ def join(address: str, devices: int, secret: str, script: Optional[str] = None, 
         raise ValueError(f"the job's script {script} is not on this host; pass --script PATH")
     kind = "cuda" if settings["backend"] == "nccl" else "cpu"
     context = worker_context()
-    processes = []
+    processes, device_ids = [], []
     for local_index in range(devices):
         number = store.add("remote/counter", 1)
         device_id = f"{socket.gethostname()}-{number}"
@@ -379,6 +379,10 @@ def join(address: str, devices: int, secret: str, script: Optional[str] = None, 
         process = context.Process(target=_joiner_main, args=(args, script), name=f"flexpar-{device_id}")
         process.start()
         processes.append(process)
+        device_ids.append(device_id)
+    plural = "s" if devices != 1 else ""
+    print(f"flexpar join: started {devices} {kind} device{plural} ({', '.join(device_ids)}); each joins at a step "
+          "boundary once warm", file=sys.stderr, flush=True)
 
     def pass_on(signum, frame):
         for process in processes:
@@ -398,5 +402,9 @@ def join(address: str, devices: int, secret: str, script: Optional[str] = None, 
     finally:
         signal.signal(signal.SIGTERM, previous)
     # A worker killed by a signal has exitcode -N: report it as a shell does (128 + N), not as 0.
-    return max((128 - process.exitcode if (process.exitcode or 0) < 0 else process.exitcode or 0)
-               for process in processes)
+    codes = [128 - process.exitcode if (process.exitcode or 0) < 0 else process.exitcode or 0
+             for process in processes]
+    ended = ", ".join(f"{device_id} exit {code}" for device_id, code in zip(device_ids, codes))
+    print(f"flexpar join: this host's devices have ended ({ended}; 0: left or finished)", file=sys.stderr,
+          flush=True)
+    return max(codes)

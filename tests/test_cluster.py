@@ -97,6 +97,9 @@ def test_joiner_from_the_environment_and_sigterm_to_flexpar_join(tmp_path, comma
         else:
             os.killpg(joiner.pid, signal.SIGTERM)  # the joiner, its fork server and its worker
         assert joiner.wait(timeout=60) == 0, joiner.stderr.read()
+        said = joiner.stderr.read()
+        assert f"flexpar join: started 1 cpu device ({remote[0]})" in said, said
+        assert f"flexpar join: this host's devices have ended ({remote[0]} exit 0;" in said, said
         _wait_for(lambda: _events(metrics, "leave"), "the joiner to leave")
         (left,) = _events(metrics, "leave")
         assert left["detail"] == f"left: {remote[0]}" and not _events(metrics, "failure")
