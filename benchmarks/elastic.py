@@ -494,6 +494,11 @@ def _floor_worker(rank: int, world: int, port: int, model_name: str, repeats: in
         results.put({"state_bytes": state_bytes, **figures})
 
 
+def one_virtual_worker_batch():
+    """A batch of one VW of this job (the first samples): what a warm-up or a probe's step runs."""
+    return make_dataset()[:GLOBAL_BATCH // VIRTUAL_WORKERS]
+
+
 def _fresh_receiver(port: int, repeat: int, model_name: str, results) -> None:
     """A joiner's side of the transfer, in a process that never held the state.
 
@@ -518,7 +523,7 @@ def _fresh_receiver(port: int, repeat: int, model_name: str, results) -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=180))
     model = model_factory(Settings(quick=model_name == "small", rounds=1))()
     optimizer = adam(model.parameters())
-    cross_entropy(model, make_dataset()[:GLOBAL_BATCH // VIRTUAL_WORKERS]).backward()  # the warm-up
+    cross_entropy(model, one_virtual_worker_batch()).backward()  # the warm-up
     optimizer.zero_grad(set_to_none=True)
     store.add("floor/joiners_built", 1)
     dist.init_process_group("gloo", store=dist.PrefixStore(f"join/{repeat}", store), rank=1, world_size=3,

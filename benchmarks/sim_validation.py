@@ -425,7 +425,7 @@ def elastic_step(model_name: str) -> Callable[[], None]:
     """
     settings = elastic_benchmark.Settings(quick=model_name == "small", rounds=1)
     model, optimizer = elastic_benchmark.trained_state(settings)
-    batch = elastic_benchmark.make_dataset()[:elastic_benchmark.GLOBAL_BATCH // elastic_benchmark.VIRTUAL_WORKERS]
+    batch = elastic_benchmark.one_virtual_worker_batch()
 
     def step() -> None:
         elastic_benchmark.cross_entropy(model, batch).backward()

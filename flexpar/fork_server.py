@@ -69,7 +69,9 @@ def worker_malloc_tunables(user_tunables: Optional[str]) -> str:
     layer's gradient, 16 MB (torch.profiler); without the cache, freed crumbs
     go to glibc's fast bins, which it merges before serving a large request,
     and the difference is those 16 MB. Keeps any tunable the user set,
-    their own tcache_count included.
+    their own tcache_count included. The cache can only be turned off
+    before the process starts; the rest of the workers' allocator settings
+    are made in the process (worker_process.keep_freed_memory).
     """
     if user_tunables and "glibc.malloc.tcache_count" in user_tunables:
         return user_tunables
