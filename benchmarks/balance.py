@@ -95,8 +95,8 @@ from torch import nn  # noqa: E402
 import flexpar  # noqa: E402
 from common import base_parser, cpu_count, free_port, median, print_table, ratio, write_json  # noqa: E402
 import variable_length  # noqa: E402
-from flexpar.balance import optimal_assignment, predicted_step_seconds  # noqa: E402
-from flexpar.metrics import read_records  # noqa: E402
+from flexpar.core.balance import optimal_assignment, predicted_step_seconds  # noqa: E402
+from flexpar.observe.metrics import read_records  # noqa: E402
 
 # ---------------------------------------------------------------- workload
 # Module level, so flexpar workers and DDP ranks import them by reference.
@@ -648,7 +648,7 @@ def _preload_fork_server() -> None:
     of `import torch` per process. Start-up is outside every timed window.
     """
     multiprocessing.set_forkserver_preload(
-        ["torch", "torch.distributed", "torch.optim", "torch.nn.parallel", "flexpar.worker"]
+        ["torch", "torch.distributed", "torch.optim", "torch.nn.parallel", "flexpar.worker.lifecycle"]
     )
 
 

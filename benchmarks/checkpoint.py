@@ -55,9 +55,10 @@ import restart_worker  # noqa: E402
 from restart_worker import adam, cross_entropy, make_dataset  # noqa: E402
 
 import flexpar  # noqa: E402
-from flexpar import checkpoints, state as training_state  # noqa: E402
-from flexpar import worker as flexpar_worker  # noqa: E402
-from flexpar.metrics import read_records  # noqa: E402
+from flexpar.worker import checkpoints  # noqa: E402
+from flexpar.comm import state_transfer as training_state  # noqa: E402
+from flexpar.worker import lifecycle as flexpar_worker  # noqa: E402
+from flexpar.observe.metrics import read_records  # noqa: E402
 
 GLOBAL_BATCH = 32
 VIRTUAL_WORKERS = 2

@@ -230,7 +230,7 @@ def _device_counts(step_records: list) -> list:
 def flexpar_round(settings: Settings, workdir: str, index: int) -> dict:
     """One fit() with the schedule and faults of `settings`; its changes measured."""
     import flexpar
-    from flexpar.metrics import read_records
+    from flexpar.observe.metrics import read_records
 
     job = flexpar.Job(
         model=model_factory(settings), optimizer=adam, loss=cross_entropy, dataset=make_dataset(),
@@ -440,7 +440,7 @@ def _floor_worker(rank: int, world: int, port: int, model_name: str, repeats: in
 
     import torch.distributed as dist
 
-    from flexpar.worker_process import keep_freed_memory
+    from flexpar.worker.process import keep_freed_memory
 
     keep_freed_memory()  # the source and the others are workers in a job: as every worker does first
     torch.set_num_threads(1)
@@ -467,7 +467,7 @@ def _floor_worker(rank: int, world: int, port: int, model_name: str, repeats: in
         return seconds
 
     form("pg/0")  # the first group of a process also pays gloo's start-up: not what flexpar pays
-    from flexpar import state as training_state
+    from flexpar.comm import state_transfer as training_state
 
     data = training_state.to_bytes(training_state.capture(model, optimizer, None, 1, {}))
     state_bytes = len(data)
@@ -515,8 +515,8 @@ def _fresh_receiver(port: int, repeat: int, model_name: str, results) -> None:
 
     import torch.distributed as dist
 
-    from flexpar import state as training_state
-    from flexpar.worker_process import keep_freed_memory
+    from flexpar.comm import state_transfer as training_state
+    from flexpar.worker.process import keep_freed_memory
 
     keep_freed_memory()
     torch.set_num_threads(1)
@@ -562,7 +562,7 @@ def _flexpar_transfer(rank: int, model, optimizer, record) -> None:
     """
     import torch.distributed as dist
 
-    from flexpar import state as training_state
+    from flexpar.comm import state_transfer as training_state
 
     cpu = torch.device("cpu")
     parts = dict.fromkeys(("flexpar_capture_s", "flexpar_send_s", "flexpar_receive_s", "flexpar_restore_s"), 0.0)
@@ -604,7 +604,7 @@ def measure_floor(settings: Settings) -> dict:
     # A fork server that has imported torch (flexpar's fit() already started one)
     # keeps three `import torch` off this measurement's wall time.
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "torch._dynamo", "flexpar.state"])
+    context.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "torch._dynamo", "flexpar.comm.state_transfer"])
     results = context.Queue()
     port = free_port()
     processes = [context.Process(target=_floor_worker, name=f"elastic-floor-{rank}",

@@ -79,7 +79,7 @@ from common import (  # noqa: E402
 )
 
 import flexpar  # noqa: E402
-from flexpar.metrics import read_records  # noqa: E402
+from flexpar.observe.metrics import read_records  # noqa: E402
 
 ACCUMULATION = 16  # VWs (micro-batches) per step in the accumulation comparison
 CLIP_NORM = 1e-3  # max_grad_norm of the clip comparison: below the gradient's norm, so every step clips

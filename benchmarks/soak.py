@@ -93,7 +93,7 @@ def run_one(plan: RunPlan, folder: str, timeout_s: float, heartbeat_timeout_s: f
     import torch
 
     import soak_job
-    from flexpar import ledger
+    from flexpar.core import ledger
 
     output = os.path.join(folder, f"run-{plan.index:03d}")
     os.makedirs(output, exist_ok=True)

@@ -27,9 +27,10 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import flexpar  # noqa: E402
-from flexpar import batching, evaluator  # noqa: E402
+from flexpar.core import batching  # noqa: E402
+from flexpar.worker import evaluator  # noqa: E402
 from flexpar.job import build_model, build_optimizer  # noqa: E402
-from flexpar.loader import load_batch  # noqa: E402
+from flexpar.worker.loader import load_batch  # noqa: E402
 from soak_plan import VIRTUAL_WORKERS  # noqa: E402
 
 FEATURES, CLASSES, SAMPLES = 12, 3, 480

@@ -54,10 +54,10 @@ from common import (  # noqa: E402
 )
 
 import flexpar  # noqa: E402
-from flexpar import batching  # noqa: E402
-from flexpar.loader import load_batch  # noqa: E402
-from flexpar.metrics import read_records  # noqa: E402
-from flexpar.sparse import dense_all_reduce_wire_bytes, sparse_parameters, sparse_wire_bytes  # noqa: E402
+from flexpar.core import batching  # noqa: E402
+from flexpar.worker.loader import load_batch  # noqa: E402
+from flexpar.observe.metrics import read_records  # noqa: E402
+from flexpar.comm.sparse_sync import dense_all_reduce_wire_bytes, sparse_parameters, sparse_wire_bytes  # noqa: E402
 
 DEVICES = 2
 

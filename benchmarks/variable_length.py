@@ -55,9 +55,9 @@ from typing import Dict, List, Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import median, print_table, ratio  # noqa: E402
-from flexpar import batching, cost_balance  # noqa: E402
+from flexpar.core import batching, cost_balance  # noqa: E402
 from flexpar.examples import tiny_lm_variable  # noqa: E402
-from flexpar.metrics import read_records  # noqa: E402
+from flexpar.observe.metrics import read_records  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ import traceback
 import types
 from typing import Optional, Sequence
 
-from flexpar import control, options as options_module
+from flexpar.comm import control
+from flexpar import options as options_module
 from flexpar.job import TrainingError, UserCodeError
 
 
@@ -269,7 +270,7 @@ def _secret_or_exit(arguments, command: str) -> str:
 
 
 def command_join(arguments) -> int:
-    from flexpar.launch import join
+    from flexpar.driver.launch import join
 
     secret = _secret_or_exit(arguments, "join")
     host, port = _job_address(arguments.address, "join")
@@ -347,7 +348,7 @@ def command_status(arguments) -> int:
 
 
 def command_plot(arguments) -> int:
-    from flexpar.plot import plot_timeline
+    from flexpar.observe.plot import plot_timeline
 
     plot_timeline(arguments.metrics, arguments.output)
     print(f"flexpar: wrote {arguments.output}")

@@ -30,7 +30,7 @@ def main(steps: int = 160, output_dir: str = "runs/demo") -> int:
             print(f"  step {event['step']:4d}: {event['event']:7s} {event['detail']:28s} "
                   f"stall {event['stall_s'] * 1000:.0f} ms")
     try:
-        from flexpar.plot import plot_timeline
+        from flexpar.observe.plot import plot_timeline
 
         plot_path = os.path.join(output_dir, "timeline.png")
         plot_timeline(metrics_path, plot_path)

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from flexpar import state as training_state
+from flexpar.comm import state_transfer as training_state
 
 EXTRA_HINT = "pip install safetensors (or flexpar[safetensors])"
 

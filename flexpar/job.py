@@ -16,7 +16,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 from torch import nn
 
-from flexpar import batching
+from flexpar.core import batching
 
 
 class FitResult(NamedTuple):
@@ -216,7 +216,8 @@ class Job:
         max_devices, emulate_speeds, metrics, checkpoint_every, ...). Under
         `flexpar run`, the command line overrides them.
         """
-        from flexpar import launch, options as options_module
+        from flexpar.driver import launch
+        from flexpar import options as options_module
 
         refuse_inside_worker_import()
         verbose = bool(options.get("verbose"))
@@ -396,7 +397,7 @@ def pickle_pieces(job: Job) -> bytes:
 
 def first_batch_check(job: Job, model: nn.Module) -> None:
     """Run the loss on virtual worker 0 of step 0 in the driver, to report errors once."""
-    from flexpar.loader import load_batch
+    from flexpar.worker.loader import load_batch
 
     indices = batching.virtual_worker_indices(
         job.seed, 0, 0, len(job.dataset), job.global_batch, job.virtual_workers
@@ -431,6 +432,6 @@ def check_sample_cost(job: Job, indices) -> None:
     negative number is refused here, once, naming the index, before any
     worker starts; the workers check every value they use too.
     """
-    from flexpar.cost_planner import sample_costs
+    from flexpar.worker.cost_planner import sample_costs
 
     sample_costs(job, list(indices)[:8] + [len(job.dataset) - 1])

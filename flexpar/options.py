@@ -168,7 +168,8 @@ class FitOptions:
         _positive("keep_checkpoints", self.keep_checkpoints)
         if self.keep_checkpoints is not None and self.checkpoint_dir is None:
             raise ValueError(f"keep_checkpoints={self.keep_checkpoints} needs checkpoint_dir= (where they are)")
-        from flexpar import callbacks as callbacks_module, trackers as trackers_module
+        from flexpar import callbacks as callbacks_module
+        from flexpar.observe import trackers as trackers_module
 
         object.__setattr__(self, "callbacks", callbacks_module.check_callbacks(self.callbacks))
         object.__setattr__(self, "trackers", trackers_module.check_names(self.trackers))

@@ -92,7 +92,7 @@ def without_delays(job):
 
 
 def evaluate_reference(job, steps):
-    from flexpar.evaluator import evaluate_all
+    from flexpar.worker.evaluator import evaluate_all
 
     return evaluate_all(without_delays(job), trained_reference(job, steps))
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import multiprocessing
 
 import pieces
-from flexpar.loader import VirtualWorkerLoader
+from flexpar.worker.loader import VirtualWorkerLoader
 
 STALE_STEP = 3
 

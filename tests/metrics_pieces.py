@@ -8,7 +8,7 @@ the same records.
 
 from __future__ import annotations
 
-from flexpar.metrics import EVENT_KEYS, STEP_KEYS, MetricsWriter
+from flexpar.observe.metrics import EVENT_KEYS, STEP_KEYS, MetricsWriter
 
 START_TIME = 1_700_000_000.0
 GLOBAL_BATCH = 256

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 import flexpar
-from flexpar import batching
+from flexpar.core import batching
 from flexpar.job import build_model, build_optimizer
-from flexpar.loader import load_batch
+from flexpar.worker.loader import load_batch
 
 FEATURES = 12
 CLASSES = 3

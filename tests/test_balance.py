@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flexpar.balance import (
+from flexpar.core.balance import (
     MAXIMUM_THRESHOLD,
     MEASURED_HYSTERESIS_SHARE,
     MINIMUM_SECONDS_PER_VW,
@@ -42,7 +42,7 @@ from flexpar.balance import (
     tie_tolerance,
 )
 
-BALANCE_SOURCE = Path(__file__).resolve().parent.parent / "flexpar" / "balance.py"
+BALANCE_SOURCE = Path(__file__).resolve().parent.parent / "flexpar" / "core" / "balance.py"
 
 # Per-VW times: arbitrary floats, plus a few round values so that ties (equal
 # products k * s_i on different devices) come up often and the tie-break is
@@ -526,7 +526,7 @@ def test_bad_input_is_refused_with_the_numbers(call, message):
         call()
 
 
-from flexpar import balance  # noqa: E402  (module-level helpers below use the namespace)
+from flexpar.core import balance  # noqa: E402  (module-level helpers below use the namespace)
 
 
 def test_one_outlier_step_does_not_move_the_assignment():
@@ -925,7 +925,7 @@ def test_observe_with_work_divides_by_the_work_not_the_count():
 
 
 def test_standard_error_is_unknown_below_three_times_and_shrinks_with_more():
-    from flexpar.balance import standard_error
+    from flexpar.core.balance import standard_error
 
     assert standard_error(BalanceState(seconds_per_vw={"a": 1.0}), "a") == 0.0  # built by hand: noise-free
     state = BalanceState()

@@ -14,7 +14,7 @@ import multiprocessing
 import pytest
 
 import pieces
-from flexpar.balance import optimal_assignment
+from flexpar.core.balance import optimal_assignment
 
 SPEEDS = (1.0, 0.5, 0.25)
 VIRTUAL_WORKERS = 8

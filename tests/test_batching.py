@@ -2,7 +2,7 @@
 
 from hypothesis import given, settings, strategies as st
 
-from flexpar import batching
+from flexpar.core import batching
 
 
 @st.composite

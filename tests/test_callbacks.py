@@ -8,7 +8,7 @@ import evaluation_pieces as ep
 import flexpar
 import pieces
 from flexpar.callbacks import CALLBACK_STOP, Callback, Dispatcher, check_callbacks
-from flexpar.trackers import CSVTracker
+from flexpar.observe.trackers import CSVTracker
 
 
 def test_callbacks_are_checked():

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import pieces
-from flexpar import checkpoints, state as training_state
+from flexpar.worker import checkpoints
+from flexpar.comm import state_transfer as training_state
 
 
 def _state(value=1.0):

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from conftest import flexpar_command
-from flexpar import launch
+from flexpar.driver import launch
 from flexpar.options import FitOptions
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -36,7 +36,7 @@ def test_run_overrides_the_script_and_plot_draws_it(tmp_path):
                          capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr
     assert "steps 4 generations 1 devices 2" in run.stdout, "the asked device count, not the script's"
-    from flexpar.metrics import read_records
+    from flexpar.observe.metrics import read_records
 
     records = read_records(metrics)  # every record of the run validates against the schema
     steps = [record for record in records if record["kind"] == "step"]
@@ -430,7 +430,7 @@ def test_a_plain_python_run_says_flexpars_own_refusal_in_one_line(tmp_path):
         import sys
         sys.path.insert(0, {TESTS!r})
         import pieces
-        from flexpar.launch import cpu_count
+        from flexpar.driver.launch import cpu_count
         if __name__ == "__main__":
             devices = cpu_count() + 1
             pieces.make_job(virtual_workers=devices, global_batch=4 * devices).fit(steps=3, devices=devices,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from flexpar import control
+from flexpar.comm import control
 
 
 def _listening_addresses(port):

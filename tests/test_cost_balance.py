@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flexpar.cost_balance import (
+from flexpar.core.cost_balance import (
     cost_assignment,
     cost_assignment_with_proof,
     count_based_sets,
@@ -108,7 +108,7 @@ def test_the_same_sets_in_processes_with_other_hash_seeds():
               [generator.choice([1.0, 0.5, 0.3]) for _ in range(devices)])
              for virtual_workers, devices in ((16, 2), (32, 3), (128, 8), (40, 5))]
     here = [[list(members) for members in cost_assignment(costs, rates)] for costs, rates in cases]
-    program = ("import json, sys; from flexpar.cost_balance import cost_assignment; "
+    program = ("import json, sys; from flexpar.core.cost_balance import cost_assignment; "
                "cases = json.load(sys.stdin); "
                "print(json.dumps([[list(m) for m in cost_assignment(c, r)] for c, r in cases]))")
     for seed in ("12345",):

@@ -14,8 +14,8 @@ import pytest
 import cost_pieces
 import flexpar
 import pieces
-from flexpar import batching, cost_balance, ledger
-from flexpar.cost_planner import CostPlanner
+from flexpar.core import batching, cost_balance, ledger
+from flexpar.worker.cost_planner import CostPlanner
 from flexpar.job import UserCodeError
 
 # A join needs its joiner started and warm before the job ends (test_elastic.py).

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from flexpar.display import (
+from flexpar.observe.display import (
     LiveDisplay,
     estimate_remaining_s,
     format_duration,

@@ -16,9 +16,9 @@ from hypothesis import given, settings, strategies as st
 
 import evaluation_pieces as ep
 import pieces
-from flexpar import evaluation
-from flexpar.control import FOLLOW_ALL_S
-from flexpar.evaluator import evaluate_all
+from flexpar.core import evaluation
+from flexpar.comm.control import FOLLOW_ALL_S
+from flexpar.worker.evaluator import evaluate_all
 
 # ------------------------------------------------------------------ the split (pure)
 
@@ -316,7 +316,7 @@ class RecordsPrecision:
 
 def test_evaluation_runs_under_the_jobs_autocast():
     """As Accelerate and Lightning do: mixed_precision covers evaluation too (flexpar/evaluator.py)."""
-    from flexpar import evaluator
+    from flexpar.worker import evaluator
 
     for precision, batches in ((None, 0.0), ("bf16", 5.0)):
         job = pieces.make_job(eval_dataset=ep.make_eval_dataset(50), evaluate=RecordsPrecision(), eval_batch=10,
@@ -349,7 +349,7 @@ EVAL_RECORD = {"kind": "eval", "step": 4, "time": 1700000001.5, "elapsed_s": 1.5
 
 
 def test_eval_records_are_validated():
-    from flexpar.metrics import validate_record
+    from flexpar.observe.metrics import validate_record
 
     validate_record(EVAL_RECORD)
     validate_record({**EVAL_RECORD, "metrics": {"loss_sum": float("nan")}})  # a diverged model is recorded
@@ -365,7 +365,7 @@ def test_eval_records_are_validated():
 def test_the_display_logs_an_evaluation_as_means(caplog):
     import logging
 
-    from flexpar.display import LiveDisplay, format_eval_line
+    from flexpar.observe.display import LiveDisplay, format_eval_line
 
     line = format_eval_line(EVAL_RECORD)
     assert line == "eval at step 4: correct 0.7523, loss 0.4038 (997 samples) | 2 devices, 0.25 s"
@@ -382,7 +382,7 @@ def test_the_display_panel_shows_the_latest_evaluation():
 
     from rich.console import Console
 
-    from flexpar.display import LiveDisplay
+    from flexpar.observe.display import LiveDisplay
 
     console = Console(file=io.StringIO(), force_terminal=True, width=150)
     display = LiveDisplay(10, console=console)
@@ -395,8 +395,8 @@ def test_the_display_panel_shows_the_latest_evaluation():
 
 def test_the_plot_marks_evaluations(tmp_path, metrics_file):
     pytest.importorskip("matplotlib")
-    from flexpar.metrics import MetricsWriter
-    from flexpar.plot import plot_timeline
+    from flexpar.observe.metrics import MetricsWriter
+    from flexpar.observe.plot import plot_timeline
 
     with MetricsWriter(metrics_file) as writer:
         for step in range(6):
@@ -414,6 +414,6 @@ def test_the_plot_marks_evaluations(tmp_path, metrics_file):
 
 def _issue_17_fields():
     """Step-record fields other work may add to the schema (given only when the schema has them)."""
-    from flexpar.metrics import STEP_KEYS
+    from flexpar.observe.metrics import STEP_KEYS
 
     return {"grad_norm": 1.0} if "grad_norm" in STEP_KEYS else {}

@@ -7,7 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from flexpar import checkpoints, export, state as training_state
+from flexpar.worker import checkpoints
+from flexpar import export
+from flexpar.comm import state_transfer as training_state
 
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="the safetensors package is not installed "
                                         "(flexpar[safetensors])")

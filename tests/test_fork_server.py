@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from flexpar.fork_server import worker_context, worker_malloc_tunables
+from flexpar.driver.fork_server import worker_context, worker_malloc_tunables
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc and /proc: Linux only")
 
@@ -21,7 +21,7 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 ACCUMULATION = """
 import torch
 from torch import nn
-from flexpar.worker_process import keep_freed_memory
+from flexpar.worker.process import keep_freed_memory
 
 keep_freed_memory()
 torch.set_num_threads(1)

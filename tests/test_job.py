@@ -10,7 +10,7 @@ from torch import nn
 
 import flexpar
 import pieces
-from flexpar import batching
+from flexpar.core import batching
 
 
 def test_global_batch_not_divisible():

@@ -7,8 +7,8 @@ import torch
 
 import ledger_pieces
 import pieces
-from flexpar import batching, ledger
-from flexpar.loader import VirtualWorkerLoader
+from flexpar.core import batching, ledger
+from flexpar.worker.loader import VirtualWorkerLoader
 
 
 def _true_entries(seed, size, global_batch, steps):

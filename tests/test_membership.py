@@ -1,6 +1,6 @@
 """The control plane's decisions, as pure data: decide(state, event) -> (state, actions)."""
 
-from flexpar import membership as ms
+from flexpar.core import membership as ms
 
 
 def _run(state, *events):

@@ -25,7 +25,7 @@ every event it checks the rules of flexpar/membership.py's module doc:
 from hypothesis import settings, strategies
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from flexpar import membership as ms
+from flexpar.core import membership as ms
 
 LOCALS = tuple(f"local-{i}" for i in range(10))
 REMOTES = ("hostb-0", "hostb-1", "hostc-0")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from flexpar.metrics import (
+from flexpar.observe.metrics import (
     EVENT_KEYS,
     EVENT_KINDS,
     STEP_KEYS,
@@ -29,7 +29,7 @@ from flexpar.metrics import (
 )
 from metrics_pieces import TOTAL_STEPS, synthetic_run, write_run
 
-FLEXPAR = Path(__file__).resolve().parent.parent / "flexpar"
+FLEXPAR = Path(__file__).resolve().parent.parent / "flexpar" / "observe"
 
 
 @pytest.fixture
@@ -230,11 +230,11 @@ def test_metrics_imports_neither_the_display_nor_the_plot():
     tree = ast.parse((FLEXPAR / "metrics.py").read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    assert not {"flexpar.display", "flexpar.plot", "rich", "matplotlib"} & imported
+    assert not {"flexpar.observe.display", "flexpar.observe.plot", "rich", "matplotlib"} & imported
     for module in ("display", "plot"):
         source = ast.parse((FLEXPAR / f"{module}.py").read_text())
-        assert "flexpar.metrics" in {node.module for node in ast.walk(source) if isinstance(node, ast.ImportFrom)}
-    check = ("import sys, flexpar.metrics, flexpar.display, flexpar.plot; "
+        assert "flexpar.observe.metrics" in {node.module for node in ast.walk(source) if isinstance(node, ast.ImportFrom)}
+    check = ("import sys, flexpar.observe.metrics, flexpar.observe.display, flexpar.observe.plot; "
              "print(sorted(m for m in ('rich', 'matplotlib') if m in sys.modules))")
     completed = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True, timeout=60)
     assert completed.stdout.strip() == "[]"  # both extras stay lazy
@@ -244,7 +244,7 @@ def test_step_records_of_balancing_by_cost_carry_their_sets_and_costs():
     """The optional keys `cost` and `virtual_worker_sets` (Job(sample_cost=...)): checked when present."""
     import copy
 
-    from flexpar.metrics import validate_record
+    from flexpar.observe.metrics import validate_record
 
     record = {"kind": "step", "step": 3, "time": 1.0, "elapsed_s": 2.0, "loss": 0.5, "samples_per_s": 10.0,
               "step_time_s": 0.1, "generation": 1, "devices": ["a", "b"], "assignment": [3, 1],

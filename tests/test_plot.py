@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from flexpar.metrics import MetricsWriter
-from flexpar.plot import plot_timeline, rebalance_times, stall_gaps, step_spans
+from flexpar.observe.metrics import MetricsWriter
+from flexpar.observe.plot import plot_timeline, rebalance_times, stall_gaps, step_spans
 from metrics_pieces import CHANGES, REBALANCE_STEPS, START_TIME, synthetic_run, write_run
 
 pytest.importorskip("matplotlib")

@@ -137,7 +137,7 @@ def _records(path, kind="step"):
 
 
 def _scale_in_checkpoint(directory):
-    from flexpar import state as training_state
+    from flexpar.comm import state_transfer as training_state
 
     state = training_state.read_checkpoint(training_state.latest_checkpoint(str(directory)), torch.device("cpu"))
     return state["extra"]["grad_scaler"]
@@ -330,8 +330,8 @@ def test_token_loss_is_the_global_token_mean_not_a_mean_of_means(train, metrics_
     # By hand, as one would write it on one device: the summed token loss of the whole batch / its tokens.
     by_hand = pieces.build_model(job)
     optimizer = plain_sgd(by_hand.parameters())
-    from flexpar import batching
-    from flexpar.loader import load_batch
+    from flexpar.core import batching
+    from flexpar.worker.loader import load_batch
 
     losses, norms = [], []
     for step in range(steps):
@@ -403,7 +403,7 @@ def test_fp16_resume_continues_with_the_checkpointed_scale(train, tmp_path):
 
 def _first_sample_of(job, step: int, virtual_worker: int):
     """The input of the first sample VW `virtual_worker` of `step` trains on (an epoch holds it once)."""
-    from flexpar import batching
+    from flexpar.core import batching
 
     index = batching.virtual_worker_indices(job.seed, step, virtual_worker, len(job.dataset), job.global_batch,
                                             job.virtual_workers)[0]
@@ -553,7 +553,7 @@ def test_join_and_leave_with_everything_on_match_the_reference(train, metrics_fi
 
     warmup_s = float(re.search(r"local-2 \(warm-up ([0-9.]+) s\)", join["detail"]).group(1))
     assert 0 < join["stall_s"] < warmup_s, (join["stall_s"], join["detail"])
-    from flexpar import state as training_state
+    from flexpar.comm import state_transfer as training_state
 
     checkpoint = training_state.read_checkpoint(training_state.latest_checkpoint(str(tmp_path / "ck")), "cpu")
     assert checkpoint["extra"]["grad_scaler"]["scale"] == trace["scale"][-1]

@@ -2,9 +2,9 @@
 
 import json
 
-from flexpar import membership as ms
+from flexpar.core import membership as ms
 from flexpar.options import parse_schedule
-from flexpar.schedule import ON_TIME_STEPS, ScheduleTracker
+from flexpar.core.schedule import ON_TIME_STEPS, ScheduleTracker
 
 import pieces
 

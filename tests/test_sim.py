@@ -11,7 +11,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from flexpar import balance
+from flexpar.core import balance
 from flexpar.sim import (
     DeviceSpec,
     ElasticCosts,

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as multiprocessing
 from torch import nn
 
-from flexpar.sparse import (
+from flexpar.comm.sparse_sync import (
     HEADER_LENGTH,
     all_reduce_sparse,
     dense_all_reduce_wire_bytes,

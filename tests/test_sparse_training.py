@@ -69,7 +69,7 @@ def dense_reference(steps: int, virtual_workers=6) -> nn.Module:
 
 
 def test_the_model_really_has_a_sparse_gradient():
-    from flexpar.sparse import sparse_parameters
+    from flexpar.comm.sparse_sync import sparse_parameters
 
     model = make_sparse_model()
     assert sparse_parameters(model) == [model.embedding.weight]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from flexpar import state as training_state
+from flexpar.comm import state_transfer as training_state
 
 
 class _Wire:

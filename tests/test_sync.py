@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flexpar import state as training_state
-from flexpar.sync import GroupReaper, PeerFailure, fresh_group
+from flexpar.comm import state_transfer as training_state
+from flexpar.comm.gradient_sync import GroupReaper, PeerFailure, fresh_group
 
 
 class _DropWitness:
@@ -124,7 +124,7 @@ def _sum_stats(rank: int, port: int, folder: str) -> None:
 
     from torch import nn
 
-    from flexpar.sync import GradientSync
+    from flexpar.comm.gradient_sync import GradientSync
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

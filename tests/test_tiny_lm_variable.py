@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import pieces
-from flexpar import batching
+from flexpar.core import batching
 from flexpar.examples import tiny_lm, tiny_lm_variable
 from flexpar.job import build_model, first_batch_check
 

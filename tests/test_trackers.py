@@ -8,7 +8,8 @@ import os
 import pytest
 
 import evaluation_pieces as ep
-from flexpar import FitOptions, trackers
+from flexpar import FitOptions
+from flexpar.observe import trackers
 
 
 def _installed(module):

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-from flexpar.worker import Worker
+from flexpar.worker.lifecycle import Worker
 
 
 def _device(device_id: str, rank: int):
@@ -30,14 +30,14 @@ def test_a_survivor_commits():
 
 
 def test_a_leaver_exits_at_the_lowest_cpu_priority():
-    code = "import os; from flexpar.worker import _yield_cores; _yield_cores(); print(os.nice(0))"
+    code = "import os; from flexpar.worker.lifecycle import _yield_cores; _yield_cores(); print(os.nice(0))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.strip() == "19"
 
 
 CHURN = """
 import resource, sys, torch
-from flexpar.worker_process import keep_freed_memory
+from flexpar.worker.process import keep_freed_memory
 applied = keep_freed_memory()
 
 def churn():  # three 16 MB buffers allocated, written and freed: a backward's weight gradients

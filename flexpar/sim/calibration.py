@@ -49,7 +49,7 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from flexpar import balance
+from flexpar.core import balance
 
 from .engine import simulate
 from .model import (

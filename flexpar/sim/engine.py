@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from flexpar import balance
+from flexpar.core import balance
 
 from .model import device_critical_paths, failure_noticed_seconds, ring_all_reduce_seconds
 from .policies import Policy, make_policy

@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Tuple
 
-from flexpar import balance
+from flexpar.core import balance
 
 from .model import (
     ModelParameters,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flexpar import batching
+from flexpar.core import batching
 
 
 def count_vector(dataset_size: int) -> torch.Tensor:

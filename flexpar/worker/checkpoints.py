@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from flexpar import state as training_state
+from flexpar.comm import state_transfer as training_state
 
 
 def cpu_copy(state):

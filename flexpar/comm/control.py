@@ -40,7 +40,7 @@ from typing import Callable, Iterable, Optional
 
 import torch.distributed as dist
 
-from flexpar import membership as ms
+from flexpar.core import membership as ms
 
 CHUNK_BYTES = 4 << 20  # the libuv TCPStore refuses messages above 8 MiB
 

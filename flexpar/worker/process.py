@@ -18,10 +18,10 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from flexpar import control
+from flexpar.comm import control
 from flexpar.job import UserCodeError
-from flexpar.worker import Worker
-from flexpar.worker_settings import EXIT_DRIVER_LOST, EXIT_EVICTED, WorkerArgs
+from flexpar.worker.lifecycle import Worker
+from flexpar.worker.settings import EXIT_DRIVER_LOST, EXIT_EVICTED, WorkerArgs
 
 
 def main(args: WorkerArgs) -> None:

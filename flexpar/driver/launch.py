@@ -23,17 +23,20 @@ from typing import Optional
 
 import torch
 
-from flexpar import control, membership, state as training_state
-from flexpar import callbacks as callbacks_module, evaluator, trackers as trackers_module
+from flexpar.comm import control, state_transfer as training_state
+from flexpar.core import membership
+from flexpar import callbacks as callbacks_module
+from flexpar.worker import evaluator
+from flexpar.observe import trackers as trackers_module
 from flexpar.job import (
     FitResult, Job, TrainingError, build_model, build_optimizer, first_batch_check,
     model_digest, pickle_pieces,
 )
-from flexpar.fork_server import worker_context
+from flexpar.driver.fork_server import worker_context
 from flexpar.options import FitOptions, cpu_count, is_loopback
 from flexpar.version import __version__
-from flexpar.worker_process import main as worker_main
-from flexpar.worker_settings import RunSettings, WorkerArgs
+from flexpar.worker.process import main as worker_main
+from flexpar.worker.settings import RunSettings, WorkerArgs
 
 
 def detect_devices(backend: str) -> tuple:
@@ -148,7 +151,7 @@ def run(job: Job, options: FitOptions) -> FitResult:
         heartbeat_timeout_s=options.heartbeat_timeout_s,
         on_note=lambda message: print(f"flexpar: {message}", file=sys.stderr, flush=True),
     )
-    from flexpar.driver_loop import DriverLoop
+    from flexpar.driver.driver_loop import DriverLoop
 
     loop = DriverLoop(store, coordinator, options, total_steps, job.global_batch, address,
                       run_dir, metrics_path, exit_codes=lambda: dict(local.exit_codes), callbacks=callbacks)

@@ -22,7 +22,7 @@ import collections
 import math
 from typing import List, Optional, Sequence, Tuple
 
-from flexpar import batching, cost_balance, cost_rates
+from flexpar.core import batching, cost_balance, cost_rates
 from flexpar.job import UserCodeError
 
 _CACHED_STEPS = 4  # costs and plans of the step running and the next few the loader prefetches

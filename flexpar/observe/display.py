@@ -19,7 +19,7 @@ import sys
 import threading
 from typing import Any, Mapping, Optional, Sequence
 
-from flexpar.metrics import (
+from flexpar.observe.metrics import (
     LOGGER_NAME,
     WARNING_EVENTS,
     device_change,

@@ -27,7 +27,7 @@ def worker_context(verbose: bool = False):
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
     # torch._dynamo is what torch.optim imports on first use: seconds, paid once here.
-    context.set_forkserver_preload(["flexpar.forkserver_preload", "flexpar.worker_process", "torch.optim",
+    context.set_forkserver_preload(["flexpar.driver.forkserver_preload", "flexpar.worker.process", "torch.optim",
                                     "torch.distributed", "torch._dynamo"])
     from multiprocessing import forkserver
 

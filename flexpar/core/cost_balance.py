@@ -61,7 +61,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from flexpar import balance
+from flexpar.core import balance
 
 NODE_BUDGET = 600
 """Nodes the branch and bound may visit when the whole tree is larger than EXHAUSTIVE_NODES."""

@@ -14,8 +14,10 @@ import json
 import os
 from typing import Optional
 
-from flexpar import balance, checkpoints, state as training_state
-from flexpar.worker_records import RECORDS_KEPT
+from flexpar.core import balance
+from flexpar.worker import checkpoints
+from flexpar.comm import state_transfer as training_state
+from flexpar.worker.records import RECORDS_KEPT
 
 
 class WorkerCheckpoints:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
-from flexpar.metrics import DEVICE_SET_EVENTS, eval_means, event_label, read_records
+from flexpar.observe.metrics import DEVICE_SET_EVENTS, eval_means, event_label, read_records
 
 # ---------------------------------------------------------------------------
 # Timeline plot

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flexpar.sparse import all_reduce_sparse, sparse_parameters
+from flexpar.comm.sparse_sync import all_reduce_sparse, sparse_parameters
 
 
 class PeerFailure(Exception):

@@ -131,7 +131,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from flexpar.even_split import most_even_split
+from flexpar.core.even_split import most_even_split
 
 MINIMUM_SECONDS_PER_VW = 1e-9
 """Floor for a per-VW time. Non-positive or smaller measured times count as this.

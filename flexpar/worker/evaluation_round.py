@@ -7,8 +7,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from flexpar import balance, control, evaluation, evaluator
-from flexpar.sync import PeerFailure, _collective, _wait
+from flexpar.core import balance, evaluation
+from flexpar.comm import control
+from flexpar.worker import evaluator
+from flexpar.comm.gradient_sync import PeerFailure, _collective, _wait
 
 
 class WorkerEvaluation:

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
-from flexpar import batching
+from flexpar.core import batching
 
 
 def seed_everything(seed: int) -> None:

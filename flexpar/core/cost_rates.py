@@ -51,8 +51,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, List, Mapping, Optional, Sequence
 
-from flexpar import balance
-from flexpar.cost_balance import Assignment, checked_costs, cost_assignment, device_costs, predicted_step_seconds
+from flexpar.core import balance
+from flexpar.core.cost_balance import Assignment, checked_costs, cost_assignment, device_costs, predicted_step_seconds
 
 _UNMEASURED_SECONDS = 1.0  # every device's rate when none is known: equal rates, any common value
 

@@ -23,9 +23,10 @@ import contextlib
 
 import torch
 
-from flexpar import evaluation, recipes
+from flexpar.core import evaluation
+from flexpar import recipes
 from flexpar.job import UserCodeError
-from flexpar.loader import load_batch, to_device
+from flexpar.worker.loader import load_batch, to_device
 
 
 @contextlib.contextmanager

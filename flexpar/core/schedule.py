@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from flexpar.metrics import device_change
+from flexpar.observe.metrics import device_change
 
 # A change fires once its step has committed, and the step in flight then
 # carries the agreement on it: it applies up to this many steps after its

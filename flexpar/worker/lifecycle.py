@@ -44,19 +44,20 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from flexpar import balance, batching, control, ledger as sample_ledger, state as training_state
+from flexpar.core import balance, batching, ledger as sample_ledger
+from flexpar.comm import control, state_transfer as training_state
 from flexpar import recipes
 from flexpar.callbacks import CALLBACK_STOP
-from flexpar.cost_planner import CostPlanner
+from flexpar.worker.cost_planner import CostPlanner
 from flexpar.job import UserCodeError, build_model, build_optimizer, loss_terms, model_digest, nonfinite_message
-from flexpar.loader import VirtualWorkerLoader, load_batch, to_device as _to_device
-from flexpar.step_statistics import StatsLayout, mixed_loss_message, nonfinite_gradient_message
-from flexpar.sync import GradientSync, GroupReaper, PeerFailure, _collective, fresh_group
+from flexpar.worker.loader import VirtualWorkerLoader, load_batch, to_device as _to_device
+from flexpar.core.step_statistics import StatsLayout, mixed_loss_message, nonfinite_gradient_message
+from flexpar.comm.gradient_sync import GradientSync, GroupReaper, PeerFailure, _collective, fresh_group
 from flexpar.version import __version__
-from flexpar.worker_checkpoints import WorkerCheckpoints
-from flexpar.worker_evaluation import WorkerEvaluation
-from flexpar.worker_records import RECORDS_KEPT, WorkerRecords
-from flexpar.worker_settings import RunSettings, WorkerArgs
+from flexpar.worker.state_keeping import WorkerCheckpoints
+from flexpar.worker.evaluation_round import WorkerEvaluation
+from flexpar.worker.records import RECORDS_KEPT, WorkerRecords
+from flexpar.worker.settings import RunSettings, WorkerArgs
 
 
 class Phase(enum.Enum):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from flexpar import balance
+from flexpar.core import balance
 
 
 # Step records each device keeps for a new rank 0 to send again (the driver drops

@@ -13,12 +13,13 @@ import statistics
 import sys
 import time
 
-from flexpar import control, ledger as sample_ledger, membership
+from flexpar.comm import control
+from flexpar.core import ledger as sample_ledger, membership
 from flexpar.callbacks import Dispatcher
-from flexpar.display import LiveDisplay
+from flexpar.observe.display import LiveDisplay
 from flexpar.job import EXIT_MAIN_GUARD, MAIN_GUARD_MESSAGE, TrainingError
-from flexpar.metrics import LOGGER_NAME, MetricsWriter
-from flexpar.schedule import ScheduleTracker
+from flexpar.observe.metrics import LOGGER_NAME, MetricsWriter
+from flexpar.core.schedule import ScheduleTracker
 
 # The loop runs when something was sent (control.DriverWaker), and at least this often for
 # what nobody sends: local processes' exits, heartbeats, the grace of a failure, the display.

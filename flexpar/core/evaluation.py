@@ -24,7 +24,7 @@ import math
 import numbers
 from typing import Any, Mapping, Sequence
 
-from flexpar import batching
+from flexpar.core import batching
 
 # A domain tag for the evaluation's data-loading seeds, apart from training's streams.
 _EVAL_STREAM = 3

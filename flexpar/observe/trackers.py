@@ -47,7 +47,7 @@ import time
 from typing import Iterable, Optional
 
 from flexpar.callbacks import Callback
-from flexpar import evaluation
+from flexpar.core import evaluation
 
 # name -> (module that must import, what to install)
 REQUIREMENTS = {
