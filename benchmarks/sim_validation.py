@@ -70,7 +70,7 @@ import numpy as np
 from common import base_parser, median, print_table, write_json
 
 import elastic as elastic_benchmark  # its fault schedule and the names of its changes
-from flexpar.comm import control
+from flexpar.worker import device_link as control
 from flexpar.options import cpu_count
 from flexpar.sim import (
     DeviceSpec,
@@ -453,12 +453,13 @@ def _probe_boundaries(rank: int, world: int, store, repeats: int, step: Callable
     """
     import torch.distributed as dist
 
-    from flexpar.comm import control, state_transfer as training_state
+    from flexpar.comm import protocol as control, state_transfer as training_state
+    from flexpar.comm.channel import Channel
     from flexpar.comm.gradient_sync import GroupReaper, fresh_group
 
     if rank == 0:
         store.set("probe/generation", json.dumps({"members": list(range(world)), "failed": [], "left": []}))
-    events = control.Channel(store, "probe/events")
+    events = Channel(store, "probe/events")
     reaper = GroupReaper()  # a worker's, made with the worker
     seconds: dict = {}
     for size in range(2, world + 1):

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import flexpar  # noqa: E402
 from flexpar.core import batching  # noqa: E402
 from flexpar.worker import evaluator  # noqa: E402
-from flexpar.job import build_model, build_optimizer  # noqa: E402
+from flexpar.worker.user_code import build_model, build_optimizer  # noqa: E402
 from flexpar.worker.loader import load_batch  # noqa: E402
 from soak_plan import VIRTUAL_WORKERS  # noqa: E402
 

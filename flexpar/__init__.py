@@ -6,7 +6,8 @@
 """
 
 from flexpar.callbacks import STOP, Callback, CallbackError
-from flexpar.job import FitResult, Job, TrainingError, UserCodeError
+from flexpar.errors import TrainingError, UserCodeError
+from flexpar.job import FitResult, Job
 from flexpar.options import FitOptions
 from flexpar.version import __version__
 

@@ -51,7 +51,7 @@ import copy
 import traceback
 from typing import Iterable, Optional
 
-from flexpar.job import TrainingError
+from flexpar.errors import TrainingError
 
 
 class _Stop:

@@ -26,9 +26,11 @@ import traceback
 import types
 from typing import Optional, Sequence
 
-from flexpar.comm import control
+from flexpar.comm.channel import Channel
+from flexpar.comm.protocol import get_json, has, scale_proof
+from flexpar.comm.store import Unreachable, connect_client
 from flexpar import options as options_module
-from flexpar.job import TrainingError, UserCodeError
+from flexpar.errors import TrainingError, UserCodeError
 
 
 def _add_run_flags(parser: argparse.ArgumentParser) -> None:
@@ -294,7 +296,7 @@ def command_scale(arguments) -> int:
     if request.get("devices", 1) < 1:
         raise SystemExit(f"flexpar scale: --devices {text}: a job needs at least one device")
     request["id"] = secrets.token_hex(8)
-    store = control.connect_client(host, port, arguments.timeout)
+    store = connect_client(host, port, arguments.timeout)
     with _answers(host, port):
         return _ask_to_scale(store, host, port, request, secret, arguments.timeout)
 
@@ -306,22 +308,22 @@ def _answers(host: str, port: int):
         yield
     except RuntimeError as error:  # the store client's timeout or a dropped connection
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise control.Unreachable(f"the job at {host}:{port} stopped answering ({reason})") from None
+        raise Unreachable(f"the job at {host}:{port} stopped answering ({reason})") from None
 
 
 def _ask_to_scale(store, host: str, port: int, request: dict, secret: str, timeout_s: float) -> int:
-    control.Channel(store, "events").send(
-        {"type": "scale", "request": request, "proof": control.scale_proof(secret, request)}
+    Channel(store, "events").send(
+        {"type": "scale", "request": request, "proof": scale_proof(secret, request)}
     )
     key = f"answer/{request['id']}"
     deadline = time.monotonic() + timeout_s
-    while not control.has(store, key):
+    while not has(store, key):
         if time.monotonic() > deadline:
             print(f"flexpar scale: no answer from {host}:{port} within {timeout_s:g} s; the job may "
                   "be busy or finished (see `flexpar status`)", file=sys.stderr)
             return 1
         time.sleep(0.05)
-    answer = control.get_json(store, key)
+    answer = get_json(store, key)
     store.delete_key(key)
     if answer["accepted"]:
         print(f"flexpar scale: accepted: {answer['message']}")
@@ -332,9 +334,9 @@ def _ask_to_scale(store, host: str, port: int, request: dict, secret: str, timeo
 
 def command_status(arguments) -> int:
     host, port = _job_address(arguments.address, "status")
-    store = control.connect_client(host, port, arguments.timeout)
+    store = connect_client(host, port, arguments.timeout)
     with _answers(host, port):
-        status = control.get_json(store, "status") if control.has(store, "status") else {}
+        status = get_json(store, "status") if has(store, "status") else {}
     if arguments.json:
         print(json.dumps(status))
         return 0
@@ -474,7 +476,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return arguments.handler(arguments)  # the script's own errors keep their traceback
     try:
         return arguments.handler(arguments)
-    except control.Unreachable as error:
+    except Unreachable as error:
         print(f"flexpar {arguments.command}: {error}", file=sys.stderr, flush=True)
         if error.exit_at_once:
             sys.stdout.flush()

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 
+from flexpar.examples import digits
+from flexpar.observe.plot import plot_timeline
+
 
 def main(steps: int = 160, output_dir: str = "runs/demo") -> int:
-    from flexpar.examples import digits
-
     train, held_out = digits.load_splits()
     job = digits.build_job(global_batch=512, virtual_workers=16, dataset=train)
     metrics_path = os.path.join(output_dir, "metrics.jsonl")
@@ -30,8 +31,6 @@ def main(steps: int = 160, output_dir: str = "runs/demo") -> int:
             print(f"  step {event['step']:4d}: {event['event']:7s} {event['detail']:28s} "
                   f"stall {event['stall_s'] * 1000:.0f} ms")
     try:
-        from flexpar.observe.plot import plot_timeline
-
         plot_path = os.path.join(output_dir, "timeline.png")
         plot_timeline(metrics_path, plot_path)
         print(f"timeline: {plot_path}   metrics: {metrics_path}")

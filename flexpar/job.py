@@ -1,13 +1,17 @@
-"""The user's pieces, checked once in the driver before any worker starts."""
+"""The job: the user's single-device pieces, checked on construction, and `fit()`, which trains them.
+
+`Job.fit()` resolves the options (flexpar/options.py) and hands the job to
+the driver (`flexpar.driver.launch.run`), which checks it further, starts the
+worker processes and returns the trained model. The workers never import
+this module for its code: they unpickle the `Job` they are sent and call
+its pieces through flexpar/worker/user_code.py.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import math
 import multiprocessing
 import os
-import pickle
 import sys
 import traceback
 from dataclasses import dataclass
@@ -16,7 +20,12 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 from torch import nn
 
+from flexpar import options as options_module, recipes
 from flexpar.core import batching
+from flexpar.driver import launch
+from flexpar.errors import TrainingError, UserCodeError
+from flexpar.worker.settings import EXIT_MAIN_GUARD
+from flexpar.worker.user_code import is_real
 
 
 class FitResult(NamedTuple):
@@ -24,14 +33,6 @@ class FitResult(NamedTuple):
 
     model: nn.Module
     summary: dict
-
-
-class UserCodeError(Exception):
-    """A piece of the user's code raised, or returned something unusable."""
-
-
-class TrainingError(RuntimeError):
-    """The job stopped: a worker's error, or no device left. The message says which."""
 
 
 @dataclass(frozen=True)
@@ -110,8 +111,6 @@ class Job:
 
     def _check_recipe(self) -> None:
         """mixed_precision, grad_scaler, max_grad_norm, compile and compile_options (flexpar/recipes.py)."""
-        from flexpar import recipes
-
         # The type first: a list or dict is not hashable, and `in` a dict would raise TypeError.
         if self.mixed_precision is not None and (
                 not isinstance(self.mixed_precision, str) or self.mixed_precision not in recipes.MIXED_PRECISION):
@@ -129,13 +128,13 @@ class Job:
             for name, ok, rule in (("init_scale", settings["init_scale"] > 0, "> 0"),
                                    ("growth_factor", settings["growth_factor"] > 1, "> 1"),
                                    ("backoff_factor", 0 < settings["backoff_factor"] < 1, "in (0, 1)")):
-                if not _is_real(settings[name]) or not math.isfinite(settings[name]) or not ok:
+                if not is_real(settings[name]) or not math.isfinite(settings[name]) or not ok:
                     raise ValueError(f"grad_scaler[{name!r}]={settings[name]!r} must be a number {rule}")
             interval = settings["growth_interval"]
             if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
                 raise ValueError(f"grad_scaler['growth_interval']={interval!r} must be a whole number >= 1")
         if self.max_grad_norm is not None and (
-                not _is_real(self.max_grad_norm) or not math.isfinite(self.max_grad_norm) or self.max_grad_norm <= 0):
+                not is_real(self.max_grad_norm) or not math.isfinite(self.max_grad_norm) or self.max_grad_norm <= 0):
             raise ValueError(f"max_grad_norm={self.max_grad_norm!r} must be a number > 0 (or None: no clipping)")
         if not isinstance(self.compile, bool):
             raise TypeError(f"compile={self.compile!r} must be True or False (options go in compile_options=)")
@@ -216,15 +215,12 @@ class Job:
         max_devices, emulate_speeds, metrics, checkpoint_every, ...). Under
         `flexpar run`, the command line overrides them.
         """
-        from flexpar.driver import launch
-        from flexpar import options as options_module
-
         refuse_inside_worker_import()
         verbose = bool(options.get("verbose"))
         try:
             resolved = options_module.resolve(dict(steps=steps, epochs=epochs, devices=devices, **options))
             verbose = resolved.verbose
-            return launch.run(self, resolved)
+            return FitResult(*launch.run(self, resolved))
         except (TrainingError, UserCodeError, ValueError) as error:
             # flexpar's own checks (options, device counts, resume) raise ValueError too; one
             # raised inside the user's code or a library keeps its traceback, which is the point.
@@ -273,13 +269,6 @@ def _show_uncaught_as_one_line() -> None:
     sys.excepthook = hook
 
 
-MAIN_GUARD_MESSAGE = (
-    "fit() was called while a worker process imported your script. Put the training call under "
-    "`if __name__ == \"__main__\":` so that workers can import the script without starting training again."
-)
-EXIT_MAIN_GUARD = 78  # a worker's exit code for it: the driver then reports MAIN_GUARD_MESSAGE, once
-
-
 def refuse_inside_worker_import() -> None:
     """fit() called while a worker imports the user's script means a missing main guard.
 
@@ -289,149 +278,3 @@ def refuse_inside_worker_import() -> None:
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         sys.stderr.flush()
         os._exit(EXIT_MAIN_GUARD)
-
-
-# ------------------------------------------------------------ driver checks
-
-
-def build_model(job: Job) -> nn.Module:
-    """The model factory's result, built under the job's seed (same on every device)."""
-    torch.manual_seed(job.seed)
-    model = job.model()
-    if not isinstance(model, nn.Module):
-        raise UserCodeError(f"model= returned {type(model).__name__}, not an nn.Module")
-    return model
-
-
-def build_optimizer(job: Job, model: nn.Module):
-    optimizer = job.optimizer(model.parameters())
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise UserCodeError(f"optimizer= returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
-    scheduler = job.lr_scheduler(optimizer) if job.lr_scheduler is not None else None
-    return optimizer, scheduler
-
-
-def check_loss(value, step: int, virtual_worker: int) -> float:
-    """The loss as a float; a non-scalar loss is a user error named with where it happened."""
-    if not isinstance(value, torch.Tensor) or value.dim() != 0:
-        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise UserCodeError(
-            f"loss(model, batch) must return a scalar tensor (the mean loss of the batch) or a pair "
-            f"(loss_sum, count); at step {step}, virtual worker {virtual_worker} it returned {shape}. "
-            f"Reduce it, e.g. with .mean()"
-        )
-    return float(value.detach())
-
-
-class LossTerms(NamedTuple):
-    """What one VW's loss returned: the tensor to differentiate, its value, and the pair's count (or None)."""
-
-    tensor: torch.Tensor
-    value: float
-    count: Optional[float]
-
-
-def loss_terms(result, step: int, virtual_worker: int) -> LossTerms:
-    """A scalar loss, or a pair (loss_sum, count) with a positive finite count; anything else is a user error."""
-    if not isinstance(result, (tuple, list)):
-        return LossTerms(result, check_loss(result, step, virtual_worker), None)
-    where = f"at step {step}, virtual worker {virtual_worker}"
-    if len(result) != 2:
-        raise UserCodeError(f"loss(model, batch) returned a {type(result).__name__} of {len(result)} items {where}; "
-                            "return a scalar tensor (the mean loss) or a pair (loss_sum, count)")
-    loss_sum, count = result
-    value = check_loss(loss_sum, step, virtual_worker)
-    number = None
-    if isinstance(count, torch.Tensor) and count.numel() == 1 and not count.is_complex():
-        number = float(count.detach())
-    elif _is_real(count):
-        number = float(count)
-    if number is None or not math.isfinite(number) or number <= 0:
-        shown = f"tensor {count.detach().cpu().tolist()!r}" if isinstance(count, torch.Tensor) else repr(count)
-        raise UserCodeError(
-            f"loss(model, batch) returned the pair (loss_sum, count) with count {shown} {where}; the count "
-            "(for example the number of non-padding tokens) must be a positive number, and every virtual "
-            "worker's batch must count at least one"
-        )
-    return LossTerms(loss_sum, value, number)
-
-
-def _is_real(value) -> bool:
-    """A real number: int or float, not bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def nonfinite_message(step: int, virtual_worker: int) -> str:
-    return (
-        f"the loss is not finite (NaN or infinity) at step {step}, virtual worker "
-        f"{virtual_worker}; training stopped before applying that step. Lower the learning "
-        "rate or check the data of that step."
-    )
-
-
-def model_digest(model: nn.Module) -> str:
-    """Digest of parameter and buffer names, shapes and dtypes: what a joiner must match."""
-    digest = hashlib.sha256()
-    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
-    return digest.hexdigest()
-
-
-def pickle_pieces(job: Job) -> bytes:
-    """The job as bytes for the workers; each piece that cannot travel is named."""
-    for name in ("model", "optimizer", "loss", "lr_scheduler", "collate_fn", "dataset", "evaluate", "eval_dataset",
-                 "sample_cost"):
-        piece = getattr(job, name)
-        if piece is None:
-            continue
-        try:
-            pickle.dumps(piece)
-        except Exception as error:
-            raise UserCodeError(
-                f"{name}= cannot be sent to worker processes ({error}). Worker processes import "
-                f"your pieces by name: define {name} at module level of your script or a module "
-                "(not as a lambda or inside a function), and keep the dataset picklable."
-            ) from None
-    return pickle.dumps(job)
-
-
-def first_batch_check(job: Job, model: nn.Module) -> None:
-    """Run the loss on virtual worker 0 of step 0 in the driver, to report errors once."""
-    from flexpar.worker.loader import load_batch
-
-    indices = batching.virtual_worker_indices(
-        job.seed, 0, 0, len(job.dataset), job.global_batch, job.virtual_workers
-    )
-    batch = load_batch(job, indices, batching.data_seed(job.seed, 0, 0))
-    from flexpar import recipes
-
-    if not torch.cuda.is_available():  # a CPU job: the workers' device type is known here already
-        recipes.check_mixed_precision(job, "cpu")
-        recipes.check_compile(job, "cpu")
-    dtype = recipes.autocast_dtype(job)
-    # Under autocast, as in the workers, where the driver's CPU supports it (else plain).
-    precision = recipes.autocast(job, "cpu") if dtype and not recipes.autocast_problem("cpu", dtype) else None
-    # Eval mode: the check must not move BatchNorm statistics of the model we return.
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), (precision or contextlib.nullcontext()):
-            value = loss_terms(job.loss(model, batch), 0, 0).value
-    finally:
-        model.train(was_training)
-    if not math.isfinite(value):
-        raise UserCodeError(nonfinite_message(0, 0))
-    if job.sample_cost is not None:
-        check_sample_cost(job, indices)
-
-
-def check_sample_cost(job: Job, indices) -> None:
-    """Call sample_cost on a few indices (those of VW 0 of step 0, and the dataset's last) in the driver.
-
-    A function that raises or returns a non-number, NaN, an infinity or a
-    negative number is refused here, once, naming the index, before any
-    worker starts; the workers check every value they use too.
-    """
-    from flexpar.worker.cost_planner import sample_costs
-
-    sample_costs(job, list(indices)[:8] + [len(job.dataset) - 1])

@@ -13,6 +13,9 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
+from flexpar import callbacks as callbacks_module
+from flexpar.observe import trackers as trackers_module
+
 
 @dataclass(frozen=True)
 class ScheduleChange:
@@ -168,9 +171,6 @@ class FitOptions:
         _positive("keep_checkpoints", self.keep_checkpoints)
         if self.keep_checkpoints is not None and self.checkpoint_dir is None:
             raise ValueError(f"keep_checkpoints={self.keep_checkpoints} needs checkpoint_dir= (where they are)")
-        from flexpar import callbacks as callbacks_module
-        from flexpar.observe import trackers as trackers_module
-
         object.__setattr__(self, "callbacks", callbacks_module.check_callbacks(self.callbacks))
         object.__setattr__(self, "trackers", trackers_module.check_names(self.trackers))
         if self.timeout_s <= 0:

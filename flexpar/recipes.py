@@ -48,6 +48,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from flexpar.errors import UserCodeError
+
 MIXED_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 """The values of `Job(mixed_precision=...)` and the dtype autocast runs in."""
 
@@ -93,8 +95,6 @@ def check_mixed_precision(job, device_type: str) -> None:
     if problem is None:
         return
     hint = ' Use mixed_precision="bf16" on CPU devices.' if device_type == "cpu" else ""
-    from flexpar.job import UserCodeError
-
     raise UserCodeError(f"mixed_precision={job.mixed_precision!r} is not supported on {device_type} devices "
                         f"by torch {torch.__version__}: {_sentence(problem)}.{hint}")
 
@@ -303,9 +303,7 @@ def check_compile(job, device_type: str) -> None:
         return
     problem = compile_problem(device_type, job.compile_options)
     if problem is not None:
-        from flexpar.job import UserCodeError
-
-        raise UserCodeError(f"compile=True cannot run on {device_type} devices here: {problem}. "
+            raise UserCodeError(f"compile=True cannot run on {device_type} devices here: {problem}. "
                             "Run without compile=True, or pass compile_options={'backend': 'aot_eager'}")
 
 

@@ -20,7 +20,7 @@ from torch import nn
 
 import flexpar
 from flexpar.core import batching
-from flexpar.job import build_model, build_optimizer
+from flexpar.worker.user_code import build_model, build_optimizer
 from flexpar.worker.loader import load_batch
 
 FEATURES = 12

@@ -2,7 +2,8 @@
 
 import pytest
 
-from flexpar.comm import control
+from flexpar.comm.channel import Channel, HOLE_GRACE_S
+from flexpar.comm.store import Unreachable, connect, connect_client
 
 
 def _listening_addresses(port):
@@ -22,23 +23,23 @@ def _listening_addresses(port):
 
 
 def test_the_store_listens_on_loopback_only_by_default():
-    store = control.connect("127.0.0.1", 0, 5.0, server=True)
+    store = connect("127.0.0.1", 0, 5.0, server=True)
     addresses = _listening_addresses(store.port)
     assert addresses == ["0100007F"], f"127.0.0.1 only, got {addresses} (00000000 would be every interface)"
-    client = control.connect("127.0.0.1", store.port, 5.0)
+    client = connect("127.0.0.1", store.port, 5.0)
     client.set("key", "value")
     assert store.get("key") == b"value"
 
 
 def test_a_port_in_use_is_a_clear_error():
-    store = control.connect("127.0.0.1", 0, 5.0, server=True)
+    store = connect("127.0.0.1", 0, 5.0, server=True)
     with pytest.raises(ValueError, match="cannot listen on 127.0.0.1:.*choose another --port"):
-        control.connect("127.0.0.1", store.port, 5.0, server=True)
+        connect("127.0.0.1", store.port, 5.0, server=True)
 
 
 def test_a_client_with_no_job_to_reach_gets_one_line():
-    with pytest.raises(control.Unreachable) as raised:
-        control.connect_client("127.0.0.1", 1, 0.5)
+    with pytest.raises(Unreachable) as raised:
+        connect_client("127.0.0.1", 1, 0.5)
     assert "no flexpar job answers at 127.0.0.1:1" in str(raised.value) and "\n" not in str(raised.value)
 
 
@@ -67,15 +68,15 @@ class _DictStore:
 
 def test_a_channel_skips_the_index_of_a_writer_killed_before_it_wrote():
     store, now = _DictStore(), [0.0]
-    reader = control.Channel(store, "metrics", clock=lambda: now[0])
-    writer = control.Channel(store, "metrics")
+    reader = Channel(store, "metrics", clock=lambda: now[0])
+    writer = Channel(store, "metrics")
     writer.send({"step": 1})
     store.add("metrics/count", 1)  # a writer took index 2 and was killed before writing it
     writer.send({"step": 3})
     assert reader.receive() == [{"step": 1}], "a message being written is waited for"
-    now[0] = control.HOLE_GRACE_S / 2
+    now[0] = HOLE_GRACE_S / 2
     assert reader.receive() == []
-    now[0] = control.HOLE_GRACE_S + 0.1
+    now[0] = HOLE_GRACE_S + 0.1
     assert reader.receive() == [{"step": 3}] and reader.skipped == 1
     writer.send({"step": 4})
     assert reader.receive() == [{"step": 4}]
@@ -83,10 +84,10 @@ def test_a_channel_skips_the_index_of_a_writer_killed_before_it_wrote():
 
 def test_a_channel_reads_a_late_writer_that_wrote_within_the_grace():
     store, now = _DictStore(), [0.0]
-    reader = control.Channel(store, "events", clock=lambda: now[0])
+    reader = Channel(store, "events", clock=lambda: now[0])
     index = store.add("events/count", 1)
     assert reader.receive() == []
-    now[0] = control.HOLE_GRACE_S - 0.1
+    now[0] = HOLE_GRACE_S - 0.1
     store.set(f"events/{index}", '{"type": "ready"}')
     assert reader.receive() == [{"type": "ready"}] and reader.skipped == 0
 
@@ -95,9 +96,9 @@ def test_once_every_writer_is_done_a_hole_is_skipped_at_once():
     """The job is over ("done" was written after rank 0 sent everything): an empty index is a dead
     rank 0's, and what a later rank 0 wrote after it must not wait out the grace (it would be lost)."""
     store, now = _DictStore(), [0.0]
-    reader = control.Channel(store, "metrics", clock=lambda: now[0])
+    reader = Channel(store, "metrics", clock=lambda: now[0])
     store.add("metrics/count", 1)  # taken by a rank 0 killed before it wrote
-    control.Channel(store, "metrics").send({"step": 5})
+    Channel(store, "metrics").send({"step": 5})
     assert reader.receive() == []
     assert reader.receive(writers_done=True) == [{"step": 5}] and reader.skipped == 1
 
@@ -105,11 +106,11 @@ def test_once_every_writer_is_done_a_hole_is_skipped_at_once():
 def test_a_message_written_after_its_index_was_skipped_still_arrives():
     """A writer stopped (SIGSTOP) between taking its index and writing it is late, not dead."""
     store, now = _DictStore(), [0.0]
-    reader = control.Channel(store, "events", clock=lambda: now[0])
+    reader = Channel(store, "events", clock=lambda: now[0])
     index = store.add("events/count", 1)
-    control.Channel(store, "events").send({"type": "after"})
+    Channel(store, "events").send({"type": "after"})
     assert reader.receive() == []
-    now[0] = control.HOLE_GRACE_S + 0.1
+    now[0] = HOLE_GRACE_S + 0.1
     assert reader.receive() == [{"type": "after"}] and reader.skipped == 1
     store.set(f"events/{index}", '{"type": "late"}')
     assert reader.receive() == [{"type": "late"}]

@@ -16,7 +16,7 @@ import flexpar
 import pieces
 from flexpar.core import batching, cost_balance, ledger
 from flexpar.worker.cost_planner import CostPlanner
-from flexpar.job import UserCodeError
+from flexpar.errors import UserCodeError
 
 # A join needs its joiner started and warm before the job ends (test_elastic.py).
 JOIN_HEADROOM_S = 6.0

@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 import evaluation_pieces as ep
 import pieces
 from flexpar.core import evaluation
-from flexpar.comm.control import FOLLOW_ALL_S
+from flexpar.worker.device_link import FOLLOW_ALL_S
 from flexpar.worker.evaluator import evaluate_all
 
 # ------------------------------------------------------------------ the split (pure)

@@ -111,13 +111,14 @@ def test_digits_pieces_pickle_by_reference(digits_splits):
 
 
 def test_digits_build_job_passes_the_drivers_checks(digits_splits):
-    from flexpar import job as job_module
+    from flexpar.driver import job_checks
+    from flexpar.worker import user_code
 
     job = digits.build_job(global_batch=128, virtual_workers=4, dataset=digits_splits[0])
     assert job.micro_batch_size == 32
-    job_module.pickle_pieces(job)  # raises if any piece cannot travel to workers
-    model = job_module.build_model(job)
-    job_module.first_batch_check(job, model)
+    job_checks.pickle_pieces(job)  # raises if any piece cannot travel to workers
+    model = user_code.build_model(job)
+    job_checks.first_batch_check(job, model)
 
 
 def test_digits_command_line_defaults_and_flags():
@@ -301,18 +302,19 @@ def test_sample_greedy_is_deterministic_and_temperature_sampling_leaves_global_r
 
 
 def test_tiny_lm_pieces_pickle_by_reference_and_build_a_valid_job():
-    from flexpar import job as job_module
+    from flexpar.driver import job_checks
+    from flexpar.worker import user_code
 
     for piece in (tiny_lm.make_model, tiny_lm.make_optimizer, tiny_lm.loss_fn):
         assert pickle.loads(pickle.dumps(piece)) is piece
     train, _ = tiny_lm.load_splits(max_bytes=200_000)
     job = tiny_lm.build_job(steps=30, global_batch=64, virtual_workers=4, dataset=train)
     assert job.lr_scheduler == tiny_lm.WarmupCosine(total_steps=30, warmup_steps=20)
-    job_module.pickle_pieces(job)
-    model = job_module.build_model(job)
-    optimizer, scheduler = job_module.build_optimizer(job, model)
+    job_checks.pickle_pieces(job)
+    model = user_code.build_model(job)
+    optimizer, scheduler = user_code.build_optimizer(job, model)
     assert isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR)
-    job_module.first_batch_check(job, model)
+    job_checks.first_batch_check(job, model)
 
 
 def test_tiny_lm_command_line_defaults_and_flags():

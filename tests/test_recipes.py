@@ -45,7 +45,8 @@ from torch import nn
 import flexpar
 import pieces
 from flexpar import recipes
-from flexpar.job import UserCodeError, loss_terms
+from flexpar.errors import UserCodeError
+from flexpar.worker.user_code import loss_terms
 
 BF16_RTOL = 1e-5
 BF16_ATOL = 1e-6
@@ -203,7 +204,8 @@ def test_the_driver_checks_the_first_pair():
         return loss_sum, 0
 
     job = token_job(loss=zero_count)
-    from flexpar.job import build_model, first_batch_check
+    from flexpar.driver.job_checks import first_batch_check
+    from flexpar.worker.user_code import build_model
 
     with pytest.raises(UserCodeError, match="count 0 at step 0, virtual worker 0"):
         first_batch_check(job, build_model(job))
@@ -250,7 +252,8 @@ def test_compile_without_a_compiler_is_refused_before_workers_start(monkeypatch)
     monkeypatch.setattr(recipes, "compile_problem", lambda device_type, options=None: (
         None if device_type == "any" else "the inductor backend needs a C++ compiler (g++ or $CXX)"))
     job = token_job(compile=True)
-    from flexpar.job import build_model, first_batch_check
+    from flexpar.driver.job_checks import first_batch_check
+    from flexpar.worker.user_code import build_model
 
     with pytest.raises(UserCodeError, match=r"compile=True cannot run on cpu devices here: .*C\+\+ compiler"):
         first_batch_check(job, build_model(job))

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 import pieces
 from flexpar.core import batching
 from flexpar.examples import tiny_lm, tiny_lm_variable
-from flexpar.job import build_model, first_batch_check
+from flexpar.driver.job_checks import first_batch_check
+from flexpar.worker.user_code import build_model
 
 SMALL_BYTES = 60_000
 SMALL_MODEL = tiny_lm_variable.ModelFactory(context=255, width=16, heads=2, layers=1, dropout=0.0)

@@ -1,27 +1,32 @@
 """The driver's loop: coordinator, metrics, display, schedule, until the job ends.
 
-Single-threaded on purpose: each pass moves the coordinator on, relays the
+Single-threaded on purpose (a `DriverWaker` thread only wakes it): each pass moves the coordinator on, relays the
 records rank 0 published, fires due schedule entries, and checks for the end.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
 import statistics
 import sys
+import threading
 import time
 
-from flexpar.comm import control
-from flexpar.core import ledger as sample_ledger, membership
 from flexpar.callbacks import Dispatcher
-from flexpar.observe.display import LiveDisplay
-from flexpar.job import EXIT_MAIN_GUARD, MAIN_GUARD_MESSAGE, TrainingError
-from flexpar.observe.metrics import LOGGER_NAME, MetricsWriter
+from flexpar.comm.channel import Channel
+from flexpar.comm.protocol import DRIVER_NOTICE_KEY, DRIVER_WAKE_KEY, tell_devices
+from flexpar.comm.store import connect
+from flexpar.core import ledger as sample_ledger, membership
 from flexpar.core.schedule import ScheduleTracker
+from flexpar.errors import TrainingError
+from flexpar.observe.display import LiveDisplay
+from flexpar.observe.metrics import LOGGER_NAME, MetricsWriter
+from flexpar.worker.settings import EXIT_MAIN_GUARD, MAIN_GUARD_MESSAGE
 
-# The loop runs when something was sent (control.DriverWaker), and at least this often for
+# The loop runs when something was sent (DriverWaker, below), and at least this often for
 # what nobody sends: local processes' exits, heartbeats, the grace of a failure, the display.
 _HOUSEKEEPING_S = 0.1
 _READ_ALL_EVERY = 10  # passes between readings of the channels and "done" that no notice asked for
@@ -38,7 +43,7 @@ class DriverLoop:
         self.address = address
         self.run_dir = run_dir
         self.exit_codes = exit_codes  # device id -> exit code of local workers that ended
-        self.metrics = control.Channel(store, "metrics")
+        self.metrics = Channel(store, "metrics")
         self.schedule = ScheduleTracker(options.schedule)
         self.pending_speeds = sorted(options.speed_changes, key=lambda change: change.step)
         self.started = time.time()
@@ -60,7 +65,7 @@ class DriverLoop:
             if not self.display.uses_rich:
                 _log_to_stderr()
 
-    def run(self, waker: "control.DriverWaker" = None) -> None:
+    def run(self, waker: "DriverWaker" = None) -> None:
         """Until the job ends; `waker` wakes the loop when a device or a command sent something.
 
         Without one (tests) the loop polls every 10 ms.
@@ -70,11 +75,11 @@ class DriverLoop:
         try:
             while True:
                 # One store round trip per pass while nobody sent anything: the channels
-                # and "done" are read when control.DRIVER_NOTICE_KEY moved (and every
+                # and "done" are read when DRIVER_NOTICE_KEY moved (and every
                 # _READ_ALL_EVERY passes regardless). The loop itself sleeps until woken:
                 # polling the store every 10 ms woke the store's thread and this one 200
-                # times a second, on the cores the devices compute on (see control.NOTICE_KEY).
-                seen = self.store.add(control.DRIVER_NOTICE_KEY, 0)  # first: what is sent later is read next time
+                # times a second, on the cores the devices compute on (see protocol.NOTICE_KEY).
+                seen = self.store.add(DRIVER_NOTICE_KEY, 0)  # first: what is sent later is read next time
                 read = seen != notice or polls % _READ_ALL_EVERY == 0
                 notice, polls = seen, polls + 1
                 self.coordinator.step(receive=read)
@@ -112,7 +117,7 @@ class DriverLoop:
         members = set(self.coordinator.state.members)
         for message in self.coordinator.errors:
             if message["device_id"] in members or self.coordinator.state.generation == 0:
-                control.tell_devices(self.store, "stop", "a device reported an error")
+                tell_devices(self.store, "stop", "a device reported an error")
                 raise TrainingError(self._device_error(message))
             print(f"flexpar: joining device {message['device_id']} failed and was dropped: "
                   f"{message['message']}", file=sys.stderr, flush=True)
@@ -198,7 +203,7 @@ class DriverLoop:
                     self._report_schedule(self.schedule.answered(request_id, action))
         while self.pending_speeds and committed >= self.pending_speeds[0].step:
             change = self.pending_speeds.pop(0)
-            control.tell_devices(self.store, f"speed/local-{change.device}", str(change.speed))
+            tell_devices(self.store, f"speed/local-{change.device}", str(change.speed))
 
     def _report_schedule(self, lines: list) -> None:
         """A schedule entry was late, refused or never applied: log, metrics file, summary."""
@@ -254,3 +259,51 @@ def _log_to_stderr() -> None:
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
         logger.propagate = False
+
+
+class DriverWaker:
+    """A thread of the driver that waits in the store for DRIVER_WAKE_KEY and sets `woken`.
+
+    TCPStore's `wait` answers when the key is set (the store's own server
+    holds the waiter: no polling). The thread deletes the key before it sets
+    the event, and writers bump DRIVER_NOTICE_KEY before they set the key, so
+    no message is missed: one sent while the loop runs either moved the
+    counter the loop reads next, or sets the key again. `close()` sets the key
+    itself to let the thread end.
+    """
+
+    # A wait that long never times out in practice; if it does, the thread waits again on
+    # a fresh connection (a client whose wait timed out may still get the late answer).
+    _WAIT = datetime.timedelta(days=7)
+
+    def __init__(self, host: str, port: int, timeout_s: float, store):
+        self.store = store
+        self.woken = threading.Event()
+        self._closing = threading.Event()
+        self._client = connect(host, port, timeout_s)
+        self._thread = threading.Thread(target=self._run, args=(host, port, timeout_s), name="flexpar-waker",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, host: str, port: int, timeout_s: float) -> None:
+        client = self._client
+        while not self._closing.is_set():
+            try:
+                client.wait([DRIVER_WAKE_KEY], self._WAIT)
+                client.delete_key(DRIVER_WAKE_KEY)
+            except RuntimeError:
+                if self._closing.is_set():
+                    return
+                try:
+                    client = connect(host, port, timeout_s)
+                except RuntimeError:
+                    return  # the store is gone: the driver is ending
+            self.woken.set()
+
+    def close(self) -> None:
+        self._closing.set()
+        try:
+            self.store.set(DRIVER_WAKE_KEY, "1")
+        except RuntimeError:
+            pass
+        self._thread.join(timeout=5.0)

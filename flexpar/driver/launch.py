@@ -23,20 +23,24 @@ from typing import Optional
 
 import torch
 
-from flexpar.comm import control, state_transfer as training_state
-from flexpar.core import membership
 from flexpar import callbacks as callbacks_module
-from flexpar.worker import evaluator
-from flexpar.observe import trackers as trackers_module
-from flexpar.job import (
-    FitResult, Job, TrainingError, build_model, build_optimizer, first_batch_check,
-    model_digest, pickle_pieces,
-)
+from flexpar.comm import state_transfer as training_state
+from flexpar.comm.protocol import get_blob, put_blob, tell_devices
+from flexpar.comm.store import Unreachable, connect, connect_client
+from flexpar.driver.coordinator import Coordinator
+from flexpar.driver.driver_loop import DriverWaker
+from flexpar.core import membership
+from flexpar.driver.driver_loop import DriverLoop
 from flexpar.driver.fork_server import worker_context
+from flexpar.driver.job_checks import first_batch_check, pickle_pieces
+from flexpar.errors import TrainingError
+from flexpar.observe import trackers as trackers_module
 from flexpar.options import FitOptions, cpu_count, is_loopback
 from flexpar.version import __version__
+from flexpar.worker import evaluator
 from flexpar.worker.process import main as worker_main
 from flexpar.worker.settings import RunSettings, WorkerArgs
+from flexpar.worker.user_code import build_model, build_optimizer, model_digest
 
 
 def detect_devices(backend: str) -> tuple:
@@ -100,8 +104,11 @@ class LocalDevices:
                 process.join(timeout=5)
 
 
-def run(job: Job, options: FitOptions) -> FitResult:
-    """Check everything that can be checked here, then train on worker processes."""
+def run(job, options: FitOptions) -> tuple:
+    """Check everything that can be checked here, then train `job` (a `flexpar.Job`) on worker processes.
+
+    Returns (the trained model, the summary): `Job.fit` hands them to the user as a `FitResult`.
+    """
     kind, available, backend = detect_devices(options.backend)
     context = worker_context(options.verbose)
     initial = options.devices or (available if kind == "cuda" else 1)
@@ -133,7 +140,7 @@ def run(job: Job, options: FitOptions) -> FitResult:
                            eval_verdict=bool(options.eval_every and eval_keys and callbacks.can_stop_at_eval),
                            keep_checkpoints=options.keep_checkpoints)
     secret = options.secret or secrets.token_hex(16)
-    store = control.connect(options.host, options.port, options.timeout_s, server=True)
+    store = connect(options.host, options.port, options.timeout_s, server=True)
     address = f"{advertised_host(options.host)}:{store.port}"
     _publish_job(store, payload, settings, secret, model_digest(model))
     secret_note = _keep_secret(options, secret, run_dir)
@@ -145,14 +152,12 @@ def run(job: Job, options: FitOptions) -> FitResult:
     local_capacity = None if (kind == "cpu" and options.oversubscribe) else available
     state = membership.Membership(initial_devices=initial, max_devices=max_devices, grace_s=grace_s,
                                   local_capacity=local_capacity)
-    coordinator = control.Coordinator(
+    coordinator = Coordinator(
         store, secret, store.get("job/salt").decode(), model_digest(model), __version__, state,
         spawn_local=local.spawn, stop_local=local.stop, local_exits=local.exits,
         heartbeat_timeout_s=options.heartbeat_timeout_s,
         on_note=lambda message: print(f"flexpar: {message}", file=sys.stderr, flush=True),
     )
-    from flexpar.driver.driver_loop import DriverLoop
-
     loop = DriverLoop(store, coordinator, options, total_steps, job.global_batch, address,
                       run_dir, metrics_path, exit_codes=lambda: dict(local.exit_codes), callbacks=callbacks)
     ended_well = False
@@ -160,8 +165,8 @@ def run(job: Job, options: FitOptions) -> FitResult:
     try:
         with _finish_on_sigterm(coordinator, terminated):
             coordinator.apply(membership.Start(initial))
-            loop.run(control.DriverWaker(options.host, store.port, options.timeout_s, store))
-        data = control.get_blob(store, "result", secret)
+            loop.run(DriverWaker(options.host, store.port, options.timeout_s, store))
+        data = get_blob(store, "result", secret)
         result = training_state.from_bytes(data, torch.device("cpu"))
         model.load_state_dict(result["model"])
         summary = loop.summary(result["step"])
@@ -176,13 +181,13 @@ def run(job: Job, options: FitOptions) -> FitResult:
     except (KeyboardInterrupt, _SecondSigterm) as interruption:
         what, code = (("a second SIGTERM", 143) if isinstance(interruption, _SecondSigterm)
                       else ("interrupted (Ctrl-C)", 130))
-        control.tell_devices(store, "stop", what)
+        tell_devices(store, "stop", what)
         local.shutdown(grace_s=2.0)
         print(f"flexpar: {what}; the workers are stopped", file=sys.stderr, flush=True)
         raise SystemExit(code) from None
     finally:
         if not store.check(["done"]):
-            control.tell_devices(store, "stop", "the driver stopped")
+            tell_devices(store, "stop", "the driver stopped")
         local.shutdown()
         callbacks.close(failed=not ended_well)
     if terminated.is_set():
@@ -190,7 +195,7 @@ def run(job: Job, options: FitOptions) -> FitResult:
             "; no checkpoint (pass --checkpoint-dir to keep one)")
         print(f"flexpar: stopped by SIGTERM after step {summary['steps']}{where}", file=sys.stderr, flush=True)
         raise SystemExit(143)
-    return FitResult(model, summary)
+    return model, summary
 
 
 def resume_command(directory: str, argv: Optional[list] = None, script_argv: Optional[list] = None) -> str:
@@ -312,7 +317,7 @@ def _finish_on_sigterm(coordinator, terminated: threading.Event):
 
 
 def _publish_job(store, payload: bytes, settings: RunSettings, secret: str, digest: str) -> None:
-    control.put_blob(store, "job/payload", payload, secret)
+    put_blob(store, "job/payload", payload, secret)
     store.set("job/settings", json.dumps(asdict(settings)))
     store.set("job/salt", secrets.token_hex(8))
     store.set("job/version", __version__)
@@ -361,12 +366,12 @@ def join(address: str, devices: int, secret: str, script: Optional[str] = None, 
     host, _, port_text = address.rpartition(":")
     print(f"flexpar join: connecting to the job at {address} (waiting up to {connect_timeout_s:g} s)",
           file=sys.stderr, flush=True)
-    store = control.connect_client(host, int(port_text), connect_timeout_s, wait_for_job=True)
+    store = connect_client(host, int(port_text), connect_timeout_s, wait_for_job=True)
     try:
         script = script or store.get("job/script").decode()
         settings = json.loads(store.get("job/settings"))
     except RuntimeError as error:  # connected, then the job stopped answering
-        raise control.Unreachable(f"the job at {address} stopped answering ({str(error).strip()[:200]})") from None
+        raise Unreachable(f"the job at {address} stopped answering ({str(error).strip()[:200]})") from None
     if script and not os.path.exists(script):
         raise ValueError(f"the job's script {script} is not on this host; pass --script PATH")
     kind = "cuda" if settings["backend"] == "nccl" else "cpu"

@@ -24,6 +24,8 @@ import threading
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
+from flexpar.core.evaluation import means
+
 STEP_KEYS: tuple[str, ...] = (
     "kind",
     "step",
@@ -395,8 +397,6 @@ def event_label(event: Mapping[str, Any], previous_devices: Sequence[str]) -> st
 
 def eval_means(metrics: Mapping[str, Any]) -> dict:
     """Per-sample means of an eval record's sums when it holds a `count` (flexpar.evaluation.means)."""
-    from flexpar.core.evaluation import means
-
     return means(metrics)
 
 _SPLIT = re.compile(r"\[\s*(\d+(?:\s*,\s*\d+)*)\s*\]\s*->\s*\[\s*(\d+(?:\s*,\s*\d+)*)\s*\]")

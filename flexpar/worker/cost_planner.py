@@ -23,7 +23,7 @@ import math
 from typing import List, Optional, Sequence, Tuple
 
 from flexpar.core import batching, cost_balance, cost_rates
-from flexpar.job import UserCodeError
+from flexpar.errors import UserCodeError
 
 _CACHED_STEPS = 4  # costs and plans of the step running and the next few the loader prefetches
 

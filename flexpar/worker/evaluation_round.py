@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from flexpar.core import balance, evaluation
-from flexpar.comm import control
+from flexpar.worker.device_link import DriverLost
 from flexpar.worker import evaluator
 from flexpar.comm.gradient_sync import PeerFailure, _collective, _wait
 
@@ -94,4 +94,4 @@ class WorkerEvaluation:
             return self.link.store.get(key).decode()
         except RuntimeError as error:  # the store, hosted by the driver, is gone
             self.link.driver_lost = True
-            raise control.DriverLost(f"the job's driver is gone ({str(error).splitlines()[0] if str(error) else error})") from None
+            raise DriverLost(f"the job's driver is gone ({str(error).splitlines()[0] if str(error) else error})") from None

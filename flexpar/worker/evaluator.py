@@ -25,7 +25,7 @@ import torch
 
 from flexpar.core import evaluation
 from flexpar import recipes
-from flexpar.job import UserCodeError
+from flexpar.errors import UserCodeError
 from flexpar.worker.loader import load_batch, to_device
 
 

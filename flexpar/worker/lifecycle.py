@@ -45,11 +45,14 @@ import torch
 import torch.distributed as dist
 
 from flexpar.core import balance, batching, ledger as sample_ledger
-from flexpar.comm import control, state_transfer as training_state
+from flexpar.comm import state_transfer as training_state
+from flexpar.comm.protocol import get_blob, get_json, join_proof, put_blob, tell_driver
+from flexpar.worker.device_link import DeviceLink, DriverLost
 from flexpar import recipes
 from flexpar.callbacks import CALLBACK_STOP
 from flexpar.worker.cost_planner import CostPlanner
-from flexpar.job import UserCodeError, build_model, build_optimizer, loss_terms, model_digest, nonfinite_message
+from flexpar.errors import UserCodeError
+from flexpar.worker.user_code import build_model, build_optimizer, loss_terms, model_digest, nonfinite_message
 from flexpar.worker.loader import VirtualWorkerLoader, load_batch, to_device as _to_device
 from flexpar.core.step_statistics import StatsLayout, mixed_loss_message, nonfinite_gradient_message
 from flexpar.comm.gradient_sync import GradientSync, GroupReaper, PeerFailure, _collective, fresh_group
@@ -95,15 +98,15 @@ class Worker(WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
     worker_records.py); the step itself, from `train` to the optimizer, is here.
     """
 
-    def __init__(self, args: WorkerArgs, link: control.DeviceLink):
+    def __init__(self, args: WorkerArgs, link: DeviceLink):
         self.args = args
         self.link = link
         self.phase = Phase.WARMING
         self.device = torch.device(args.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.job = pickle.loads(control.get_blob(link.store, "job/payload", args.secret))
-        self.settings = RunSettings(**control.get_json(link.store, "job/settings"))
+        self.job = pickle.loads(get_blob(link.store, "job/payload", args.secret))
+        self.settings = RunSettings(**get_json(link.store, "job/settings"))
         link.set_timeout(self.settings.timeout_s)  # a vanished driver is noticed within the job's timeout
         self.model = build_model(self.job).to(self.device)
         self.optimizer, self.scheduler = build_optimizer(self.job, self.model)
@@ -129,7 +132,7 @@ class Worker(WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
         self.committed = -1
         self.committed_wall = time.time()
         self.salt = link.store.get("job/salt").decode()
-        self.proof = control.join_proof(args.secret, args.device_id, self.salt)
+        self.proof = join_proof(args.secret, args.device_id, self.salt)
         # The step records of the last steps this device committed (every device keeps
         # them; rank 0 publishes). A rank 0 that dies may take queued records with it.
         self.recent_records: collections.deque = collections.deque(maxlen=RECORDS_KEPT)
@@ -171,7 +174,7 @@ class Worker(WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
     def run(self) -> None:
         try:
             self._run()
-        except control.DriverLost:
+        except DriverLost:
             if self.phase is Phase.STOPPING:
                 raise  # the members stopped together and said where the state is
             # Lost outside a healthy step (waiting, forming, or a collective failed with it):
@@ -301,9 +304,9 @@ class Worker(WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
         self._checkpoint_writer_now().wait()  # the checkpoint "done" names exists before the job ends
         if self.rank == 0:
             data = training_state.to_bytes({"model": self.model.state_dict(), "step": self.committed})
-            control.put_blob(self.link.store, "result", data, self.args.secret)
+            put_blob(self.link.store, "result", data, self.args.secret)
             self.link.flush()
-            control.tell_driver(self.link.store, "done", json.dumps({"step": self.committed, "stopped": stopped,
+            tell_driver(self.link.store, "done", json.dumps({"step": self.committed, "stopped": stopped,
                                                                      "checkpoint": checkpoint}))
 
     def stop_early(self) -> None:
@@ -311,7 +314,7 @@ class Worker(WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
         self.phase = Phase.STOPPING
         if self.link.driver_lost:
             self._rescue(self.committed, agreed=True)
-            raise control.DriverLost("the job's driver is gone")
+            raise DriverLost("the job's driver is gone")
         # Another member may have seen the request first: ask the store for its words,
         # so that every member agrees on the reason (a callback's stop evaluates once more).
         reason = (self._verdict_stop or self.link.finish_reason or self.link.read_finish_reason()

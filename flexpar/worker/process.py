@@ -18,8 +18,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from flexpar.comm import control
-from flexpar.job import UserCodeError
+from flexpar.worker.device_link import DeviceLink, DriverLost, Evicted, JobStopped
+from flexpar.errors import UserCodeError
 from flexpar.worker.lifecycle import Worker
 from flexpar.worker.settings import EXIT_DRIVER_LOST, EXIT_EVICTED, WorkerArgs
 
@@ -35,7 +35,7 @@ def main(args: WorkerArgs) -> None:
         torch.set_num_threads(args.threads)
     keep_freed_memory()
     # 60 s until the Worker has read the job's settings, then the job's timeout_s (Worker.__init__).
-    link = control.DeviceLink(args.host, args.port, args.device_id, timeout_s=60.0)
+    link = DeviceLink(args.host, args.port, args.device_id, timeout_s=60.0)
     worker = None
     try:
         try:
@@ -43,15 +43,15 @@ def main(args: WorkerArgs) -> None:
         except ValueError as refusal:
             if "secret" not in str(refusal):
                 raise
-            raise control.Evicted(str(refusal)) from None
+            raise Evicted(str(refusal)) from None
         _leave_on_sigterm(worker)
         worker.run()
         code = 0
-    except control.JobStopped:
+    except JobStopped:
         code = 0
-    except control.DriverLost:
+    except DriverLost:
         code = EXIT_DRIVER_LOST  # Worker.run said what happened and where the state is
-    except control.Evicted as refusal:
+    except Evicted as refusal:
         if link.leave_requested_at is not None:
             code = 0  # asked to stop before it was admitted: it was let go
         else:

@@ -12,7 +12,12 @@ from typing import Optional
 # Exit codes of a worker process, read by the driver and by `flexpar join`.
 EXIT_EVICTED = 3
 EXIT_DRIVER_LOST = 4
+EXIT_MAIN_GUARD = 78  # fit() ran while the worker imported the user's script: the driver reports MAIN_GUARD_MESSAGE once
 
+MAIN_GUARD_MESSAGE = (
+    "fit() was called while a worker process imported your script. Put the training call under "
+    "`if __name__ == \"__main__\":` so that workers can import the script without starting training again."
+)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,143 @@
+"""Connecting to the job's store: the TCPStore the driver hosts, and clients that fail in one line.
+
+Every process of a job talks to the others outside the training collectives
+through this store (flexpar/comm/protocol.py lists its keys). The driver
+listens (`connect(..., server=True)`), on loopback unless told otherwise;
+workers and the command line connect as clients (`connect_client`: an
+`Unreachable` error in one line instead of c10d's dumps or a hang).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+
+import torch.distributed as dist
+
+
+class Unreachable(Exception):
+    """No job answers at an address; the message says where and why, in one line.
+
+    `exit_at_once`: a connection attempt was abandoned on a thread that is
+    still inside C++ code: a command line must end with os._exit.
+    """
+
+    exit_at_once = False
+
+
+def connect(host: str, port: int, timeout_s: float, server: bool = False) -> dist.TCPStore:
+    """A TCPStore client (or the server, for the driver).
+
+    The server listens on `host` only (loopback by default): TCPStore itself
+    binds every interface, so the driver binds the listening socket to the
+    asked address and hands it to TCPStore (its `master_listen_fd`), which
+    serves its own protocol on it.
+    """
+    listen_fd = None
+    if server:
+        try:
+            listener = socket.create_server((host, port), backlog=1024)
+        except OSError as error:
+            raise ValueError(f"cannot listen on {host}:{port} ({error.strerror}); choose another --port "
+                             "(0 picks a free one) or --host") from None
+        port = listener.getsockname()[1]
+        listen_fd = listener.detach()  # TCPStore owns the descriptor from here on
+    return dist.TCPStore(
+        host,
+        port,
+        is_master=server,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        master_listen_fd=listen_fd,
+    )
+
+
+@contextlib.contextmanager
+def _quiet_native_stderr():
+    """Silence c10d's own C++ log lines (retries, frame dumps) for a moment.
+
+    They are written by the C++ side straight to file descriptor 2, so the
+    descriptor itself is pointed at /dev/null and restored afterwards. Used
+    only around a command-line client's connection attempt, whose failure we
+    report in one line of our own.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def connect_client(host: str, port: int, timeout_s: float, wait_for_job: bool = False) -> dist.TCPStore:
+    """A store client for a command-line tool: Unreachable (one line) instead of c10d's dumps or a hang.
+
+    Answers within about `timeout_s` whatever listens at the address:
+    - nothing (a closed port, a dead job): at once, unless `wait_for_job`
+      (`flexpar join` started beside its job, as under SLURM), which keeps
+      trying until `timeout_s` (a plain connection attempt every 0.5 s);
+    - a program that is not a flexpar job (an HTTP server, a silent
+      listener): TCPStore's handshake waits for an answer that never comes,
+      without a timeout of its own, so the connection is made on a daemon
+      thread that is abandoned at the deadline.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            _probe(host, port, timeout_s)
+            break
+        except Unreachable:
+            if not wait_for_job or time.monotonic() + 0.5 > deadline:
+                raise
+            time.sleep(0.5)
+    # Something listens: a job answers its handshake in milliseconds.
+    handshake_s = max(1.0, deadline - time.monotonic())
+    outcome: queue.Queue = queue.Queue()
+    abandoned = False
+
+    def attempt():
+        try:
+            outcome.put(connect(host, port, handshake_s))
+        except BaseException as error:  # handed to the caller's thread
+            outcome.put(error)
+
+    with _quiet_native_stderr():
+        threading.Thread(target=attempt, name="flexpar-connect", daemon=True).start()
+        try:
+            result = outcome.get(timeout=handshake_s + 1.0)
+        except queue.Empty:
+            result = TimeoutError("something listens there but does not answer as a flexpar job does")
+            abandoned = True
+    if isinstance(result, dist.TCPStore):
+        return result
+    if isinstance(result, (RuntimeError, OSError)):  # DistNetworkError is a RuntimeError
+        error = _unreachable(host, port, timeout_s, result)
+        # A thread still inside TCPStore's C++ handshake must not meet the interpreter's
+        # teardown (it aborts the process): the command line exits at once instead.
+        error.exit_at_once = abandoned
+        raise error from None
+    raise result
+
+
+def _probe(host: str, port: int, timeout_s: float) -> None:
+    """Unreachable at once when nothing listens at host:port (TCPStore would retry until its timeout)."""
+    try:
+        socket.create_connection((host, port), timeout=min(timeout_s, 5.0)).close()
+    except OSError as error:
+        raise _unreachable(host, port, timeout_s, error) from None
+
+
+def _unreachable(host: str, port: int, timeout_s: float, error: BaseException) -> "Unreachable":
+    text = str(getattr(error, "strerror", None) or error).strip()
+    reason = text.splitlines()[0] if text else type(error).__name__
+    return Unreachable(f"no flexpar job answers at {host}:{port} within {timeout_s:g} s ({reason}); "
+                       "check the address the job printed, and that the job is still running")
