@@ -73,9 +73,9 @@ def _calls_log(checkpoint_dir: str) -> str:
 
 def _synchronous_write(self, directory: str) -> str:
     """flexpar's checkpoint before the background writer: serialise and write in the step loop."""
-    path = training_state.checkpoint_path(directory, self.committed)
+    path = checkpoints.checkpoint_path(directory, self.committed)
     if not os.path.exists(path):
-        training_state.write_checkpoint(directory, training_state.to_bytes(self._capture()), self.committed)
+        checkpoints.write_checkpoint(directory, training_state.to_bytes(self._capture()), self.committed)
         checkpoints.prune(directory, self.settings.keep_checkpoints)
     return path
 

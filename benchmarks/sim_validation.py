@@ -455,7 +455,7 @@ def _probe_boundaries(rank: int, world: int, store, repeats: int, step: Callable
 
     from flexpar.comm import protocol as control, state_transfer as training_state
     from flexpar.comm.channel import Channel
-    from flexpar.comm.gradient_sync import GroupReaper, fresh_group
+    from flexpar.comm.collectives import GroupReaper, fresh_group
 
     if rank == 0:
         store.set("probe/generation", json.dumps({"members": list(range(world)), "failed": [], "left": []}))

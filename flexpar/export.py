@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from flexpar.comm import state_transfer as training_state
+from flexpar.worker import checkpoints
 
 EXTRA_HINT = "pip install safetensors (or flexpar[safetensors])"
 
@@ -51,7 +51,7 @@ def export(checkpoint: str, output: str) -> str:
     if not os.path.isfile(checkpoint):
         raise ValueError(f"no such checkpoint: {checkpoint}")
     try:
-        state = training_state.read_checkpoint(checkpoint, torch.device("cpu"))
+        state = checkpoints.read_checkpoint(checkpoint, torch.device("cpu"))
     except Exception as error:  # not a torch file, or not one weights_only can read
         raise ValueError(f"{checkpoint} is not a readable flexpar checkpoint ({type(error).__name__}: "
                          f"{str(error).splitlines()[0] if str(error) else ''})") from None

@@ -15,7 +15,6 @@ import os
 import pickle
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -42,7 +41,7 @@ from flexpar.core.balance import (
     tie_tolerance,
 )
 
-BALANCE_SOURCE = Path(__file__).resolve().parent.parent / "flexpar" / "core" / "balance.py"
+BALANCE_MODULE = "flexpar.core.balance"  # imported afresh in each subprocess
 
 # Per-VW times: arbitrary floats, plus a few round values so that ties (equal
 # products k * s_i on different devices) come up often and the tie-break is
@@ -204,11 +203,8 @@ def test_state_does_not_depend_on_insertion_order():
 
 
 _DETERMINISM_SCRIPT = r"""
-import importlib.util, sys
-spec = importlib.util.spec_from_file_location("balance_under_test", sys.argv[1])
-balance = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = balance
-spec.loader.exec_module(balance)
+import importlib, sys
+balance = importlib.import_module(sys.argv[1])
 ids = tuple(f"host{index % 3}-{index}" for index in range(12))
 state = balance.BalanceState({device_id: 0.01 * (1 + index % 5) for index, device_id in enumerate(ids[:9])})
 results = [balance.optimal_assignment([0.013 * (1 + index % 4) for index in range(12)], 101)]
@@ -228,7 +224,7 @@ def test_same_result_under_different_hash_seeds():
     for hash_seed in ("1", "2", "12345"):
         environment = dict(os.environ, PYTHONHASHSEED=hash_seed)
         completed = subprocess.run(
-            [sys.executable, "-c", _DETERMINISM_SCRIPT, str(BALANCE_SOURCE)],
+            [sys.executable, "-c", _DETERMINISM_SCRIPT, BALANCE_MODULE],
             env=environment,
             capture_output=True,
             text=True,
@@ -909,7 +905,7 @@ def test_bad_windows_are_refused(call, message):
 
 
 # --------------------------------------------------------------------------
-# observe(work=...) and standard_error (balancing by cost, flexpar/cost_balance.py)
+# observe(work=...) and standard_error (balancing by cost, flexpar/core/cost_balance/)
 # --------------------------------------------------------------------------
 
 

@@ -41,7 +41,7 @@ def test_the_writer_keeps_exactly_the_newest_k(tmp_path):
         assert writer.pending == path
     writer.wait()
     assert sorted(os.listdir(tmp_path)) == ["step-00000005.pt", "step-00000006.pt", "step-00000007.pt"]
-    loaded = training_state.read_checkpoint(str(tmp_path / "step-00000007.pt"), "cpu")
+    loaded = checkpoints.read_checkpoint(str(tmp_path / "step-00000007.pt"), "cpu")
     torch.testing.assert_close(loaded["model"]["weight"], state["model"]["weight"])
 
 
@@ -87,7 +87,7 @@ def test_a_job_keeps_the_newest_k_and_its_last_checkpoint_is_its_model(train, tm
     model, summary = train(job, steps=11, devices=2, checkpoint_every=2, checkpoint_dir=str(folder),
                            keep_checkpoints=3)
     assert sorted(os.listdir(folder)) == ["step-00000008.pt", "step-00000010.pt", "step-00000011.pt"]
-    last = training_state.read_checkpoint(str(folder / "step-00000011.pt"), "cpu")
+    last = checkpoints.read_checkpoint(str(folder / "step-00000011.pt"), "cpu")
     pieces.assert_same_parameters(model, _loaded(job, last["model"]), rtol=0, atol=0)
 
 

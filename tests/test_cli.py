@@ -383,26 +383,26 @@ def test_run_listens_where_the_cluster_environment_points(monkeypatch):
     """`flexpar run` under torchrun-style variables: their port, every interface unless the host is loopback."""
     import argparse
 
-    from flexpar import cli
+    from flexpar.cli import cluster_environment as cli
 
     for variable in CLUSTER_VARIABLES:
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("MASTER_ADDR", "trainer-0.jobs.svc")
     monkeypatch.setenv("MASTER_PORT", "29500")
     arguments = argparse.Namespace(host=None, port=None)
-    cli._listen_address(arguments)
+    cli.listen_address(arguments)
     assert (arguments.host, arguments.port) == ("0.0.0.0", 29500), "reached from other hosts: every interface"
     monkeypatch.setenv("FLEXPAR_ADDRESS", "127.0.0.1:4000")  # wins over MASTER_*
     arguments = argparse.Namespace(host=None, port=None)
-    cli._listen_address(arguments)
+    cli.listen_address(arguments)
     assert (arguments.host, arguments.port) == ("127.0.0.1", 4000), "loopback stays loopback"
     arguments = argparse.Namespace(host="127.0.0.2", port=5000)
-    cli._listen_address(arguments)
+    cli.listen_address(arguments)
     assert (arguments.host, arguments.port) == ("127.0.0.2", 5000), "flags win over the environment"
 
 
 def test_the_secret_comes_from_the_flag_then_the_value_then_the_file(monkeypatch, tmp_path):
-    from flexpar import cli
+    from flexpar.cli import cluster_environment as cli
 
     for variable in CLUSTER_VARIABLES:
         monkeypatch.delenv(variable, raising=False)
@@ -430,7 +430,7 @@ def test_a_plain_python_run_says_flexpars_own_refusal_in_one_line(tmp_path):
         import sys
         sys.path.insert(0, {TESTS!r})
         import pieces
-        from flexpar.driver.launch import cpu_count
+        from flexpar.options import cpu_count
         if __name__ == "__main__":
             devices = cpu_count() + 1
             pieces.make_job(virtual_workers=devices, global_batch=4 * devices).fit(steps=3, devices=devices,

@@ -10,7 +10,7 @@ import pytest
 
 from flexpar.core import balance
 from flexpar.core.cost_balance import cost_assignment, device_costs
-from flexpar.core.cost_rates import CostRates, observe_costs, planning_seconds, rates_from_dict, rates_to_dict, replan
+from flexpar.core.cost_balance.rates import CostRates, observe_costs, planning_seconds, rates_from_dict, rates_to_dict, replan
 
 def step(rates, device_ids, costs, true_rates, next_costs, noise=None):
     """One step: plan with the planned rates, measure exact (or noisy) busy times, observe, replan."""

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from flexpar.observe.display import (
-    LiveDisplay,
+from flexpar.observe.display import LiveDisplay
+from flexpar.observe.log_lines import (
     estimate_remaining_s,
     format_duration,
     format_rebalance_line,

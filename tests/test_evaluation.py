@@ -365,7 +365,8 @@ def test_eval_records_are_validated():
 def test_the_display_logs_an_evaluation_as_means(caplog):
     import logging
 
-    from flexpar.observe.display import LiveDisplay, format_eval_line
+    from flexpar.observe.display import LiveDisplay
+    from flexpar.observe.log_lines import format_eval_line
 
     line = format_eval_line(EVAL_RECORD)
     assert line == "eval at step 4: correct 0.7523, loss 0.4038 (997 samples) | 2 devices, 0.25 s"

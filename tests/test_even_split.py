@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flexpar.core.balance import most_even_assignment, optimal_assignment, predicted_step_seconds
-from flexpar.core.even_split import predicted_imbalance
+from flexpar.core.balance.even_split import predicted_imbalance
 
 # Arbitrary floats plus round values, so that exact ties (equal products on
 # different devices) and near ties both come up.

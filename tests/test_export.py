@@ -89,7 +89,7 @@ def test_a_checkpoint_of_a_real_job_exports_the_returned_model(train, tmp_path):
 
     job = pieces.make_job(virtual_workers=4)
     model, summary = train(job, steps=5, devices=2, checkpoint_every=5, checkpoint_dir=str(tmp_path / "ck"))
-    checkpoint = training_state.latest_checkpoint(str(tmp_path / "ck"))
+    checkpoint = checkpoints.latest_checkpoint(str(tmp_path / "ck"))
     assert checkpoint.endswith("step-00000005.pt") and summary["steps"] == 5
     output = export.export(checkpoint, str(tmp_path / "model.safetensors"))
     fresh = job.model()

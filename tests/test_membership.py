@@ -1,5 +1,7 @@
 """The control plane's decisions, as pure data: decide(state, event) -> (state, actions)."""
 
+import dataclasses
+
 from flexpar.core import membership as ms
 
 
@@ -131,7 +133,7 @@ def test_scale_is_answered_and_refused_whole_over_max_devices():
 
 def test_scale_over_local_capacity_needs_oversubscribe():
     state = _started(initial=2, maximum=8)
-    state = ms.dataclasses.replace(state, local_capacity=2)
+    state = dataclasses.replace(state, local_capacity=2)
     state, actions = _run(state, ms.ScaleBy(1, "r"))
     (answer,) = _answers(actions)
     assert not answer.accepted and "--oversubscribe" in answer.message

@@ -138,9 +138,9 @@ def _records(path, kind="step"):
 
 
 def _scale_in_checkpoint(directory):
-    from flexpar.comm import state_transfer as training_state
+    from flexpar.worker import checkpoints
 
-    state = training_state.read_checkpoint(training_state.latest_checkpoint(str(directory)), torch.device("cpu"))
+    state = checkpoints.read_checkpoint(checkpoints.latest_checkpoint(str(directory)), torch.device("cpu"))
     return state["extra"]["grad_scaler"]
 
 
@@ -556,9 +556,9 @@ def test_join_and_leave_with_everything_on_match_the_reference(train, metrics_fi
 
     warmup_s = float(re.search(r"local-2 \(warm-up ([0-9.]+) s\)", join["detail"]).group(1))
     assert 0 < join["stall_s"] < warmup_s, (join["stall_s"], join["detail"])
-    from flexpar.comm import state_transfer as training_state
+    from flexpar.worker import checkpoints
 
-    checkpoint = training_state.read_checkpoint(training_state.latest_checkpoint(str(tmp_path / "ck")), "cpu")
+    checkpoint = checkpoints.read_checkpoint(checkpoints.latest_checkpoint(str(tmp_path / "ck")), "cpu")
     assert checkpoint["extra"]["grad_scaler"]["scale"] == trace["scale"][-1]
     assert list(model.state_dict()) == list(checkpoint["model"]) == list(make_token_model().state_dict())
 

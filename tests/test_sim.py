@@ -40,7 +40,7 @@ from flexpar.sim import (
     step_seconds,
     uniform_assignment,
 )
-from flexpar.sim.engine import weighted_median
+from flexpar.sim.results import weighted_median
 from flexpar.sim.policies import BalanceSettings
 from flexpar.sim.scalability import failure_trace, scaled_devices, scaled_scenario
 

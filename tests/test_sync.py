@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from flexpar.comm import state_transfer as training_state
-from flexpar.comm.gradient_sync import GroupReaper, PeerFailure, fresh_group
+from flexpar.comm.collectives import GroupReaper, PeerFailure, fresh_group
 
 
 class _DropWitness:

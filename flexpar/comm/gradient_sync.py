@@ -39,22 +39,14 @@ device count appears in the math.
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import queue
-import threading
-import time
-from typing import Callable, Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from flexpar.comm.collectives import collective, wait_for_collective
 from flexpar.comm.sparse_sync import all_reduce_sparse, sparse_parameters
-
-
-class PeerFailure(Exception):
-    """A collective failed or timed out: a peer died, hung or left unannounced."""
 
 
 class _Bucket:
@@ -143,7 +135,7 @@ class GradientSync:
             offset += parameter.numel()
         if stats is not None:
             bucket.buffer[offset:].copy_(stats)
-        bucket.work = _collective(lambda: dist.all_reduce(bucket.buffer, async_op=True))
+        bucket.work = collective(lambda: dist.all_reduce(bucket.buffer, async_op=True))
 
     def finish(self, stats: torch.Tensor, before_wait=None, scale=None) -> torch.Tensor:
         """Send what is left, wait for every sum, write the summed gradients back.
@@ -169,7 +161,7 @@ class GradientSync:
         separate = work = None
         if carrier is None:  # float64: exact sums (module docstring)
             separate = stats.to(self.device, torch.float64, copy=True)
-            work = _collective(lambda: dist.all_reduce(separate, async_op=True))
+            work = collective(lambda: dist.all_reduce(separate, async_op=True))
         if self.buckets:
             final = self.buckets[-1]
             self._launch(final, stats.to(final.device, final.dtype) if final is carrier else None)
@@ -177,16 +169,16 @@ class GradientSync:
         if before_wait is not None:
             before_wait()
         for bucket in self.buckets:
-            _wait(bucket.work, self.peer_lost)
+            wait_for_collective(bucket.work, self.peer_lost)
             if scale is None:
                 _unflatten(bucket)
         if carrier is None:
-            _wait(work, self.peer_lost)
+            wait_for_collective(work, self.peer_lost)
             summed = separate
         else:
             summed = carrier.buffer[carrier.numel :].to(torch.float64)
         for parameter in self.sparse:
-            parameter.grad = _collective(lambda: all_reduce_sparse(parameter.grad, like=parameter))
+            parameter.grad = collective(lambda: all_reduce_sparse(parameter.grad, like=parameter))
         summed = summed.cpu()
         if scale is not None:
             multiplier = scale(summed, self._dense_sums())
@@ -245,109 +237,3 @@ def _unflatten(bucket: _Bucket, multiplier=None) -> None:
         else:
             parameter.grad.copy_(summed)
         offset += parameter.numel()
-
-
-def _collective(call):
-    try:
-        return call()
-    except RuntimeError as error:  # gloo: connection reset / closed; NCCL: remote error
-        raise PeerFailure(str(error)) from error
-
-
-def _wait(work, peer_lost=lambda: None) -> None:
-    """Wait for a collective; give up early when the coordinator reports a peer dead.
-
-    A killed peer usually surfaces at once as a closed connection, but one that
-    dies with data still in its send queue can leave the others waiting for the
-    group's timeout. Polling costs at most half a millisecond of latency.
-    """
-    if work is None:
-        return
-    while not work.is_completed():
-        lost = peer_lost()
-        if lost:
-            raise PeerFailure(f"peer {lost} is gone (reported by the coordinator)")
-        time.sleep(0.0005)
-    try:
-        work.wait()
-    except RuntimeError as error:  # also the process group's timeout for a hung peer
-        raise PeerFailure(str(error)) from error
-
-
-class GroupReaper:
-    """Retires process groups at boundaries; one long-lived thread tears them down later.
-
-    Tearing a gloo group down waits for its transport loop to acknowledge
-    each closed connection: 20, 30 and 30-45 ms for groups of 2, 3 and 4
-    processes on the development machine, mostly blocked with the GIL
-    released, but with milliseconds of CPU. A boundary needs neither (the
-    next group has its own connections), so `retire` keeps the group's last
-    references - the group and `works`, the work handles of the last step
-    (`GradientSync.release_works`) - until the caller calls the returned
-    `release`. A boundary releases once its members are level: on a host
-    whose cores are shared, the teardown's CPU would otherwise stretch the
-    boundary's own collectives (about 4 ms of a 10 ms scale-in on the
-    development machine).
-
-    `release` only queues the references for this reaper's thread, which
-    exists from construction on: starting a thread at every release made
-    the releasing member wait for the new thread to start, and then for the
-    GIL while that thread began the teardown (up to 5 ms, Python's switch
-    interval, in about one boundary in twenty on the development machine).
-    An NCCL group is torn down in place: destroying a communicator while the
-    next one initialises has not been tried on a GPU.
-    """
-
-    def __init__(self) -> None:
-        self._retired: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._reap, name="flexpar-retire-group", daemon=True).start()
-
-    def _reap(self) -> None:
-        while True:
-            references = self._retired.get()
-            references.clear()  # the group's teardown runs here
-            del references
-
-    def retire(self, works: list) -> Callable[[], None]:
-        """Leave the current process group (if any); its teardown waits for the returned release."""
-        if not dist.is_initialized():
-            return _nothing
-        group = dist.group.WORLD
-        gloo = dist.get_backend() == "gloo"
-        try:
-            dist.destroy_process_group()
-        except Exception:  # a group broken by a dead peer may fail to tear down cleanly
-            pass
-        references = [group, works]
-        del group, works
-        if not gloo:
-            references.clear()
-            return _nothing
-        return lambda: self._retired.put(references)
-
-
-def _nothing() -> None:
-    pass
-
-
-@contextlib.contextmanager
-def fresh_group(release_old_group: Callable[[], None], backend: str, store, rank: int, world_size: int,
-                timeout_s: float) -> Iterator[None]:
-    """A new process group for the block; the old one (retired by `GroupReaper.retire`) released at its end.
-
-    A boundary forms the new group, brings its members level inside the
-    block, and only then lets the old group's teardown take CPU; the old
-    group is released on an error too. A failure to form the group is a
-    `PeerFailure` (a peer died or never came).
-    """
-    try:
-        # A generation of one device has nothing to sum, and its steps call no collective
-        # (they check the world size): no group, whose gloo transport thread would wake
-        # 100 times a second on cores the device computes on.
-        if world_size > 1:
-            _collective(lambda: dist.init_process_group(
-                backend, store=store, rank=rank, world_size=world_size,
-                timeout=datetime.timedelta(seconds=timeout_s)))
-        yield
-    finally:
-        release_old_group()

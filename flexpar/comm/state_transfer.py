@@ -1,4 +1,4 @@
-"""Training state: capture, send to peers in memory, restore, checkpoint.
+"""Training state: capture, send to peers in memory, restore (checkpoint files: flexpar/worker/checkpoints.py).
 
 The state is everything a device needs to take part from the next step on:
 parameters, buffers, optimizer state, LR-scheduler state, the committed step
@@ -12,9 +12,6 @@ checkpoint file can only hand over tensors and plain containers, never code.
 from __future__ import annotations
 
 import io
-import os
-import re
-import threading
 import warnings
 from dataclasses import dataclass
 from typing import Optional
@@ -130,40 +127,40 @@ def split_tensors(value, tensors: list):
         if isinstance(item, torch.Tensor) and item.layout == torch.strided and not item.is_quantized:
             tensors.append(item)
             return {_TENSOR_MARK: len(tensors) - 1}
-        return _DESCEND
+        return DESCEND
 
-    return _rebuild(value, mark)
+    return rebuild(value, mark)
 
 
 def join_tensors(value, tensors: list):
     """Undo `split_tensors`: each marker replaced by its tensor."""
-    return _rebuild(value, lambda item: tensors[item[_TENSOR_MARK]] if _is_marker(item) else _DESCEND)
+    return rebuild(value, lambda item: tensors[item[_TENSOR_MARK]] if _is_marker(item) else DESCEND)
 
 
 def _is_marker(value) -> bool:
     return isinstance(value, dict) and len(value) == 1 and _TENSOR_MARK in value
 
 
-_DESCEND = object()  # what a `_rebuild` replacement returns for a value it leaves to the walk
+DESCEND = object()  # what a `_rebuild` replacement returns for a value it leaves to the walk
 
 
-def _rebuild(value, replace):
-    """`value` with `replace` applied to it, or (where it returns `_DESCEND`) to each item of its containers.
+def rebuild(value, replace):
+    """`value` with `replace` applied to it, or (where it returns `DESCEND`) to each item of its containers.
 
     Dicts, lists and tuples are rebuilt as their own type. A state_dict is an
     OrderedDict carrying `_metadata` (module versions, read by
     load_state_dict): a dict's attributes are kept.
     """
     replaced = replace(value)
-    if replaced is not _DESCEND:
+    if replaced is not DESCEND:
         return replaced
     if isinstance(value, dict):
-        rebuilt = type(value)((key, _rebuild(item, replace)) for key, item in value.items())
+        rebuilt = type(value)((key, rebuild(item, replace)) for key, item in value.items())
         if hasattr(value, "__dict__"):
             rebuilt.__dict__.update(vars(value))
         return rebuilt
     if type(value) in (list, tuple):
-        return type(value)(_rebuild(item, replace) for item in value)
+        return type(value)(rebuild(item, replace) for item in value)
     return value
 
 
@@ -258,53 +255,3 @@ def _reusable_tensors(skeleton, own_model_state: dict) -> dict:
         if isinstance(own, torch.Tensor) and _is_marker(value):
             found[value[_TENSOR_MARK]] = own.detach()
     return found
-
-
-# ---------------------------------------------------------------- checkpoints
-
-_CHECKPOINT = re.compile(r"^step-(\d+)\.pt$")
-
-
-def checkpoint_path(directory: str, step: int) -> str:
-    return os.path.join(directory, f"step-{step:08d}.pt")
-
-
-def checkpoint_step(path: str) -> int:
-    """The step a checkpoint file holds, from its name (step-00000123.pt -> 123)."""
-    match = _CHECKPOINT.match(os.path.basename(path))
-    if match is None:
-        raise ValueError(f"{path} is not a flexpar checkpoint name (step-NNNNNNNN.pt)")
-    return int(match.group(1))
-
-
-def temporary_path(path: str) -> str:
-    """Where a writer of `path` writes before its atomic rename: its own name, so that two processes
-    writing the same step to a shared folder (survivors of a lost driver) never mix their bytes."""
-    return f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
-
-
-def write_checkpoint(directory: str, state_bytes: bytes, step: int) -> str:
-    """Write atomically (temporary file, then rename): a crash never leaves half a file."""
-    os.makedirs(directory, exist_ok=True)
-    path = checkpoint_path(directory, step)
-    temporary = temporary_path(path)
-    with open(temporary, "wb") as handle:
-        handle.write(state_bytes)
-    os.replace(temporary, path)
-    return path
-
-
-def latest_checkpoint(directory: str) -> Optional[str]:
-    if not os.path.isdir(directory):
-        return None
-    found = sorted(
-        (int(match.group(1)), name)
-        for name in os.listdir(directory)
-        if (match := _CHECKPOINT.match(name))
-    )
-    return os.path.join(directory, found[-1][1]) if found else None
-
-
-def read_checkpoint(path: str, device) -> dict:
-    with open(path, "rb") as handle:
-        return from_bytes(handle.read(), device)

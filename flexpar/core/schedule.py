@@ -16,14 +16,24 @@ returns to the log, the metrics file and the summary.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
-from flexpar.observe.metrics import device_change
 
 # A change fires once its step has committed, and the step in flight then
 # carries the agreement on it: it applies up to this many steps after its
 # step and still counts as on time. Later than that is reported as late.
 ON_TIME_STEPS = 2
+
+
+def device_change(previous: Sequence[str], current: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(added, removed) device ids going from `previous` to `current`, each in list order.
+
+    Also what the metrics readers label events with (flexpar/observe/metrics.py).
+    """
+    previous_set, current_set = set(previous), set(current)
+    added = [device_id for device_id in current if device_id not in previous_set]
+    removed = [device_id for device_id in previous if device_id not in current_set]
+    return added, removed
 
 
 @dataclass

@@ -1,8 +1,12 @@
-"""The driver: checks the job, hosts the coordinator, starts and watches local workers.
+"""The driver's start: check the job, host the store and the coordinator, start the local workers.
 
-`run(job, options)` is what `Job.fit()` calls. `join(...)` is what
-`flexpar join` calls on another host. Both start worker processes that import
-the user's script (as `__mp_main__`) and then run `worker_process.main`.
+`run(job, options)` is what `Job.fit()` calls: it checks what can be checked
+here (flexpar/driver/job_checks.py), publishes the job in the store, starts
+the local devices (flexpar/driver/local_devices.py: worker processes forked
+from the fork server, each running `flexpar.worker.process.main`), and runs
+the driver's loop (flexpar/driver/driver_loop.py) until the job ends; then it
+loads the trained model. `flexpar join` on another host is
+flexpar/driver/join.py.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ import socket
 import sys
 import threading
 import time
-import types
 from dataclasses import asdict
 from typing import Optional
 
@@ -26,82 +29,21 @@ import torch
 from flexpar import callbacks as callbacks_module
 from flexpar.comm import state_transfer as training_state
 from flexpar.comm.protocol import get_blob, put_blob, tell_devices
-from flexpar.comm.store import Unreachable, connect, connect_client
+from flexpar.comm.store import connect
 from flexpar.driver.coordinator import Coordinator
 from flexpar.driver.driver_loop import DriverWaker
 from flexpar.core import membership
 from flexpar.driver.driver_loop import DriverLoop
 from flexpar.driver.fork_server import worker_context
+from flexpar.driver.local_devices import LocalDevices, detect_devices
 from flexpar.driver.job_checks import first_batch_check, pickle_pieces
 from flexpar.errors import TrainingError
 from flexpar.observe import trackers as trackers_module
-from flexpar.options import FitOptions, cpu_count, is_loopback
+from flexpar.options import FitOptions, is_loopback
 from flexpar.version import __version__
-from flexpar.worker import evaluator
-from flexpar.worker.process import main as worker_main
-from flexpar.worker.settings import RunSettings, WorkerArgs
+from flexpar.worker import checkpoints, evaluator
+from flexpar.worker.settings import RunSettings
 from flexpar.worker.user_code import build_model, build_optimizer, model_digest
-
-
-def detect_devices(backend: str) -> tuple:
-    """(kind, count, backend): CUDA GPUs over NCCL when present, else CPU processes over gloo."""
-    if backend in ("auto", "nccl") and torch.cuda.is_available():
-        return "cuda", torch.cuda.device_count(), "nccl"
-    if backend == "nccl":
-        raise ValueError("backend='nccl' needs CUDA GPUs, and none is visible; use backend='gloo'")
-    return "cpu", cpu_count(), "gloo"
-
-
-class LocalDevices:
-    """The worker processes this host started, and the GPUs they hold."""
-
-    def __init__(self, context, host: str, port: int, secret: str, kind: str, threads: int, speeds):
-        self.host, self.port, self.secret = host, port, secret
-        self.kind, self.threads, self.speeds = kind, threads, speeds or ()
-        self.context = context
-        self.processes: dict = {}
-        self.gpus: dict = {}
-        self.reported: set = set()
-        self.exit_codes: dict = {}  # device id -> exit code, for processes that ended
-
-    def spawn(self, device_ids) -> None:
-        for device_id in device_ids:
-            index = int(device_id.rsplit("-", 1)[1])
-            device = "cpu"
-            if self.kind == "cuda":
-                free = sorted(set(range(torch.cuda.device_count())) - set(self.gpus.values()))
-                if not free:
-                    print(f"flexpar: no free GPU for {device_id}", file=sys.stderr)
-                    continue
-                self.gpus[device_id] = free[0]
-                device = f"cuda:{free[0]}"
-            speed = self.speeds[index] if index < len(self.speeds) else 1.0
-            args = WorkerArgs(self.host, self.port, device_id, self.secret, device, self.threads, speed)
-            process = self.context.Process(target=worker_main, args=(args,), name=f"flexpar-{device_id}")
-            process.start()
-            self.processes[device_id] = process
-
-    def stop(self, device_id: str) -> None:
-        process = self.processes.get(device_id)
-        if process is not None and process.is_alive():
-            process.kill()
-
-    def exits(self) -> list:
-        ended = [d for d, p in self.processes.items() if not p.is_alive() and d not in self.reported]
-        for device_id in ended:
-            self.reported.add(device_id)
-            self.gpus.pop(device_id, None)
-            self.exit_codes[device_id] = self.processes[device_id].exitcode
-        return ended
-
-    def shutdown(self, grace_s: float = 5.0) -> None:
-        deadline = time.monotonic() + grace_s
-        for process in self.processes.values():
-            process.join(timeout=max(0.0, deadline - time.monotonic()))
-        for process in self.processes.values():
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5)
 
 
 def run(job, options: FitOptions) -> tuple:
@@ -124,7 +66,7 @@ def run(job, options: FitOptions) -> tuple:
     total_steps = options.steps or options.epochs * job.steps_per_epoch()
     resume_path = None
     if options.resume:
-        resume_path = training_state.latest_checkpoint(options.checkpoint_dir)
+        resume_path = checkpoints.latest_checkpoint(options.checkpoint_dir)
         if resume_path is None:
             raise ValueError(f"resume=True but {options.checkpoint_dir} holds no checkpoint (step-*.pt)")
     run_dir, metrics_path = run_paths(options)
@@ -170,7 +112,7 @@ def run(job, options: FitOptions) -> tuple:
         result = training_state.from_bytes(data, torch.device("cpu"))
         model.load_state_dict(result["model"])
         summary = loop.summary(result["step"])
-        summary["resumed_from"] = training_state.checkpoint_step(resume_path) if resume_path else None
+        summary["resumed_from"] = checkpoints.checkpoint_step(resume_path) if resume_path else None
         callbacks.call("on_end", summary)
         ended_well = True
     except TrainingError:
@@ -283,7 +225,7 @@ def _banner(address, initial, kind, max_devices, options, secret_note, resume_pa
     print(f"flexpar: job at {address}; {initial} x {kind} device{'s' if initial != 1 else ''}, "
           f"{growth}{how}; {secret_note}", flush=True)
     if resume_path:
-        print(f"flexpar: resuming from step {training_state.checkpoint_step(resume_path)} ({resume_path})",
+        print(f"flexpar: resuming from step {checkpoints.checkpoint_step(resume_path)} ({resume_path})",
               flush=True)
 
 
@@ -324,95 +266,3 @@ def _publish_job(store, payload: bytes, settings: RunSettings, secret: str, dige
     store.set("job/digest", digest)
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
     store.set("job/script", os.path.abspath(main_file) if main_file else "")
-
-
-# ------------------------------------------------------------------ joining
-
-
-def import_script_as_main(path: str) -> None:
-    """Import the user's script the way multiprocessing's spawn does: as `__mp_main__`.
-
-    The job's pieces were pickled by reference to `__main__.<name>`; with the
-    script registered under both names, they resolve, and the script's own
-    `if __name__ == "__main__":` block does not run.
-    """
-    module = types.ModuleType("__mp_main__")
-    module.__file__ = path
-    sys.modules["__mp_main__"] = module
-    sys.modules["__main__"] = module
-    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
-    with open(path, encoding="utf-8") as handle:
-        code = compile(handle.read(), path, "exec")
-    exec(code, module.__dict__)
-
-
-def _joiner_main(args: WorkerArgs, script: str) -> None:
-    if script:
-        import_script_as_main(script)
-    worker_main(args)
-
-
-def join(address: str, devices: int, secret: str, script: Optional[str] = None, speed: float = 1.0,
-         preemption_grace_s: Optional[float] = None, connect_timeout_s: float = 60.0) -> int:
-    """Start `devices` workers on this host that join the running job at `address`.
-
-    Waits up to `connect_timeout_s` for the job to answer (under SLURM or
-    Kubernetes a joiner may start before its job listens). SIGTERM (a
-    preemption notice) is passed on to the workers, which leave at the next
-    step boundary; a second SIGTERM (more than worker_process.SAME_NOTICE_S after the
-    first) is passed on too and stops them at once.
-    Returns the workers' worst exit code (0: all left or finished).
-    """
-    host, _, port_text = address.rpartition(":")
-    print(f"flexpar join: connecting to the job at {address} (waiting up to {connect_timeout_s:g} s)",
-          file=sys.stderr, flush=True)
-    store = connect_client(host, int(port_text), connect_timeout_s, wait_for_job=True)
-    try:
-        script = script or store.get("job/script").decode()
-        settings = json.loads(store.get("job/settings"))
-    except RuntimeError as error:  # connected, then the job stopped answering
-        raise Unreachable(f"the job at {address} stopped answering ({str(error).strip()[:200]})") from None
-    if script and not os.path.exists(script):
-        raise ValueError(f"the job's script {script} is not on this host; pass --script PATH")
-    kind = "cuda" if settings["backend"] == "nccl" else "cpu"
-    context = worker_context()
-    processes, device_ids = [], []
-    for local_index in range(devices):
-        number = store.add("remote/counter", 1)
-        device_id = f"{socket.gethostname()}-{number}"
-        device = f"cuda:{local_index % max(1, torch.cuda.device_count())}" if kind == "cuda" else "cpu"
-        threads = max(1, cpu_count() // devices) if kind == "cpu" else 0
-        args = WorkerArgs(host, int(port_text), device_id, secret, device, threads, speed, remote=True,
-                          preemption_grace_s=preemption_grace_s)
-        process = context.Process(target=_joiner_main, args=(args, script), name=f"flexpar-{device_id}")
-        process.start()
-        processes.append(process)
-        device_ids.append(device_id)
-    plural = "s" if devices != 1 else ""
-    print(f"flexpar join: started {devices} {kind} device{plural} ({', '.join(device_ids)}); each joins at a step "
-          "boundary once warm", file=sys.stderr, flush=True)
-
-    def pass_on(signum, frame):
-        for process in processes:
-            if process.is_alive():
-                os.kill(process.pid, signal.SIGTERM)
-
-    previous = signal.signal(signal.SIGTERM, pass_on)
-    try:
-        for process in processes:
-            while process.is_alive():
-                process.join(timeout=0.2)
-    except KeyboardInterrupt:
-        for process in processes:
-            process.kill()
-        print("flexpar join: interrupted (Ctrl-C); this host's workers are stopped", file=sys.stderr)
-        return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    # A worker killed by a signal has exitcode -N: report it as a shell does (128 + N), not as 0.
-    codes = [128 - process.exitcode if (process.exitcode or 0) < 0 else process.exitcode or 0
-             for process in processes]
-    ended = ", ".join(f"{device_id} exit {code}" for device_id, code in zip(device_ids, codes))
-    print(f"flexpar join: this host's devices have ended ({ended}; 0: left or finished)", file=sys.stderr,
-          flush=True)
-    return max(codes)

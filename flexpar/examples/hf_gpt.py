@@ -32,13 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flexpar.examples.tiny_lm import (
-    DEFAULT_CONTEXT,
-    ByteWindows,
-    WarmupCosine,
-    bits_per_byte,
-    read_stdlib_corpus,
-)
+from flexpar.examples.byte_corpus import DEFAULT_CONTEXT, ByteWindows, read_stdlib_corpus
+from flexpar.examples.tiny_lm import WarmupCosine, bits_per_byte
 
 PAD = 256  # an input token after the last line break: the byte vocabulary plus one
 VOCABULARY = 257

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from flexpar.examples.tiny_lm import VOCABULARY, ModelConfig, TinyLM, make_optimizer, read_stdlib_corpus
+from flexpar.examples.byte_corpus import VOCABULARY, read_stdlib_corpus
+from flexpar.examples.tiny_lm import ModelConfig, TinyLM, make_optimizer
 
 DEFAULT_MAX_LENGTH = 1024
 DEFAULT_MAX_BYTES = 2_000_000

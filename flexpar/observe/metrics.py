@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from flexpar.core.evaluation import means
+from flexpar.core.schedule import device_change
 
 STEP_KEYS: tuple[str, ...] = (
     "kind",
@@ -368,14 +369,6 @@ def read_records(path) -> list[dict]:
 # ---------------------------------------------------------------------------
 # Pure helpers shared by the display and the plot
 # ---------------------------------------------------------------------------
-
-
-def device_change(previous: Sequence[str], current: Sequence[str]) -> tuple[list[str], list[str]]:
-    """(added, removed) device ids going from `previous` to `current`, each in list order."""
-    previous_set, current_set = set(previous), set(current)
-    added = [device_id for device_id in current if device_id not in previous_set]
-    removed = [device_id for device_id in previous if device_id not in current_set]
-    return added, removed
 
 
 def event_label(event: Mapping[str, Any], previous_devices: Sequence[str]) -> str:

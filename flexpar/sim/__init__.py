@@ -11,7 +11,7 @@ Entry points: ``simulate_command`` (``flexpar simulate``), ``load_scenario``,
 
 from .calibration import Calibration, calibrate, predict_elastic_stalls, predict_step_seconds, relative_error
 from .cli import main, simulate_command
-from .engine import SimulationEvent, SimulationResult, simulate, simulate_all
+from .engine import simulate, simulate_all
 from .model import (
     ElasticCosts,
     ModelParameters,
@@ -28,6 +28,7 @@ from .model import (
     uniform_assignment,
 )
 from .policies import POLICY_NAMES, BalanceSettings, Policy, make_policy
+from .results import SimulationEvent, SimulationResult
 from .scalability import ScalabilityResult, scalability, scaled_scenario
 from .scenario import DeviceSpec, Event, Scenario, ScalabilitySpec, load_scenario, parse_scenario, shipped_scenarios
 

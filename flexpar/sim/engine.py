@@ -30,130 +30,18 @@ device at all.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from flexpar.core import balance
 
-from .model import device_critical_paths, failure_noticed_seconds, ring_all_reduce_seconds
+from .model import device_critical_paths, ring_all_reduce_seconds
+from .elastic_events import Changes, ElasticEvents
 from .policies import Policy, make_policy
-from .scenario import Event, Scenario
-
-
-@dataclass(frozen=True)
-class SimulationEvent:
-    """What happened at one point of a simulated run (for tables, plots, JSON).
-
-    ``kind``: start, join, leave, failure, slowdown, refused (a join past V
-    devices), cancelled (a joiner left during its warm-up), ignored (an event
-    naming a device that is not there), checkpoint, rollback, idle, lost (the
-    job cannot go on). ``stall_s``: the stall this event caused.
-    """
-
-    time_s: float
-    step: int
-    kind: str
-    device_ids: Tuple[str, ...] = ()
-    stall_s: float = 0.0
-    devices_after: int = 0
-    detail: str = ""
-
-    def to_dict(self) -> dict:
-        return {
-            "time_s": self.time_s, "step": self.step, "kind": self.kind, "device_ids": list(self.device_ids),
-            "stall_s": self.stall_s, "devices_after": self.devices_after, "detail": self.detail,
-        }
-
-
-@dataclass(frozen=True)
-class SimulationResult:
-    """One policy's run of one scenario.
-
-    Per committed segment (one step, or a run of identical skipped steps):
-    ``segment_end_s`` (clock after it), ``segment_committed`` (committed steps
-    after it; drops at a rollback), ``segment_steps``, ``segment_step_s``
-    (seconds per step), ``segment_imbalance`` and ``segment_devices``.
-    """
-
-    scenario: str
-    policy: str
-    label: str
-    target_steps: int
-    completed_steps: int
-    total_time_s: float
-    global_batch: int
-    stall_s: float
-    lost_work_s: float
-    checkpoint_s: float
-    events: Tuple[SimulationEvent, ...]
-    segment_end_s: np.ndarray
-    segment_committed: np.ndarray
-    segment_steps: np.ndarray
-    segment_step_s: np.ndarray
-    segment_imbalance: np.ndarray
-    segment_devices: np.ndarray
-
-    @property
-    def completed(self) -> bool:
-        return self.completed_steps >= self.target_steps
-
-    @property
-    def samples_per_s(self) -> float:
-        """Committed samples over the whole run's wall time (stalls included)."""
-        if self.total_time_s <= 0:
-            return 0.0
-        return self.completed_steps * self.global_batch / self.total_time_s
-
-    @property
-    def imbalance_median(self) -> float:
-        return weighted_median(self.segment_imbalance, self.segment_steps)
-
-    @property
-    def step_time_median_s(self) -> float:
-        return weighted_median(self.segment_step_s, self.segment_steps)
-
-    @property
-    def kept_step_seconds(self) -> float:
-        """Time of the executed steps that were not later lost to a rollback."""
-        return float(np.dot(self.segment_steps, self.segment_step_s)) - self.lost_work_s
-
-    def count(self, kind: str) -> int:
-        """How many devices the events of ``kind`` named (events themselves for start, rollback...)."""
-        return sum(len(event.device_ids) or 1 for event in self.events if event.kind == kind)
-
-    def summary(self) -> dict:
-        """Plain-type summary (JSON-ready)."""
-        return {
-            "scenario": self.scenario, "policy": self.policy, "label": self.label,
-            "target_steps": self.target_steps, "completed_steps": self.completed_steps,
-            "completed": self.completed, "total_time_s": self.total_time_s,
-            "samples_per_s": self.samples_per_s, "global_batch": self.global_batch,
-            "stall_s": self.stall_s, "lost_work_s": self.lost_work_s, "checkpoint_s": self.checkpoint_s,
-            "imbalance_median": self.imbalance_median, "step_time_median_s": self.step_time_median_s,
-            "joins": self.count("join"), "leaves": self.count("leave"), "failures": self.count("failure"),
-            "refused_joins": self.count("refused"),
-        }
-
-
-def weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
-    """The median of ``values`` where value i occurs ``weights[i]`` times; nan when empty."""
-    values = np.asarray(values, dtype=float)
-    weights = np.asarray(weights, dtype=float)
-    if values.size == 0 or weights.sum() <= 0:
-        return math.nan
-    order = np.argsort(values, kind="stable")
-    ordered = values[order]
-    cumulative = np.cumsum(weights[order])
-    total = int(round(cumulative[-1]))
-    # 1-based ranks of the middle value(s); two of them for an even total,
-    # averaged like statistics.median does.
-    low_rank = (total + 1) // 2
-    high_rank = total // 2 + 1
-    low = ordered[np.searchsorted(cumulative, low_rank, side="left")]
-    high = ordered[np.searchsorted(cumulative, high_rank, side="left")]
-    return float((low + high) / 2.0)
+from .results import SimulationEvent, SimulationResult
+from .scenario import Scenario
 
 
 @dataclass
@@ -165,17 +53,7 @@ class _Step:
     seconds: float
 
 
-@dataclass
-class _Changes:
-    joined: List[str] = field(default_factory=list)
-    left: List[str] = field(default_factory=list)
-    failed: List[str] = field(default_factory=list)
-
-    def any(self) -> bool:
-        return bool(self.joined or self.left or self.failed)
-
-
-class _Simulation:
+class _Simulation(ElasticEvents):
     """Mutable state of one ``simulate`` call; private, created per call."""
 
     def __init__(self, scenario: Scenario, policy: Policy, skip_identical_steps: bool = True) -> None:
@@ -235,174 +113,6 @@ class _Simulation:
         self.events.append(
             SimulationEvent(when, self.committed, kind, tuple(device_ids), stall_s, len(self.active), detail)
         )
-
-    def _next_time_event(self) -> Optional[Tuple[float, int, Event]]:
-        while self.time_position < len(self.time_events) and self.time_events[self.time_position][1] in self.consumed:
-            self.time_position += 1
-        if self.time_position < len(self.time_events):
-            return self.time_events[self.time_position]
-        return None
-
-    def _take_due_events(self) -> List[Event]:
-        """Events due at this boundary (time reached, or step reached; not step failures)."""
-        due: List[Event] = []
-        while True:
-            head = self._next_time_event()
-            if head is None or head[0] > self.clock:
-                break
-            self.consumed.add(head[1])
-            due.append(head[2])
-        while self.step_position < len(self.step_events):
-            at_step, order, event = self.step_events[self.step_position]
-            if at_step > self.committed or event.kind == "failure":
-                break  # a step failure kills the step it names: see _failure_in_step
-            self.step_position += 1
-            due.append(event)
-        return due
-
-    def _apply_event(self, event: Event, changes: _Changes) -> None:
-        if event.kind == "join":
-            delay = self.policy.elasticity.admission_delay_s(self.parameters)
-            appeared = event.at_s if event.at_s is not None else self.clock
-            for device in event.devices:
-                self.seconds[device.device_id] = device.seconds_per_vw
-                self.pending.append((appeared + delay, device.device_id))
-        elif event.kind == "slowdown":
-            for device_id in event.device_ids:
-                if device_id in self.seconds:
-                    self.seconds[device_id] *= event.factor
-                    self.layout_stale = True
-            self.record("slowdown", event.device_ids, detail=f"seconds per VW x{event.factor:g}")
-        else:
-            bucket = changes.left if event.kind == "leave" else changes.failed
-            for device_id in event.device_ids:
-                if device_id in self.active:
-                    self.active.remove(device_id)
-                    bucket.append(device_id)
-                elif any(device_id == pending_id for _, pending_id in self.pending):
-                    self.pending = [(ready, pending_id) for ready, pending_id in self.pending if pending_id != device_id]
-                    self.record("cancelled", (device_id,), detail=f"{event.kind} during warm-up")
-                else:
-                    self.record("ignored", (device_id,), detail=f"{event.kind} of a device that is not there")
-
-    def _admit_ready_joiners(self, changes: _Changes) -> None:
-        ready = sorted((time, device_id) for time, device_id in self.pending if time <= self.clock)
-        if not ready:
-            return
-        self.pending = [(time, device_id) for time, device_id in self.pending if time > self.clock]
-        for _, device_id in ready:
-            if len(self.active) >= self.scenario.virtual_workers:
-                self.record("refused", (device_id,), detail=f"already {len(self.active)} devices for "
-                            f"{self.scenario.virtual_workers} VWs (every device needs one)")
-                continue
-            self.active.append(device_id)
-            changes.joined.append(device_id)
-
-    def _charge_changes(self, changes: _Changes, in_flight_lost_s: float = 0.0) -> None:
-        """Charge one boundary's changes (and a lost step in flight) to the clock."""
-        self.layout_stale = True
-        survivors = [device_id for device_id in self.active if device_id not in changes.joined]
-        if not survivors and self.policy.elasticity.keeps_state_in_memory:
-            self.lost = True
-            self.record("lost", changes.left + changes.failed, detail="no device left holds the training state")
-            return
-        cost = self.policy.elasticity.change_cost(
-            len(changes.joined), len(changes.left), len(changes.failed), len(self.active), self.parameters
-        )
-        stall = in_flight_lost_s + (cost.stall_s if self.active else 0.0)
-        took_effect = self.clock
-        self.clock += cost.stall_s if self.active else 0.0
-        self.stall_s += stall
-        for kind, ids in (("failure", changes.failed), ("leave", changes.left), ("join", changes.joined)):
-            if ids:
-                self.record(kind, ids, stall_s=stall, detail=f"{len(self.active)} devices after", time_s=took_effect)
-                stall = 0.0  # one boundary, one stall: charge it to the first record only
-        if cost.rolls_back:
-            self._roll_back()
-        elif cost.checkpoints:
-            self.last_checkpoint_step = self.committed
-            self.work_since_checkpoint_s = 0.0
-
-    def _roll_back(self) -> None:
-        lost_steps = self.committed - self.last_checkpoint_step
-        self.stall_s += self.work_since_checkpoint_s
-        self.lost_work_s += self.work_since_checkpoint_s
-        self.committed = self.last_checkpoint_step
-        self.record("rollback", (), stall_s=self.work_since_checkpoint_s,
-                    detail=f"{lost_steps} steps since the checkpoint at step {self.last_checkpoint_step} redone")
-        self.work_since_checkpoint_s = 0.0
-
-    def boundary(self) -> None:
-        """Apply everything due at this step boundary."""
-        changes = _Changes()
-        for event in self._take_due_events():
-            self._apply_event(event, changes)
-        self._admit_ready_joiners(changes)
-        if changes.any():
-            self._charge_changes(changes)
-
-    def wait_for_devices(self) -> bool:
-        """With no device at all: jump to the next event or joiner. False if there is none."""
-        candidates = [time for time, _ in self.pending]
-        head = self._next_time_event()
-        if head is not None:
-            candidates.append(head[0])
-        if not candidates:
-            return False
-        resume = max(self.clock, min(candidates))
-        self.stall_s += resume - self.clock
-        self.record("idle", (), stall_s=resume - self.clock, detail="no devices; waiting")  # from now
-        self.clock = resume
-        return True
-
-    def _failure_noticed_at(self, step: _Step, failed_at: float, events: List[Event]) -> float:
-        """When the survivors stop working on the step a failure killed; it is lost up to then.
-
-        flexpar's survivors run their own VWs to the step's all-reduce and learn
-        of the death there, or ``detection_s`` after it if that is later
-        (``failure_noticed_seconds``). A policy whose agent watches the
-        processes stops them at the death and pays the detection in its change
-        cost.
-        """
-        if not self.policy.elasticity.notices_failures_in_collective:
-            return failed_at
-        failed = {device_id for event in events for device_id in event.device_ids}
-        survivors = [busy for device_id, busy in zip(self.device_ids, step.busy) if device_id not in failed]
-        return self.clock + failure_noticed_seconds(
-            max(survivors) if survivors else 0.0, failed_at - self.clock, self.parameters.elastic
-        )
-
-    def _failure_in_step(self, step_seconds: float) -> Optional[Tuple[float, List[Event]]]:
-        """The failure that kills the step now running, if any: (time, its events)."""
-        active = set(self.active)
-        if self.step_position < len(self.step_events):
-            at_step, order, event = self.step_events[self.step_position]
-            if at_step <= self.committed and event.kind == "failure":
-                self.step_position += 1
-                if active.intersection(event.device_ids):
-                    return self.clock + step_seconds, [event]
-                self._apply_event(event, _Changes())  # records it as cancelled or ignored
-        end = self.clock + step_seconds
-        for position in range(self.time_position, len(self.time_events)):
-            at_s, order, event = self.time_events[position]
-            if at_s > end:
-                break
-            if order in self.consumed or event.kind != "failure":
-                continue
-            if not active.intersection(event.device_ids):
-                continue
-            # Failures within the detection window of the first one are
-            # noticed together: one recovery for all of them.
-            window_end = at_s + self.parameters.elastic.detection_s
-            events = []
-            for later_at, later_order, later in self.time_events[position:]:
-                if later_at > window_end:
-                    break
-                if later.kind == "failure" and later_order not in self.consumed:
-                    self.consumed.add(later_order)
-                    events.append(later)
-            return at_s, events
-        return None
 
     # ---------------------------------------------------------------- steps
 
@@ -523,7 +233,7 @@ class _Simulation:
             noticed_at = self._failure_noticed_at(step, failed_at, failure_events)
             in_flight_lost = noticed_at - self.clock
             self.clock = noticed_at
-            changes = _Changes()
+            changes = Changes()
             for event in failure_events:
                 self._apply_event(event, changes)
             # The abandoned step is never observed: the real workers discard its timings.

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .engine import SimulationResult
+from .results import SimulationResult
 from .scalability import ScalabilityResult
 
 

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import List, Sequence
 
-from .engine import SimulationResult
+from .results import SimulationResult
 from .scalability import ScalabilityResult
 
 

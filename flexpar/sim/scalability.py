@@ -19,7 +19,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .engine import SimulationResult, simulate
+from .engine import simulate
+from .results import SimulationResult
 from .model import step_seconds, uniform_assignment
 from .scenario import DeviceSpec, Event, Scenario, ScalabilitySpec
 

@@ -29,17 +29,17 @@ from __future__ import annotations
 
 import math
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from .model import ElasticCosts, ModelParameters, NetworkModel, RestartCosts, WorkloadModel
 from .policies import POLICY_NAMES, BalanceSettings
+from .toml_fields import TableFields, config_values, describe
 
 EVENT_KINDS: Tuple[str, ...] = ("join", "leave", "failure", "slowdown")
 DEFAULT_DEVICE_COUNTS: Tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512, 1024)
 
-_REQUIRED = object()
 
 
 # --------------------------------------------------------------------------
@@ -161,156 +161,19 @@ class Scenario:
 
 
 # --------------------------------------------------------------------------
-# field readers: each knows its path, so every error names the field
-# --------------------------------------------------------------------------
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, str):
-        return repr(value)
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (dict, list)):
-        return f"a {'table' if isinstance(value, dict) else 'list'}"
-    return repr(value)
-
-
-class _Fields:
-    """A TOML table being read: typed getters with defaults, then a check for unknown keys."""
-
-    def __init__(self, table: Any, path: str) -> None:
-        if not isinstance(table, dict):
-            raise ValueError(f"{path}: expected a table, got {_describe(table)}")
-        self.table = table
-        self.path = path
-        self.used: set = set()
-
-    def _get(self, key: str, default: Any) -> Any:
-        self.used.add(key)
-        if key in self.table:
-            return self.table[key]
-        if default is _REQUIRED:
-            raise ValueError(f"{self.path}.{key}: required field is missing")
-        return default
-
-    def has(self, key: str) -> bool:
-        return key in self.table
-
-    def number(self, key: str, default: Any = _REQUIRED, *, minimum: float = -math.inf,
-               positive: bool = False, maximum: float = math.inf) -> Any:
-        value = self._get(key, default)
-        if value is default and key not in self.table:
-            return value
-        is_number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        if positive:
-            expected = "a positive number"
-            ok = is_number and value > 0
-        elif maximum < math.inf:
-            expected = f"a number in [{minimum:g}, {maximum:g}]"
-            ok = is_number and minimum <= value <= maximum
-        elif minimum > -math.inf:
-            expected = f"a number >= {minimum:g}"
-            ok = is_number and value >= minimum
-        else:
-            expected = "a number"
-            ok = is_number
-        if not ok:
-            raise ValueError(f"{self.path}.{key}: expected {expected}, got {_describe(value)}")
-        return float(value)
-
-    def integer(self, key: str, default: Any = _REQUIRED, *, minimum: int = 0) -> Any:
-        value = self._get(key, default)
-        if value is default and key not in self.table:
-            return value
-        if not (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):
-            raise ValueError(f"{self.path}.{key}: expected an integer >= {minimum}, got {_describe(value)}")
-        return value
-
-    def string(self, key: str, default: Any = _REQUIRED) -> Any:
-        value = self._get(key, default)
-        if value is default and key not in self.table:
-            return value
-        if not isinstance(value, str) or not value:
-            raise ValueError(f"{self.path}.{key}: expected a non-empty string, got {_describe(value)}")
-        return value
-
-    def string_list(self, key: str, default: Any = _REQUIRED) -> Any:
-        value = self._get(key, default)
-        if value is default and key not in self.table:
-            return value
-        if not isinstance(value, list) or not value:
-            raise ValueError(f"{self.path}.{key}: expected a non-empty list of strings, got {_describe(value)}")
-        for index, item in enumerate(value):
-            if not isinstance(item, str) or not item:
-                raise ValueError(f"{self.path}.{key}[{index}]: expected a non-empty string, got {_describe(item)}")
-        return tuple(value)
-
-    def integer_list(self, key: str, default: Any = _REQUIRED, *, minimum: int = 1) -> Any:
-        value = self._get(key, default)
-        if value is default and key not in self.table:
-            return value
-        if not isinstance(value, list) or not value:
-            raise ValueError(f"{self.path}.{key}: expected a non-empty list of integers, got {_describe(value)}")
-        for index, item in enumerate(value):
-            if not (isinstance(item, int) and not isinstance(item, bool) and item >= minimum):
-                raise ValueError(f"{self.path}.{key}[{index}]: expected an integer >= {minimum}, got {_describe(item)}")
-        return tuple(value)
-
-    def sub_table(self, key: str) -> "_Fields":
-        return _Fields(self._get(key, {}), f"{self.path}.{key}")
-
-    def array_of_tables(self, key: str) -> List["_Fields"]:
-        value = self._get(key, [])
-        if not isinstance(value, list):
-            raise ValueError(f"{self.path}.{key}: expected an array of tables ([[{key}]]), got {_describe(value)}")
-        return [_Fields(item, f"{self.path}.{key}[{index}]") for index, item in enumerate(value)]
-
-    def finish(self) -> None:
-        unknown = sorted(str(key) for key in self.table if key not in self.used)
-        if unknown:
-            raise ValueError(
-                f"{self.path}.{unknown[0]}: unknown field; expected one of {sorted(self.used)}"
-            )
-
-
-def _config_values(cls: type, reader: _Fields, *, integers: Tuple[str, ...] = (),
-                   fractions: Tuple[str, ...] = (), positives: Tuple[str, ...] = ()) -> Dict[str, Any]:
-    """Keyword arguments for config dataclass ``cls`` from a table keyed by its field names.
-
-    Every field is optional (the dataclass default applies); each is read as a
-    non-negative number unless listed as an integer, a fraction in [0, 1] or
-    strictly positive.
-    """
-    values: Dict[str, Any] = {}
-    for item in fields(cls):
-        if not reader.has(item.name):
-            reader.used.add(item.name)
-            continue
-        if item.name in integers:
-            values[item.name] = reader.integer(item.name, minimum=1)
-        elif item.name in fractions:
-            values[item.name] = reader.number(item.name, minimum=0.0, maximum=1.0)
-        elif item.name in positives:
-            values[item.name] = reader.number(item.name, positive=True)
-        else:
-            values[item.name] = reader.number(item.name, minimum=0.0)
-    return values
-
-
-# --------------------------------------------------------------------------
 # the parts of a scenario
 # --------------------------------------------------------------------------
 
 
-def _parse_parameters(root: _Fields) -> Tuple[ModelParameters, Optional[float]]:
+def _parse_parameters(root: TableFields) -> Tuple[ModelParameters, Optional[float]]:
     """The four cost tables; also returns ``model.reference_seconds_per_vw`` (or None)."""
     model = root.sub_table("model")
     reference = model.number("reference_seconds_per_vw", None, positive=True)
-    workload_values = _config_values(WorkloadModel, model, integers=("samples_per_vw",))
+    workload_values = config_values(WorkloadModel, model, integers=("samples_per_vw",))
     model.finish()
 
     network = root.sub_table("network")
-    network_values = _config_values(
+    network_values = config_values(
         NetworkModel, network,
         fractions=("overlap_fraction", "backward_fraction"),
         positives=("bandwidth_bytes_per_s", "broadcast_bandwidth_bytes_per_s", "bucket_bytes"),
@@ -318,11 +181,11 @@ def _parse_parameters(root: _Fields) -> Tuple[ModelParameters, Optional[float]]:
     network.finish()
 
     elastic = root.sub_table("elastic")
-    elastic_values = _config_values(ElasticCosts, elastic, positives=("host_cores",))
+    elastic_values = config_values(ElasticCosts, elastic, positives=("host_cores",))
     elastic.finish()
 
     restart = root.sub_table("restart")
-    restart_values = _config_values(RestartCosts, restart, integers=("checkpoint_every_steps",))
+    restart_values = config_values(RestartCosts, restart, integers=("checkpoint_every_steps",))
     restart.finish()
 
     parameters = ModelParameters(
@@ -334,7 +197,7 @@ def _parse_parameters(root: _Fields) -> Tuple[ModelParameters, Optional[float]]:
     return parameters, reference
 
 
-def _seconds_per_vw(reader: _Fields, reference: Optional[float], device_types: Mapping[str, Tuple[float, str]],
+def _seconds_per_vw(reader: TableFields, reference: Optional[float], device_types: Mapping[str, Tuple[float, str]],
                     allow_type: bool = True) -> Tuple[float, str]:
     """A device's seconds per VW from exactly one of ``type``, ``speed`` or ``seconds_per_vw``."""
     given = [key for key in ("type", "speed", "seconds_per_vw") if reader.has(key) and (allow_type or key != "type")]
@@ -360,7 +223,7 @@ def _seconds_per_vw(reader: _Fields, reference: Optional[float], device_types: M
     return seconds, f"{seconds:g} s/VW"
 
 
-def _parse_device_types(root: _Fields, reference: Optional[float]) -> Dict[str, Tuple[float, str]]:
+def _parse_device_types(root: TableFields, reference: Optional[float]) -> Dict[str, Tuple[float, str]]:
     types = root.sub_table("device_types")
     result: Dict[str, Tuple[float, str]] = {}
     for name in list(types.table):
@@ -372,7 +235,7 @@ def _parse_device_types(root: _Fields, reference: Optional[float]) -> Dict[str, 
     return result
 
 
-def _parse_devices(root: _Fields, reference: Optional[float],
+def _parse_devices(root: TableFields, reference: Optional[float],
                    device_types: Mapping[str, Tuple[float, str]]) -> Tuple[DeviceSpec, ...]:
     devices: List[DeviceSpec] = []
     seen: Dict[str, str] = {}
@@ -398,7 +261,7 @@ def _parse_devices(root: _Fields, reference: Optional[float],
     return tuple(devices)
 
 
-def _parse_events(root: _Fields, reference: Optional[float], device_types: Mapping[str, Tuple[float, str]],
+def _parse_events(root: TableFields, reference: Optional[float], device_types: Mapping[str, Tuple[float, str]],
                   initial_ids: Tuple[str, ...]) -> Tuple[Event, ...]:
     events: List[Event] = []
     known = set(initial_ids)
@@ -441,7 +304,7 @@ def _parse_events(root: _Fields, reference: Optional[float], device_types: Mappi
     return tuple(events)
 
 
-def _parse_scalability(root: _Fields, default_steps: int, default_seed: int) -> ScalabilitySpec:
+def _parse_scalability(root: TableFields, default_steps: int, default_seed: int) -> ScalabilitySpec:
     reader = root.sub_table("scalability")
     spec = ScalabilitySpec(
         device_counts=reader.integer_list("device_counts", DEFAULT_DEVICE_COUNTS, minimum=1),
@@ -456,7 +319,7 @@ def _parse_scalability(root: _Fields, default_steps: int, default_seed: int) -> 
     return spec
 
 
-def _parse_balance(root: _Fields) -> BalanceSettings:
+def _parse_balance(root: TableFields) -> BalanceSettings:
     reader = root.sub_table("balance")
     settings = BalanceSettings(
         smoothing=reader.number("smoothing", 0.5, minimum=0.0, maximum=1.0),
@@ -469,12 +332,12 @@ def _parse_balance(root: _Fields) -> BalanceSettings:
 
 def parse_scenario(data: Mapping[str, Any], source: str = "") -> Scenario:
     """A validated ``Scenario`` from the parsed TOML mapping; ValueError naming the field."""
-    root = _Fields(dict(data), "scenario")
+    root = TableFields(dict(data), "scenario")
     name = root.string("name", Path(source).stem if source else "scenario")
     description = root.table.get("description", "")
     root.used.add("description")
     if not isinstance(description, str):
-        raise ValueError(f"scenario.description: expected a string, got {_describe(description)}")
+        raise ValueError(f"scenario.description: expected a string, got {describe(description)}")
     steps = root.integer("steps", minimum=1)
     virtual_workers = root.integer("virtual_workers", minimum=1)
     seed = root.integer("seed", 0, minimum=0)

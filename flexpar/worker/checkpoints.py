@@ -1,10 +1,10 @@
-"""Checkpoints written off the step loop's critical path, with retention.
+"""Checkpoint files: their names, atomic writes, the newest one; written off the step loop, with retention.
 
 The step loop pays only for a copy of the training state in memory
 (`cpu_copy`): the copy is taken between two steps, so it is the committed
 state and later steps cannot change it. A background thread then writes it
 (`torch.save` to a temporary file, then an atomic rename, as
-`state.write_checkpoint` does) and deletes all but the newest `keep`
+`write_checkpoint` does) and deletes all but the newest `keep`
 checkpoints. One write is in flight at a time: a new one waits for the
 previous, and a worker waits for the last before it exits, so the file a job
 reports always exists.
@@ -13,6 +13,7 @@ reports always exists.
 from __future__ import annotations
 
 import os
+import re
 import threading
 from typing import Optional
 
@@ -21,21 +22,69 @@ import torch
 from flexpar.comm import state_transfer as training_state
 
 
+_CHECKPOINT = re.compile(r"^step-(\d+)\.pt$")
+
+
+def checkpoint_path(directory: str, step: int) -> str:
+    return os.path.join(directory, f"step-{step:08d}.pt")
+
+
+def checkpoint_step(path: str) -> int:
+    """The step a checkpoint file holds, from its name (step-00000123.pt -> 123)."""
+    match = _CHECKPOINT.match(os.path.basename(path))
+    if match is None:
+        raise ValueError(f"{path} is not a flexpar checkpoint name (step-NNNNNNNN.pt)")
+    return int(match.group(1))
+
+
+def temporary_path(path: str) -> str:
+    """Where a writer of `path` writes before its atomic rename: its own name, so that two processes
+    writing the same step to a shared folder (survivors of a lost driver) never mix their bytes."""
+    return f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
+
+
+def write_checkpoint(directory: str, state_bytes: bytes, step: int) -> str:
+    """Write atomically (temporary file, then rename): a crash never leaves half a file."""
+    os.makedirs(directory, exist_ok=True)
+    path = checkpoint_path(directory, step)
+    temporary = temporary_path(path)
+    with open(temporary, "wb") as handle:
+        handle.write(state_bytes)
+    os.replace(temporary, path)
+    return path
+
+
+def latest_checkpoint(directory: str) -> Optional[str]:
+    if not os.path.isdir(directory):
+        return None
+    found = sorted(
+        (int(match.group(1)), name)
+        for name in os.listdir(directory)
+        if (match := _CHECKPOINT.match(name))
+    )
+    return os.path.join(directory, found[-1][1]) if found else None
+
+
+def read_checkpoint(path: str, device) -> dict:
+    with open(path, "rb") as handle:
+        return training_state.from_bytes(handle.read(), device)
+
+
 def cpu_copy(state):
     """`state` with every tensor copied to fresh CPU memory (containers rebuilt, the rest shared)."""
     def copy(item):
         if isinstance(item, torch.Tensor):
             return item.detach().to("cpu", copy=True)
-        return training_state._DESCEND
+        return training_state.DESCEND
 
-    return training_state._rebuild(state, copy)
+    return training_state.rebuild(state, copy)
 
 
 def write(directory: str, step: int, state) -> str:
     """Write `state` as the checkpoint of `step`, atomically (temporary file, then rename)."""
     os.makedirs(directory, exist_ok=True)
-    path = training_state.checkpoint_path(directory, step)
-    temporary = training_state.temporary_path(path)
+    path = checkpoint_path(directory, step)
+    temporary = temporary_path(path)
     with open(temporary, "wb") as handle:
         torch.save(state, handle)
     os.replace(temporary, path)
@@ -47,9 +96,9 @@ def prune(directory: str, keep: Optional[int]) -> list:
     if not keep or not os.path.isdir(directory):
         return []
     found = sorted(
-        (training_state.checkpoint_step(name), name)
+        (checkpoint_step(name), name)
         for name in os.listdir(directory)
-        if training_state._CHECKPOINT.match(name)
+        if _CHECKPOINT.match(name)
     )
     removed = []
     for _, name in found[: max(0, len(found) - keep)]:
@@ -96,7 +145,7 @@ class CheckpointWriter:
     def submit(self, directory: str, step: int, state) -> str:
         """Start writing `state` (already a private copy: `cpu_copy`) as step `step`; returns its path."""
         self.wait()
-        path = training_state.checkpoint_path(directory, step)
+        path = checkpoint_path(directory, step)
         self.pending = path
 
         def run():

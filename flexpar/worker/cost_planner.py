@@ -22,7 +22,8 @@ import collections
 import math
 from typing import List, Optional, Sequence, Tuple
 
-from flexpar.core import batching, cost_balance, cost_rates
+from flexpar.core import batching, cost_balance
+from flexpar.core.cost_balance import rates as cost_rates
 from flexpar.errors import UserCodeError
 
 _CACHED_STEPS = 4  # costs and plans of the step running and the next few the loader prefetches

@@ -62,7 +62,7 @@ class WorkerCheckpoints:
         for before the next one starts, in `finish`, on the rescue path and
         before the process exits.
         """
-        path = training_state.checkpoint_path(directory, self.committed)
+        path = checkpoints.checkpoint_path(directory, self.committed)
         self._fault_point("checkpoint", self.committed)
         writer = self._checkpoint_writer_now()
         if not os.path.exists(path) and writer.pending != path:  # the last step may be written already
@@ -102,7 +102,7 @@ class WorkerCheckpoints:
             path = self._write_checkpoint(directory)
             self.wait_for_checkpoint()
         else:
-            path = training_state.checkpoint_path(directory, step)
+            path = checkpoints.checkpoint_path(directory, step)
             path += f" (written by {self.members[0]})" if self.members else ""
         command = self.settings.resume_command or (f"flexpar run --resume --checkpoint-dir {directory} "
                                                    f"{self.settings.script or 'SCRIPT'}")

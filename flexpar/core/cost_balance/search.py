@@ -1,33 +1,5 @@
-"""Balancing by per-sample cost: VW costs and device rates -> which VWs each device runs.
+"""How ``cost_assignment`` finds the sets: two starts, a local search, then branch and bound.
 
-With ``Job(sample_cost=FN)``, a virtual worker's (VW's) cost at a step is the
-sum of ``FN(index)`` over its samples (for text, its token count), and a
-device's rate is its measured seconds per unit of cost. The predicted time of
-a device is ``rate * (cost of its VWs)``; this module picks, for each step,
-the set of VWs each device runs so that the slowest device finishes first. Any
-set, not only a contiguous range: with variable costs, contiguous ranges of
-equal count leave equally fast devices waiting on each other.
-
-Every device computes the assignment from the same floats and must get the
-same sets bit for bit, with no central decision. So this module is pure (no
-clocks, processes or sockets), and everything is a fixed sequence of float
-operations over lists in VW or rank order: no set or dict iteration, every tie
-broken towards the lower VW id or rank. A device's load is ``math.fsum`` of
-its VWs' costs (exactly rounded, so independent of the order they were added
-in), and the step time compared between candidates is that load times the
-rate: the same number on every device.
-
-The pieces:
-
-- ``cost_assignment``: the assignment, every VW exactly once, every device at
-  least one (method below).
-- ``predicted_step_seconds``, ``device_costs``, ``count_based_sets`` (the
-  count balancer's contiguous split, the baseline it never does worse than).
-- the rates it takes, learned from busy times and frozen for planning, are
-  ``flexpar.cost_rates``'s.
-
-The method of ``cost_assignment``
----------------------------------
 
 1. Two starts: the longest-processing-time greedy (VWs by decreasing cost,
    each to the device that would finish it earliest; the last VWs go to
@@ -56,12 +28,17 @@ from __future__ import annotations
 
 import bisect
 import math
-import numbers
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
-import torch
-
-from flexpar.core import balance
+from flexpar.core.cost_balance.costs import (
+    Assignment,
+    check_shape,
+    checked_costs,
+    checked_rates,
+    contiguous_owner,
+    sets,
+    step_seconds,
+)
 
 NODE_BUDGET = 600
 """Nodes the branch and bound may visit when the whole tree is larger than EXHAUSTIVE_NODES."""
@@ -74,130 +51,6 @@ LOCAL_SEARCH_ROUNDS = 4
 
 _EPSILON = 1e-9
 """Relative slack of the pruning tests: they prune only what is worse by more than float rounding."""
-
-Assignment = Tuple[Tuple[int, ...], ...]
-"""For each device (rank order), the ids of the VWs it runs, ascending."""
-
-
-# --------------------------------------------------------------------------
-# input checks
-# --------------------------------------------------------------------------
-
-
-def sample_cost_value(value: Any, index: int) -> float:
-    """``sample_cost(index)``'s result as a float; ValueError naming the index and the fix.
-
-    A cost is a finite real number >= 0: an int, a float, a numpy number or a
-    one-element tensor. A bool, a string, NaN, an infinity or a negative
-    number is refused.
-    """
-    number: Optional[float] = None
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        number = float(value)
-    elif isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex() \
-            and value.dtype != torch.bool:
-        number = float(value.item())
-    if number is None:
-        raise ValueError(
-            f"sample_cost({index}) returned {value!r} ({type(value).__name__}); it must return a number >= 0, "
-            f"for example the token count of sample {index}"
-        )
-    if not math.isfinite(number) or number < 0:
-        raise ValueError(
-            f"sample_cost({index}) returned {number!r}; a cost must be a finite number >= 0 (for example the "
-            f"token count of sample {index}); fix sample_cost for that sample"
-        )
-    return number
-
-
-def checked_costs(costs: Sequence[Any]) -> List[float]:
-    """VW costs as floats; ValueError naming the first that is not a finite number >= 0."""
-    result = []
-    for index, value in enumerate(costs):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise ValueError(f"costs[{index}]={value!r} is not a number")
-        number = float(value)
-        if not math.isfinite(number) or number < 0:
-            raise ValueError(f"costs[{index}]={number!r} must be a finite number >= 0")
-        result.append(number)
-    return result
-
-
-def _rates(seconds_per_cost: Sequence[Any]) -> List[float]:
-    """Finite rates in rank order; values below balance's minimum count as that minimum."""
-    return balance._seconds_list(seconds_per_cost, "seconds_per_cost")
-
-
-def _check_shape(virtual_workers: int, devices: int) -> None:
-    if devices == 0:
-        raise ValueError("seconds_per_cost is empty; an assignment needs at least one device")
-    if virtual_workers < devices:
-        raise ValueError(
-            f"{virtual_workers} virtual workers are fewer than the {devices} devices; "
-            "every device needs at least one virtual worker"
-        )
-
-
-# --------------------------------------------------------------------------
-# step times of an assignment
-# --------------------------------------------------------------------------
-
-
-def device_costs(assignment: Sequence[Sequence[int]], costs: Sequence[float]) -> Tuple[float, ...]:
-    """The summed cost of each device's VWs (``math.fsum``: exactly rounded, order-free)."""
-    return tuple(math.fsum(costs[virtual_worker] for virtual_worker in members) for members in assignment)
-
-
-def predicted_step_seconds(assignment: Sequence[Sequence[int]], costs: Sequence[float],
-                           seconds_per_cost: Sequence[float]) -> float:
-    """``max_d(rate_d * cost of device d's VWs)``, the figure ``cost_assignment`` minimises."""
-    rates = _rates(seconds_per_cost)
-    if len(assignment) != len(rates):
-        raise ValueError(f"the assignment has {len(assignment)} devices but seconds_per_cost has {len(rates)}")
-    return max(rate * load for rate, load in zip(rates, device_costs(assignment, checked_costs(costs))))
-
-
-def _step_seconds(owner: Sequence[int], costs: Sequence[float], rates: Sequence[float]) -> float:
-    """Predicted step time of ``owner`` (VW -> device), computed as ``predicted_step_seconds`` does."""
-    groups: List[List[float]] = [[] for _ in rates]
-    for virtual_worker, device in enumerate(owner):
-        groups[device].append(costs[virtual_worker])
-    return max(rate * math.fsum(group) for rate, group in zip(rates, groups))
-
-
-def _sets(owner: Sequence[int], devices: int) -> Assignment:
-    groups: List[List[int]] = [[] for _ in range(devices)]
-    for virtual_worker, device in enumerate(owner):  # ascending VW ids
-        groups[device].append(virtual_worker)
-    return tuple(tuple(group) for group in groups)
-
-
-def count_based_sets(costs: Sequence[float], seconds_per_cost: Sequence[float]) -> Assignment:
-    """The count balancer's split for these rates: contiguous ranges, counts by ``balance.optimal_assignment``.
-
-    What flexpar does without ``sample_cost`` (where a device's per-VW time is
-    its rate times the mean VW cost): the baseline ``cost_assignment`` never
-    does worse than.
-    """
-    rates = _rates(seconds_per_cost)
-    _check_shape(len(costs), len(rates))
-    return _sets(_contiguous_owner(rates, len(costs)), len(rates))
-
-
-def _contiguous_owner(rates: Sequence[float], virtual_workers: int) -> List[int]:
-    # Relative rates (the fastest 1.0): optimal_assignment is scale-free, and its
-    # floor then never applies to a fast device's small absolute rate.
-    fastest = min(rates)
-    counts = balance.optimal_assignment([rate / fastest for rate in rates], virtual_workers)
-    owner: List[int] = []
-    for device, count in enumerate(counts):
-        owner.extend([device] * count)
-    return owner
-
-
-# --------------------------------------------------------------------------
-# the assignment
-# --------------------------------------------------------------------------
 
 
 def cost_assignment(costs: Sequence[float], seconds_per_cost: Sequence[float],
@@ -219,25 +72,25 @@ def cost_assignment_with_proof(costs: Sequence[float], seconds_per_cost: Sequenc
                                node_budget: int = NODE_BUDGET) -> Tuple[Assignment, bool]:
     """``cost_assignment`` and whether the result is proven optimal (the search completed)."""
     costs = checked_costs(costs)
-    rates = _rates(seconds_per_cost)
+    rates = checked_rates(seconds_per_cost)
     devices, virtual_workers = len(rates), len(costs)
-    _check_shape(virtual_workers, devices)
+    check_shape(virtual_workers, devices)
     if devices == 1:
         return (tuple(range(virtual_workers)),), True
     order = sorted(range(virtual_workers), key=lambda virtual_worker: (-costs[virtual_worker], virtual_worker))
     best = _greedy_owner(costs, rates, order)
-    best_seconds = _step_seconds(best, costs, rates)
-    contiguous = _contiguous_owner(rates, virtual_workers)
-    contiguous_seconds = _step_seconds(contiguous, costs, rates)
+    best_seconds = step_seconds(best, costs, rates)
+    contiguous = contiguous_owner(rates, virtual_workers)
+    contiguous_seconds = step_seconds(contiguous, costs, rates)
     if contiguous_seconds < best_seconds:
         best, best_seconds = contiguous, contiguous_seconds
     searched = _local_search(best, costs, rates, LOCAL_SEARCH_ROUNDS * virtual_workers)
-    searched_seconds = _step_seconds(searched, costs, rates)
+    searched_seconds = step_seconds(searched, costs, rates)
     if searched_seconds < best_seconds:
         best, best_seconds = searched, searched_seconds
     best, best_seconds, complete = _branch_and_bound(costs, rates, order, best, best_seconds,
                                                      _node_budget(virtual_workers, devices, node_budget))
-    return _sets(best, devices), complete
+    return sets(best, devices), complete
 
 
 def _node_budget(virtual_workers: int, devices: int, node_budget: int) -> int:
@@ -430,7 +283,7 @@ def _branch_and_bound(costs, rates, order, incumbent, incumbent_seconds, budget)
         if position + 1 == count:
             for index in range(count):
                 owner[order[index]] = chosen[index]
-            seconds = _step_seconds(owner, costs, rates)
+            seconds = step_seconds(owner, costs, rates)
             if seconds < best_seconds:
                 best, best_seconds = list(owner), seconds
                 if best_seconds <= bound * (1.0 + _EPSILON):

@@ -1,6 +1,6 @@
 """Balancing by cost: each device's seconds per unit of cost, learned from busy times, frozen for plans.
 
-The rates ``flexpar.cost_balance.cost_assignment`` plans with. Pure (no
+The rates ``cost_assignment`` (search.py) plans with. Pure (no
 clocks, processes or sockets), every computation a fixed sequence of float
 operations in rank order, so every device holds the same rates after the same
 steps; they are part of the training state (a joiner receives them).
@@ -52,7 +52,10 @@ from types import MappingProxyType
 from typing import Any, List, Mapping, Optional, Sequence
 
 from flexpar.core import balance
-from flexpar.core.cost_balance import Assignment, checked_costs, cost_assignment, device_costs, predicted_step_seconds
+from flexpar.core.balance.checks import finite_seconds, usable_seconds
+from flexpar.core.balance.noise import median
+from flexpar.core.cost_balance.costs import Assignment, checked_costs, device_costs, predicted_step_seconds
+from flexpar.core.cost_balance.search import cost_assignment
 
 _UNMEASURED_SECONDS = 1.0  # every device's rate when none is known: equal rates, any common value
 
@@ -73,8 +76,8 @@ class CostRates:
     def __post_init__(self) -> None:
         planned = {}
         for device_id in sorted(self.planned):
-            planned[str(device_id)] = balance._usable_seconds(
-                balance._finite_seconds(self.planned[device_id], f"planned[{device_id!r}]"))
+            planned[str(device_id)] = usable_seconds(
+                finite_seconds(self.planned[device_id], f"planned[{device_id!r}]"))
         object.__setattr__(self, "planned", MappingProxyType(planned))
 
     def __reduce__(self):
@@ -101,7 +104,7 @@ def planning_seconds(rates: CostRates, device_ids: Sequence[str]) -> List[float]
     With none known, every device gets the same rate (a plan by cost alone).
     """
     known = [rates.planned[device_id] for device_id in device_ids if device_id in rates.planned]
-    fallback = balance._median(known) if known else _UNMEASURED_SECONDS
+    fallback = median(known) if known else _UNMEASURED_SECONDS
     return [rates.planned.get(device_id, fallback) for device_id in device_ids]
 
 

@@ -1,0 +1,115 @@
+"""The commands that talk to a running job (`join`, `scale`, `status`) or read its files (`plot`, `export`),
+and `demo`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import sys
+import time
+
+from flexpar import demo
+from flexpar.cli.cluster_environment import job_address, secret_or_exit
+from flexpar.comm.channel import Channel
+from flexpar.comm.protocol import get_json, has, scale_proof
+from flexpar.comm.store import Unreachable, connect_client
+from flexpar.driver.join import join
+from flexpar.export import export
+from flexpar.observe.plot import plot_timeline
+
+
+def command_join(arguments) -> int:
+    secret = secret_or_exit(arguments, "join")
+    host, port = job_address(arguments.address, "join")
+    if arguments.preemption_grace is not None and arguments.preemption_grace <= 0:
+        raise SystemExit(f"flexpar join: --preemption-grace {arguments.preemption_grace} must be positive (seconds)")
+    if arguments.timeout <= 0:
+        raise SystemExit(f"flexpar join: --timeout {arguments.timeout:g} must be positive (seconds)")
+    return join(f"{host}:{port}", arguments.devices, secret, arguments.script, arguments.emulate_speed,
+                arguments.preemption_grace, connect_timeout_s=arguments.timeout)
+
+
+def command_scale(arguments) -> int:
+    """Ask the job to scale and wait for its answer: exit 0 only when it accepted."""
+    secret = secret_or_exit(arguments, "scale")
+    host, port = job_address(arguments.address, "scale")
+    text = arguments.devices.strip()
+    try:
+        request = {"delta": int(text)} if text[:1] in "+-" else {"devices": int(text)}
+    except ValueError:
+        raise SystemExit(f"flexpar scale: --devices {text!r} is not N, +K or -K") from None
+    if request.get("devices", 1) < 1:
+        raise SystemExit(f"flexpar scale: --devices {text}: a job needs at least one device")
+    request["id"] = secrets.token_hex(8)
+    store = connect_client(host, port, arguments.timeout)
+    with _answers(host, port):
+        return _ask_to_scale(store, host, port, request, secret, arguments.timeout)
+
+
+@contextlib.contextmanager
+def _answers(host: str, port: int):
+    """A job that stops answering mid-conversation (stopped, finished, SIGSTOPped) is one line too."""
+    try:
+        yield
+    except RuntimeError as error:  # the store client's timeout or a dropped connection
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise Unreachable(f"the job at {host}:{port} stopped answering ({reason})") from None
+
+
+def _ask_to_scale(store, host: str, port: int, request: dict, secret: str, timeout_s: float) -> int:
+    Channel(store, "events").send(
+        {"type": "scale", "request": request, "proof": scale_proof(secret, request)}
+    )
+    key = f"answer/{request['id']}"
+    deadline = time.monotonic() + timeout_s
+    while not has(store, key):
+        if time.monotonic() > deadline:
+            print(f"flexpar scale: no answer from {host}:{port} within {timeout_s:g} s; the job may "
+                  "be busy or finished (see `flexpar status`)", file=sys.stderr)
+            return 1
+        time.sleep(0.05)
+    answer = get_json(store, key)
+    store.delete_key(key)
+    if answer["accepted"]:
+        print(f"flexpar scale: accepted: {answer['message']}")
+        return 0
+    print(f"flexpar scale: refused: {answer['message']}", file=sys.stderr)
+    return 1
+
+
+def command_status(arguments) -> int:
+    host, port = job_address(arguments.address, "status")
+    store = connect_client(host, port, arguments.timeout)
+    with _answers(host, port):
+        status = get_json(store, "status") if has(store, "status") else {}
+    if arguments.json:
+        print(json.dumps(status))
+        return 0
+    print(f"generation {status.get('generation')}: devices {', '.join(status.get('devices', []))}")
+    if "step" in status:
+        print(f"step {status['step']}/{status['total_steps']}, {status['samples_per_s']:.1f} samples/s, "
+              f"loss {status['loss']:.4f}, assignment {status['assignment']}")
+    if status.get("waiting") or status.get("starting"):
+        print(f"joining: {', '.join(status.get('starting', []) + status.get('waiting', []))}")
+    return 0
+
+
+def command_plot(arguments) -> int:
+    plot_timeline(arguments.metrics, arguments.output)
+    print(f"flexpar: wrote {arguments.output}")
+    return 0
+
+
+def command_export(arguments) -> int:
+    try:
+        path = export(arguments.checkpoint, arguments.output)
+    except ImportError as error:
+        print(f"flexpar export: {error}", file=sys.stderr)
+        return 1
+    print(f"flexpar: wrote {path}")
+    return 0
+
+
+def command_demo(arguments) -> int:
+    return demo.main(steps=arguments.steps, output_dir=arguments.output_dir)

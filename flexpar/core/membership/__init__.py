@@ -1,0 +1,33 @@
+"""Who trains in which generation: membership decisions of the control plane, as pure data.
+
+`decide(state, event) -> (state, actions)` (decide.py, with the rules) is the
+whole policy; events and actions are events.py's. This package's face is
+what the coordinator and the tests call: `from flexpar.core import membership
+as ms; ms.decide(ms.Membership(...), ms.Start(2))`.
+"""
+
+from flexpar.core.membership.decide import STOPPED_BEFORE_START, Membership, decide
+from flexpar.core.membership.events import (
+    Action,
+    Announced,
+    Answer,
+    Event,
+    Evict,
+    Exited,
+    FailureReported,
+    FinishJob,
+    FinishRequested,
+    Formed,
+    LeaveRequested,
+    Note,
+    Publish,
+    Ready,
+    Refuse,
+    ScaleBy,
+    SpawnLocal,
+    Start,
+    StopJob,
+    Tick,
+)
+
+__all__ = ["Action", "Announced", "Answer", "Event", "Evict", "Exited", "FailureReported", "FinishJob", "FinishRequested", "Formed", "LeaveRequested", "Membership", "Note", "Publish", "Ready", "Refuse", "STOPPED_BEFORE_START", "ScaleBy", "SpawnLocal", "Start", "StopJob", "Tick", "decide"]

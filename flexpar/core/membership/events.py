@@ -1,0 +1,161 @@
+"""The vocabulary of membership decisions: the events that go in, the actions that come out.
+
+`decide(state, event) -> (state, actions)` (decide.py) takes one of these
+events and returns these actions; the coordinator (flexpar/driver/coordinator.py)
+turns store messages, process exits and the time into events, and carries
+the actions out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+
+# ----------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class Start:
+    """The job starts: spawn the initial local devices."""
+
+    local_devices: int
+
+
+@dataclass(frozen=True)
+class Announced:
+    """A device (local or remote) connected and is warming up."""
+
+    device_id: str
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A device finished warm-up; `problem` is why it must be refused, or empty."""
+
+    device_id: str
+    problem: str = ""
+
+
+@dataclass(frozen=True)
+class Formed:
+    device_id: str
+    generation: int
+
+
+@dataclass(frozen=True)
+class FailureReported:
+    device_id: str
+    generation: int
+    now: float
+
+
+@dataclass(frozen=True)
+class Exited:
+    """A device's process is gone (exit, crash or lost heartbeat)."""
+
+    device_id: str
+    now: float
+
+
+@dataclass(frozen=True)
+class ScaleBy:
+    """Add (delta > 0, spawned locally) or remove (delta < 0) devices.
+
+    `request_id` names the request in its `Answer` (a `flexpar scale` call,
+    or a schedule entry); empty: nobody waits for an answer.
+    """
+
+    delta: int
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class LeaveRequested:
+    """A device asked to leave at the next step boundary (it got SIGTERM: preemption)."""
+
+    device_id: str
+
+
+@dataclass(frozen=True)
+class FinishRequested:
+    """Stop after the step in flight (SIGTERM to the driver, a callback's STOP); `quiet`: say nothing."""
+
+    reason: str
+    quiet: bool = False
+
+
+@dataclass(frozen=True)
+class Tick:
+    now: float
+
+
+Event = Union[Start, Announced, Ready, Formed, FailureReported, Exited, ScaleBy, LeaveRequested,
+              FinishRequested, Tick]
+
+
+# ---------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True)
+class SpawnLocal:
+    device_ids: tuple
+
+
+@dataclass(frozen=True)
+class Publish:
+    generation: int
+    members: tuple
+    joined: tuple
+    left: tuple
+    failed: tuple
+
+
+@dataclass(frozen=True)
+class Refuse:
+    device_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Evict:
+    """Tell a device it is out, and stop it."""
+
+    device_id: str
+    reason: str = "it stopped answering after a failure"
+
+
+@dataclass(frozen=True)
+class StopJob:
+    reason: str
+
+
+@dataclass(frozen=True)
+class FinishJob:
+    """Stop training cleanly after the step in flight (checkpointed when checkpointing is on)."""
+
+    reason: str
+    quiet: bool = False
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The answer to a scale request: accepted (with the device count it aims at) or refused."""
+
+    request_id: str
+    accepted: bool
+    message: str
+    devices: int
+    started: tuple = ()    # devices spawned for it
+    leaving: tuple = ()    # members that leave at the next generation
+    cancelled: tuple = ()  # devices on their way that it cancelled
+
+
+@dataclass(frozen=True)
+class Note:
+    """Something worth telling the user that changes nothing."""
+
+    message: str
+
+
+Action = Union[SpawnLocal, Publish, Refuse, Evict, StopJob, FinishJob, Answer, Note]

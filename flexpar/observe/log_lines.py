@@ -1,0 +1,111 @@
+"""The plain log lines of a running job (the ``--no-display`` mode, and a live panel's summary lines).
+
+Pure formatting of the job's records (flexpar/observe/metrics.py) into one
+line each: a step every ``log_every`` steps, an event, an evaluation, a
+summary of rebalances. ``LiveDisplay`` (display.py) logs them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Optional, Sequence
+
+from flexpar.observe.metrics import device_change, eval_means, format_split, rebalance_change
+
+
+def estimate_remaining_s(
+    first_step: int, first_elapsed_s: float, step: int, elapsed_s: float, total_steps: int
+) -> Optional[float]:
+    """Seconds until step `total_steps - 1` commits, at the mean pace since `first_step`.
+
+    None while there is no pace yet (fewer than two observed steps). The pace
+    includes stalls, which is what a user waiting for the job wants.
+    """
+    steps_done = step - first_step
+    if steps_done <= 0 or elapsed_s <= first_elapsed_s:
+        return None
+    seconds_per_step = (elapsed_s - first_elapsed_s) / steps_done
+    return max(0, total_steps - 1 - step) * seconds_per_step
+
+
+def format_duration(seconds: Optional[float]) -> str:
+    """"0:01:05" style; "?" when unknown."""
+    if seconds is None or not math.isfinite(seconds):
+        return "?"
+    whole = int(round(seconds))
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+def format_assignment(devices: Sequence[str], assignment: Sequence[int], limit: int = 8) -> str:
+    """VWs per device for a log line, e.g. "local-0:9 local-1:7"; a range beyond `limit` devices."""
+    # Beyond a handful of devices a per-device list makes the log line unreadable.
+    if len(devices) > limit:
+        return f"{len(devices)} devices, {min(assignment)}-{max(assignment)} VWs each"
+    return " ".join(f"{device_id}:{count}" for device_id, count in zip(devices, assignment))
+
+
+def format_step_line(record: Mapping[str, Any], total_steps: int, remaining_s: Optional[float]) -> str:
+    """The plain log line of a step record (used without a terminal)."""
+    done = record["step"] + 1
+    percent = 100.0 * done / total_steps if total_steps else 0.0
+    return (
+        f"step {done}/{total_steps} ({percent:.0f}%) loss {record['loss']:.4g} | "
+        f"{record['samples_per_s']:.1f} samples/s | step {record['step_time_s']:.3f} s | "
+        f"generation {record['generation']}, VWs {format_assignment(record['devices'], record['assignment'])} | "
+        f"imbalance {100.0 * record['imbalance']:.1f}% | ETA {format_duration(remaining_s)}"
+    )
+
+
+def format_event_line(record: Mapping[str, Any], previous_devices: Sequence[str]) -> str:
+    """The plain log line of an event record."""
+    added, removed = device_change(previous_devices, record["devices"])
+    change = " ".join([f"+{device_id}" for device_id in added] + [f"-{device_id}" for device_id in removed])
+    parts = [
+        f"event {record['event']} at step {record['step']}",
+        f"generation {record['generation']}",
+        f"{len(record['devices'])} device{'s' if len(record['devices']) != 1 else ''}"
+        + (f" ({change})" if change else ""),
+    ]
+    if record["stall_s"] > 0:
+        parts.append(f"stall {record['stall_s']:.2f} s")
+    if record["detail"]:
+        parts.append(record["detail"])
+    return ", ".join(parts)
+
+
+def format_eval_line(record: Mapping[str, Any]) -> str:
+    """The plain log line of an eval record: per-sample means when there is a `count`, else the sums.
+
+    e.g. "eval at step 20: loss 0.4038, correct 0.8756 (997 samples) | 2 devices, 0.41 s"
+    """
+    metrics = record["metrics"]
+    means = eval_means(metrics)
+    if means:
+        shown = ", ".join(f"{name} {value:.4g}" for name, value in sorted(means.items()))
+        shown += f" ({metrics['count']:g} samples)"
+    else:
+        shown = ", ".join(f"{name} {value:.6g}" for name, value in sorted(metrics.items()))
+    devices = len(record["devices"])
+    return (f"eval at step {record['step']}: {shown} | {devices} device{'s' if devices != 1 else ''}, "
+            f"{record['eval_s']:.2f} s")
+
+
+def format_rebalance_line(count: int, since_step: int, devices: Sequence[str], assignment: Sequence[int]) -> str:
+    """The plain log line that sums up rebalances, e.g. "3 rebalances since step 40, now local-0:9 local-1:7".
+
+    `since_step` is the step count at the previous such line (or at the first
+    step seen); `devices` and `assignment` are the split now in force.
+    """
+    noun = "rebalance" if count == 1 else "rebalances"
+    return f"{count} {noun} since step {since_step}, now {format_assignment(devices, assignment)}"
+
+
+def format_rebalance_summary(count: int, last: Optional[Mapping[str, Any]]) -> str:
+    """The panel's rebalance line, e.g. "rebalances: 7 (last at step 812: 8,8 -> 9,7)"."""
+    if last is None:
+        return f"rebalances: {count}"
+    change = rebalance_change(last)
+    moved = f": {format_split(change[0])} -> {format_split(change[1])}" if change is not None else ""
+    return f"rebalances: {count} (last at step {last['step']}{moved})"
