@@ -26,7 +26,7 @@ from flexpar.core.cost_balance import (
     sample_cost_value,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Costs as token counts are (mostly) whole numbers; floats with fractions are covered too.
 costs_strategy = st.one_of(st.integers(0, 1000).map(float), st.floats(0.0, 1000.0, allow_nan=False))

@@ -16,7 +16,7 @@ import pytest
 
 import pieces
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where pieces.py is
 
 
 def _free_port():

@@ -29,7 +29,7 @@ from flexpar.observe.metrics import (
 )
 from metrics_pieces import TOTAL_STEPS, synthetic_run, write_run
 
-FLEXPAR = Path(__file__).resolve().parent.parent / "flexpar" / "observe"
+FLEXPAR = Path(__file__).resolve().parents[2] / "flexpar" / "observe"
 
 
 @pytest.fixture

@@ -332,7 +332,7 @@ def test_hf_gpt_script_without_transformers_names_the_extra_to_install():
     import subprocess
     import sys
 
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "hf_gpt.py")
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "hf_gpt.py")
     hide = ("import runpy, sys; sys.modules['transformers'] = None; sys.argv = [sys.argv[1], '--steps', '1']; "
             "runpy.run_path(sys.argv[0], run_name='__main__')")
     run = subprocess.run([sys.executable, "-c", hide, script], capture_output=True, text=True, timeout=120)

@@ -9,7 +9,7 @@ import sys
 import pytest
 from hypothesis import Phase, given, settings, strategies
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks"))
 
 import soak  # noqa: E402
 import soak_plan  # noqa: E402
