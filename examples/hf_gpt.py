@@ -27,7 +27,7 @@ def main():
     try:
         import transformers  # noqa: F401  (the model is built from it in every worker)
     except ImportError:
-        raise SystemExit("examples/hf_gpt.py needs Hugging Face transformers: pip install \"flexpar[hf]\"") from None
+        raise SystemExit('examples/hf_gpt.py needs Hugging Face transformers: pip install "flexpar[hf]"') from None
     # --steps --devices --schedule --global-batch --virtual-workers --max-bytes --mixed-precision
     # --max-grad-norm --compile --seed
     arguments = parse_arguments()

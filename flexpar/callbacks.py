@@ -111,11 +111,13 @@ def check_callbacks(callbacks) -> tuple:
         raise TypeError(f"callbacks= must be a list of callback objects, got {type(callbacks).__name__}")
     for position, callback in enumerate(callbacks):
         if isinstance(callback, type):
-            raise TypeError(f"callbacks[{position}] is the class {callback.__name__}; pass an instance: "
-                            f"{callback.__name__}()")
+            raise TypeError(
+                f"callbacks[{position}] is the class {callback.__name__}; pass an instance: {callback.__name__}()"
+            )
         if not _hooks_of(callback):
-            raise TypeError(f"callbacks[{position}] ({type(callback).__name__}) has none of the methods "
-                            f"{', '.join(HOOKS)}")
+            raise TypeError(
+                f"callbacks[{position}] ({type(callback).__name__}) has none of the methods {', '.join(HOOKS)}"
+            )
     return tuple(callbacks)
 
 
@@ -164,8 +166,7 @@ class Dispatcher:
     @property
     def can_stop_at_eval(self) -> bool:
         """Whether some callback's own `on_eval` may stop the job (the devices then wait for its verdict)."""
-        return any(overrides(callback, "on_eval") and not vouched_never_stops(callback)
-                   for callback in self.callbacks)
+        return any(overrides(callback, "on_eval") and not vouched_never_stops(callback) for callback in self.callbacks)
 
     def call(self, hook: str, record: dict) -> Optional[str]:
         """Call `hook(record)` on each callback that has it; returns a stop reason if one returned STOP."""

@@ -23,7 +23,9 @@ def _safetensors():
     try:
         from safetensors.torch import save_file
     except ImportError:
-        raise ImportError(f"flexpar export writes safetensors files and needs the safetensors package: {EXTRA_HINT}") from None
+        raise ImportError(
+            f"flexpar export writes safetensors files and needs the safetensors package: {EXTRA_HINT}"
+        ) from None
     return save_file
 
 
@@ -53,8 +55,10 @@ def export(checkpoint: str, output: str) -> str:
     try:
         state = checkpoints.read_checkpoint(checkpoint, torch.device("cpu"))
     except Exception as error:  # not a torch file, or not one weights_only can read
-        raise ValueError(f"{checkpoint} is not a readable flexpar checkpoint ({type(error).__name__}: "
-                         f"{str(error).splitlines()[0] if str(error) else ''})") from None
+        raise ValueError(
+            f"{checkpoint} is not a readable flexpar checkpoint ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''})"
+        ) from None
     tensors = model_tensors(state)
     folder = os.path.dirname(os.path.abspath(output))
     os.makedirs(folder, exist_ok=True)

@@ -20,7 +20,8 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 from torch import nn
 
-from flexpar import options as options_module, recipes
+from flexpar import options as options_module
+from flexpar import recipes
 from flexpar.core import batching
 from flexpar.driver import launch
 from flexpar.errors import TrainingError, UserCodeError
@@ -92,8 +93,10 @@ class Job:
         if self.lr_scheduler is not None and not callable(self.lr_scheduler):
             raise TypeError("lr_scheduler= must be a function of the optimizer")
         if self.sample_cost is not None and not callable(self.sample_cost):
-            raise TypeError(f"sample_cost= must be a function sample_cost(index) -> number (e.g. the token "
-                            f"count of sample index), not {type(self.sample_cost).__name__}")
+            raise TypeError(
+                f"sample_cost= must be a function sample_cost(index) -> number (e.g. the token "
+                f"count of sample index), not {type(self.sample_cost).__name__}"
+            )
         if not isinstance(self.global_batch, int) or self.global_batch < 1:
             raise ValueError(f"global_batch={self.global_batch!r} must be a positive whole number")
         object.__setattr__(self, "virtual_workers", self._virtual_workers())
@@ -113,28 +116,38 @@ class Job:
         """mixed_precision, grad_scaler, max_grad_norm, compile and compile_options (flexpar/recipes.py)."""
         # The type first: a list or dict is not hashable, and `in` a dict would raise TypeError.
         if self.mixed_precision is not None and (
-                not isinstance(self.mixed_precision, str) or self.mixed_precision not in recipes.MIXED_PRECISION):
-            raise ValueError(f"mixed_precision={self.mixed_precision!r} must be None, \"bf16\" or \"fp16\"")
+            not isinstance(self.mixed_precision, str) or self.mixed_precision not in recipes.MIXED_PRECISION
+        ):
+            raise ValueError(f'mixed_precision={self.mixed_precision!r} must be None, "bf16" or "fp16"')
         if self.grad_scaler is not None:
             if self.mixed_precision != "fp16":
-                raise ValueError("grad_scaler= tunes fp16 loss scaling; it needs mixed_precision=\"fp16\" "
-                                 "(bf16 and full precision need no scaler)")
+                raise ValueError(
+                    'grad_scaler= tunes fp16 loss scaling; it needs mixed_precision="fp16" '
+                    "(bf16 and full precision need no scaler)"
+                )
             if not isinstance(self.grad_scaler, dict) or set(self.grad_scaler) - set(recipes.SCALER_DEFAULTS):
-                unknown = sorted(set(self.grad_scaler) - set(recipes.SCALER_DEFAULTS)) \
-                    if isinstance(self.grad_scaler, dict) else self.grad_scaler
-                raise ValueError(f"grad_scaler= takes a dict with keys {', '.join(recipes.SCALER_DEFAULTS)}; "
-                                 f"got {unknown!r}")
+                unknown = (
+                    sorted(set(self.grad_scaler) - set(recipes.SCALER_DEFAULTS))
+                    if isinstance(self.grad_scaler, dict)
+                    else self.grad_scaler
+                )
+                raise ValueError(
+                    f"grad_scaler= takes a dict with keys {', '.join(recipes.SCALER_DEFAULTS)}; got {unknown!r}"
+                )
             settings = {**recipes.SCALER_DEFAULTS, **self.grad_scaler}
-            for name, ok, rule in (("init_scale", settings["init_scale"] > 0, "> 0"),
-                                   ("growth_factor", settings["growth_factor"] > 1, "> 1"),
-                                   ("backoff_factor", 0 < settings["backoff_factor"] < 1, "in (0, 1)")):
+            for name, ok, rule in (
+                ("init_scale", settings["init_scale"] > 0, "> 0"),
+                ("growth_factor", settings["growth_factor"] > 1, "> 1"),
+                ("backoff_factor", 0 < settings["backoff_factor"] < 1, "in (0, 1)"),
+            ):
                 if not is_real(settings[name]) or not math.isfinite(settings[name]) or not ok:
                     raise ValueError(f"grad_scaler[{name!r}]={settings[name]!r} must be a number {rule}")
             interval = settings["growth_interval"]
             if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
                 raise ValueError(f"grad_scaler['growth_interval']={interval!r} must be a whole number >= 1")
         if self.max_grad_norm is not None and (
-                not is_real(self.max_grad_norm) or not math.isfinite(self.max_grad_norm) or self.max_grad_norm <= 0):
+            not is_real(self.max_grad_norm) or not math.isfinite(self.max_grad_norm) or self.max_grad_norm <= 0
+        ):
             raise ValueError(f"max_grad_norm={self.max_grad_norm!r} must be a number > 0 (or None: no clipping)")
         if not isinstance(self.compile, bool):
             raise TypeError(f"compile={self.compile!r} must be True or False (options go in compile_options=)")
@@ -142,10 +155,15 @@ class Job:
             if not self.compile:
                 raise ValueError("compile_options= needs compile=True")
             if not isinstance(self.compile_options, dict) or set(self.compile_options) - set(recipes.COMPILE_KEYS):
-                unknown = sorted(set(self.compile_options) - set(recipes.COMPILE_KEYS)) \
-                    if isinstance(self.compile_options, dict) else self.compile_options
-                raise ValueError(f"compile_options= takes torch.compile's keyword arguments "
-                                 f"({', '.join(recipes.COMPILE_KEYS)}); got {unknown!r}")
+                unknown = (
+                    sorted(set(self.compile_options) - set(recipes.COMPILE_KEYS))
+                    if isinstance(self.compile_options, dict)
+                    else self.compile_options
+                )
+                raise ValueError(
+                    f"compile_options= takes torch.compile's keyword arguments "
+                    f"({', '.join(recipes.COMPILE_KEYS)}); got {unknown!r}"
+                )
         if self.compile:
             problem = recipes.compile_problem("any")  # this Python; the device's own check runs in each worker
             if problem is not None:
@@ -154,20 +172,24 @@ class Job:
     def _check_evaluation(self) -> None:
         if (self.eval_dataset is None) != (self.evaluate is None):
             given, missing = ("eval_dataset", "evaluate") if self.evaluate is None else ("evaluate", "eval_dataset")
-            raise ValueError(f"{given}= needs {missing}= too: an evaluation is evaluate(model, batch) over eval_dataset")
+            raise ValueError(
+                f"{given}= needs {missing}= too: an evaluation is evaluate(model, batch) over eval_dataset"
+            )
         if self.evaluate is None:
             if self.eval_batch is not None:
                 raise ValueError("eval_batch= needs an evaluation set (eval_dataset= and evaluate=)")
             return
         if not callable(self.evaluate):
-            raise TypeError(f"evaluate= must be a function evaluate(model, batch) -> dict "
-                            f"(got {type(self.evaluate).__name__})")
+            raise TypeError(
+                f"evaluate= must be a function evaluate(model, batch) -> dict (got {type(self.evaluate).__name__})"
+            )
         if not hasattr(self.eval_dataset, "__getitem__") or not hasattr(self.eval_dataset, "__len__"):
             raise TypeError("eval_dataset= must be a map-style Dataset (with __getitem__ and __len__)")
         if len(self.eval_dataset) < 1:
             raise ValueError("eval_dataset= is empty")
-        if self.eval_batch is not None and (isinstance(self.eval_batch, bool) or not isinstance(self.eval_batch, int)
-                                            or self.eval_batch < 1):
+        if self.eval_batch is not None and (
+            isinstance(self.eval_batch, bool) or not isinstance(self.eval_batch, int) or self.eval_batch < 1
+        ):
             raise ValueError(f"eval_batch={self.eval_batch!r} must be a positive whole number")
 
     @property

@@ -107,10 +107,16 @@ def parse_faults(text) -> tuple:
 
 def _fault_entry(part: str) -> Fault:
     pieces = part.split(":")
-    if len(pieces) not in (3, 4) or not pieces[0].isdigit() or pieces[2] not in FAULT_PHASES or \
-            (len(pieces) == 4 and pieces[3] not in FAULT_SIGNALS):
-        raise ValueError(f"fault {part!r} is not STEP:DEVICE:PHASE[:SIGNAL] with PHASE one of "
-                         f"{', '.join(FAULT_PHASES)} and SIGNAL one of {', '.join(FAULT_SIGNALS)}")
+    if (
+        len(pieces) not in (3, 4)
+        or not pieces[0].isdigit()
+        or pieces[2] not in FAULT_PHASES
+        or (len(pieces) == 4 and pieces[3] not in FAULT_SIGNALS)
+    ):
+        raise ValueError(
+            f"fault {part!r} is not STEP:DEVICE:PHASE[:SIGNAL] with PHASE one of "
+            f"{', '.join(FAULT_PHASES)} and SIGNAL one of {', '.join(FAULT_SIGNALS)}"
+        )
     return Fault(int(pieces[0]), pieces[1], pieces[2], *pieces[3:])
 
 
@@ -141,14 +147,14 @@ class FitOptions:
     bucket_mb: float = 25.0
     secret: Optional[str] = None
     quiet: bool = False
-    verbose: bool = False           # devices' tracebacks on the terminal, not only in the run directory
-    show_secret: bool = False       # print the secret in the banner even when listening on loopback
+    verbose: bool = False  # devices' tracebacks on the terminal, not only in the run directory
+    show_secret: bool = False  # print the secret in the banner even when listening on loopback
     preemption_grace_s: float = 30.0  # after SIGTERM, how long a device may take to leave
     heartbeat_timeout_s: float = 5.0  # a device silent this long is dead (a hung peer), well under timeout_s
-    sample_ledger: bool = False       # record the samples each committed step consumed (ledger.jsonl)
+    sample_ledger: bool = False  # record the samples each committed step consumed (ledger.jsonl)
     eval_every: Optional[int] = None  # evaluate every N steps (and after the last) when the job has an eval set
-    callbacks: tuple = ()             # objects with on_step / on_event / on_eval / on_end (flexpar.callbacks)
-    trackers: tuple = ()              # "tensorboard", "mlflow", "csv" (flexpar.trackers)
+    callbacks: tuple = ()  # objects with on_step / on_event / on_eval / on_end (flexpar.callbacks)
+    trackers: tuple = ()  # "tensorboard", "mlflow", "csv" (flexpar.trackers)
     keep_checkpoints: Optional[int] = None  # keep only the newest K checkpoints
 
     def __post_init__(self):
@@ -158,9 +164,7 @@ class FitOptions:
         if self.emulate_speeds is not None:
             object.__setattr__(self, "emulate_speeds", _parse_speeds(self.emulate_speeds))
         if (self.steps is None) == (self.epochs is None):
-            raise ValueError(
-                f"give exactly one of steps= and epochs= (got steps={self.steps}, epochs={self.epochs})"
-            )
+            raise ValueError(f"give exactly one of steps= and epochs= (got steps={self.steps}, epochs={self.epochs})")
         _positive("steps", self.steps)
         _positive("epochs", self.epochs)
         _positive("devices", self.devices)
@@ -182,16 +186,13 @@ class FitOptions:
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"backend={self.backend!r}: choose 'auto', 'gloo' or 'nccl'")
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
-            raise ValueError(
-                f"checkpoint_every={self.checkpoint_every} needs checkpoint_dir= (where to write them)"
-            )
+            raise ValueError(f"checkpoint_every={self.checkpoint_every} needs checkpoint_dir= (where to write them)")
         if self.resume and self.checkpoint_dir is None:
             raise ValueError("resume=True needs checkpoint_dir= (where the checkpoints are)")
         for change in self.schedule:
             if change.step < 1 or change.delta == 0:
                 raise ValueError(
-                    f"schedule entry {change.step}:{change.delta:+d}: the step must be >= 1 and "
-                    "the change non-zero"
+                    f"schedule entry {change.step}:{change.delta:+d}: the step must be >= 1 and the change non-zero"
                 )
         if not 0 <= self.port < 65536:
             raise ValueError(f"port={self.port} is not a TCP port (0 picks a free one)")
@@ -210,8 +211,7 @@ class FitOptions:
             counts.append(count)
             if count < 1:
                 raise ValueError(
-                    f"the schedule leaves {count} devices after step {change.step}: at least one "
-                    "must stay"
+                    f"the schedule leaves {count} devices after step {change.step}: at least one must stay"
                 )
         peak = max(counts)
         if virtual_workers is not None:
@@ -227,9 +227,7 @@ class FitOptions:
         if virtual_workers is not None:
             maximum = min(maximum, virtual_workers)
         if peak > maximum:
-            raise ValueError(
-                f"the schedule reaches {peak} devices but max_devices={maximum}; raise --max-devices"
-            )
+            raise ValueError(f"the schedule reaches {peak} devices but max_devices={maximum}; raise --max-devices")
         if kind == "cuda" and peak > available:
             raise ValueError(
                 f"asked for {peak} devices but this machine has {available} GPUs; ask for at most "
@@ -258,9 +256,7 @@ def _parse_speeds(speeds) -> tuple:
         raise ValueError(f"emulate_speeds={speeds!r}: give numbers like '1,1,0.5'") from None
     for value in values:
         if not 0 < value <= 1:
-            raise ValueError(
-                f"emulate_speeds entry {value}: relative speeds are in (0, 1]; 1 is the real speed"
-            )
+            raise ValueError(f"emulate_speeds entry {value}: relative speeds are in (0, 1]; 1 is the real speed")
     return values
 
 

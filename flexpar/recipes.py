@@ -53,7 +53,7 @@ from flexpar.errors import UserCodeError
 MIXED_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 """The values of `Job(mixed_precision=...)` and the dtype autocast runs in."""
 
-SCALER_DEFAULTS = {"init_scale": 2.0 ** 16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
+SCALER_DEFAULTS = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
 """`Job(grad_scaler=...)` keys and their defaults: torch.amp.GradScaler's."""
 
 COMPILE_KEYS = ("fullgraph", "dynamic", "backend", "mode", "options", "disable")
@@ -95,8 +95,10 @@ def check_mixed_precision(job, device_type: str) -> None:
     if problem is None:
         return
     hint = ' Use mixed_precision="bf16" on CPU devices.' if device_type == "cpu" else ""
-    raise UserCodeError(f"mixed_precision={job.mixed_precision!r} is not supported on {device_type} devices "
-                        f"by torch {torch.__version__}: {_sentence(problem)}.{hint}")
+    raise UserCodeError(
+        f"mixed_precision={job.mixed_precision!r} is not supported on {device_type} devices "
+        f"by torch {torch.__version__}: {_sentence(problem)}.{hint}"
+    )
 
 
 def _sentence(text: str) -> str:
@@ -167,8 +169,12 @@ def make_scaler(job) -> Optional[LossScaler]:
 # ---------------------------------------------------------------- the summed gradient
 
 
-def finish_gradients(dense: Sequence[torch.nn.Parameter], sparse: Sequence[torch.nn.Parameter],
-                     factor: float, max_grad_norm: Optional[float]) -> float:
+def finish_gradients(
+    dense: Sequence[torch.nn.Parameter],
+    sparse: Sequence[torch.nn.Parameter],
+    factor: float,
+    max_grad_norm: Optional[float],
+) -> float:
     """Scale the gradient in `.grad` by `factor`, return its total 2-norm, clip it to `max_grad_norm`.
 
     `prepare_gradients` on the parameters' own gradients, then the clip's
@@ -181,8 +187,12 @@ def finish_gradients(dense: Sequence[torch.nn.Parameter], sparse: Sequence[torch
     return norm
 
 
-def prepare_gradients(dense_sums: Sequence[Optional[torch.Tensor]], sparse: Sequence[torch.nn.Parameter],
-                      factor: float, max_grad_norm: Optional[float]) -> tuple:
+def prepare_gradients(
+    dense_sums: Sequence[Optional[torch.Tensor]],
+    sparse: Sequence[torch.nn.Parameter],
+    factor: float,
+    max_grad_norm: Optional[float],
+) -> tuple:
     """The summed gradient made the one to apply, but for the dense part's clip: (norm, multiplier or None).
 
     `dense_sums` (changed in place) are the dense parameters' summed
@@ -244,8 +254,11 @@ def _by_device_and_dtype(tensors):
 def has_nonfinite(dense: Sequence[torch.nn.Parameter], sparse: Sequence[torch.nn.Parameter]) -> bool:
     """Whether this device's own gradient (before the sum) holds an inf or NaN."""
     values = [parameter.grad for parameter in dense if parameter.grad is not None]
-    values += [parameter.grad._values() for parameter in sparse
-               if parameter.grad is not None and parameter.grad.layout == torch.sparse_coo]
+    values += [
+        parameter.grad._values()
+        for parameter in sparse
+        if parameter.grad is not None and parameter.grad.layout == torch.sparse_coo
+    ]
     if not values:
         return False
     norms = []
@@ -285,8 +298,10 @@ def compile_problem(device_type: str, options: Optional[dict] = None) -> Optiona
             if not (shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")):
                 return "the inductor backend needs a C++ compiler (g++ or $CXX) on CPU devices, and none was found"
         except Exception as error:
-            return (f"the inductor backend needs a working C++ compiler on CPU devices "
-                    f"({type(error).__name__}: {error}); install g++ or set CXX")
+            return (
+                f"the inductor backend needs a working C++ compiler on CPU devices "
+                f"({type(error).__name__}: {error}); install g++ or set CXX"
+            )
     elif device_type == "cuda":
         try:
             from torch.utils._triton import has_triton
@@ -303,8 +318,10 @@ def check_compile(job, device_type: str) -> None:
         return
     problem = compile_problem(device_type, job.compile_options)
     if problem is not None:
-            raise UserCodeError(f"compile=True cannot run on {device_type} devices here: {problem}. "
-                            "Run without compile=True, or pass compile_options={'backend': 'aot_eager'}")
+        raise UserCodeError(
+            f"compile=True cannot run on {device_type} devices here: {problem}. "
+            "Run without compile=True, or pass compile_options={'backend': 'aot_eager'}"
+        )
 
 
 def compiled(job, model: torch.nn.Module) -> torch.nn.Module:

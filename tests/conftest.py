@@ -11,9 +11,8 @@ import sys
 import textwrap
 import time
 
-import pytest
-
 import processes
+import pytest
 
 
 @pytest.fixture
@@ -48,15 +47,20 @@ class CommandLineJob:
 
     def __init__(self, tmp_path, flags, script_body, name="train.py"):
         self.script = tmp_path / name
-        self.script.write_text(textwrap.dedent(f"""
+        self.script.write_text(
+            textwrap.dedent(f"""
             import sys
             sys.path.insert(0, {TESTS!r})
             import pieces
-        """) + textwrap.dedent(script_body))
+        """)
+            + textwrap.dedent(script_body)
+        )
         self.stdout_path, self.stderr_path = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
         self.process = subprocess.Popen(
             [sys.executable, "-m", "flexpar", "run", *flags, str(self.script)],
-            stdout=open(self.stdout_path, "w"), stderr=open(self.stderr_path, "w"), cwd=tmp_path,
+            stdout=open(self.stdout_path, "w"),
+            stderr=open(self.stderr_path, "w"),
+            cwd=tmp_path,
             start_new_session=True,
         )
         self.address = self.secret_file = None
@@ -89,8 +93,14 @@ class CommandLineJob:
 
 def flexpar_command(*arguments, timeout_s=60.0, environment=None, cwd=None):
     """Run `python -m flexpar ARGUMENTS` to its end."""
-    return subprocess.run([sys.executable, "-m", "flexpar", *arguments], capture_output=True, text=True,
-                          timeout=timeout_s, env=environment, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "flexpar", *arguments],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=environment,
+        cwd=cwd,
+    )
 
 
 @pytest.fixture

@@ -11,9 +11,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from torch import nn
-
 import pieces
+from torch import nn
 
 LABEL_COSTS = (8.0, 1.0, 1.0)
 
@@ -51,6 +50,11 @@ class CostLoss(pieces.Loss):
 def make_cost_job(virtual_workers=8, global_batch=48, delay_s=0.0005, sample_cost=None, **extra):
     """pieces.make_job with sample_cost (LabelCost by default) and CostLoss."""
     dataset = pieces.make_dataset()
-    job = pieces.make_job(virtual_workers=virtual_workers, global_batch=global_batch, dataset=dataset,
-                          sample_cost=sample_cost or LabelCost(dataset), **extra)
+    job = pieces.make_job(
+        virtual_workers=virtual_workers,
+        global_batch=global_batch,
+        dataset=dataset,
+        sample_cost=sample_cost or LabelCost(dataset),
+        **extra,
+    )
     return dataclasses.replace(job, loss=CostLoss(delay_s))

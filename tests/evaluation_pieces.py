@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import time
 
+import pieces
 import torch
 from torch import nn
 
 import flexpar
-import pieces
 
 EVAL_SIZE = 997  # divisible by nothing convenient (it is prime)
 
@@ -36,8 +36,13 @@ class Evaluate:
 
 
 def make_job(delay_s=0.0, eval_delay_s=0.0, eval_batch=None, **extra):
-    return pieces.make_job(delay_s=delay_s, eval_dataset=make_eval_dataset(), evaluate=Evaluate(eval_delay_s),
-                           eval_batch=eval_batch, **extra)
+    return pieces.make_job(
+        delay_s=delay_s,
+        eval_dataset=make_eval_dataset(),
+        evaluate=Evaluate(eval_delay_s),
+        eval_batch=eval_batch,
+        **extra,
+    )
 
 
 class Recorder(flexpar.Callback):

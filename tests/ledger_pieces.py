@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing
 
 import pieces
+
 from flexpar.worker.loader import VirtualWorkerLoader
 
 STALE_STEP = 3

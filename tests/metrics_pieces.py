@@ -61,10 +61,19 @@ def step_record(step, clock, loss, generation, devices, assignment) -> dict:
     busy = [round(count * SECONDS_PER_VW[d] * jitter, 6) for d, count in zip(devices, assignment)]
     step_time = max(busy) + 0.004
     record = {
-        "kind": "step", "step": step, "time": clock + step_time, "elapsed_s": clock + step_time - START_TIME,
-        "loss": loss, "samples_per_s": GLOBAL_BATCH / step_time, "step_time_s": step_time,
-        "generation": generation, "devices": list(devices), "assignment": list(assignment),
-        "busy_s": busy, "imbalance": (max(busy) - min(busy)) / max(busy), "lr": 0.001,
+        "kind": "step",
+        "step": step,
+        "time": clock + step_time,
+        "elapsed_s": clock + step_time - START_TIME,
+        "loss": loss,
+        "samples_per_s": GLOBAL_BATCH / step_time,
+        "step_time_s": step_time,
+        "generation": generation,
+        "devices": list(devices),
+        "assignment": list(assignment),
+        "busy_s": busy,
+        "imbalance": (max(busy) - min(busy)) / max(busy),
+        "lr": 0.001,
     }
     if "grad_norm" in STEP_KEYS:  # issue 17's field, where the schema has it
         record["grad_norm"] = 0.5
@@ -109,8 +118,16 @@ def synthetic_run() -> list[dict]:
 
 
 def event_record(event, step, clock, generation, devices, stall, detail) -> dict:
-    record = {"kind": "event", "event": event, "step": step, "time": clock, "generation": generation,
-              "devices": list(devices), "stall_s": stall, "detail": detail}
+    record = {
+        "kind": "event",
+        "event": event,
+        "step": step,
+        "time": clock,
+        "generation": generation,
+        "devices": list(devices),
+        "stall_s": stall,
+        "detail": detail,
+    }
     return {key: record[key] for key in EVENT_KEYS}
 
 

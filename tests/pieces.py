@@ -20,8 +20,8 @@ from torch import nn
 
 import flexpar
 from flexpar.core import batching
-from flexpar.worker.user_code import build_model, build_optimizer
 from flexpar.worker.loader import load_batch
+from flexpar.worker.user_code import build_model, build_optimizer
 
 FEATURES = 12
 CLASSES = 3
@@ -36,7 +36,11 @@ def make_dataset(size: int = 480, seed: int = 0):
 
 def make_model():
     return nn.Sequential(
-        nn.Linear(FEATURES, 32), nn.Tanh(), nn.Dropout(0.2), nn.Linear(32, 32), nn.Tanh(),
+        nn.Linear(FEATURES, 32),
+        nn.Tanh(),
+        nn.Dropout(0.2),
+        nn.Linear(32, 32),
+        nn.Tanh(),
         nn.Linear(32, CLASSES),
     )
 
@@ -79,9 +83,14 @@ class Loss:
 
 def make_job(optimizer=sgd, virtual_workers=4, global_batch=48, delay_s=0.0, dataset=None, **extra):
     return flexpar.Job(
-        model=extra.pop("model", make_model), optimizer=optimizer, loss=Loss(delay_s),
+        model=extra.pop("model", make_model),
+        optimizer=optimizer,
+        loss=Loss(delay_s),
         dataset=dataset if dataset is not None else make_dataset(),
-        global_batch=global_batch, virtual_workers=virtual_workers, seed=7, **extra,
+        global_batch=global_batch,
+        virtual_workers=virtual_workers,
+        seed=7,
+        **extra,
     )
 
 
@@ -161,4 +170,4 @@ def reference(job, steps: int, trace=None) -> nn.Module:
 
 def assert_same_parameters(model, expected, rtol=1e-5, atol=1e-7):
     for (name, got), (_, want) in zip(model.state_dict().items(), expected.state_dict().items()):
-        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")

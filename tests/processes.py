@@ -82,10 +82,16 @@ def strays(processes: dict, me: int, session: str) -> list:
 
     `me`: this process's pid; `session`: its marker (mark_this_session).
     """
-    helpers = {pid for pid, process in processes.items()
-               if process.parent == me and any(helper in process.command for helper in _HELPERS)}
-    pools = {pid for pid, process in processes.items()
-             if process.parent == me and any(pool in process.command for pool in _HELPER_POOLS)}
+    helpers = {
+        pid
+        for pid, process in processes.items()
+        if process.parent == me and any(helper in process.command for helper in _HELPERS)
+    }
+    pools = {
+        pid
+        for pid, process in processes.items()
+        if process.parent == me and any(pool in process.command for pool in _HELPER_POOLS)
+    }
     found = []
     for pid, process in processes.items():
         if pid == me or pid in helpers or pid in pools:

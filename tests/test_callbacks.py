@@ -2,11 +2,11 @@
 
 import os
 
+import evaluation_pieces as ep
+import pieces
 import pytest
 
-import evaluation_pieces as ep
 import flexpar
-import pieces
 from flexpar.callbacks import CALLBACK_STOP, Callback, Dispatcher, check_callbacks
 from flexpar.observe.trackers import CSVTracker
 
@@ -125,8 +125,15 @@ def test_stop_from_on_step_returns_the_model_of_the_stop_step(train):
 def test_stop_from_on_eval_is_exact(train, tmp_path):
     recorder = ep.Recorder(stop_hook="on_eval", stop_step=6)
     job = ep.make_job(virtual_workers=4, eval_batch=50)
-    model, summary = train(job, steps=40, devices=2, eval_every=3, callbacks=[recorder],
-                           checkpoint_every=100, checkpoint_dir=str(tmp_path / "checkpoints"))
+    model, summary = train(
+        job,
+        steps=40,
+        devices=2,
+        eval_every=3,
+        callbacks=[recorder],
+        checkpoint_every=100,
+        checkpoint_dir=str(tmp_path / "checkpoints"),
+    )
     assert summary["steps"] == 6, "the model returned is the one evaluated"
     assert [record["step"] for record in recorder.of("on_step")] == list(range(6))
     assert [record["step"] for record in recorder.of("on_eval")] == [3, 6]

@@ -12,8 +12,8 @@ import threading
 import time
 
 import pytest
-
 from conftest import flexpar_command
+
 from flexpar.driver import launch
 from flexpar.options import FitOptions
 
@@ -22,18 +22,37 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 
 def test_run_overrides_the_script_and_plot_draws_it(tmp_path):
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {TESTS!r})
         import pieces
         if __name__ == "__main__":
             model, summary = pieces.make_job().fit(steps=50, devices=1)
             print("steps", summary["steps"], "generations", summary["generations"], "devices", len(summary["devices"]))
-    """))
+    """)
+    )
     metrics, picture = tmp_path / "m.jsonl", tmp_path / "timeline.png"
-    run = subprocess.run([sys.executable, "-m", "flexpar", "run", "--devices", "2", "--steps", "4",
-                          "--oversubscribe", "--no-display", "--metrics", str(metrics), str(script)],
-                         capture_output=True, text=True, timeout=180)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flexpar",
+            "run",
+            "--devices",
+            "2",
+            "--steps",
+            "4",
+            "--oversubscribe",
+            "--no-display",
+            "--metrics",
+            str(metrics),
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert run.returncode == 0, run.stderr
     assert "steps 4 generations 1 devices 2" in run.stdout, "the asked device count, not the script's"
     from flexpar.observe.metrics import read_records
@@ -44,8 +63,12 @@ def test_run_overrides_the_script_and_plot_draws_it(tmp_path):
     # (it follows their measured speeds, which a busy host can skew): not a change.
     assert [r["event"] for r in records if r["kind"] == "event" and r["event"] != "rebalance"] == ["start"]
     assert [len(record["devices"]) for record in steps] == [2, 2, 2, 2]
-    plot = subprocess.run([sys.executable, "-m", "flexpar", "plot", str(metrics), "-o", str(picture)],
-                          capture_output=True, text=True, timeout=120)
+    plot = subprocess.run(
+        [sys.executable, "-m", "flexpar", "plot", str(metrics), "-o", str(picture)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert plot.returncode == 0, plot.stderr
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -53,13 +76,16 @@ def test_run_overrides_the_script_and_plot_draws_it(tmp_path):
 def test_bad_flag_is_refused_before_the_script_runs(tmp_path):
     script = tmp_path / "never.py"
     script.write_text("raise SystemExit('the script ran')\n")
-    run = subprocess.run([sys.executable, "-m", "flexpar", "run", "--schedule", "5:x", str(script)],
-                         capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        [sys.executable, "-m", "flexpar", "run", "--schedule", "5:x", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode != 0 and "is not STEP:+N" in run.stderr and "the script ran" not in run.stderr
 
 
 # ------------------------------------------------------------ launcher conventions (issue 19)
-
 
 
 def test_flexpar_flags_after_the_script_are_refused_with_the_right_command(tmp_path):
@@ -113,15 +139,18 @@ if __name__ == "__main__":
 
 
 def _scale(job, devices, secret_file=None):
-    return flexpar_command("scale", job.address, "--devices", devices, "--secret-file",
-                           secret_file or job.secret_file, timeout_s=60)
+    return flexpar_command(
+        "scale", job.address, "--devices", devices, "--secret-file", secret_file or job.secret_file, timeout_s=60
+    )
 
 
 def _wait_for_step(metrics, step, timeout_s=60.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if metrics.exists() and any(json.loads(line).get("step", -1) >= step and json.loads(line)["kind"] == "step"
-                                    for line in metrics.read_text().splitlines()):
+        if metrics.exists() and any(
+            json.loads(line).get("step", -1) >= step and json.loads(line)["kind"] == "step"
+            for line in metrics.read_text().splitlines()
+        ):
             return
         time.sleep(0.1)
     raise AssertionError(f"step {step} did not commit in time")
@@ -130,8 +159,18 @@ def _wait_for_step(metrics, step, timeout_s=60.0):
 def test_scale_waits_for_the_answer_and_sigterm_stops_the_job_with_a_checkpoint(tmp_path, command_line_job):
     cores = len(os.sched_getaffinity(0))
     checkpoints, metrics = tmp_path / "checkpoints", tmp_path / "m.jsonl"
-    job = command_line_job(["--max-devices", str(cores + 1), "--no-display", "--checkpoint-dir", str(checkpoints),
-                            "--metrics", str(metrics)], LONG_JOB).wait_for_banner()
+    job = command_line_job(
+        [
+            "--max-devices",
+            str(cores + 1),
+            "--no-display",
+            "--checkpoint-dir",
+            str(checkpoints),
+            "--metrics",
+            str(metrics),
+        ],
+        LONG_JOB,
+    ).wait_for_banner()
     out, _ = job.output()
     assert f"may grow to {cores + 1}" in out
     # The secret is not printed on loopback; its file is the owner's alone.
@@ -165,8 +204,9 @@ def test_scale_waits_for_the_answer_and_sigterm_stops_the_job_with_a_checkpoint(
 
 def test_ctrl_c_stops_the_job_in_one_line(command_line_job, tmp_path):
     metrics = tmp_path / "m.jsonl"
-    job = command_line_job(["--devices", "2", "--oversubscribe", "--no-display", "--metrics", str(metrics)],
-                           LONG_JOB).wait_for_banner()
+    job = command_line_job(
+        ["--devices", "2", "--oversubscribe", "--no-display", "--metrics", str(metrics)], LONG_JOB
+    ).wait_for_banner()
     _wait_for_step(metrics, 2)
     os.killpg(job.process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
     assert job.wait(timeout_s=60) == 130
@@ -177,17 +217,20 @@ def test_ctrl_c_stops_the_job_in_one_line(command_line_job, tmp_path):
 
 def test_no_display_logs_lines_the_last_step_is_checkpointed_and_a_resume_says_where(tmp_path):
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {TESTS!r})
         import pieces
         if __name__ == "__main__":
             pieces.make_job(delay_s=0.01).fit(steps=30, devices=2)
-    """))
+    """)
+    )
     checkpoints = tmp_path / "checkpoints"
     common = ["--oversubscribe", "--no-display", "--checkpoint-every", "25", "--checkpoint-dir", str(checkpoints)]
-    run = flexpar_command("run", *common, "--show-secret", "--metrics", str(tmp_path / "a.jsonl"), str(script),
-                          timeout_s=180)
+    run = flexpar_command(
+        "run", *common, "--show-secret", "--metrics", str(tmp_path / "a.jsonl"), str(script), timeout_s=180
+    )
     assert run.returncode == 0, run.stderr
     secret = open(tmp_path / "secret").read().strip()
     assert f"secret {secret}" in run.stdout, "--show-secret prints it"
@@ -195,8 +238,9 @@ def test_no_display_logs_lines_the_last_step_is_checkpointed_and_a_resume_says_w
     assert "step 10/30" in run.stderr and "step 30/30" in run.stderr, run.stderr
     assert any(line.startswith("event start at step 0") for line in lines)
     assert sorted(os.listdir(checkpoints)) == ["step-00000025.pt", "step-00000030.pt"]
-    resumed = flexpar_command("run", *common, "--steps", "40", "--resume", "--metrics", str(tmp_path / "b.jsonl"),
-                              str(script), timeout_s=180)
+    resumed = flexpar_command(
+        "run", *common, "--steps", "40", "--resume", "--metrics", str(tmp_path / "b.jsonl"), str(script), timeout_s=180
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming from step 30 ({checkpoints / 'step-00000030.pt'})" in resumed.stdout
     assert "step 40/40" in resumed.stderr and "secret in " in resumed.stdout, "on loopback only its file is named"
@@ -204,7 +248,8 @@ def test_no_display_logs_lines_the_last_step_is_checkpointed_and_a_resume_says_w
 
 def test_a_device_error_is_said_once_with_its_traceback_in_the_run_directory(tmp_path):
     script = tmp_path / "broken.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {TESTS!r})
         import pieces
@@ -219,37 +264,42 @@ def test_a_device_error_is_said_once_with_its_traceback_in_the_run_directory(tmp
         if __name__ == "__main__":
             flexpar.Job(model=pieces.make_model, optimizer=pieces.sgd, loss=exploding_loss,
                         dataset=pieces.make_dataset(), global_batch=48, virtual_workers=4).fit(steps=5, devices=2)
-    """))
+    """)
+    )
     metrics = tmp_path / "m.jsonl"
-    run = flexpar_command("run", "--oversubscribe", "--no-display", "--metrics", str(metrics), str(script),
-                          timeout_s=120)
+    run = flexpar_command(
+        "run", "--oversubscribe", "--no-display", "--metrics", str(metrics), str(script), timeout_s=120
+    )
     assert run.returncode == 1
     said = [line for line in run.stderr.splitlines() if "the label column is missing" in line]
     assert len(said) == 1 and said[0].startswith("flexpar: device local-"), run.stderr
     assert "Traceback" not in run.stderr
     log = (tmp_path / "error.log").read_text()
     assert "Traceback" in log and "exploding_loss" in log
-    verbose = flexpar_command("run", "--oversubscribe", "--no-display", "--verbose", "--metrics", str(metrics),
-                              str(script), timeout_s=120)
+    verbose = flexpar_command(
+        "run", "--oversubscribe", "--no-display", "--verbose", "--metrics", str(metrics), str(script), timeout_s=120
+    )
     assert verbose.returncode != 0 and "exploding_loss" in verbose.stderr
 
 
 def test_a_missing_main_guard_is_said_once(tmp_path):
     script = tmp_path / "unguarded.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {TESTS!r})
         import pieces
         pieces.make_job().fit(steps=3, devices=2)
-    """))
-    run = flexpar_command("run", "--oversubscribe", "--no-display", "--metrics", str(tmp_path / "m.jsonl"),
-                          str(script), timeout_s=120)
+    """)
+    )
+    run = flexpar_command(
+        "run", "--oversubscribe", "--no-display", "--metrics", str(tmp_path / "m.jsonl"), str(script), timeout_s=120
+    )
     assert run.returncode == 1
     assert run.stderr.count('if __name__ == "__main__":') == 1 and "Traceback" not in run.stderr, run.stderr
 
 
 # ------------------------------------------------------------ answers in one line, wherever they come from
-
 
 
 def test_a_typo_before_the_script_shows_runs_usage_and_abbreviations_are_not_flags(tmp_path):
@@ -290,8 +340,16 @@ def test_status_and_scale_at_an_address_that_is_no_flexpar_job_answer_in_one_lin
         try:
             # The subprocess timeout (30 s) is only the hang guard: the command's own --timeout is 1 s.
             status = flexpar_command("status", address, "--timeout", "1", timeout_s=30)
-            scale = flexpar_command("scale", address, "--devices", "+1", "--timeout", "1", timeout_s=30,
-                                    environment={**os.environ, "FLEXPAR_SECRET": "s"})
+            scale = flexpar_command(
+                "scale",
+                address,
+                "--devices",
+                "+1",
+                "--timeout",
+                "1",
+                timeout_s=30,
+                environment={**os.environ, "FLEXPAR_SECRET": "s"},
+            )
         finally:
             server.close()
             for connection in held:
@@ -322,8 +380,10 @@ def test_the_secret_is_printed_only_off_loopback_and_its_file_is_the_owners_even
 
 def test_the_banner_says_how_far_the_job_can_grow(capsys):
     launch._banner("h:1", 2, "cpu", 2, FitOptions(steps=1), "secret in x", None, cores=2)
-    assert ("2 x cpu devices, cannot grow (--max-devices N, or fit(max_devices=N), allows more; more than this "
-            "host's 2 cores also need --oversubscribe)") in capsys.readouterr().out
+    assert (
+        "2 x cpu devices, cannot grow (--max-devices N, or fit(max_devices=N), allows more; more than this "
+        "host's 2 cores also need --oversubscribe)"
+    ) in capsys.readouterr().out
     launch._banner("h:1", 1, "cpu", 3, FitOptions(steps=1, max_devices=3, oversubscribe=True), "s", None, cores=2)
     assert "1 x cpu device, may grow to 3; s" in capsys.readouterr().out
 
@@ -331,15 +391,37 @@ def test_the_banner_says_how_far_the_job_can_grow(capsys):
 def test_the_resume_command_is_the_jobs_own_with_resume_added(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     script = str(tmp_path / "t.py")
-    assert launch.resume_command("/ck", ["python3", "/venv/bin/flexpar", "run", "--devices", "2", "t.py", "--lr", "1"],
-                                 ["t.py", "--lr", "1"]) == \
-        f"flexpar run --resume --checkpoint-dir /ck --devices 2 {script} --lr 1"
-    assert launch.resume_command("/my ck", ["python3", "-u", "t.py", "--lr", "1"], ["t.py", "--lr", "1"]) == \
-        f"flexpar run --resume --checkpoint-dir '/my ck' {script} -- --lr 1"
+    assert (
+        launch.resume_command(
+            "/ck", ["python3", "/venv/bin/flexpar", "run", "--devices", "2", "t.py", "--lr", "1"], ["t.py", "--lr", "1"]
+        )
+        == f"flexpar run --resume --checkpoint-dir /ck --devices 2 {script} --lr 1"
+    )
+    assert (
+        launch.resume_command("/my ck", ["python3", "-u", "t.py", "--lr", "1"], ["t.py", "--lr", "1"])
+        == f"flexpar run --resume --checkpoint-dir '/my ck' {script} -- --lr 1"
+    )
     # The job's own --resume and --checkpoint-dir give way to the ones that resume it.
-    assert launch.resume_command("/ck", ["python3", "-m", "flexpar", "run", "--checkpoint-dir", "ck", "--resume",
-                                         "--checkpoint-dir=ck", "--steps", "9", "t.py"], ["t.py"]) == \
-        f"flexpar run --resume --checkpoint-dir /ck --steps 9 {script}"
+    assert (
+        launch.resume_command(
+            "/ck",
+            [
+                "python3",
+                "-m",
+                "flexpar",
+                "run",
+                "--checkpoint-dir",
+                "ck",
+                "--resume",
+                "--checkpoint-dir=ck",
+                "--steps",
+                "9",
+                "t.py",
+            ],
+            ["t.py"],
+        )
+        == f"flexpar run --resume --checkpoint-dir /ck --steps 9 {script}"
+    )
 
 
 SLOW_JOB = """
@@ -363,20 +445,28 @@ def test_a_second_sigterm_stops_at_once_in_one_line(command_line_job, tmp_path):
 
 def test_a_plain_python_run_says_a_user_error_in_one_line_on_top(tmp_path):
     script = tmp_path / "unguarded.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {TESTS!r})
         import pieces
         pieces.make_job().fit(steps=3, devices=2, oversubscribe=True, display=False)
-    """))
+    """)
+    )
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert run.returncode == 1
     assert run.stderr.startswith("flexpar: fit() was called while a worker process imported your script"), run.stderr
     assert run.stderr.count('if __name__ == "__main__":') == 1 and "Traceback" not in run.stderr, run.stderr
 
 
-CLUSTER_VARIABLES = ("FLEXPAR_ADDRESS", "MASTER_ADDR", "MASTER_PORT", "PET_RDZV_ENDPOINT",
-                     "FLEXPAR_SECRET", "FLEXPAR_SECRET_FILE")
+CLUSTER_VARIABLES = (
+    "FLEXPAR_ADDRESS",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "PET_RDZV_ENDPOINT",
+    "FLEXPAR_SECRET",
+    "FLEXPAR_SECRET_FILE",
+)
 
 
 def test_run_listens_where_the_cluster_environment_points(monkeypatch):
@@ -426,7 +516,8 @@ def test_a_plain_python_run_says_flexpars_own_refusal_in_one_line(tmp_path):
     """A bad option (here more CPU devices than cores, without oversubscribe) is flexpar's own ValueError:
     one line on top, no traceback; a ValueError raised in the user's own code keeps its traceback."""
     script = tmp_path / "too_many.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {TESTS!r})
         import pieces
@@ -435,13 +526,15 @@ def test_a_plain_python_run_says_flexpars_own_refusal_in_one_line(tmp_path):
             devices = cpu_count() + 1
             pieces.make_job(virtual_workers=devices, global_batch=4 * devices).fit(steps=3, devices=devices,
                                                                                   display=False)
-    """))
+    """)
+    )
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert run.returncode == 1
     assert run.stderr.startswith("flexpar: ") and "--oversubscribe" in run.stderr, run.stderr
     assert "Traceback" not in run.stderr and run.stderr.count("\n") == 1, run.stderr
 
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {TESTS!r})
         import pieces
@@ -451,7 +544,8 @@ def test_a_plain_python_run_says_flexpars_own_refusal_in_one_line(tmp_path):
 
         if __name__ == "__main__":
             pieces.make_job(model=broken_model).fit(steps=3, devices=1, display=False)
-    """))
+    """)
+    )
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert run.returncode == 1
     assert "Traceback" in run.stderr and "broken_model" in run.stderr and "the user's own mistake" in run.stderr

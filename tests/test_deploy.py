@@ -90,8 +90,9 @@ def flags_of(subcommand: str) -> dict:
     """{flag: whether it takes a value} for `flexpar SUBCOMMAND`, from flexpar's own parser."""
     parser = flexpar_parser()
     subparsers = next(action for action in parser._actions if action.choices and subcommand in action.choices)
-    return {flag: action.nargs != 0
-            for action in subparsers.choices[subcommand]._actions for flag in action.option_strings}
+    return {
+        flag: action.nargs != 0 for action in subparsers.choices[subcommand]._actions for flag in action.option_strings
+    }
 
 
 def check_run_command(argv: list, script: str) -> object:
@@ -104,7 +105,7 @@ def check_run_command(argv: list, script: str) -> object:
         flag = argv[position].split("=")[0]
         assert flag in flags, f"{argv[position]} before the script is not a flexpar flag: {argv}"
         position += 2 if flags[flag] and "=" not in argv[position] else 1
-    after = {token.split("=")[0] for token in argv[position + 1:]}
+    after = {token.split("=")[0] for token in argv[position + 1 :]}
     assert not after & (set(flags) - {"-h", "--help"}), f"a flexpar flag after the script: {argv}"
     return arguments
 
@@ -157,17 +158,26 @@ class FakeCluster:
 
     def environment(self, **variables) -> dict:
         # Nothing from the developer's own environment that these scripts or flexpar read.
-        base = {key: value for key, value in os.environ.items()
-                if not key.startswith(("FLEXPAR_", "SLURM_", "MASTER_", "PET_"))}
-        base.update(PATH=f"{self.bin}{os.pathsep}{os.environ['PATH']}", FAKE_RECORD_DIR=str(self.records),
-                    FAKE_NODES=" ".join(self.nodes), HOME=str(self.tmp_path / "home"),
-                    SLURM_JOB_NODELIST="node[01-02]", FLEXPAR_JOIN_WAIT="0")
+        base = {
+            key: value
+            for key, value in os.environ.items()
+            if not key.startswith(("FLEXPAR_", "SLURM_", "MASTER_", "PET_"))
+        }
+        base.update(
+            PATH=f"{self.bin}{os.pathsep}{os.environ['PATH']}",
+            FAKE_RECORD_DIR=str(self.records),
+            FAKE_NODES=" ".join(self.nodes),
+            HOME=str(self.tmp_path / "home"),
+            SLURM_JOB_NODELIST="node[01-02]",
+            FLEXPAR_JOIN_WAIT="0",
+        )
         base.update({key: str(value) for key, value in variables.items()})
         return base
 
     def run(self, command: list, **variables) -> subprocess.CompletedProcess:
-        return subprocess.run(command, env=self.environment(**variables), cwd=self.tmp_path,
-                              capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            command, env=self.environment(**variables), cwd=self.tmp_path, capture_output=True, text=True, timeout=60
+        )
 
     def argv(self, task="x") -> list:
         data = (self.records / f"flexpar.{task}.argv").read_bytes()
@@ -388,7 +398,7 @@ def test_task_0_runs_the_job_and_the_other_tasks_join_it(tmp_path):
 
     run = cluster.argv(0)
     arguments = check_run_command(run, "train.py")
-    assert run[run.index("train.py"):] == ["train.py", "--lr", "0.1"]
+    assert run[run.index("train.py") :] == ["train.py", "--lr", "0.1"]
     assert arguments.script_arguments == ["--lr", "0.1"]
     assert (arguments.host, arguments.port, arguments.devices, arguments.max_devices) == ("0.0.0.0", 29555, 2, 8)
     assert arguments.secret_file == str(secret)
@@ -429,8 +439,13 @@ def test_a_joining_task_waits_for_the_jobs_port(tmp_path):
     thread.start()
     try:
         started = time.monotonic()
-        result = cluster.run([str(SLURM / "task.sh"), "train.py"], SLURM_PROCID=1, FLEXPAR_PORT=port,
-                             FLEXPAR_SECRET_FILE=tmp_path / "secret", FLEXPAR_JOIN_WAIT=30)
+        result = cluster.run(
+            [str(SLURM / "task.sh"), "train.py"],
+            SLURM_PROCID=1,
+            FLEXPAR_PORT=port,
+            FLEXPAR_SECRET_FILE=tmp_path / "secret",
+            FLEXPAR_JOIN_WAIT=30,
+        )
         waited = time.monotonic() - started
     finally:
         thread.join()
@@ -465,8 +480,9 @@ def test_flexpar_sbatch_makes_a_secret_runs_the_tasks_and_prints_the_join_comman
     exported = dict(item.split("=", 1) for item in printed[1].split("=", 1)[1].split(",")[1:])
     for record in cluster.records.glob("flexpar.*"):
         record.unlink()
-    later = cluster.run(["bash", printed[2], *printed[3:]], SLURM_JOB_ID=4243, SLURM_NTASKS=2,
-                        SLURM_SUBMIT_DIR=tmp_path, **exported)
+    later = cluster.run(
+        ["bash", printed[2], *printed[3:]], SLURM_JOB_ID=4243, SLURM_NTASKS=2, SLURM_SUBMIT_DIR=tmp_path, **exported
+    )
     assert later.returncode == 0, later.stderr
     for task in (0, 1):
         argv = cluster.argv(task)
@@ -477,8 +493,12 @@ def test_flexpar_sbatch_makes_a_secret_runs_the_tasks_and_prints_the_join_comman
 
 def test_join_sbatch_needs_the_jobs_address(tmp_path):
     cluster = FakeCluster(tmp_path)
-    result = cluster.run(["bash", str(SLURM / "join.sbatch"), "train.py"], SLURM_NTASKS=1,
-                         SLURM_SUBMIT_DIR=tmp_path, FLEXPAR_SECRET_FILE=tmp_path / "secret")
+    result = cluster.run(
+        ["bash", str(SLURM / "join.sbatch"), "train.py"],
+        SLURM_NTASKS=1,
+        SLURM_SUBMIT_DIR=tmp_path,
+        FLEXPAR_SECRET_FILE=tmp_path / "secret",
+    )
     assert result.returncode != 0 and "FLEXPAR_ADDRESS" in result.stderr
     assert not cluster.called(0)
 

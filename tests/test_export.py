@@ -7,12 +7,13 @@ import pytest
 import torch
 from torch import nn
 
-from flexpar.worker import checkpoints
 from flexpar import export
 from flexpar.comm import state_transfer as training_state
+from flexpar.worker import checkpoints
 
-safetensors_torch = pytest.importorskip("safetensors.torch", reason="the safetensors package is not installed "
-                                        "(flexpar[safetensors])")
+safetensors_torch = pytest.importorskip(
+    "safetensors.torch", reason="the safetensors package is not installed (flexpar[safetensors])"
+)
 
 
 class Tied(nn.Module):
@@ -48,8 +49,12 @@ def test_export_round_trips(tmp_path):
 def test_the_command_line_exports(tmp_path):
     model, path = _checkpoint(tmp_path)
     output = tmp_path / "model.safetensors"
-    result = subprocess.run([sys.executable, "-m", "flexpar", "export", path, "-o", str(output)],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "flexpar", "export", path, "-o", str(output)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert f"wrote {output}" in result.stdout
     loaded = safetensors_torch.load_file(str(output))

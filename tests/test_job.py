@@ -4,12 +4,12 @@ import subprocess
 import sys
 import textwrap
 
+import pieces
 import pytest
 import torch
 from torch import nn
 
 import flexpar
-import pieces
 from flexpar.core import batching
 
 
@@ -19,8 +19,14 @@ def test_global_batch_not_divisible():
 
 
 def test_micro_batch_sets_virtual_workers():
-    job = flexpar.Job(model=pieces.make_model, optimizer=pieces.sgd, loss=pieces.Loss(),
-                      dataset=pieces.make_dataset(), global_batch=48, micro_batch=12)
+    job = flexpar.Job(
+        model=pieces.make_model,
+        optimizer=pieces.sgd,
+        loss=pieces.Loss(),
+        dataset=pieces.make_dataset(),
+        global_batch=48,
+        micro_batch=12,
+    )
     assert job.virtual_workers == 4
 
 
@@ -45,15 +51,27 @@ def vector_loss(model, batch):
 
 
 def test_non_scalar_loss(train):
-    job = flexpar.Job(model=pieces.make_model, optimizer=pieces.sgd, loss=vector_loss,
-                      dataset=pieces.make_dataset(), global_batch=48, virtual_workers=4)
+    job = flexpar.Job(
+        model=pieces.make_model,
+        optimizer=pieces.sgd,
+        loss=vector_loss,
+        dataset=pieces.make_dataset(),
+        global_batch=48,
+        virtual_workers=4,
+    )
     with pytest.raises(flexpar.UserCodeError, match=r"must return a scalar tensor.*returned \(12,\)"):
         train(job, steps=2, devices=2)
 
 
 def test_lambda_pieces_are_named(train):
-    job = flexpar.Job(model=lambda: nn.Linear(12, 3), optimizer=pieces.sgd, loss=pieces.Loss(),
-                      dataset=pieces.make_dataset(), global_batch=48, virtual_workers=4)
+    job = flexpar.Job(
+        model=lambda: nn.Linear(12, 3),
+        optimizer=pieces.sgd,
+        loss=pieces.Loss(),
+        dataset=pieces.make_dataset(),
+        global_batch=48,
+        virtual_workers=4,
+    )
     with pytest.raises(flexpar.UserCodeError, match=r"model= cannot be sent.*define model at module level"):
         train(job, steps=2, devices=2)
 
@@ -88,20 +106,21 @@ def test_nonfinite_loss_names_step_and_virtual_worker(train):
     )
     if where == (0, 0):
         pytest.skip("the poisoned sample falls in the driver's first-batch check")
-    with pytest.raises(flexpar.TrainingError,
-                       match=rf"not finite .* at step {where[0]}, virtual worker {where[1]}"):
+    with pytest.raises(flexpar.TrainingError, match=rf"not finite .* at step {where[0]}, virtual worker {where[1]}"):
         train(job, steps=size // job.global_batch, devices=2)
 
 
 def test_missing_main_guard_gives_a_clear_error(tmp_path):
     script = tmp_path / "unguarded.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import sys
-        sys.path.insert(0, {str(pieces.__file__.rsplit('/', 1)[0])!r})
+        sys.path.insert(0, {str(pieces.__file__.rsplit("/", 1)[0])!r})
         import pieces
         job = pieces.make_job()
-        job.fit(steps=2, devices=2, oversubscribe=True, display=False, metrics={str(tmp_path / 'm.jsonl')!r})
-    """))
+        job.fit(steps=2, devices=2, oversubscribe=True, display=False, metrics={str(tmp_path / "m.jsonl")!r})
+    """)
+    )
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert 'if __name__ == "__main__":' in result.stderr
@@ -111,8 +130,7 @@ def test_missing_main_guard_gives_a_clear_error(tmp_path):
 
 
 def make_batchnorm_model():
-    return nn.Sequential(nn.Linear(pieces.FEATURES, 16), nn.BatchNorm1d(16), nn.Tanh(),
-                         nn.Linear(16, pieces.CLASSES))
+    return nn.Sequential(nn.Linear(pieces.FEATURES, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, pieces.CLASSES))
 
 
 @pytest.mark.parametrize("devices", [1, 2])

@@ -6,9 +6,8 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 import processes
+import pytest
 from processes import Process
 
 ME, OURS, THEIRS = 100, "100-ours", "200-theirs"
@@ -42,11 +41,16 @@ def test_the_suites_leftovers_are_found_and_nobody_elses():
 
 def _orphan(environment):
     """A sleeping grandchild whose parent has exited (re-parented away from this process); its pid."""
-    code = ("import subprocess, sys; child = subprocess.Popen([sys.executable, '-c', 'import time; "
-            "time.sleep(120)'], start_new_session=True, stdin=subprocess.DEVNULL, "
-            "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); print(child.pid)")
-    return int(subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True,
-                              check=True, timeout=60).stdout)
+    code = (
+        "import subprocess, sys; child = subprocess.Popen([sys.executable, '-c', 'import time; "
+        "time.sleep(120)'], start_new_session=True, stdin=subprocess.DEVNULL, "
+        "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); print(child.pid)"
+    )
+    return int(
+        subprocess.run(
+            [sys.executable, "-c", code], env=environment, capture_output=True, text=True, check=True, timeout=60
+        ).stdout
+    )
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")

@@ -38,12 +38,12 @@ import json
 import math
 import os
 
+import pieces
 import pytest
 import torch
 from torch import nn
 
 import flexpar
-import pieces
 from flexpar import recipes
 from flexpar.errors import UserCodeError
 from flexpar.worker.user_code import loss_terms
@@ -83,7 +83,9 @@ class TokenNet(nn.Module):
     def __init__(self, sparse: bool = False, dropout: float = 0.1):
         super().__init__()
         self.embedding = nn.Embedding(VOCABULARY, 16, sparse=sparse)
-        self.body = nn.Sequential(nn.Tanh(), nn.Linear(16, 32), nn.Tanh(), nn.Dropout(dropout), nn.Linear(32, VOCABULARY))
+        self.body = nn.Sequential(
+            nn.Tanh(), nn.Linear(16, 32), nn.Tanh(), nn.Dropout(dropout), nn.Linear(32, VOCABULARY)
+        )
 
     def forward(self, tokens):
         return self.body(self.embedding(tokens))
@@ -115,8 +117,9 @@ class TokenLoss(pieces.Loss):
             time.sleep(self.delay_s)
         tokens, targets = batch
         logits = model(tokens)
-        loss_sum = nn.functional.cross_entropy(logits.reshape(-1, VOCABULARY), targets.reshape(-1),
-                                               ignore_index=IGNORE, reduction="sum")
+        loss_sum = nn.functional.cross_entropy(
+            logits.reshape(-1, VOCABULARY), targets.reshape(-1), ignore_index=IGNORE, reduction="sum"
+        )
         return loss_sum, (targets != IGNORE).sum()
 
 
@@ -129,8 +132,16 @@ class MeanTokenLoss(pieces.Loss):
 
 
 def token_job(loss=None, model=make_token_model, optimizer=pieces.adamw, virtual_workers=6, **recipe):
-    return flexpar.Job(model=model, optimizer=optimizer, loss=loss or TokenLoss(), dataset=make_token_dataset(),
-                       global_batch=48, virtual_workers=virtual_workers, seed=3, **recipe)
+    return flexpar.Job(
+        model=model,
+        optimizer=optimizer,
+        loss=loss or TokenLoss(),
+        dataset=make_token_dataset(),
+        global_batch=48,
+        virtual_workers=virtual_workers,
+        seed=3,
+        **recipe,
+    )
 
 
 def _records(path, kind="step"):
@@ -147,23 +158,32 @@ def _scale_in_checkpoint(directory):
 # ---------------------------------------------------------------- checks before any process starts
 
 
-@pytest.mark.parametrize("fields,message", [
-    ({"mixed_precision": "fp32"}, r"mixed_precision='fp32' must be None, \"bf16\" or \"fp16\""),
-    ({"mixed_precision": "bfloat16"}, r"must be None, \"bf16\" or \"fp16\""),
-    ({"mixed_precision": ["bf16"]}, r"mixed_precision=\['bf16'\] must be None, \"bf16\" or \"fp16\""),
-    ({"mixed_precision": {"bf16": True}}, r"must be None, \"bf16\" or \"fp16\""),
-    ({"max_grad_norm": 0.0}, r"max_grad_norm=0.0 must be a number > 0"),
-    ({"max_grad_norm": -1}, r"max_grad_norm=-1 must be a number > 0"),
-    ({"max_grad_norm": float("nan")}, r"max_grad_norm=nan must be a number > 0"),
-    ({"max_grad_norm": True}, r"max_grad_norm=True must be a number > 0"),
-    ({"max_grad_norm": "1.0"}, r"max_grad_norm='1.0' must be a number > 0"),
-    ({"grad_scaler": {"init_scale": 8.0}}, r"grad_scaler= tunes fp16 loss scaling; it needs mixed_precision=\"fp16\""),
-    ({"mixed_precision": "fp16", "grad_scaler": {"scale": 8.0}}, r"grad_scaler= takes a dict with keys init_scale"),
-    ({"mixed_precision": "fp16", "grad_scaler": {"growth_interval": 0}}, r"growth_interval'\]=0 must be a whole"),
-    ({"mixed_precision": "fp16", "grad_scaler": {"backoff_factor": 1.5}}, r"backoff_factor'\]=1.5 must be a number in"),
-    ({"compile_options": {"mode": "max-autotune"}}, r"compile_options= needs compile=True"),
-    ({"compile": True, "compile_options": {"fullgrpah": True}}, r"torch.compile's keyword arguments.*'fullgrpah'"),
-])
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"mixed_precision": "fp32"}, r"mixed_precision='fp32' must be None, \"bf16\" or \"fp16\""),
+        ({"mixed_precision": "bfloat16"}, r"must be None, \"bf16\" or \"fp16\""),
+        ({"mixed_precision": ["bf16"]}, r"mixed_precision=\['bf16'\] must be None, \"bf16\" or \"fp16\""),
+        ({"mixed_precision": {"bf16": True}}, r"must be None, \"bf16\" or \"fp16\""),
+        ({"max_grad_norm": 0.0}, r"max_grad_norm=0.0 must be a number > 0"),
+        ({"max_grad_norm": -1}, r"max_grad_norm=-1 must be a number > 0"),
+        ({"max_grad_norm": float("nan")}, r"max_grad_norm=nan must be a number > 0"),
+        ({"max_grad_norm": True}, r"max_grad_norm=True must be a number > 0"),
+        ({"max_grad_norm": "1.0"}, r"max_grad_norm='1.0' must be a number > 0"),
+        (
+            {"grad_scaler": {"init_scale": 8.0}},
+            r"grad_scaler= tunes fp16 loss scaling; it needs mixed_precision=\"fp16\"",
+        ),
+        ({"mixed_precision": "fp16", "grad_scaler": {"scale": 8.0}}, r"grad_scaler= takes a dict with keys init_scale"),
+        ({"mixed_precision": "fp16", "grad_scaler": {"growth_interval": 0}}, r"growth_interval'\]=0 must be a whole"),
+        (
+            {"mixed_precision": "fp16", "grad_scaler": {"backoff_factor": 1.5}},
+            r"backoff_factor'\]=1.5 must be a number in",
+        ),
+        ({"compile_options": {"mode": "max-autotune"}}, r"compile_options= needs compile=True"),
+        ({"compile": True, "compile_options": {"fullgrpah": True}}, r"torch.compile's keyword arguments.*'fullgrpah'"),
+    ],
+)
 def test_recipe_fields_are_validated(fields, message):
     with pytest.raises(ValueError, match=message):
         token_job(**fields)
@@ -174,14 +194,17 @@ def test_compile_must_be_a_bool():
         token_job(compile="yes")
 
 
-@pytest.mark.parametrize("result,shown", [
-    ((torch.tensor(2.0, requires_grad=True), 0), "count 0 "),
-    ((torch.tensor(2.0, requires_grad=True), torch.tensor(-3)), "count tensor -3 "),
-    ((torch.tensor(2.0, requires_grad=True), float("nan")), "count nan "),
-    ((torch.tensor(2.0, requires_grad=True), "12"), "count '12' "),
-    ((torch.tensor(2.0, requires_grad=True), torch.tensor([1, 2])), r"count tensor \[1, 2\] "),
-    ((torch.tensor(2.0, requires_grad=True), True), "count True "),
-])
+@pytest.mark.parametrize(
+    "result,shown",
+    [
+        ((torch.tensor(2.0, requires_grad=True), 0), "count 0 "),
+        ((torch.tensor(2.0, requires_grad=True), torch.tensor(-3)), "count tensor -3 "),
+        ((torch.tensor(2.0, requires_grad=True), float("nan")), "count nan "),
+        ((torch.tensor(2.0, requires_grad=True), "12"), "count '12' "),
+        ((torch.tensor(2.0, requires_grad=True), torch.tensor([1, 2])), r"count tensor \[1, 2\] "),
+        ((torch.tensor(2.0, requires_grad=True), True), "count True "),
+    ],
+)
 def test_a_bad_count_names_step_and_virtual_worker(result, shown):
     with pytest.raises(UserCodeError, match=rf"{shown}at step 4, virtual worker 2; the count .* must be a positive"):
         loss_terms(result, 4, 2)
@@ -227,10 +250,14 @@ def test_fp16_autocast_runs_on_cpu_in_this_torch():
 
 
 def test_unsupported_autocast_is_refused_with_the_alternative(monkeypatch):
-    monkeypatch.setattr(recipes, "autocast_problem",
-                        lambda device_type, dtype: "In CPU autocast, but the target dtype is not supported")
-    with pytest.raises(UserCodeError, match=r"mixed_precision='fp16' is not supported on cpu devices .* "
-                                            r"Use mixed_precision=\"bf16\" on CPU devices"):
+    monkeypatch.setattr(
+        recipes, "autocast_problem", lambda device_type, dtype: "In CPU autocast, but the target dtype is not supported"
+    )
+    with pytest.raises(
+        UserCodeError,
+        match=r"mixed_precision='fp16' is not supported on cpu devices .* "
+        r"Use mixed_precision=\"bf16\" on CPU devices",
+    ):
         recipes.check_mixed_precision(token_job(mixed_precision="fp16"), "cpu")
 
 
@@ -249,8 +276,13 @@ def test_the_refusal_quotes_torchs_warning_as_one_sentence(monkeypatch):
 
 
 def test_compile_without_a_compiler_is_refused_before_workers_start(monkeypatch):
-    monkeypatch.setattr(recipes, "compile_problem", lambda device_type, options=None: (
-        None if device_type == "any" else "the inductor backend needs a C++ compiler (g++ or $CXX)"))
+    monkeypatch.setattr(
+        recipes,
+        "compile_problem",
+        lambda device_type, options=None: (
+            None if device_type == "any" else "the inductor backend needs a C++ compiler (g++ or $CXX)"
+        ),
+    )
     job = token_job(compile=True)
     from flexpar.driver.job_checks import first_batch_check
     from flexpar.worker.user_code import build_model
@@ -261,7 +293,7 @@ def test_compile_without_a_compiler_is_refused_before_workers_start(monkeypatch)
 
 def test_loss_scaler_follows_grad_scaler():
     """LossScaler's scale after any run of finite / non-finite steps is torch.amp.GradScaler's."""
-    settings = {"init_scale": 2.0 ** 10, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3}
+    settings = {"init_scale": 2.0**10, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3}
     ours = recipes.LossScaler(**settings)
     theirs = torch.amp.GradScaler("cpu", **settings)
     weight = nn.Parameter(torch.ones(2))
@@ -310,8 +342,10 @@ def test_bf16_clipping_and_token_loss_match_the_reference(train, metrics_file, d
     assert [r["loss"] for r in records] == pytest.approx(trace["loss"], rel=1e-4)
     assert all(norm > ALL_ON["max_grad_norm"] for norm in trace["grad_norm"]), "clipping acts at every step"
     unclipped = pieces.reference(token_job(mixed_precision="bf16"), 10)
-    assert max(float((a - b).abs().max()) for a, b in zip(model.state_dict().values(),
-                                                             unclipped.state_dict().values())) > 1e-3
+    assert (
+        max(float((a - b).abs().max()) for a, b in zip(model.state_dict().values(), unclipped.state_dict().values()))
+        > 1e-3
+    )
 
 
 def test_clipping_covers_sparse_and_dense_gradients(train, metrics_file):
@@ -360,8 +394,9 @@ def test_token_loss_is_the_global_token_mean_not_a_mean_of_means(train, metrics_
 
     # The mean of the VWs' own token means is a different objective, measurably.
     mean_of_means = pieces.reference(token_job(loss=MeanTokenLoss(), optimizer=plain_sgd), steps)
-    difference = max(float((a - b).abs().max()) for a, b in zip(model.state_dict().values(),
-                                                                mean_of_means.state_dict().values()))
+    difference = max(
+        float((a - b).abs().max()) for a, b in zip(model.state_dict().values(), mean_of_means.state_dict().values())
+    )
     assert difference > 1e-3, f"the two objectives should differ measurably, differ by {difference}"
 
 
@@ -370,8 +405,7 @@ def test_token_loss_is_the_global_token_mean_not_a_mean_of_means(train, metrics_
 # 2**24 overflows float16 activations' gradients at once: the first steps are
 # skipped, halving the scale each time; after GROWTH good steps it doubles and
 # overflows again. The run goes through skips and growths all along.
-FP16 = {"mixed_precision": "fp16", "max_grad_norm": 1.0,
-        "grad_scaler": {"init_scale": 2.0 ** 24, "growth_interval": 3}}
+FP16 = {"mixed_precision": "fp16", "max_grad_norm": 1.0, "grad_scaler": {"init_scale": 2.0**24, "growth_interval": 3}}
 
 
 def test_fp16_overflowing_steps_are_skipped_everywhere_and_the_scale_halves(train, metrics_file, tmp_path):
@@ -408,8 +442,9 @@ def _first_sample_of(job, step: int, virtual_worker: int):
     """The input of the first sample VW `virtual_worker` of `step` trains on (an epoch holds it once)."""
     from flexpar.core import batching
 
-    index = batching.virtual_worker_indices(job.seed, step, virtual_worker, len(job.dataset), job.global_batch,
-                                            job.virtual_workers)[0]
+    index = batching.virtual_worker_indices(
+        job.seed, step, virtual_worker, len(job.dataset), job.global_batch, job.virtual_workers
+    )[0]
     return job.dataset[index][0]
 
 
@@ -457,8 +492,13 @@ def test_fp16_overflow_on_one_device_skips_the_step_on_every_device(train, metri
     """One VW of step 3 overflows; it runs on one of the two devices, whose own gradient holds the inf.
     Both skip step 3 and halve the scale, exactly where GradScaler does on one process."""
     poisoned_step, poisoned_vw = 3, 1
-    job = _poisoned_job(OverflowingGradientAt, poisoned_step, poisoned_vw, mixed_precision="fp16",
-                        grad_scaler={"init_scale": 2.0 ** 8, "growth_interval": 1000})
+    job = _poisoned_job(
+        OverflowingGradientAt,
+        poisoned_step,
+        poisoned_vw,
+        mixed_precision="fp16",
+        grad_scaler={"init_scale": 2.0**8, "growth_interval": 1000},
+    )
     steps = 6
     trace = {}
     expected = pieces.reference(job, steps, trace)
@@ -469,7 +509,7 @@ def test_fp16_overflow_on_one_device_skips_the_step_on_every_device(train, metri
     assert len(assignment) == 2 and poisoned_vw < assignment[0], "the poisoned VW ran on local-0 alone"
     assert [not math.isfinite(r["grad_norm"]) for r in records] == trace["skipped"]
     assert math.isfinite(records[poisoned_step]["loss"]), "the loss is finite: only the gradient overflowed"
-    assert _scale_in_checkpoint(tmp_path / "ck")["scale"] == 2.0 ** 7 == trace["scale"][-1]
+    assert _scale_in_checkpoint(tmp_path / "ck")["scale"] == 2.0**7 == trace["scale"][-1]
     pieces.assert_same_parameters(model, expected)
 
 
@@ -477,8 +517,11 @@ def test_fp16_overflow_on_one_device_skips_the_step_on_every_device(train, metri
 def test_a_nonfinite_gradient_without_loss_scaling_stops_naming_the_step(train, devices):
     """fp32 (no scaler): a NaN gradient behind a finite loss stops the job at its step, before it is applied."""
     job = _poisoned_job(NonFiniteGradientAt, 3, 4)
-    with pytest.raises(flexpar.TrainingError, match=r"the gradient is not finite \(its norm is nan\) at step 3, "
-                                                    r"although the loss of every virtual worker is finite"):
+    with pytest.raises(
+        flexpar.TrainingError,
+        match=r"the gradient is not finite \(its norm is nan\) at step 3, "
+        r"although the loss of every virtual worker is finite",
+    ):
         train(job, steps=6, devices=devices)
 
 
@@ -515,13 +558,20 @@ def test_bf16_join_and_leave_match_the_reference(train, metrics_file):
     assert [r["grad_norm"] for r in records] == pytest.approx(trace["grad_norm"], rel=1e-3)
     assert all(norm > ALL_ON["max_grad_norm"] for norm in trace["grad_norm"]), "clipping acts at every step"
 
+
 # fp16 with a loss scale that overflows at first and then bounces (GradScaler's rules),
 # clipping, a token loss, and compile=True in every worker (aot_eager: TorchDynamo and
 # AOTAutograd without a C++ build, so the joiner's warm-up compiles in seconds).
 # SGD with momentum: fp16 with Adam drifts at float16 resolution with the float order
 # (module docstring).
-ELASTIC = {"mixed_precision": "fp16", "max_grad_norm": 1.0, "grad_scaler": {"init_scale": 2.0 ** 24, "growth_interval": 4},
-           "optimizer": pieces.sgd, "compile": True, "compile_options": {"backend": "aot_eager"}}
+ELASTIC = {
+    "mixed_precision": "fp16",
+    "max_grad_norm": 1.0,
+    "grad_scaler": {"init_scale": 2.0**24, "growth_interval": 4},
+    "optimizer": pieces.sgd,
+    "compile": True,
+    "compile_options": {"backend": "aot_eager"},
+}
 
 
 def test_join_and_leave_with_everything_on_match_the_reference(train, metrics_file, tmp_path):
@@ -540,8 +590,15 @@ def test_join_and_leave_with_everything_on_match_the_reference(train, metrics_fi
     steps = leave + 4
     trace = {}
     expected = pieces.reference(job, steps, trace)
-    model, _ = train(job, steps=steps, devices=2, schedule=f"2:+1,{leave}:-1", max_devices=3,
-                     checkpoint_every=steps, checkpoint_dir=str(tmp_path / "ck"))
+    model, _ = train(
+        job,
+        steps=steps,
+        devices=2,
+        schedule=f"2:+1,{leave}:-1",
+        max_devices=3,
+        checkpoint_every=steps,
+        checkpoint_dir=str(tmp_path / "ck"),
+    )
     records = _records(metrics_file)
     sizes = [len(r["devices"]) for r in records]
     assert 3 in sizes and sizes[-1] == 2, sizes

@@ -41,9 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser(
-        "run", help="run a training script on local devices", allow_abbrev=False,
+        "run",
+        help="run a training script on local devices",
+        allow_abbrev=False,
         usage="flexpar run [flexpar flags] SCRIPT [script arguments]",
-        epilog="flexpar's flags go before the script; what follows the script is the script's.")
+        epilog="flexpar's flags go before the script; what follows the script is the script's.",
+    )
     add_run_flags(run)
     run.add_argument("script")
     run.add_argument("script_arguments", nargs=argparse.REMAINDER)
@@ -57,14 +60,23 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--script", help="the job's script on this host (default: the path the job ran)")
     join.add_argument("--secret-file", help=secret_help)
     join.add_argument("--emulate-speed", type=float, default=1.0, help="emulated relative speed (testing)")
-    join.add_argument("--preemption-grace", type=float, default=None,
-                      help="seconds this host's devices may take to leave after SIGTERM (default: the job's, 30)")
-    join.add_argument("--timeout", type=float, default=60.0,
-                      help="seconds to wait for the job to answer (a joiner may start before its job; default 60)")
+    join.add_argument(
+        "--preemption-grace",
+        type=float,
+        default=None,
+        help="seconds this host's devices may take to leave after SIGTERM (default: the job's, 30)",
+    )
+    join.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for the job to answer (a joiner may start before its job; default 60)",
+    )
     join.set_defaults(handler=command_join, parser=join)
 
-    scale = commands.add_parser("scale", help="change the job's device count and wait for its answer",
-                                allow_abbrev=False)
+    scale = commands.add_parser(
+        "scale", help="change the job's device count and wait for its answer", allow_abbrev=False
+    )
     scale.add_argument("address", nargs="?", help=address_help)
     scale.add_argument("--devices", required=True, help="N, +K or -K")
     scale.add_argument("--secret-file", help=secret_help)
@@ -142,4 +154,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as error:
         print(f"flexpar: {error}", file=sys.stderr)
         return 2
-

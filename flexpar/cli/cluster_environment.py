@@ -52,9 +52,11 @@ def cluster_address(environment=None) -> Optional[tuple]:
         if not port.isdigit():
             # Kubernetes' service links set <SERVICE>_PORT=tcp://IP:PORT, so a Service named
             # "master" yields MASTER_PORT=tcp://...: not a port, and never to be guessed at.
-            raise SystemExit(f"flexpar: MASTER_PORT={port!r} is not a port number (a Kubernetes Service "
-                             "named 'master' sets it so: set enableServiceLinks: false in the pod spec, "
-                             "or give the address with FLEXPAR_ADDRESS=HOST:PORT)")
+            raise SystemExit(
+                f"flexpar: MASTER_PORT={port!r} is not a port number (a Kubernetes Service "
+                "named 'master' sets it so: set enableServiceLinks: false in the pod spec, "
+                "or give the address with FLEXPAR_ADDRESS=HOST:PORT)"
+            )
         return f"{environment['MASTER_ADDR'].strip()}:{port}", "MASTER_ADDR/MASTER_PORT"
     if environment.get("PET_RDZV_ENDPOINT"):
         return environment["PET_RDZV_ENDPOINT"], "PET_RDZV_ENDPOINT"
@@ -67,8 +69,10 @@ def job_address(given: Optional[str], command: str) -> tuple:
         return parse_address(given)
     found = cluster_address()
     if found is None:
-        raise SystemExit(f"flexpar {command}: give the job's address HOST:PORT (the job prints it), or set "
-                         f"one of {', '.join(ADDRESS_VARIABLES)}")
+        raise SystemExit(
+            f"flexpar {command}: give the job's address HOST:PORT (the job prints it), or set "
+            f"one of {', '.join(ADDRESS_VARIABLES)}"
+        )
     address, variable = found
     return parse_address(address, variable)
 
@@ -90,8 +94,7 @@ def listen_address(arguments) -> None:
 def parse_address(address: str, source: str = "") -> tuple:
     host, _, port = address.strip().rpartition(":")
     bracketed = host.startswith("[") and host.endswith("]")  # [IPv6]:PORT
-    if not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host or (
-            ":" in host and not bracketed):
+    if not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host or (":" in host and not bracketed):
         where = f" (from {source})" if source else ""
         raise SystemExit(f"flexpar: address {address!r}{where} is not HOST:PORT (the job prints it at start)")
     return host.strip("[]"), int(port)
@@ -100,6 +103,8 @@ def parse_address(address: str, source: str = "") -> tuple:
 def secret_or_exit(arguments, command: str) -> str:
     secret = read_secret(arguments.secret_file)
     if not secret:
-        raise SystemExit(f"flexpar {command}: give the job's secret with --secret-file FILE, FLEXPAR_SECRET or "
-                         "FLEXPAR_SECRET_FILE (a job on loopback keeps it in its run directory, file 'secret')")
+        raise SystemExit(
+            f"flexpar {command}: give the job's secret with --secret-file FILE, FLEXPAR_SECRET or "
+            "FLEXPAR_SECRET_FILE (a job on loopback keeps it in its run directory, file 'secret')"
+        )
     return secret

@@ -26,8 +26,15 @@ def command_join(arguments) -> int:
         raise SystemExit(f"flexpar join: --preemption-grace {arguments.preemption_grace} must be positive (seconds)")
     if arguments.timeout <= 0:
         raise SystemExit(f"flexpar join: --timeout {arguments.timeout:g} must be positive (seconds)")
-    return join(f"{host}:{port}", arguments.devices, secret, arguments.script, arguments.emulate_speed,
-                arguments.preemption_grace, connect_timeout_s=arguments.timeout)
+    return join(
+        f"{host}:{port}",
+        arguments.devices,
+        secret,
+        arguments.script,
+        arguments.emulate_speed,
+        arguments.preemption_grace,
+        connect_timeout_s=arguments.timeout,
+    )
 
 
 def command_scale(arguments) -> int:
@@ -58,15 +65,16 @@ def _answers(host: str, port: int):
 
 
 def _ask_to_scale(store, host: str, port: int, request: dict, secret: str, timeout_s: float) -> int:
-    Channel(store, "events").send(
-        {"type": "scale", "request": request, "proof": scale_proof(secret, request)}
-    )
+    Channel(store, "events").send({"type": "scale", "request": request, "proof": scale_proof(secret, request)})
     key = f"answer/{request['id']}"
     deadline = time.monotonic() + timeout_s
     while not has(store, key):
         if time.monotonic() > deadline:
-            print(f"flexpar scale: no answer from {host}:{port} within {timeout_s:g} s; the job may "
-                  "be busy or finished (see `flexpar status`)", file=sys.stderr)
+            print(
+                f"flexpar scale: no answer from {host}:{port} within {timeout_s:g} s; the job may "
+                "be busy or finished (see `flexpar status`)",
+                file=sys.stderr,
+            )
             return 1
         time.sleep(0.05)
     answer = get_json(store, key)
@@ -88,8 +96,10 @@ def command_status(arguments) -> int:
         return 0
     print(f"generation {status.get('generation')}: devices {', '.join(status.get('devices', []))}")
     if "step" in status:
-        print(f"step {status['step']}/{status['total_steps']}, {status['samples_per_s']:.1f} samples/s, "
-              f"loss {status['loss']:.4f}, assignment {status['assignment']}")
+        print(
+            f"step {status['step']}/{status['total_steps']}, {status['samples_per_s']:.1f} samples/s, "
+            f"loss {status['loss']:.4f}, assignment {status['assignment']}"
+        )
     if status.get("waiting") or status.get("starting"):
         print(f"joining: {', '.join(status.get('starting', []) + status.get('waiting', []))}")
     return 0

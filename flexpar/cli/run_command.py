@@ -29,36 +29,81 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help="port to listen on (default: a free one)")
     parser.add_argument("--timeout", dest="timeout_s", type=float, help="collective timeout in seconds (default 30)")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"])
-    parser.add_argument("--oversubscribe", action="store_true", default=None,
-                        help="allow more CPU devices than cores")
+    parser.add_argument("--oversubscribe", action="store_true", default=None, help="allow more CPU devices than cores")
     parser.add_argument("--metrics", help="JSON-lines metrics file (default under runs/)")
-    parser.add_argument("--no-display", dest="display", action="store_false", default=None,
-                        help="no live display; log lines only")
+    parser.add_argument(
+        "--no-display", dest="display", action="store_false", default=None, help="no live display; log lines only"
+    )
     parser.add_argument("--checkpoint-every", type=int, help="write a checkpoint every N steps")
     parser.add_argument("--checkpoint-dir", help="where checkpoints go")
     parser.add_argument("--resume", action="store_true", default=None, help="continue from the latest checkpoint")
-    parser.add_argument("--secret-file",
-                        help="file holding the job's secret (default: FLEXPAR_SECRET, FLEXPAR_SECRET_FILE, "
-                             "else a fresh one kept in the run directory)")
-    parser.add_argument("--show-secret", action="store_true", default=None,
-                        help="print the secret in the banner (it is printed anyway when --host is not loopback)")
-    parser.add_argument("--preemption-grace", dest="preemption_grace_s", type=float,
-                        help="seconds a device may take to leave after SIGTERM before it is killed (default 30)")
-    parser.add_argument("--heartbeat-timeout", dest="heartbeat_timeout_s", type=float,
-                        help="seconds of silence after which a device counts as hung and failed (default 5)")
-    parser.add_argument("--verbose", action="store_true", default=None,
-                        help="show devices' tracebacks here (they are always written to the run directory)")
-    parser.add_argument("--eval-every", type=int,
-                        help="evaluate every N steps (and after the last) when the job has an evaluation set")
-    parser.add_argument("--tracker", dest="trackers", action="append", choices=["tensorboard", "mlflow", "csv"],
-                        help="log to an experiment tracker in the run directory (repeatable)")
+    parser.add_argument(
+        "--secret-file",
+        help="file holding the job's secret (default: FLEXPAR_SECRET, FLEXPAR_SECRET_FILE, "
+        "else a fresh one kept in the run directory)",
+    )
+    parser.add_argument(
+        "--show-secret",
+        action="store_true",
+        default=None,
+        help="print the secret in the banner (it is printed anyway when --host is not loopback)",
+    )
+    parser.add_argument(
+        "--preemption-grace",
+        dest="preemption_grace_s",
+        type=float,
+        help="seconds a device may take to leave after SIGTERM before it is killed (default 30)",
+    )
+    parser.add_argument(
+        "--heartbeat-timeout",
+        dest="heartbeat_timeout_s",
+        type=float,
+        help="seconds of silence after which a device counts as hung and failed (default 5)",
+    )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        default=None,
+        help="show devices' tracebacks here (they are always written to the run directory)",
+    )
+    parser.add_argument(
+        "--eval-every", type=int, help="evaluate every N steps (and after the last) when the job has an evaluation set"
+    )
+    parser.add_argument(
+        "--tracker",
+        dest="trackers",
+        action="append",
+        choices=["tensorboard", "mlflow", "csv"],
+        help="log to an experiment tracker in the run directory (repeatable)",
+    )
     parser.add_argument("--keep-checkpoints", type=int, help="keep only the newest K checkpoints")
 
 
-_RUN_FIELDS = ("devices", "max_devices", "steps", "epochs", "schedule", "emulate_speeds", "host", "port",
-               "timeout_s", "backend", "oversubscribe", "metrics", "display", "checkpoint_every",
-               "checkpoint_dir", "resume", "show_secret", "preemption_grace_s", "heartbeat_timeout_s", "verbose",
-               "eval_every", "trackers", "keep_checkpoints")
+_RUN_FIELDS = (
+    "devices",
+    "max_devices",
+    "steps",
+    "epochs",
+    "schedule",
+    "emulate_speeds",
+    "host",
+    "port",
+    "timeout_s",
+    "backend",
+    "oversubscribe",
+    "metrics",
+    "display",
+    "checkpoint_every",
+    "checkpoint_dir",
+    "resume",
+    "show_secret",
+    "preemption_grace_s",
+    "heartbeat_timeout_s",
+    "verbose",
+    "eval_every",
+    "trackers",
+    "keep_checkpoints",
+)
 
 
 def _misplaced_flags(parser: argparse.ArgumentParser, script_arguments: list) -> tuple:
@@ -89,19 +134,22 @@ def command_run(arguments) -> int:
         misplaced, rest = _misplaced_flags(arguments.parser, script_arguments)
         if misplaced:
             meant = " ".join(["flexpar run", *_flags_before_script(arguments), *misplaced, arguments.script, *rest])
-            print(f"flexpar run: {misplaced[0]} comes after the script {arguments.script}, where it would go to "
-                  "the script, not to flexpar. flexpar's flags go before the script (as with torchrun and "
-                  f"accelerate launch):\n  {meant}\nIf {arguments.script} takes {misplaced[0]} itself, put "
-                  f"its arguments after `--`: flexpar run [flags] {arguments.script} -- {' '.join(script_arguments)}",
-                  file=sys.stderr)
+            print(
+                f"flexpar run: {misplaced[0]} comes after the script {arguments.script}, where it would go to "
+                "the script, not to flexpar. flexpar's flags go before the script (as with torchrun and "
+                f"accelerate launch):\n  {meant}\nIf {arguments.script} takes {misplaced[0]} itself, put "
+                f"its arguments after `--`: flexpar run [flags] {arguments.script} -- {' '.join(script_arguments)}",
+                file=sys.stderr,
+            )
             return 2
     listen_address(arguments)
     overrides = {field: getattr(arguments, field) for field in _RUN_FIELDS}
     try:
         overrides["secret"] = read_secret(arguments.secret_file)
         # Check the flags now, before the script runs (steps are the script's business).
-        options_module.FitOptions(**{**{k: v for k, v in overrides.items() if v is not None}, "steps": 1,
-                                     "epochs": None})
+        options_module.FitOptions(
+            **{**{k: v for k, v in overrides.items() if v is not None}, "steps": 1, "epochs": None}
+        )
     except ValueError as error:
         print(f"flexpar run: {error}", file=sys.stderr)
         return 2

@@ -12,7 +12,6 @@ from typing import Callable, Optional
 
 from flexpar.comm.protocol import wake_driver
 
-
 # A writer takes an index and writes its message right after (two store calls); one killed
 # in between (kill -9 of a device while its follower thread sends a record) never writes it.
 # The reader waits this long for a taken index, then skips it: otherwise every later message

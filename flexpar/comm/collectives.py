@@ -108,8 +108,9 @@ def _nothing() -> None:
 
 
 @contextlib.contextmanager
-def fresh_group(release_old_group: Callable[[], None], backend: str, store, rank: int, world_size: int,
-                timeout_s: float) -> Iterator[None]:
+def fresh_group(
+    release_old_group: Callable[[], None], backend: str, store, rank: int, world_size: int, timeout_s: float
+) -> Iterator[None]:
     """A new process group for the block; the old one (retired by `GroupReaper.retire`) released at its end.
 
     A boundary forms the new group, brings its members level inside the
@@ -122,9 +123,15 @@ def fresh_group(release_old_group: Callable[[], None], backend: str, store, rank
         # (they check the world size): no group, whose gloo transport thread would wake
         # 100 times a second on cores the device computes on.
         if world_size > 1:
-            collective(lambda: dist.init_process_group(
-                backend, store=store, rank=rank, world_size=world_size,
-                timeout=datetime.timedelta(seconds=timeout_s)))
+            collective(
+                lambda: dist.init_process_group(
+                    backend,
+                    store=store,
+                    rank=rank,
+                    world_size=world_size,
+                    timeout=datetime.timedelta(seconds=timeout_s),
+                )
+            )
         yield
     finally:
         release_old_group()

@@ -39,6 +39,7 @@ device count appears in the math.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -114,9 +115,8 @@ class GradientSync:
         bucket = self.bucket_of[id(parameter)]
         bucket.ready += 1
         # Launch in bucket order; the final bucket waits for finish() and the stats.
-        while (
-            self.next_launch < len(self.buckets) - 1
-            and self.buckets[self.next_launch].ready == len(self.buckets[self.next_launch].parameters)
+        while self.next_launch < len(self.buckets) - 1 and self.buckets[self.next_launch].ready == len(
+            self.buckets[self.next_launch].parameters
         ):
             self._launch(self.buckets[self.next_launch])
             self.next_launch += 1
@@ -178,7 +178,7 @@ class GradientSync:
         else:
             summed = carrier.buffer[carrier.numel :].to(torch.float64)
         for parameter in self.sparse:
-            parameter.grad = collective(lambda: all_reduce_sparse(parameter.grad, like=parameter))
+            parameter.grad = collective(functools.partial(all_reduce_sparse, parameter.grad, like=parameter))
         summed = summed.cpu()
         if scale is not None:
             multiplier = scale(summed, self._dense_sums())
@@ -209,9 +209,7 @@ class GradientSync:
 def _make_buckets(parameters, bucket_bytes: int) -> list:
     buckets, current, size = [], [], 0
     for parameter in parameters:
-        same_kind = not current or (
-            current[0].dtype == parameter.dtype and current[0].device == parameter.device
-        )
+        same_kind = not current or (current[0].dtype == parameter.dtype and current[0].device == parameter.device)
         if current and (size >= bucket_bytes or not same_kind):
             buckets.append(_Bucket(current, len(buckets)))
             current, size = [], 0

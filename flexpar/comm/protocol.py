@@ -30,7 +30,6 @@ import json
 import time
 from typing import Callable
 
-
 CHUNK_BYTES = 4 << 20  # the libuv TCPStore refuses messages above 8 MiB
 
 

@@ -105,9 +105,7 @@ def sparse_parameters(model: nn.Module) -> List[nn.Parameter]:
     caller should route each gradient by ``grad.layout`` at sync time, and
     :func:`all_reduce_sparse` refuses dense gradients.
     """
-    sparse_weight_ids = {
-        id(module.weight) for module in model.modules() if _is_sparse_embedding(module)
-    }
+    sparse_weight_ids = {id(module.weight) for module in model.modules() if _is_sparse_embedding(module)}
     # named_parameters() deduplicates shared parameters and fixes the order.
     return [
         parameter
@@ -271,9 +269,7 @@ def _sum_in_rank_order(
     return torch.sparse_coo_tensor(indices, summed, tuple(shape), is_coalesced=True, check_invariants=False)
 
 
-def all_reduce_sparse(
-    grad: Optional[torch.Tensor], group=None, *, like: Optional[torch.Tensor] = None
-) -> torch.Tensor:
+def all_reduce_sparse(grad: Optional[torch.Tensor], group=None, *, like: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The coalesced sum of ``grad`` over all ranks of ``group``, as sparse COO.
 
     ``grad`` is this device's sparse COO gradient (already accumulated over its

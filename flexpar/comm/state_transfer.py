@@ -123,6 +123,7 @@ def split_tensors(value, tensors: list):
     puts them back. Anything else - sparse tensors, custom objects - stays in
     the skeleton as it is.
     """
+
     def mark(item):
         if isinstance(item, torch.Tensor) and item.layout == torch.strided and not item.is_quantized:
             tensors.append(item)
@@ -232,16 +233,22 @@ def receive_state(source: int, device, own_model_state: Optional[dict] = None) -
     return join_tensors(described["skeleton"], tensors)
 
 
-def _fits(tensor: Optional[torch.Tensor], dtype: torch.dtype, shape: list, on_device: bool,
-          device: torch.device) -> bool:
+def _fits(
+    tensor: Optional[torch.Tensor], dtype: torch.dtype, shape: list, on_device: bool, device: torch.device
+) -> bool:
     """Whether the bytes of a tensor described so can be received straight into `tensor`.
 
     It must match dtype and shape, be contiguous (its flat view is then the
     tensor itself) and sit where the sender's did: on the transfer device.
     """
-    return (tensor is not None and tensor.dtype == dtype and list(tensor.shape) == shape
-            and tensor.is_contiguous() and on_device == (device.type != "cpu")
-            and tensor.device.type == device.type)
+    return (
+        tensor is not None
+        and tensor.dtype == dtype
+        and list(tensor.shape) == shape
+        and tensor.is_contiguous()
+        and on_device == (device.type != "cpu")
+        and tensor.device.type == device.type
+    )
 
 
 def _reusable_tensors(skeleton, own_model_state: dict) -> dict:

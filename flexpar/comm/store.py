@@ -44,8 +44,10 @@ def connect(host: str, port: int, timeout_s: float, server: bool = False) -> dis
         try:
             listener = socket.create_server((host, port), backlog=1024)
         except OSError as error:
-            raise ValueError(f"cannot listen on {host}:{port} ({error.strerror}); choose another --port "
-                             "(0 picks a free one) or --host") from None
+            raise ValueError(
+                f"cannot listen on {host}:{port} ({error.strerror}); choose another --port "
+                "(0 picks a free one) or --host"
+            ) from None
         port = listener.getsockname()[1]
         listen_fd = listener.detach()  # TCPStore owns the descriptor from here on
     return dist.TCPStore(
@@ -139,5 +141,7 @@ def _probe(host: str, port: int, timeout_s: float) -> None:
 def _unreachable(host: str, port: int, timeout_s: float, error: BaseException) -> "Unreachable":
     text = str(getattr(error, "strerror", None) or error).strip()
     reason = text.splitlines()[0] if text else type(error).__name__
-    return Unreachable(f"no flexpar job answers at {host}:{port} within {timeout_s:g} s ({reason}); "
-                       "check the address the job printed, and that the job is still running")
+    return Unreachable(
+        f"no flexpar job answers at {host}:{port} within {timeout_s:g} s ({reason}); "
+        "check the address the job printed, and that the job is still running"
+    )

@@ -46,11 +46,8 @@ def global_batch_indices(seed: int, step: int, dataset_size: int, global_batch: 
     """The `global_batch` sample indices that step `step` consumes."""
     per_epoch = steps_per_epoch(dataset_size, global_batch)
     if per_epoch < 1:
-        raise ValueError(
-            f"the dataset has {dataset_size} samples, fewer than one global batch of {global_batch}"
-        )
-    return batch_in_order(epoch_permutation(seed, step // per_epoch, dataset_size), step, dataset_size,
-                          global_batch)
+        raise ValueError(f"the dataset has {dataset_size} samples, fewer than one global batch of {global_batch}")
+    return batch_in_order(epoch_permutation(seed, step // per_epoch, dataset_size), step, dataset_size, global_batch)
 
 
 def batch_in_order(order: torch.Tensor, step: int, dataset_size: int, global_batch: int) -> torch.Tensor:

@@ -62,8 +62,10 @@ def split_chunks(chunks: int, shares: Sequence[int]) -> list:
 
 def sample_ranges(size: int, shares: Sequence[int], batch: int) -> list:
     """Per device, the `range` of sample indices it evaluates (chunk-aligned; see the module doc)."""
-    return [range(min(size, part.start * batch), min(size, part.stop * batch))
-            for part in split_chunks(chunk_count(size, batch), shares)]
+    return [
+        range(min(size, part.start * batch), min(size, part.stop * batch))
+        for part in split_chunks(chunk_count(size, batch), shares)
+    ]
 
 
 def batches_of(samples: range, batch: int) -> list:
@@ -143,7 +145,7 @@ def metrics_of(vector: Sequence[float], keys: Sequence[str]) -> dict:
     result = {}
     for key, value in zip(keys, vector):
         value = float(value)
-        result[key] = int(value) if value.is_integer() and abs(value) < 2 ** 53 else value
+        result[key] = int(value) if value.is_integer() and abs(value) < 2**53 else value
     return result
 
 

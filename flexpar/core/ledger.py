@@ -52,9 +52,9 @@ def read(path) -> dict:
 
 @dataclass(frozen=True)
 class Audit:
-    steps_missing: int      # committed steps without a ledger entry
-    samples_lost: int       # expected in a step, not consumed by it
-    samples_repeated: int   # consumed by a step more often than expected
+    steps_missing: int  # committed steps without a ledger entry
+    samples_lost: int  # expected in a step, not consumed by it
+    samples_repeated: int  # consumed by a step more often than expected
 
     @property
     def clean(self) -> bool:

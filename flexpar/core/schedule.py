@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-
 # A change fires once its step has committed, and the step in flight then
 # carries the agreement on it: it applies up to this many steps after its
 # step and still counts as on time. Later than that is reported as late.
@@ -42,14 +41,19 @@ class Outcome:
 
     step: int
     delta: int
-    status: str = "pending"   # pending, waiting (accepted, not applied yet), on time, late, refused, not applied
+    status: str = "pending"  # pending, waiting (accepted, not applied yet), on time, late, refused, not applied
     applied_step: Optional[int] = None
     detail: str = ""
     devices: set = field(default_factory=set)  # devices still to come (join) or go (leave)
 
     def as_dict(self) -> dict:
-        return {"step": self.step, "delta": self.delta, "status": self.status,
-                "applied_step": self.applied_step, "detail": self.detail}
+        return {
+            "step": self.step,
+            "delta": self.delta,
+            "status": self.status,
+            "applied_step": self.applied_step,
+            "detail": self.detail,
+        }
 
     @property
     def label(self) -> str:
@@ -86,8 +90,9 @@ class ScheduleTracker:
                 if cancelled in other.devices and other.delta > 0:
                     other.devices.discard(cancelled)
                     other.status = "not applied"
-                    other.detail = (f"{other.label} never applied: {cancelled} was still warming up when "
-                                    f"{outcome.label} removed it")
+                    other.detail = (
+                        f"{other.label} never applied: {cancelled} was still warming up when {outcome.label} removed it"
+                    )
                     reports.append(other.detail)
         if not outcome.devices:  # it only cancelled devices on their way: done at once
             outcome.status, outcome.applied_step = "on time", outcome.step
@@ -112,10 +117,12 @@ class ScheduleTracker:
                 outcome.status = "late"
                 # A leave fires once the driver has seen its step commit; steps faster than that
                 # view (a few ms of polling per record) move on before it reaches a boundary.
-                why = (" (the new device was warming up)" if outcome.delta > 0 else
-                       " (the steps ran on before the driver's request reached a step boundary)")
-                outcome.detail = (f"{outcome.label} applied at step {outcome.applied_step}, "
-                                  f"{late} steps late{why}")
+                why = (
+                    " (the new device was warming up)"
+                    if outcome.delta > 0
+                    else " (the steps ran on before the driver's request reached a step boundary)"
+                )
+                outcome.detail = f"{outcome.label} applied at step {outcome.applied_step}, {late} steps late{why}"
                 reports.append(outcome.detail)
         return reports
 
@@ -129,8 +136,7 @@ class ScheduleTracker:
                 reports.append(outcome.detail)
             elif outcome.status == "waiting":
                 outcome.status = "not applied"
-                why = ("its device was still warming up" if outcome.delta > 0
-                       else "it had not reached a step boundary")
+                why = "its device was still warming up" if outcome.delta > 0 else "it had not reached a step boundary"
                 outcome.detail = f"{outcome.label} never applied: the job ended at step {final_step} while {why}"
                 reports.append(outcome.detail)
         return reports

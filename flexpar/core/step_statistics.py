@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+
 class StatsLayout:
     """Where each figure sits in a step's statistics vector (summed across devices).
 
@@ -47,9 +48,13 @@ def mixed_loss_message(step: int, first_kind: Optional[tuple] = None, virtual_wo
     """A loss that returned a pair at some VWs of a step and a scalar at others."""
     if first_kind is not None:
         kinds = {True: "a pair (loss_sum, count)", False: "a scalar"}
-        where = (f"virtual worker {first_kind[0]} returned {kinds[first_kind[1]]}, virtual worker "
-                 f"{virtual_worker} {kinds[not first_kind[1]]}")
+        where = (
+            f"virtual worker {first_kind[0]} returned {kinds[first_kind[1]]}, virtual worker "
+            f"{virtual_worker} {kinds[not first_kind[1]]}"
+        )
     else:
         where = "some virtual workers returned a pair (loss_sum, count) and others a scalar"
-    return (f"at step {step}, {where}; loss(model, batch) must return the same kind for every batch "
-            "(a pair weights each VW by its count, a scalar weighs every VW alike)")
+    return (
+        f"at step {step}, {where}; loss(model, batch) must return the same kind for every batch "
+        "(a pair weights each VW by its count, a scalar weighs every VW alike)"
+    )

@@ -18,7 +18,6 @@ from flexpar.comm.channel import Channel
 from flexpar.comm.protocol import get_json, has, join_proof, scale_proof, tell_devices
 from flexpar.core import membership as ms
 
-
 # How often the coordinator reads the devices' heartbeats (they beat every 0.5 s).
 HEARTBEATS_READ_S = 0.1
 
@@ -61,10 +60,10 @@ class Coordinator:
         self.on_note = on_note
         self.events = Channel(store, "events")
         self.stop_reason: Optional[str] = None
-        self.published: list = []     # Publish actions, for metrics and status
-        self.errors: list = []        # error messages from devices: the job stops on the first
-        self.heartbeats: dict = {}    # device_id -> (last heartbeat value, time it changed)
-        self.warmups: dict = {}       # device_id -> its warm-up's seconds (from "ready"): in the join event
+        self.published: list = []  # Publish actions, for metrics and status
+        self.errors: list = []  # error messages from devices: the job stops on the first
+        self.heartbeats: dict = {}  # device_id -> (last heartbeat value, time it changed)
+        self.warmups: dict = {}  # device_id -> its warm-up's seconds (from "ready"): in the join event
         self._heartbeats_read_at = float("-inf")
         self._finish_asked: queue.SimpleQueue = queue.SimpleQueue()  # by signal handlers (request_finish)
 
@@ -93,7 +92,7 @@ class Coordinator:
         now = self.clock()
         while not self._finish_asked.empty():
             self.apply(self._finish_asked.get())
-        for message in (self.events.receive() if receive else ()):
+        for message in self.events.receive() if receive else ():
             event = self._event_of(message, now)
             if event is not None:
                 self.apply(event)
@@ -108,8 +107,10 @@ class Coordinator:
             self._heartbeats_read_at = now
             silent = self._silent_devices(now)
         for device_id in silent:
-            self.on_note(f"device {device_id} stopped answering (no heartbeat for {self.heartbeat_timeout_s:g} s): "
-                         "counted as failed")
+            self.on_note(
+                f"device {device_id} stopped answering (no heartbeat for {self.heartbeat_timeout_s:g} s): "
+                "counted as failed"
+            )
             self.stop_local(device_id)  # a hung local process is killed; a remote one is evicted
             tell_devices(self.store, f"reply/{device_id}", "evicted: it stopped answering (no heartbeat)")
             exited.append(device_id)

@@ -19,7 +19,8 @@ from flexpar.callbacks import Dispatcher
 from flexpar.comm.channel import Channel
 from flexpar.comm.protocol import DRIVER_NOTICE_KEY, DRIVER_WAKE_KEY, tell_devices
 from flexpar.comm.store import connect
-from flexpar.core import ledger as sample_ledger, membership
+from flexpar.core import ledger as sample_ledger
+from flexpar.core import membership
 from flexpar.core.schedule import ScheduleTracker
 from flexpar.errors import TrainingError
 from flexpar.observe.display import LiveDisplay
@@ -33,8 +34,19 @@ _READ_ALL_EVERY = 10  # passes between readings of the channels and "done" that 
 
 
 class DriverLoop:
-    def __init__(self, store, coordinator, options, total_steps: int, global_batch: int, address: str,
-                 run_dir: str, metrics_path: str, exit_codes=lambda: {}, callbacks: Dispatcher = None):
+    def __init__(
+        self,
+        store,
+        coordinator,
+        options,
+        total_steps: int,
+        global_batch: int,
+        address: str,
+        run_dir: str,
+        metrics_path: str,
+        exit_codes=lambda: {},
+        callbacks: Dispatcher = None,
+    ):
         self.store = store
         self.coordinator = coordinator
         self.options = options
@@ -49,9 +61,9 @@ class DriverLoop:
         self.started = time.time()
         self.steps: list = []
         self.events: list = []
-        self.evals: list = []     # eval records, one per evaluated step, in order
+        self.evals: list = []  # eval records, one per evaluated step, in order
         self.callbacks = callbacks if callbacks is not None else Dispatcher()
-        self.devices: list = []   # the device set of the latest record
+        self.devices: list = []  # the device set of the latest record
         self.generation = 1
         self.done: dict = {}
         self.metrics_path = metrics_path
@@ -60,8 +72,9 @@ class DriverLoop:
         self.display = None
         if not options.quiet:
             # --no-display (display=False) means plain log lines, never nothing.
-            self.display = LiveDisplay(total_steps, log_every=options.log_every,
-                                       force_terminal=False if options.display is False else None)
+            self.display = LiveDisplay(
+                total_steps, log_every=options.log_every, force_terminal=False if options.display is False else None
+            )
             if not self.display.uses_rich:
                 _log_to_stderr()
 
@@ -119,8 +132,11 @@ class DriverLoop:
             if message["device_id"] in members or self.coordinator.state.generation == 0:
                 tell_devices(self.store, "stop", "a device reported an error")
                 raise TrainingError(self._device_error(message))
-            print(f"flexpar: joining device {message['device_id']} failed and was dropped: "
-                  f"{message['message']}", file=sys.stderr, flush=True)
+            print(
+                f"flexpar: joining device {message['device_id']} failed and was dropped: {message['message']}",
+                file=sys.stderr,
+                flush=True,
+            )
         self.coordinator.errors.clear()
 
     def _device_error(self, message: dict) -> str:
@@ -145,11 +161,16 @@ class DriverLoop:
                 self._emit(record)
                 self._notify("on_step", record)
                 self._fire_schedule(record["step"] + 1)
-                self.coordinator.write_status({
-                    "step": record["step"] + 1, "total_steps": self.total_steps,
-                    "samples_per_s": record["samples_per_s"], "loss": record["loss"],
-                    "assignment": record["assignment"], "address": self.address,
-                })
+                self.coordinator.write_status(
+                    {
+                        "step": record["step"] + 1,
+                        "total_steps": self.total_steps,
+                        "samples_per_s": record["samples_per_s"],
+                        "loss": record["loss"],
+                        "assignment": record["assignment"],
+                        "address": self.address,
+                    }
+                )
             elif record["kind"] == "eval":
                 self._relay_eval(record)
             else:
@@ -209,9 +230,16 @@ class DriverLoop:
         """A schedule entry was late, refused or never applied: log, metrics file, summary."""
         for line in lines:
             step = self.steps[-1]["step"] + 1 if self.steps else 0
-            record = {"kind": "event", "event": "schedule", "step": step, "time": time.time(),
-                      "generation": max(1, self.generation), "devices": list(self.devices),
-                      "stall_s": 0.0, "detail": line}
+            record = {
+                "kind": "event",
+                "event": "schedule",
+                "step": step,
+                "time": time.time(),
+                "generation": max(1, self.generation),
+                "devices": list(self.devices),
+                "stall_s": 0.0,
+                "detail": line,
+            }
             self.events.append(record)
             self._emit(record)
             self._notify("on_event", record)
@@ -229,8 +257,9 @@ class DriverLoop:
             "wall_s": time.time() - self.started,
             "generations": self.coordinator.state.generation,
             "devices": list(self.devices),  # the device set of the last record
-            "events": [dict(event=e["event"], step=e["step"], stall_s=e["stall_s"], detail=e["detail"])
-                       for e in listed],
+            "events": [
+                dict(event=e["event"], step=e["step"], stall_s=e["stall_s"], detail=e["detail"]) for e in listed
+            ],
             "rebalances": len(self.events) - len(listed),
             "schedule": self.schedule.summary(),
             "stopped": self.done.get("stopped", ""),
@@ -238,8 +267,9 @@ class DriverLoop:
             "metrics_path": self.metrics_path,
             "sample_ledger": self.ledger_file.name if self.ledger_file is not None else "",
             "run_dir": self.run_dir,
-            "eval": ({"step": self.evals[-1]["step"], "metrics": dict(self.evals[-1]["metrics"])}
-                     if self.evals else None),
+            "eval": (
+                {"step": self.evals[-1]["step"], "metrics": dict(self.evals[-1]["metrics"])} if self.evals else None
+            ),
         }
 
 
@@ -281,8 +311,9 @@ class DriverWaker:
         self.woken = threading.Event()
         self._closing = threading.Event()
         self._client = connect(host, port, timeout_s)
-        self._thread = threading.Thread(target=self._run, args=(host, port, timeout_s), name="flexpar-waker",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(host, port, timeout_s), name="flexpar-waker", daemon=True
+        )
         self._thread.start()
 
     def _run(self, host: str, port: int, timeout_s: float) -> None:

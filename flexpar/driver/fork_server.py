@@ -27,8 +27,15 @@ def worker_context(verbose: bool = False):
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
     # torch._dynamo is what torch.optim imports on first use: seconds, paid once here.
-    context.set_forkserver_preload(["flexpar.driver.forkserver_preload", "flexpar.worker.process", "torch.optim",
-                                    "torch.distributed", "torch._dynamo"])
+    context.set_forkserver_preload(
+        [
+            "flexpar.driver.forkserver_preload",
+            "flexpar.worker.process",
+            "torch.optim",
+            "torch.distributed",
+            "torch._dynamo",
+        ]
+    )
     from multiprocessing import forkserver
 
     # c10d logs each lost store connection as a warning with a C++ frame dump;

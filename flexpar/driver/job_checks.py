@@ -25,8 +25,17 @@ from flexpar.worker.user_code import loss_terms, nonfinite_message
 
 def pickle_pieces(job) -> bytes:
     """The job as bytes for the workers; each piece that cannot travel is named."""
-    for name in ("model", "optimizer", "loss", "lr_scheduler", "collate_fn", "dataset", "evaluate", "eval_dataset",
-                 "sample_cost"):
+    for name in (
+        "model",
+        "optimizer",
+        "loss",
+        "lr_scheduler",
+        "collate_fn",
+        "dataset",
+        "evaluate",
+        "eval_dataset",
+        "sample_cost",
+    ):
         piece = getattr(job, name)
         if piece is None:
             continue
@@ -43,9 +52,7 @@ def pickle_pieces(job) -> bytes:
 
 def first_batch_check(job, model: nn.Module) -> None:
     """Run the loss on virtual worker 0 of step 0 in the driver, to report errors once."""
-    indices = batching.virtual_worker_indices(
-        job.seed, 0, 0, len(job.dataset), job.global_batch, job.virtual_workers
-    )
+    indices = batching.virtual_worker_indices(job.seed, 0, 0, len(job.dataset), job.global_batch, job.virtual_workers)
     batch = load_batch(job, indices, batching.data_seed(job.seed, 0, 0))
     if not torch.cuda.is_available():  # a CPU job: the workers' device type is known here already
         recipes.check_mixed_precision(job, "cpu")
@@ -57,7 +64,7 @@ def first_batch_check(job, model: nn.Module) -> None:
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), (precision or contextlib.nullcontext()):
+        with torch.no_grad(), precision or contextlib.nullcontext():
             value = loss_terms(job.loss(model, batch), 0, 0).value
     finally:
         model.train(was_training)

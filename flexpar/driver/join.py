@@ -48,8 +48,15 @@ def _joiner_main(args: WorkerArgs, script: str) -> None:
     worker_main(args)
 
 
-def join(address: str, devices: int, secret: str, script: Optional[str] = None, speed: float = 1.0,
-         preemption_grace_s: Optional[float] = None, connect_timeout_s: float = 60.0) -> int:
+def join(
+    address: str,
+    devices: int,
+    secret: str,
+    script: Optional[str] = None,
+    speed: float = 1.0,
+    preemption_grace_s: Optional[float] = None,
+    connect_timeout_s: float = 60.0,
+) -> int:
     """Start `devices` workers on this host that join the running job at `address`.
 
     Waits up to `connect_timeout_s` for the job to answer (under SLURM or
@@ -60,8 +67,11 @@ def join(address: str, devices: int, secret: str, script: Optional[str] = None, 
     Returns the workers' worst exit code (0: all left or finished).
     """
     host, _, port_text = address.rpartition(":")
-    print(f"flexpar join: connecting to the job at {address} (waiting up to {connect_timeout_s:g} s)",
-          file=sys.stderr, flush=True)
+    print(
+        f"flexpar join: connecting to the job at {address} (waiting up to {connect_timeout_s:g} s)",
+        file=sys.stderr,
+        flush=True,
+    )
     store = connect_client(host, int(port_text), connect_timeout_s, wait_for_job=True)
     try:
         script = script or store.get("job/script").decode()
@@ -78,15 +88,28 @@ def join(address: str, devices: int, secret: str, script: Optional[str] = None, 
         device_id = f"{socket.gethostname()}-{number}"
         device = f"cuda:{local_index % max(1, torch.cuda.device_count())}" if kind == "cuda" else "cpu"
         threads = max(1, cpu_count() // devices) if kind == "cpu" else 0
-        args = WorkerArgs(host, int(port_text), device_id, secret, device, threads, speed, remote=True,
-                          preemption_grace_s=preemption_grace_s)
+        args = WorkerArgs(
+            host,
+            int(port_text),
+            device_id,
+            secret,
+            device,
+            threads,
+            speed,
+            remote=True,
+            preemption_grace_s=preemption_grace_s,
+        )
         process = context.Process(target=_joiner_main, args=(args, script), name=f"flexpar-{device_id}")
         process.start()
         processes.append(process)
         device_ids.append(device_id)
     plural = "s" if devices != 1 else ""
-    print(f"flexpar join: started {devices} {kind} device{plural} ({', '.join(device_ids)}); each joins at a step "
-          "boundary once warm", file=sys.stderr, flush=True)
+    print(
+        f"flexpar join: started {devices} {kind} device{plural} ({', '.join(device_ids)}); each joins at a step "
+        "boundary once warm",
+        file=sys.stderr,
+        flush=True,
+    )
 
     def pass_on(signum, frame):
         for process in processes:
@@ -106,9 +129,7 @@ def join(address: str, devices: int, secret: str, script: Optional[str] = None, 
     finally:
         signal.signal(signal.SIGTERM, previous)
     # A worker killed by a signal has exitcode -N: report it as a shell does (128 + N), not as 0.
-    codes = [128 - process.exitcode if (process.exitcode or 0) < 0 else process.exitcode or 0
-             for process in processes]
+    codes = [128 - process.exitcode if (process.exitcode or 0) < 0 else process.exitcode or 0 for process in processes]
     ended = ", ".join(f"{device_id} exit {code}" for device_id, code in zip(device_ids, codes))
-    print(f"flexpar join: this host's devices have ended ({ended}; 0: left or finished)", file=sys.stderr,
-          flush=True)
+    print(f"flexpar join: this host's devices have ended ({ended}; 0: left or finished)", file=sys.stderr, flush=True)
     return max(codes)

@@ -30,13 +30,12 @@ from flexpar import callbacks as callbacks_module
 from flexpar.comm import state_transfer as training_state
 from flexpar.comm.protocol import get_blob, put_blob, tell_devices
 from flexpar.comm.store import connect
-from flexpar.driver.coordinator import Coordinator
-from flexpar.driver.driver_loop import DriverWaker
 from flexpar.core import membership
-from flexpar.driver.driver_loop import DriverLoop
+from flexpar.driver.coordinator import Coordinator
+from flexpar.driver.driver_loop import DriverLoop, DriverWaker
 from flexpar.driver.fork_server import worker_context
-from flexpar.driver.local_devices import LocalDevices, detect_devices
 from flexpar.driver.job_checks import first_batch_check, pickle_pieces
+from flexpar.driver.local_devices import LocalDevices, detect_devices
 from flexpar.errors import TrainingError
 from flexpar.observe import trackers as trackers_module
 from flexpar.options import FitOptions, is_loopback
@@ -59,8 +58,10 @@ def run(job, options: FitOptions) -> tuple:
     build_optimizer(job, model)
     first_batch_check(job, model)
     if options.eval_every and job.evaluate is None:
-        raise ValueError(f"eval_every={options.eval_every} needs an evaluation set: "
-                         "Job(..., eval_dataset=DATASET, evaluate=FUNCTION)")
+        raise ValueError(
+            f"eval_every={options.eval_every} needs an evaluation set: "
+            "Job(..., eval_dataset=DATASET, evaluate=FUNCTION)"
+        )
     eval_keys = evaluator.metric_keys(job, model) if job.evaluate is not None else ()
     payload = pickle_pieces(job)
     total_steps = options.steps or options.epochs * job.steps_per_epoch()
@@ -70,17 +71,29 @@ def run(job, options: FitOptions) -> tuple:
         if resume_path is None:
             raise ValueError(f"resume=True but {options.checkpoint_dir} holds no checkpoint (step-*.pt)")
     run_dir, metrics_path = run_paths(options)
-    callbacks = callbacks_module.Dispatcher(options.callbacks + tuple(trackers_module.create(options.trackers, run_dir)))
+    callbacks = callbacks_module.Dispatcher(
+        options.callbacks + tuple(trackers_module.create(options.trackers, run_dir))
+    )
     script = getattr(sys.modules.get("__main__"), "__file__", None) or ""
-    settings = RunSettings(total_steps, backend, options.timeout_s, options.bucket_mb,
-                           options.checkpoint_every, options.checkpoint_dir, resume_path,
-                           tuple((f.step, f.device, f.phase, f.signal) for f in options.faults),
-                           rescue_dir=os.path.abspath(run_dir), script=os.path.abspath(script) if script else "",
-                           resume_command=resume_command(os.path.abspath(options.checkpoint_dir or run_dir)),
-                           preemption_grace_s=options.preemption_grace_s, sample_ledger=options.sample_ledger,
-                           eval_every=options.eval_every, eval_keys=tuple(eval_keys),
-                           eval_verdict=bool(options.eval_every and eval_keys and callbacks.can_stop_at_eval),
-                           keep_checkpoints=options.keep_checkpoints)
+    settings = RunSettings(
+        total_steps,
+        backend,
+        options.timeout_s,
+        options.bucket_mb,
+        options.checkpoint_every,
+        options.checkpoint_dir,
+        resume_path,
+        tuple((f.step, f.device, f.phase, f.signal) for f in options.faults),
+        rescue_dir=os.path.abspath(run_dir),
+        script=os.path.abspath(script) if script else "",
+        resume_command=resume_command(os.path.abspath(options.checkpoint_dir or run_dir)),
+        preemption_grace_s=options.preemption_grace_s,
+        sample_ledger=options.sample_ledger,
+        eval_every=options.eval_every,
+        eval_keys=tuple(eval_keys),
+        eval_verdict=bool(options.eval_every and eval_keys and callbacks.can_stop_at_eval),
+        keep_checkpoints=options.keep_checkpoints,
+    )
     secret = options.secret or secrets.token_hex(16)
     store = connect(options.host, options.port, options.timeout_s, server=True)
     address = f"{advertised_host(options.host)}:{store.port}"
@@ -92,16 +105,34 @@ def run(job, options: FitOptions) -> tuple:
     local = LocalDevices(context, options.host, store.port, secret, kind, threads, options.emulate_speeds)
     grace_s = options.timeout_s + 5.0
     local_capacity = None if (kind == "cpu" and options.oversubscribe) else available
-    state = membership.Membership(initial_devices=initial, max_devices=max_devices, grace_s=grace_s,
-                                  local_capacity=local_capacity)
+    state = membership.Membership(
+        initial_devices=initial, max_devices=max_devices, grace_s=grace_s, local_capacity=local_capacity
+    )
     coordinator = Coordinator(
-        store, secret, store.get("job/salt").decode(), model_digest(model), __version__, state,
-        spawn_local=local.spawn, stop_local=local.stop, local_exits=local.exits,
+        store,
+        secret,
+        store.get("job/salt").decode(),
+        model_digest(model),
+        __version__,
+        state,
+        spawn_local=local.spawn,
+        stop_local=local.stop,
+        local_exits=local.exits,
         heartbeat_timeout_s=options.heartbeat_timeout_s,
         on_note=lambda message: print(f"flexpar: {message}", file=sys.stderr, flush=True),
     )
-    loop = DriverLoop(store, coordinator, options, total_steps, job.global_batch, address,
-                      run_dir, metrics_path, exit_codes=lambda: dict(local.exit_codes), callbacks=callbacks)
+    loop = DriverLoop(
+        store,
+        coordinator,
+        options,
+        total_steps,
+        job.global_batch,
+        address,
+        run_dir,
+        metrics_path,
+        exit_codes=lambda: dict(local.exit_codes),
+        callbacks=callbacks,
+    )
     ended_well = False
     terminated = threading.Event()
     try:
@@ -121,8 +152,9 @@ def run(job, options: FitOptions) -> tuple:
         print("flexpar: stopped by SIGTERM before training started; nothing to keep", file=sys.stderr, flush=True)
         raise SystemExit(143) from None
     except (KeyboardInterrupt, _SecondSigterm) as interruption:
-        what, code = (("a second SIGTERM", 143) if isinstance(interruption, _SecondSigterm)
-                      else ("interrupted (Ctrl-C)", 130))
+        what, code = (
+            ("a second SIGTERM", 143) if isinstance(interruption, _SecondSigterm) else ("interrupted (Ctrl-C)", 130)
+        )
         tell_devices(store, "stop", what)
         local.shutdown(grace_s=2.0)
         print(f"flexpar: {what}; the workers are stopped", file=sys.stderr, flush=True)
@@ -133,8 +165,11 @@ def run(job, options: FitOptions) -> tuple:
         local.shutdown()
         callbacks.close(failed=not ended_well)
     if terminated.is_set():
-        where = f"; checkpoint {summary['checkpoint']}" if summary["checkpoint"] else (
-            "; no checkpoint (pass --checkpoint-dir to keep one)")
+        where = (
+            f"; checkpoint {summary['checkpoint']}"
+            if summary["checkpoint"]
+            else ("; no checkpoint (pass --checkpoint-dir to keep one)")
+        )
         print(f"flexpar: stopped by SIGTERM after step {summary['steps']}{where}", file=sys.stderr, flush=True)
         raise SystemExit(143)
     return model, summary
@@ -157,9 +192,9 @@ def resume_command(directory: str, argv: Optional[list] = None, script_argv: Opt
     script = os.path.abspath(typed) if typed else "SCRIPT"
     for index, word in enumerate(argv[:-1]):  # .../bin/flexpar run ..., or python -m flexpar run ...
         if os.path.basename(word) == "flexpar" and argv[index + 1] == "run":
-            rest = argv[index + 2:]
+            rest = argv[index + 2 :]
             position = rest.index(typed) if typed in rest else len(rest)
-            return shlex.join(added + _without_resume_flags(rest[:position]) + [script] + rest[position + 1:])
+            return shlex.join(added + _without_resume_flags(rest[:position]) + [script] + rest[position + 1 :])
     rest = script_argv[1:] if typed else []
     return shlex.join(added + [script] + (["--"] + rest if rest else []))
 
@@ -219,14 +254,19 @@ def _banner(address, initial, kind, max_devices, options, secret_note, resume_pa
         growth = "cannot grow"
     how = ""
     if not options.max_devices:
-        beyond_cores = (f"; more than this host's {cores} cores also need --oversubscribe"
-                        if kind == "cpu" and not options.oversubscribe and cores else "")
+        beyond_cores = (
+            f"; more than this host's {cores} cores also need --oversubscribe"
+            if kind == "cpu" and not options.oversubscribe and cores
+            else ""
+        )
         how = f" (--max-devices N, or fit(max_devices=N), allows more{beyond_cores})"
-    print(f"flexpar: job at {address}; {initial} x {kind} device{'s' if initial != 1 else ''}, "
-          f"{growth}{how}; {secret_note}", flush=True)
+    print(
+        f"flexpar: job at {address}; {initial} x {kind} device{'s' if initial != 1 else ''}, "
+        f"{growth}{how}; {secret_note}",
+        flush=True,
+    )
     if resume_path:
-        print(f"flexpar: resuming from step {checkpoints.checkpoint_step(resume_path)} ({resume_path})",
-              flush=True)
+        print(f"flexpar: resuming from step {checkpoints.checkpoint_step(resume_path)} ({resume_path})", flush=True)
 
 
 class _SecondSigterm(BaseException):

@@ -85,9 +85,7 @@ class ByteWindows(Dataset):
         if data.dtype != torch.uint8 or data.dim() != 1:
             raise TypeError(f"data must be bytes or a 1-D uint8 tensor (got {data.dtype}, {data.dim()}-D)")
         if len(data) < context + 1:
-            raise ValueError(
-                f"{len(data)} bytes make no window of context={context} (needs {context + 1} bytes)"
-            )
+            raise ValueError(f"{len(data)} bytes make no window of context={context} (needs {context + 1} bytes)")
         # clone(): a slice of a larger tensor would otherwise pickle its whole storage.
         self.data = data.clone()
         self.context = context

@@ -65,8 +65,9 @@ class LineWindows(ByteWindows):
         return tokens, targets
 
 
-def load_splits(context: int = DEFAULT_CONTEXT, max_bytes: int = 1_000_000,
-                held_out_fraction: float = 0.05) -> Tuple[LineWindows, LineWindows]:
+def load_splits(
+    context: int = DEFAULT_CONTEXT, max_bytes: int = 1_000_000, held_out_fraction: float = 0.05
+) -> Tuple[LineWindows, LineWindows]:
     """Train and held-out `LineWindows` of the standard library's source (the held-out text is the tail)."""
     if not 0.0 < held_out_fraction < 1.0:
         raise ValueError(f"held_out_fraction={held_out_fraction} must be strictly between 0 and 1")
@@ -82,8 +83,17 @@ def model_config(context: int = DEFAULT_CONTEXT):
     """A small GPT-2: 2 layers, width 64, 2 heads; about 0.12M parameters."""
     from transformers import GPT2Config
 
-    return GPT2Config(vocab_size=VOCABULARY, n_positions=context, n_embd=64, n_layer=2, n_head=2,
-                      bos_token_id=NEWLINE, eos_token_id=NEWLINE, pad_token_id=PAD, use_cache=False)
+    return GPT2Config(
+        vocab_size=VOCABULARY,
+        n_positions=context,
+        n_embd=64,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=NEWLINE,
+        eos_token_id=NEWLINE,
+        pad_token_id=PAD,
+        use_cache=False,
+    )
 
 
 def make_model() -> nn.Module:
@@ -107,8 +117,9 @@ def loss_fn(model: nn.Module, batch):
     """
     tokens, targets = batch
     logits = model(input_ids=tokens, attention_mask=(tokens != PAD).long()).logits
-    loss_sum = F.cross_entropy(logits.reshape(-1, VOCABULARY).float(), targets.reshape(-1),
-                               ignore_index=IGNORE, reduction="sum")
+    loss_sum = F.cross_entropy(
+        logits.reshape(-1, VOCABULARY).float(), targets.reshape(-1), ignore_index=IGNORE, reduction="sum"
+    )
     return loss_sum, (targets != IGNORE).sum()
 
 
@@ -153,8 +164,16 @@ def sample(model: nn.Module, prompt: Union[str, bytes], n: int, context: int = D
 # ---------------------------------------------------------------- the job
 
 
-def build_job(steps: int = 200, global_batch: int = 64, virtual_workers: int = 4, seed: int = 0, dataset=None,
-              mixed_precision: Optional[str] = "bf16", max_grad_norm: Optional[float] = 1.0, compile: bool = False):
+def build_job(
+    steps: int = 200,
+    global_batch: int = 64,
+    virtual_workers: int = 4,
+    seed: int = 0,
+    dataset=None,
+    mixed_precision: Optional[str] = "bf16",
+    max_grad_norm: Optional[float] = 1.0,
+    compile: bool = False,
+):
     """The flexpar job of this demo; `dataset` defaults to the training windows."""
     import flexpar
 
@@ -177,7 +196,7 @@ def parse_arguments(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The demo's command line (shared with examples/hf_gpt.py)."""
     parser = argparse.ArgumentParser(
         description="Train a small Hugging Face GPT-2 on the Python standard library with flexpar (bf16, "
-                    "gradient clipping, token-weighted loss)."
+        "gradient clipping, token-weighted loss)."
     )
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
     parser.add_argument("--devices", type=int, default=None, help="devices to start with (default: all local)")
@@ -185,8 +204,12 @@ def parse_arguments(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--global-batch", type=int, default=64, help="windows per step (default 64)")
     parser.add_argument("--virtual-workers", type=int, default=4, help="virtual workers per step (default 4)")
     parser.add_argument("--max-bytes", type=int, default=1_000_000, help="corpus size cap in bytes")
-    parser.add_argument("--mixed-precision", choices=["bf16", "fp16", "none"], default="bf16",
-                        help="autocast dtype of the forward (default bf16)")
+    parser.add_argument(
+        "--mixed-precision",
+        choices=["bf16", "fp16", "none"],
+        default="bf16",
+        help="autocast dtype of the forward (default bf16)",
+    )
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (default 1.0; 0: off)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model in every worker")
     parser.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
@@ -195,10 +218,14 @@ def parse_arguments(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def job_from_arguments(arguments: argparse.Namespace, dataset):
     return build_job(
-        steps=arguments.steps, global_batch=arguments.global_batch, virtual_workers=arguments.virtual_workers,
-        seed=arguments.seed, dataset=dataset,
+        steps=arguments.steps,
+        global_batch=arguments.global_batch,
+        virtual_workers=arguments.virtual_workers,
+        seed=arguments.seed,
+        dataset=dataset,
         mixed_precision=None if arguments.mixed_precision == "none" else arguments.mixed_precision,
-        max_grad_norm=arguments.max_grad_norm or None, compile=arguments.compile,
+        max_grad_norm=arguments.max_grad_norm or None,
+        compile=arguments.compile,
     )
 
 
@@ -209,8 +236,10 @@ def main(argv: Optional[Sequence[str]] = None) -> float:
     job = job_from_arguments(arguments, train)
     model, summary = job.fit(steps=arguments.steps, devices=arguments.devices, schedule=arguments.schedule)
     loss = evaluate(model, held_out, max_windows=2000)
-    print(f"held-out loss: {loss:.3f} nats/byte = {bits_per_byte(loss):.3f} bits/byte "
-          f"(padding excluded; uniform guessing is {math.log2(256):.0f} bits/byte)")
+    print(
+        f"held-out loss: {loss:.3f} nats/byte = {bits_per_byte(loss):.3f} bits/byte "
+        f"(padding excluded; uniform guessing is {math.log2(256):.0f} bits/byte)"
+    )
     print("sample:\ndef " + sample(model, "def ", 120).decode("utf-8", errors="replace"))
     return loss
 

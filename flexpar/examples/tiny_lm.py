@@ -42,9 +42,27 @@ from flexpar.examples.byte_corpus import (
 
 # The data pieces live in flexpar/examples/byte_corpus.py; they are this demo's pieces too.
 __all__ = [
-    "DEFAULT_CONTEXT", "DEFAULT_MAX_BYTES", "VOCABULARY", "ByteWindows", "ModelConfig", "TinyLM", "WarmupCosine",
-    "WarmupCosineFactor", "bits_per_byte", "build_job", "evaluate", "load_splits", "loss_fn", "main", "make_model",
-    "make_optimizer", "parse_arguments", "read_stdlib_corpus", "sample", "stdlib_root", "stdlib_source_files",
+    "DEFAULT_CONTEXT",
+    "DEFAULT_MAX_BYTES",
+    "VOCABULARY",
+    "ByteWindows",
+    "ModelConfig",
+    "TinyLM",
+    "WarmupCosine",
+    "WarmupCosineFactor",
+    "bits_per_byte",
+    "build_job",
+    "evaluate",
+    "load_splits",
+    "loss_fn",
+    "main",
+    "make_model",
+    "make_optimizer",
+    "parse_arguments",
+    "read_stdlib_corpus",
+    "sample",
+    "stdlib_root",
+    "stdlib_source_files",
 ]
 
 # ---------------------------------------------------------------- model

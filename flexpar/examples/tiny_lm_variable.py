@@ -58,7 +58,7 @@ def source_units(max_bytes: int = DEFAULT_MAX_BYTES, max_length: int = DEFAULT_M
     for paragraph in _BLANK_LINE.split(read_stdlib_corpus(max_bytes)):
         paragraph = paragraph.strip(b"\n")
         for start in range(0, len(paragraph), max_length):
-            piece = paragraph[start:start + max_length]
+            piece = paragraph[start : start + max_length]
             if len(piece) >= MINIMUM_LENGTH and piece.strip():
                 units.append(piece)
     if not units:
@@ -98,7 +98,7 @@ class SourceUnits(Dataset):
         if not -len(self) <= index < len(self):
             raise IndexError(f"unit {index} out of range for {len(self)} units")
         index %= len(self)
-        return self.data[self.offsets[index]:self.offsets[index + 1]].long()
+        return self.data[self.offsets[index] : self.offsets[index + 1]].long()
 
 
 def load_units(max_bytes: int = DEFAULT_MAX_BYTES, max_length: int = DEFAULT_MAX_LENGTH) -> SourceUnits:
@@ -121,8 +121,11 @@ class ModelFactory:
     dropout: float = 0.1
 
     def __call__(self) -> nn.Module:
-        return TinyLM(ModelConfig(context=self.context, width=self.width, heads=self.heads,
-                                  layers=self.layers, dropout=self.dropout))
+        return TinyLM(
+            ModelConfig(
+                context=self.context, width=self.width, heads=self.heads, layers=self.layers, dropout=self.dropout
+            )
+        )
 
 
 def loss_fn(model: nn.Module, batch: List[torch.Tensor]) -> Tuple[torch.Tensor, int]:
@@ -141,8 +144,14 @@ def loss_fn(model: nn.Module, batch: List[torch.Tensor]) -> Tuple[torch.Tensor, 
     return total, count
 
 
-def build_job(dataset: Optional[SourceUnits] = None, by_cost: bool = True, global_batch: int = 16,
-              virtual_workers: int = 16, seed: int = 0, model: Optional[ModelFactory] = None):
+def build_job(
+    dataset: Optional[SourceUnits] = None,
+    by_cost: bool = True,
+    global_batch: int = 16,
+    virtual_workers: int = 16,
+    seed: int = 0,
+    model: Optional[ModelFactory] = None,
+):
     """The flexpar job: balanced by token count (`by_cost`), or by VW count as without `sample_cost`."""
     import flexpar
 

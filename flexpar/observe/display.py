@@ -20,11 +20,11 @@ from typing import Any, Mapping, Optional
 
 from flexpar.observe.log_lines import (
     estimate_remaining_s,
-    format_step_line,
-    format_event_line,
     format_eval_line,
+    format_event_line,
     format_rebalance_line,
     format_rebalance_summary,
+    format_step_line,
 )
 from flexpar.observe.metrics import (
     LOGGER_NAME,
@@ -285,7 +285,9 @@ class LiveDisplay:
         if rebalances:
             parts.append(Text(format_rebalance_summary(rebalances, last_rebalance), style=_EVENT_STYLES["rebalance"]))
         if events:
-            event_table = Table(title="recent events", title_justify="left", box=None, show_header=False, pad_edge=False)
+            event_table = Table(
+                title="recent events", title_justify="left", box=None, show_header=False, pad_edge=False
+            )
             for record, line in events:
                 event_table.add_row(Text(line, style=_EVENT_STYLES.get(record["event"], "")))
             parts.append(event_table)

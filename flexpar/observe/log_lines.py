@@ -29,7 +29,7 @@ def estimate_remaining_s(
 
 
 def format_duration(seconds: Optional[float]) -> str:
-    """"0:01:05" style; "?" when unknown."""
+    """ "0:01:05" style; "?" when unknown."""
     if seconds is None or not math.isfinite(seconds):
         return "?"
     whole = int(round(seconds))
@@ -88,8 +88,10 @@ def format_eval_line(record: Mapping[str, Any]) -> str:
     else:
         shown = ", ".join(f"{name} {value:.6g}" for name, value in sorted(metrics.items()))
     devices = len(record["devices"])
-    return (f"eval at step {record['step']}: {shown} | {devices} device{'s' if devices != 1 else ''}, "
-            f"{record['eval_s']:.2f} s")
+    return (
+        f"eval at step {record['step']}: {shown} | {devices} device{'s' if devices != 1 else ''}, "
+        f"{record['eval_s']:.2f} s"
+    )
 
 
 def format_rebalance_line(count: int, since_step: int, devices: Sequence[str], assignment: Sequence[int]) -> str:

@@ -172,8 +172,10 @@ def _check_keys(kind: str, record: Mapping[str, Any], keys: Sequence[str], optio
     unknown = [key for key in record if key not in keys and key not in optional]
     if unknown:
         fields = ", ".join(repr(key) for key in unknown)
-        raise ValueError(f"{kind} record: field {fields} is not part of the schema "
-                         f"(allowed: {', '.join(tuple(keys) + tuple(optional))})")
+        raise ValueError(
+            f"{kind} record: field {fields} is not part of the schema "
+            f"(allowed: {', '.join(tuple(keys) + tuple(optional))})"
+        )
 
 
 def _validate_step(record: Mapping[str, Any]) -> None:
@@ -214,8 +216,10 @@ def _check_virtual_worker_sets(record: Mapping[str, Any]) -> None:
         _check_int_list(f"virtual_worker_sets[{position}]", members, minimum=0)
         counts = record["assignment"]
         if position < len(counts) and len(members) != counts[position]:
-            raise ValueError(f"field 'virtual_worker_sets[{position}]' has {len(members)} VWs but "
-                             f"'assignment[{position}]' is {counts[position]}")
+            raise ValueError(
+                f"field 'virtual_worker_sets[{position}]' has {len(members)} VWs but "
+                f"'assignment[{position}]' is {counts[position]}"
+            )
     every = sorted(member for members in sets for member in members)
     if every != list(range(len(every))):
         raise ValueError("field 'virtual_worker_sets' must hold every VW id 0..V-1 exactly once")
@@ -245,8 +249,9 @@ def _validate_eval(record: Mapping[str, Any]) -> None:
     _check_float("eval_s", record["eval_s"], minimum=0.0)
     metrics = record["metrics"]
     if not isinstance(metrics, Mapping) or not metrics:
-        raise ValueError(f"field 'metrics' must be a non-empty dict of metric name -> number, got "
-                         f"{_type_name(metrics)} {metrics!r}")
+        raise ValueError(
+            f"field 'metrics' must be a non-empty dict of metric name -> number, got {_type_name(metrics)} {metrics!r}"
+        )
     for name, value in metrics.items():
         if not isinstance(name, str) or not name:
             raise ValueError(f"field 'metrics' has the key {name!r}; metric names are non-empty strings")
@@ -391,6 +396,7 @@ def event_label(event: Mapping[str, Any], previous_devices: Sequence[str]) -> st
 def eval_means(metrics: Mapping[str, Any]) -> dict:
     """Per-sample means of an eval record's sums when it holds a `count` (flexpar.evaluation.means)."""
     return means(metrics)
+
 
 _SPLIT = re.compile(r"\[\s*(\d+(?:\s*,\s*\d+)*)\s*\]\s*->\s*\[\s*(\d+(?:\s*,\s*\d+)*)\s*\]")
 

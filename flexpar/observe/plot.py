@@ -118,8 +118,9 @@ def _labelled_events(records: Sequence[Mapping[str, Any]]) -> list[tuple[Mapping
 
 def rebalance_times(records: Sequence[Mapping[str, Any]], origin: float) -> list[float]:
     """Wall seconds since the start (``time - origin``) of each rebalance event, in file order."""
-    return [record["time"] - origin for record in records
-            if record["kind"] == "event" and record["event"] == "rebalance"]
+    return [
+        record["time"] - origin for record in records if record["kind"] == "event" and record["event"] == "rebalance"
+    ]
 
 
 def plot_timeline(metrics_path, output_path) -> None:
@@ -273,7 +274,9 @@ def _draw_busy(axis, times, steps, gaps, devices, colors) -> None:
         highest = [max(record["busy_s"]) for record in steps]
         xs, lows = _broken_line(times, lowest, gaps)
         _, highs = _broken_line(times, highest, gaps)
-        axis.fill_between(xs, lows, highs, color="#1f77b4", alpha=0.3, linewidth=0, label=f"min-max of {len(devices)} devices")
+        axis.fill_between(
+            xs, lows, highs, color="#1f77b4", alpha=0.3, linewidth=0, label=f"min-max of {len(devices)} devices"
+        )
         medians = [sorted(record["busy_s"])[len(record["busy_s"]) // 2] for record in steps]
         axis.plot(*_broken_line(times, medians, gaps), color="#1f77b4", linewidth=1.0, label="median device")
     axis.plot(
@@ -324,12 +327,20 @@ def _draw_rebalances(axis, times: Sequence[float]) -> None:
 
     count = len(times)
     if times:
-        axis.vlines(times, 0.94, 1.0, transform=axis.get_xaxis_transform(), color=_REBALANCE_COLOR,
-                    linewidth=0.8, zorder=3)
+        axis.vlines(
+            times, 0.94, 1.0, transform=axis.get_xaxis_transform(), color=_REBALANCE_COLOR, linewidth=0.8, zorder=3
+        )
     noun = "rebalance" if count == 1 else "rebalances"
     handle = Line2D([], [], color=_REBALANCE_COLOR, marker="|", linestyle="none", markersize=8)
-    axis.legend([handle], [f"{count} {noun}"], loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8,
-                frameon=False, handletextpad=0.3)
+    axis.legend(
+        [handle],
+        [f"{count} {noun}"],
+        loc="upper left",
+        bbox_to_anchor=(1.005, 1.0),
+        fontsize=8,
+        frameon=False,
+        handletextpad=0.3,
+    )
 
 
 def _draw_events(strip_axis, data_axes, events, origin: float) -> None:
@@ -342,8 +353,16 @@ def _draw_events(strip_axis, data_axes, events, origin: float) -> None:
                 axis.axvspan(position - event["stall_s"], position, color=color, alpha=0.12, linewidth=0, zorder=0.5)
             axis.axvline(position, color=color, linewidth=1.1, linestyle=(0, (4, 2)), zorder=1)
         strip_axis.text(
-            position, 0.03, label + " ", rotation=90, ha="right", va="bottom",
-            fontsize=8, color=color, fontweight="bold", transform=strip_axis.get_xaxis_transform(),
+            position,
+            0.03,
+            label + " ",
+            rotation=90,
+            ha="right",
+            va="bottom",
+            fontsize=8,
+            color=color,
+            fontweight="bold",
+            transform=strip_axis.get_xaxis_transform(),
         )
 
 
@@ -356,13 +375,28 @@ def _draw_evals(strip_axis, loss_axis, evals: Sequence[Mapping[str, Any]]) -> No
     left, right = strip_axis.get_xlim()
     if max(times) * 1.01 > right:  # the evaluation after the last step ends after it
         strip_axis.set_xlim(left, max(times) * 1.01)
-    strip_axis.plot(times, [0.55] * len(times), linestyle="none", marker="D", markersize=4, color="#2ca02c",
-                    transform=strip_axis.get_xaxis_transform(), label="evaluation")
+    strip_axis.plot(
+        times,
+        [0.55] * len(times),
+        linestyle="none",
+        marker="D",
+        markersize=4,
+        color="#2ca02c",
+        transform=strip_axis.get_xaxis_transform(),
+        label="evaluation",
+    )
     strip_axis.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
     losses = [(position, eval_means(record["metrics"]).get("loss")) for record, position in zip(evals, times)]
     losses = [(position, value) for position, value in losses if value is not None and math.isfinite(value)]
     if losses:
-        loss_axis.plot([position for position, _ in losses], [value for _, value in losses], linestyle="none",
-                       marker="D", markersize=5, color="#2ca02c", label="evaluation (loss_sum / count)")
+        loss_axis.plot(
+            [position for position, _ in losses],
+            [value for _, value in losses],
+            linestyle="none",
+            marker="D",
+            markersize=5,
+            color="#2ca02c",
+            label="evaluation (loss_sum / count)",
+        )
         loss_axis.plot([], [], color="#9467bd", label="training (global batch)")
         loss_axis.legend(loc="upper right", fontsize=8, frameon=False)

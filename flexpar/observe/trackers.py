@@ -160,8 +160,12 @@ class CSVTracker(Tracker):
         os.makedirs(folder, exist_ok=True)
         self.path = fresh_path(folder, self.FILE)
         if os.path.basename(self.path) != self.FILE:
-            print(f"flexpar: the csv tracker keeps {os.path.join(folder, self.FILE)} (an earlier run's) and "
-                  f"writes {self.path}", file=sys.stderr, flush=True)
+            print(
+                f"flexpar: the csv tracker keeps {os.path.join(folder, self.FILE)} (an earlier run's) and "
+                f"writes {self.path}",
+                file=sys.stderr,
+                flush=True,
+            )
         # "x": never truncate a file that appeared since (another run starting in the same folder).
         self._file = open(self.path, "x", encoding="utf-8", newline="")
         self._writer = csv.writer(self._file)
@@ -182,8 +186,13 @@ class CSVTracker(Tracker):
         self._rows("eval", eval_values(record), record["step"], record["time"])
 
     def on_event(self, record):
-        self._rows("event", {f"event/{record['event']}/stall_s": record["stall_s"]}, record["step"],
-                   record["time"], record["detail"])
+        self._rows(
+            "event",
+            {f"event/{record['event']}/stall_s": record["stall_s"]},
+            record["step"],
+            record["time"],
+            record["detail"],
+        )
 
     def finish_tracking(self, failed: bool = False) -> None:
         if self._file is not None:
@@ -242,7 +251,8 @@ class MLflowTracker(Tracker):
     def __init__(self, run_dir: str, flush_s: float = 1.0):
         super().__init__(run_dir)
         self.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or "file:" + os.path.abspath(
-            os.path.join(run_dir, "mlruns"))
+            os.path.join(run_dir, "mlruns")
+        )
         self.flush_s = flush_s
         self._client = None
         self.run_id: Optional[str] = None
@@ -278,8 +288,11 @@ class MLflowTracker(Tracker):
         client = MlflowClient(tracking_uri=self.tracking_uri)
         experiment = client.get_experiment_by_name(self.EXPERIMENT)
         experiment_id = experiment.experiment_id if experiment else client.create_experiment(self.EXPERIMENT)
-        run = client.create_run(experiment_id, run_name=os.path.basename(os.path.abspath(self.run_dir)),
-                                tags={"flexpar.run_dir": os.path.abspath(self.run_dir)})
+        run = client.create_run(
+            experiment_id,
+            run_name=os.path.basename(os.path.abspath(self.run_dir)),
+            tags={"flexpar.run_dir": os.path.abspath(self.run_dir)},
+        )
         self._client, self.run_id = client, run.info.run_id
 
     def log(self, values: dict, step: int, wall: float) -> None:

@@ -124,8 +124,9 @@ def _device_table(measured: Mapping[str, Any]) -> Dict[str, float]:
     return result
 
 
-def _overrides(measured: Mapping[str, Any], cls: type, section: str,
-               sources: Dict[str, str], integers: Tuple[str, ...] = ()) -> Dict[str, Any]:
+def _overrides(
+    measured: Mapping[str, Any], cls: type, section: str, sources: Dict[str, str], integers: Tuple[str, ...] = ()
+) -> Dict[str, Any]:
     """Fields of ``cls`` given directly under their own names in ``measured``."""
     values: Dict[str, Any] = {}
     for item in fields(cls):
@@ -143,7 +144,10 @@ def _overrides(measured: Mapping[str, Any], cls: type, section: str,
     return values
 
 
-def calibrate(measured: Mapping[str, Any], base: ModelParameters = ModelParameters()) -> Calibration:
+_DEFAULT_PARAMETERS = ModelParameters()  # frozen: one shared default is safe
+
+
+def calibrate(measured: Mapping[str, Any], base: ModelParameters = _DEFAULT_PARAMETERS) -> Calibration:
     """Model parameters from measured figures (see the module docstring for the keys)."""
     sources: Dict[str, str] = {}
     table = _device_table(measured)
@@ -155,8 +159,9 @@ def calibrate(measured: Mapping[str, Any], base: ModelParameters = ModelParamete
         raise ValueError(f"measured['virtual_workers']: expected an integer >= 1, got {virtual_workers!r}")
 
     # Workload: bytes first, everything else depends on them.
-    workload = replace(base.workload, **_overrides(measured, WorkloadModel, "model", sources,
-                                                   integers=("samples_per_vw",)))
+    workload = replace(
+        base.workload, **_overrides(measured, WorkloadModel, "model", sources, integers=("samples_per_vw",))
+    )
     if "gradient_bytes" not in measured and _positive(measured, "parameter_count") is not None:
         workload = replace(workload, gradient_bytes=BYTES_PER_FLOAT32 * _positive(measured, "parameter_count"))
         sources["model.gradient_bytes"] = "parameter_count"
@@ -170,16 +175,17 @@ def calibrate(measured: Mapping[str, Any], base: ModelParameters = ModelParamete
         network = replace(network, bandwidth_bytes_per_s=_positive(measured, "all_reduce_bandwidth_bytes_per_s"))
         sources["network.bandwidth_bytes_per_s"] = "all_reduce_bandwidth_bytes_per_s"
     elif sources["network.bandwidth_bytes_per_s"] == "default" and all_reduce_s is not None and devices and devices > 1:
-        network = replace(network, bandwidth_bytes_per_s=_bandwidth_from_all_reduce(
-            all_reduce_s, devices, workload.gradient_bytes, network))
+        network = replace(
+            network,
+            bandwidth_bytes_per_s=_bandwidth_from_all_reduce(all_reduce_s, devices, workload.gradient_bytes, network),
+        )
         sources["network.bandwidth_bytes_per_s"] = "all_reduce_s"
 
     elastic = replace(base.elastic, **_overrides(measured, ElasticCosts, "elastic", sources))
     if sources["elastic.pg_formation_s"] == "default" and _number(measured, "scale_in_stall_s") is not None:
         leave_group = (devices - 1) if devices else 1
         formation = _number(measured, "scale_in_stall_s") / host_contention(leave_group, elastic.host_cores)
-        elastic = replace(elastic, pg_formation_s=max(
-            0.0, formation - elastic.pg_formation_per_device_s * leave_group))
+        elastic = replace(elastic, pg_formation_s=max(0.0, formation - elastic.pg_formation_per_device_s * leave_group))
         sources["elastic.pg_formation_s"] = "scale_in_stall_s"
 
     join_group = (devices + 1) if devices else 2
@@ -202,16 +208,28 @@ def calibrate(measured: Mapping[str, Any], base: ModelParameters = ModelParamete
 
     if sources["elastic.detection_s"] == "default" and _number(measured, "failure_resume_s") is not None:
         survivors = (devices - 1) if devices else 1
-        elastic = replace(elastic, detection_s=max(
-            0.0, _number(measured, "failure_resume_s") - pg_formation_seconds(survivors, elastic)
-            - elastic.recovery_notice_s))
+        elastic = replace(
+            elastic,
+            detection_s=max(
+                0.0,
+                _number(measured, "failure_resume_s")
+                - pg_formation_seconds(survivors, elastic)
+                - elastic.recovery_notice_s,
+            ),
+        )
         sources["elastic.detection_s"] = "failure_resume_s - pg formation - recovery notice"
 
-    restart = replace(base.restart, **_overrides(measured, RestartCosts, "restart", sources,
-                                                 integers=("checkpoint_every_steps",)))
+    restart = replace(
+        base.restart, **_overrides(measured, RestartCosts, "restart", sources, integers=("checkpoint_every_steps",))
+    )
     parameters = ModelParameters(network=network, workload=workload, elastic=elastic, restart=restart)
 
-    if sources["model.optimizer_s"] == "default" and _number(measured, "step_time_s") is not None and table and virtual_workers:
+    if (
+        sources["model.optimizer_s"] == "default"
+        and _number(measured, "step_time_s") is not None
+        and table
+        and virtual_workers
+    ):
         parameters = _fit_optimizer(parameters, measured, table, virtual_workers)
         sources["model.optimizer_s"] = "step_time_s residual"
     return Calibration(parameters=parameters, seconds_per_vw=table, virtual_workers=virtual_workers, sources=sources)
@@ -229,13 +247,15 @@ def _bandwidth_from_all_reduce(all_reduce_s: float, devices: int, payload_bytes:
     return 2 * (devices - 1) / devices * payload_bytes / (all_reduce_s - latency)
 
 
-def _fit_optimizer(parameters: ModelParameters, measured: Mapping[str, Any], table: Mapping[str, float],
-                   virtual_workers: int) -> ModelParameters:
+def _fit_optimizer(
+    parameters: ModelParameters, measured: Mapping[str, Any], table: Mapping[str, float], virtual_workers: int
+) -> ModelParameters:
     """optimizer_s = measured step time - predicted compute and exposed all-reduce (>= 0)."""
     seconds = list(table.values())
     assignment = measured.get("assignment") or balance.optimal_assignment(seconds, virtual_workers)
-    without_optimizer = step_seconds(assignment, seconds, replace(
-        parameters, workload=replace(parameters.workload, optimizer_s=0.0)))
+    without_optimizer = step_seconds(
+        assignment, seconds, replace(parameters, workload=replace(parameters.workload, optimizer_s=0.0))
+    )
     residual = max(0.0, _number(measured, "step_time_s") - without_optimizer)
     return replace(parameters, workload=replace(parameters.workload, optimizer_s=residual))
 
@@ -264,9 +284,12 @@ def predict_step_seconds(
     if not virtual_workers:
         raise ValueError("predict_step_seconds needs virtual_workers (give it or calibrate with it)")
     scenario = Scenario(
-        name="prediction", steps=steps, virtual_workers=virtual_workers,
+        name="prediction",
+        steps=steps,
+        virtual_workers=virtual_workers,
         devices=tuple(DeviceSpec(device_id, seconds) for device_id, seconds in table.items()),
-        parameters=calibration.parameters, policies=(policy,),
+        parameters=calibration.parameters,
+        policies=(policy,),
     )
     result = simulate(scenario, policy)
     return float(result.segment_step_s[-1])

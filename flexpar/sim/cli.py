@@ -51,14 +51,22 @@ def simulate_command(
         sweep = scalability(scenario)
         print(scalability_table(sweep), file=out)
         summary = sweep.summary()
-        figure = _plot(lambda path: _plot_scalability(sweep, path), plot, plot_path,
-                       _default_plot_path(scenario.name, "scalability"))
+        figure = _plot(
+            lambda path: _plot_scalability(sweep, path),
+            plot,
+            plot_path,
+            _default_plot_path(scenario.name, "scalability"),
+        )
     else:
         results = simulate_all(scenario)
         print(comparison_table(results), file=out)
         summary = comparison_summary(results)
-        figure = _plot(lambda path: _plot_comparison(results, path), plot, plot_path,
-                       _default_plot_path(scenario.name, "simulation"))
+        figure = _plot(
+            lambda path: _plot_comparison(results, path),
+            plot,
+            plot_path,
+            _default_plot_path(scenario.name, "simulation"),
+        )
     if figure is not None:
         print(f"plot: {figure}", file=out)
     if json_path is not None:
@@ -102,17 +110,22 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
 def run_from_arguments(arguments: argparse.Namespace) -> int:
     """``simulate_command`` from arguments parsed with ``add_simulate_arguments``."""
     return simulate_command(
-        arguments.scenario, arguments.plot_path, arguments.json_path,
-        scalability_sweep=arguments.scalability, plot=not arguments.no_plot,
+        arguments.scenario,
+        arguments.plot_path,
+        arguments.json_path,
+        scalability_sweep=arguments.scalability,
+        plot=not arguments.no_plot,
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return add_simulate_arguments(argparse.ArgumentParser(
-        prog="flexpar simulate",
-        description="Simulate a cluster scenario under flexpar, uniform split (DDP) and checkpoint-restart.",
-        epilog=f"shipped scenarios: {', '.join(shipped_scenarios())}",
-    ))
+    return add_simulate_arguments(
+        argparse.ArgumentParser(
+            prog="flexpar simulate",
+            description="Simulate a cluster scenario under flexpar, uniform split (DDP) and checkpoint-restart.",
+            epilog=f"shipped scenarios: {', '.join(shipped_scenarios())}",
+        )
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

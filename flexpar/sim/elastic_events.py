@@ -72,7 +72,9 @@ class ElasticEvents:
                     self.active.remove(device_id)
                     bucket.append(device_id)
                 elif any(device_id == pending_id for _, pending_id in self.pending):
-                    self.pending = [(ready, pending_id) for ready, pending_id in self.pending if pending_id != device_id]
+                    self.pending = [
+                        (ready, pending_id) for ready, pending_id in self.pending if pending_id != device_id
+                    ]
                     self.record("cancelled", (device_id,), detail=f"{event.kind} during warm-up")
                 else:
                     self.record("ignored", (device_id,), detail=f"{event.kind} of a device that is not there")
@@ -84,8 +86,12 @@ class ElasticEvents:
         self.pending = [(time, device_id) for time, device_id in self.pending if time > self.clock]
         for _, device_id in ready:
             if len(self.active) >= self.scenario.virtual_workers:
-                self.record("refused", (device_id,), detail=f"already {len(self.active)} devices for "
-                            f"{self.scenario.virtual_workers} VWs (every device needs one)")
+                self.record(
+                    "refused",
+                    (device_id,),
+                    detail=f"already {len(self.active)} devices for "
+                    f"{self.scenario.virtual_workers} VWs (every device needs one)",
+                )
                 continue
             self.active.append(device_id)
             changes.joined.append(device_id)
@@ -120,8 +126,12 @@ class ElasticEvents:
         self.stall_s += self.work_since_checkpoint_s
         self.lost_work_s += self.work_since_checkpoint_s
         self.committed = self.last_checkpoint_step
-        self.record("rollback", (), stall_s=self.work_since_checkpoint_s,
-                    detail=f"{lost_steps} steps since the checkpoint at step {self.last_checkpoint_step} redone")
+        self.record(
+            "rollback",
+            (),
+            stall_s=self.work_since_checkpoint_s,
+            detail=f"{lost_steps} steps since the checkpoint at step {self.last_checkpoint_step} redone",
+        )
         self.work_since_checkpoint_s = 0.0
 
     def boundary(self) -> None:

@@ -37,8 +37,8 @@ import numpy as np
 
 from flexpar.core import balance
 
-from .model import device_critical_paths, ring_all_reduce_seconds
 from .elastic_events import Changes, ElasticEvents
+from .model import device_critical_paths, ring_all_reduce_seconds
 from .policies import Policy, make_policy
 from .results import SimulationEvent, SimulationResult
 from .scenario import Scenario
@@ -106,8 +106,14 @@ class _Simulation(ElasticEvents):
 
     # ---------------------------------------------------------------- events
 
-    def record(self, kind: str, device_ids: Sequence[str] = (), stall_s: float = 0.0, detail: str = "",
-               time_s: Optional[float] = None) -> None:
+    def record(
+        self,
+        kind: str,
+        device_ids: Sequence[str] = (),
+        stall_s: float = 0.0,
+        detail: str = "",
+        time_s: Optional[float] = None,
+    ) -> None:
         """Log an event at ``time_s`` (default: now), when it took effect, before its stall."""
         when = self.clock if time_s is None else time_s
         self.events.append(
@@ -245,13 +251,23 @@ class _Simulation(ElasticEvents):
     def _result(self) -> SimulationResult:
         columns = list(zip(*self.segments)) if self.segments else [()] * 6
         return SimulationResult(
-            scenario=self.scenario.name, policy=self.policy.name, label=self.policy.label,
-            target_steps=self.scenario.steps, completed_steps=self.committed, total_time_s=self.clock,
-            global_batch=self.scenario.global_batch, stall_s=self.stall_s, lost_work_s=self.lost_work_s,
-            checkpoint_s=self.checkpoint_s, events=tuple(self.events),
-            segment_end_s=np.array(columns[0], dtype=float), segment_committed=np.array(columns[1], dtype=int),
-            segment_steps=np.array(columns[2], dtype=int), segment_step_s=np.array(columns[3], dtype=float),
-            segment_imbalance=np.array(columns[4], dtype=float), segment_devices=np.array(columns[5], dtype=int),
+            scenario=self.scenario.name,
+            policy=self.policy.name,
+            label=self.policy.label,
+            target_steps=self.scenario.steps,
+            completed_steps=self.committed,
+            total_time_s=self.clock,
+            global_batch=self.scenario.global_batch,
+            stall_s=self.stall_s,
+            lost_work_s=self.lost_work_s,
+            checkpoint_s=self.checkpoint_s,
+            events=tuple(self.events),
+            segment_end_s=np.array(columns[0], dtype=float),
+            segment_committed=np.array(columns[1], dtype=int),
+            segment_steps=np.array(columns[2], dtype=int),
+            segment_step_s=np.array(columns[3], dtype=float),
+            segment_imbalance=np.array(columns[4], dtype=float),
+            segment_devices=np.array(columns[5], dtype=int),
         )
 
 

@@ -117,7 +117,9 @@ class WorkloadModel:
             "model", gradient_bytes=self.gradient_bytes, state_bytes=self.state_bytes, optimizer_s=self.optimizer_s
         )
         _require(
-            isinstance(self.samples_per_vw, int) and not isinstance(self.samples_per_vw, bool) and self.samples_per_vw >= 1,
+            isinstance(self.samples_per_vw, int)
+            and not isinstance(self.samples_per_vw, bool)
+            and self.samples_per_vw >= 1,
             f"model.samples_per_vw: expected an integer >= 1, got {self.samples_per_vw!r}",
         )
 
@@ -146,8 +148,9 @@ class ElasticCosts:
     host_cores: Optional[float] = None
 
     def __post_init__(self) -> None:
-        _check_non_negative("elastic", **{field.name: getattr(self, field.name) for field in fields(self)
-                                          if field.name != "host_cores"})
+        _check_non_negative(
+            "elastic", **{field.name: getattr(self, field.name) for field in fields(self) if field.name != "host_cores"}
+        )
         if self.host_cores is not None:
             _check_positive("elastic", host_cores=self.host_cores)
 
@@ -314,9 +317,7 @@ def join_stall_seconds(devices_after: int, parameters: ModelParameters) -> float
     )
 
 
-def hidden_communication_seconds(
-    all_reduce_s: float, last_vw_seconds: np.ndarray, network: NetworkModel
-) -> np.ndarray:
+def hidden_communication_seconds(all_reduce_s: float, last_vw_seconds: np.ndarray, network: NetworkModel) -> np.ndarray:
     """Per device: how much of the all-reduce hides behind its last VW's backward."""
     return np.minimum(network.overlap_fraction * all_reduce_s, network.backward_fraction * last_vw_seconds)
 

@@ -74,7 +74,9 @@ class BalanceSettings:
         if not (isinstance(self.hysteresis, (int, float)) and 0.0 <= self.hysteresis < 1.0):
             raise ValueError(f"balance.hysteresis: expected a number in [0, 1), got {self.hysteresis!r}")
         if not (
-            isinstance(self.interval_steps, int) and not isinstance(self.interval_steps, bool) and self.interval_steps >= 1
+            isinstance(self.interval_steps, int)
+            and not isinstance(self.interval_steps, bool)
+            and self.interval_steps >= 1
         ):
             raise ValueError(f"balance.interval_steps: expected an integer >= 1, got {self.interval_steps!r}")
 
@@ -113,9 +115,7 @@ class BalancedAssignment:
     def initial_state(self) -> balance.BalanceState:
         return balance.BalanceState()
 
-    def assign(
-        self, state: balance.BalanceState, device_ids: Tuple[str, ...], virtual_workers: int
-    ) -> Tuple[int, ...]:
+    def assign(self, state: balance.BalanceState, device_ids: Tuple[str, ...], virtual_workers: int) -> Tuple[int, ...]:
         return balance.next_assignment(state, device_ids, virtual_workers, hysteresis=self.settings.hysteresis)
 
     def observe(
@@ -192,8 +192,10 @@ class InPlaceElasticity:
         """
         if joined == 0 and left == 0 and failed == 0:
             return ChangeCost(0.0)
-        stall = join_stall_seconds(devices_after, parameters) if joined else pg_formation_seconds(
-            devices_after, parameters.elastic
+        stall = (
+            join_stall_seconds(devices_after, parameters)
+            if joined
+            else pg_formation_seconds(devices_after, parameters.elastic)
         )
         if failed:
             stall += parameters.elastic.recovery_notice_s

@@ -37,25 +37,38 @@ def _render(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def comparison_table(results: Sequence[SimulationResult]) -> str:
     """One row per policy: throughput, time to N steps, stall, lost work, imbalance."""
-    header = ["policy", "samples/s", "time to N steps", "stall", "lost work", "imbalance (median)",
-              "step (median)", "joins/leaves/failures"]
+    header = [
+        "policy",
+        "samples/s",
+        "time to N steps",
+        "stall",
+        "lost work",
+        "imbalance (median)",
+        "step (median)",
+        "joins/leaves/failures",
+    ]
     rows: List[List[str]] = []
     for result in results:
         time_to_n = _format_seconds(result.total_time_s)
         if not result.completed:
             time_to_n = f"incomplete ({result.completed_steps}/{result.target_steps})"
-        rows.append([
-            result.label,
-            f"{result.samples_per_s:,.0f}",
-            time_to_n,
-            _format_seconds(result.stall_s),
-            _format_seconds(result.lost_work_s),
-            f"{result.imbalance_median:.3f}",
-            _format_seconds(result.step_time_median_s),
-            f"{result.count('join')}/{result.count('leave')}/{result.count('failure')}",
-        ])
-    title = f"scenario {results[0].scenario}: {results[0].target_steps} steps of {results[0].global_batch} samples" \
-        if results else "no results"
+        rows.append(
+            [
+                result.label,
+                f"{result.samples_per_s:,.0f}",
+                time_to_n,
+                _format_seconds(result.stall_s),
+                _format_seconds(result.lost_work_s),
+                f"{result.imbalance_median:.3f}",
+                _format_seconds(result.step_time_median_s),
+                f"{result.count('join')}/{result.count('leave')}/{result.count('failure')}",
+            ]
+        )
+    title = (
+        f"scenario {results[0].scenario}: {results[0].target_steps} steps of {results[0].global_batch} samples"
+        if results
+        else "no results"
+    )
     return title + "\n" + _render(header, rows)
 
 

@@ -29,8 +29,13 @@ class SimulationEvent:
 
     def to_dict(self) -> dict:
         return {
-            "time_s": self.time_s, "step": self.step, "kind": self.kind, "device_ids": list(self.device_ids),
-            "stall_s": self.stall_s, "devices_after": self.devices_after, "detail": self.detail,
+            "time_s": self.time_s,
+            "step": self.step,
+            "kind": self.kind,
+            "device_ids": list(self.device_ids),
+            "stall_s": self.stall_s,
+            "devices_after": self.devices_after,
+            "detail": self.detail,
         }
 
 
@@ -93,13 +98,23 @@ class SimulationResult:
     def summary(self) -> dict:
         """Plain-type summary (JSON-ready)."""
         return {
-            "scenario": self.scenario, "policy": self.policy, "label": self.label,
-            "target_steps": self.target_steps, "completed_steps": self.completed_steps,
-            "completed": self.completed, "total_time_s": self.total_time_s,
-            "samples_per_s": self.samples_per_s, "global_batch": self.global_batch,
-            "stall_s": self.stall_s, "lost_work_s": self.lost_work_s, "checkpoint_s": self.checkpoint_s,
-            "imbalance_median": self.imbalance_median, "step_time_median_s": self.step_time_median_s,
-            "joins": self.count("join"), "leaves": self.count("leave"), "failures": self.count("failure"),
+            "scenario": self.scenario,
+            "policy": self.policy,
+            "label": self.label,
+            "target_steps": self.target_steps,
+            "completed_steps": self.completed_steps,
+            "completed": self.completed,
+            "total_time_s": self.total_time_s,
+            "samples_per_s": self.samples_per_s,
+            "global_batch": self.global_batch,
+            "stall_s": self.stall_s,
+            "lost_work_s": self.lost_work_s,
+            "checkpoint_s": self.checkpoint_s,
+            "imbalance_median": self.imbalance_median,
+            "step_time_median_s": self.step_time_median_s,
+            "joins": self.count("join"),
+            "leaves": self.count("leave"),
+            "failures": self.count("failure"),
             "refused_joins": self.count("refused"),
         }
 

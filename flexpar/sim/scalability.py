@@ -20,9 +20,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .engine import simulate
-from .results import SimulationResult
 from .model import step_seconds, uniform_assignment
-from .scenario import DeviceSpec, Event, Scenario, ScalabilitySpec
+from .results import SimulationResult
+from .scenario import DeviceSpec, Event, ScalabilitySpec, Scenario
 
 # The failure trace must outlast the slowest policy's run; it is drawn for
 # this many times the noise-free uniform-split run time, plus an hour.
@@ -85,7 +85,10 @@ def _id_prefix(kind: str) -> str:
 
 
 def failure_trace(
-    devices: Sequence[DeviceSpec], failures_per_device_hour: float, replacement_s: float, horizon_s: float,
+    devices: Sequence[DeviceSpec],
+    failures_per_device_hour: float,
+    replacement_s: float,
+    horizon_s: float,
     seed: int,
 ) -> Tuple[Event, ...]:
     """Random failures of live devices, each followed by a replacement join.
@@ -129,8 +132,14 @@ def scaled_scenario(scenario: Scenario, count: int, spec: Optional[ScalabilitySp
     devices = scaled_devices(scenario.devices, count)
     virtual_workers = spec.virtual_workers_per_device * count
     base = replace(
-        scenario, name=f"{scenario.name}@{count}", steps=spec.steps, virtual_workers=virtual_workers,
-        devices=devices, events=(), noise=spec.noise, seed=spec.seed,
+        scenario,
+        name=f"{scenario.name}@{count}",
+        steps=spec.steps,
+        virtual_workers=virtual_workers,
+        devices=devices,
+        events=(),
+        noise=spec.noise,
+        seed=spec.seed,
     )
     if spec.failures_per_device_hour <= 0:
         return base
@@ -161,6 +170,9 @@ def scalability(
             labels[name] = result.label
             results[name].append(result)
     return ScalabilityResult(
-        scenario=scenario.name, device_counts=counts, policies=names, labels=labels,
+        scenario=scenario.name,
+        device_counts=counts,
+        policies=names,
+        labels=labels,
         results={name: tuple(runs) for name, runs in results.items()},
     )

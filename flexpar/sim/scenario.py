@@ -28,10 +28,11 @@ in short::
 from __future__ import annotations
 
 import math
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import tomllib
 
 from .model import ElasticCosts, ModelParameters, NetworkModel, RestartCosts, WorkloadModel
 from .policies import POLICY_NAMES, BalanceSettings
@@ -39,7 +40,6 @@ from .toml_fields import TableFields, config_values, describe
 
 EVENT_KINDS: Tuple[str, ...] = ("join", "leave", "failure", "slowdown")
 DEFAULT_DEVICE_COUNTS: Tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512, 1024)
-
 
 
 # --------------------------------------------------------------------------
@@ -58,7 +58,11 @@ class DeviceSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.device_id, str) or not self.device_id:
             raise ValueError(f"device id: expected a non-empty string, got {self.device_id!r}")
-        if not (isinstance(self.seconds_per_vw, (int, float)) and math.isfinite(self.seconds_per_vw) and self.seconds_per_vw > 0):
+        if not (
+            isinstance(self.seconds_per_vw, (int, float))
+            and math.isfinite(self.seconds_per_vw)
+            and self.seconds_per_vw > 0
+        ):
             raise ValueError(
                 f"device {self.device_id!r}: seconds_per_vw expected a positive number, got {self.seconds_per_vw!r}"
             )
@@ -174,7 +178,8 @@ def _parse_parameters(root: TableFields) -> Tuple[ModelParameters, Optional[floa
 
     network = root.sub_table("network")
     network_values = config_values(
-        NetworkModel, network,
+        NetworkModel,
+        network,
         fractions=("overlap_fraction", "backward_fraction"),
         positives=("bandwidth_bytes_per_s", "broadcast_bandwidth_bytes_per_s", "bucket_bytes"),
     )
@@ -197,8 +202,12 @@ def _parse_parameters(root: TableFields) -> Tuple[ModelParameters, Optional[floa
     return parameters, reference
 
 
-def _seconds_per_vw(reader: TableFields, reference: Optional[float], device_types: Mapping[str, Tuple[float, str]],
-                    allow_type: bool = True) -> Tuple[float, str]:
+def _seconds_per_vw(
+    reader: TableFields,
+    reference: Optional[float],
+    device_types: Mapping[str, Tuple[float, str]],
+    allow_type: bool = True,
+) -> Tuple[float, str]:
     """A device's seconds per VW from exactly one of ``type``, ``speed`` or ``seconds_per_vw``."""
     given = [key for key in ("type", "speed", "seconds_per_vw") if reader.has(key) and (allow_type or key != "type")]
     choices = "type, speed or seconds_per_vw" if allow_type else "speed or seconds_per_vw"
@@ -235,8 +244,9 @@ def _parse_device_types(root: TableFields, reference: Optional[float]) -> Dict[s
     return result
 
 
-def _parse_devices(root: TableFields, reference: Optional[float],
-                   device_types: Mapping[str, Tuple[float, str]]) -> Tuple[DeviceSpec, ...]:
+def _parse_devices(
+    root: TableFields, reference: Optional[float], device_types: Mapping[str, Tuple[float, str]]
+) -> Tuple[DeviceSpec, ...]:
     devices: List[DeviceSpec] = []
     seen: Dict[str, str] = {}
     readers = root.array_of_tables("devices")
@@ -261,8 +271,12 @@ def _parse_devices(root: TableFields, reference: Optional[float],
     return tuple(devices)
 
 
-def _parse_events(root: TableFields, reference: Optional[float], device_types: Mapping[str, Tuple[float, str]],
-                  initial_ids: Tuple[str, ...]) -> Tuple[Event, ...]:
+def _parse_events(
+    root: TableFields,
+    reference: Optional[float],
+    device_types: Mapping[str, Tuple[float, str]],
+    initial_ids: Tuple[str, ...],
+) -> Tuple[Event, ...]:
     events: List[Event] = []
     known = set(initial_ids)
     joined: Dict[str, str] = {}
@@ -360,9 +374,19 @@ def parse_scenario(data: Mapping[str, Any], source: str = "") -> Scenario:
     scalability = _parse_scalability(root, steps, seed)
     root.finish()
     return Scenario(
-        name=name, steps=steps, virtual_workers=virtual_workers, devices=devices, events=events,
-        parameters=parameters, balance=balance_settings, policies=policies, seed=seed, noise=noise,
-        description=description, scalability=scalability, source=source,
+        name=name,
+        steps=steps,
+        virtual_workers=virtual_workers,
+        devices=devices,
+        events=events,
+        parameters=parameters,
+        balance=balance_settings,
+        policies=policies,
+        seed=seed,
+        noise=noise,
+        description=description,
+        scalability=scalability,
+        source=source,
     )
 
 
@@ -381,9 +405,7 @@ def resolve_scenario_path(scenario: str) -> Path:
     stem = path.stem if path.suffix == ".toml" else str(scenario)
     if stem in shipped and path.parent == Path("."):
         return shipped[stem]
-    raise ValueError(
-        f"scenario file {str(scenario)!r} does not exist (shipped scenarios: {sorted(shipped)})"
-    )
+    raise ValueError(f"scenario file {str(scenario)!r} does not exist (shipped scenarios: {sorted(shipped)})")
 
 
 def load_scenario(scenario: str) -> Scenario:

@@ -45,8 +45,15 @@ class TableFields:
     def has(self, key: str) -> bool:
         return key in self.table
 
-    def number(self, key: str, default: Any = REQUIRED, *, minimum: float = -math.inf,
-               positive: bool = False, maximum: float = math.inf) -> Any:
+    def number(
+        self,
+        key: str,
+        default: Any = REQUIRED,
+        *,
+        minimum: float = -math.inf,
+        positive: bool = False,
+        maximum: float = math.inf,
+    ) -> Any:
         value = self._get(key, default)
         if value is default and key not in self.table:
             return value
@@ -117,13 +124,17 @@ class TableFields:
     def finish(self) -> None:
         unknown = sorted(str(key) for key in self.table if key not in self.used)
         if unknown:
-            raise ValueError(
-                f"{self.path}.{unknown[0]}: unknown field; expected one of {sorted(self.used)}"
-            )
+            raise ValueError(f"{self.path}.{unknown[0]}: unknown field; expected one of {sorted(self.used)}")
 
 
-def config_values(cls: type, reader: TableFields, *, integers: Tuple[str, ...] = (),
-                   fractions: Tuple[str, ...] = (), positives: Tuple[str, ...] = ()) -> Dict[str, Any]:
+def config_values(
+    cls: type,
+    reader: TableFields,
+    *,
+    integers: Tuple[str, ...] = (),
+    fractions: Tuple[str, ...] = (),
+    positives: Tuple[str, ...] = (),
+) -> Dict[str, Any]:
     """Keyword arguments for config dataclass ``cls`` from a table keyed by its field names.
 
     Every field is optional (the dataclass default applies); each is read as a

@@ -21,7 +21,6 @@ import torch
 
 from flexpar.comm import state_transfer as training_state
 
-
 _CHECKPOINT = re.compile(r"^step-(\d+)\.pt$")
 
 
@@ -57,11 +56,7 @@ def write_checkpoint(directory: str, state_bytes: bytes, step: int) -> str:
 def latest_checkpoint(directory: str) -> Optional[str]:
     if not os.path.isdir(directory):
         return None
-    found = sorted(
-        (int(match.group(1)), name)
-        for name in os.listdir(directory)
-        if (match := _CHECKPOINT.match(name))
-    )
+    found = sorted((int(match.group(1)), name) for name in os.listdir(directory) if (match := _CHECKPOINT.match(name)))
     return os.path.join(directory, found[-1][1]) if found else None
 
 
@@ -72,6 +67,7 @@ def read_checkpoint(path: str, device) -> dict:
 
 def cpu_copy(state):
     """`state` with every tensor copied to fresh CPU memory (containers rebuilt, the rest shared)."""
+
     def copy(item):
         if isinstance(item, torch.Tensor):
             return item.detach().to("cpu", copy=True)
@@ -95,11 +91,7 @@ def prune(directory: str, keep: Optional[int]) -> list:
     """Delete all but the newest `keep` checkpoints (step-*.pt) of `directory`; returns what went."""
     if not keep or not os.path.isdir(directory):
         return []
-    found = sorted(
-        (checkpoint_step(name), name)
-        for name in os.listdir(directory)
-        if _CHECKPOINT.match(name)
-    )
+    found = sorted((checkpoint_step(name), name) for name in os.listdir(directory) if _CHECKPOINT.match(name))
     removed = []
     for _, name in found[: max(0, len(found) - keep)]:
         path = os.path.join(directory, name)

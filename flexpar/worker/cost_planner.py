@@ -37,9 +37,11 @@ def sample_costs(job, indices: Sequence[int], step: Optional[int] = None) -> Lis
         try:
             value = job.sample_cost(index)
         except Exception as error:
-            raise UserCodeError(f"sample_cost({index}) raised {type(error).__name__}: {error}{where}; "
-                                "sample_cost(index) must return the cost of that sample (e.g. its token "
-                                "count) for every index of the dataset") from error
+            raise UserCodeError(
+                f"sample_cost({index}) raised {type(error).__name__}: {error}{where}; "
+                "sample_cost(index) must return the cost of that sample (e.g. its token "
+                "count) for every index of the dataset"
+            ) from error
         try:
             costs.append(cost_balance.sample_cost_value(value, index))
         except ValueError as error:
@@ -56,8 +58,8 @@ class CostPlanner:
         self.rates = cost_rates.CostRates()
         self._size = len(job.dataset)
         self._orders: collections.OrderedDict = collections.OrderedDict()  # epoch -> sample order
-        self._costs: collections.OrderedDict = collections.OrderedDict()   # step -> (raw, scaled) VW costs
-        self._plans: collections.OrderedDict = collections.OrderedDict()   # (step, members, rates) -> sets
+        self._costs: collections.OrderedDict = collections.OrderedDict()  # step -> (raw, scaled) VW costs
+        self._plans: collections.OrderedDict = collections.OrderedDict()  # (step, members, rates) -> sets
         self._scale: Optional[float] = None
 
     # ---------------------------------------------------------------- costs
@@ -106,8 +108,9 @@ class CostPlanner:
             _remember(self._plans, key, plan, 2 * _CACHED_STEPS)
         return plan
 
-    def observe(self, step: int, members: Sequence[str], assignment: cost_balance.Assignment,
-                busy_seconds: Sequence[float]) -> str:
+    def observe(
+        self, step: int, members: Sequence[str], assignment: cost_balance.Assignment, busy_seconds: Sequence[float]
+    ) -> str:
         """Fold a committed step into the rates; returns the rebalance event's detail, or "".
 
         A first planned rate (the start, a joiner) is not a move; a move of a
@@ -116,18 +119,19 @@ class CostPlanner:
         """
         members = tuple(members)
         before = self.rates
-        measured = cost_rates.observe_costs(self.rates, members, assignment, self._step_costs(step)[1],
-                                              busy_seconds)
+        measured = cost_rates.observe_costs(self.rates, members, assignment, self._step_costs(step)[1], busy_seconds)
         # Compared on the next step's costs, where the current plan (the one the loader
         # prefetches along, cached) would run.
         following = step + 1
         if self.total_steps is not None and following >= self.total_steps:
             self.rates = measured  # the last step: no plan follows it
             return ""
-        self.rates = cost_rates.replan(measured, members, self._step_costs(following)[1],
-                                         self.assignment(following, members))
-        moved = any(device in before.planned and self.rates.planned[device] != before.planned[device]
-                    for device in members)
+        self.rates = cost_rates.replan(
+            measured, members, self._step_costs(following)[1], self.assignment(following, members)
+        )
+        moved = any(
+            device in before.planned and self.rates.planned[device] != before.planned[device] for device in members
+        )
         return describe_move(_speeds(before, members), _speeds(self.rates, members)) if moved else ""
 
     def device_costs(self, step: int, assignment: cost_balance.Assignment) -> List[float]:
@@ -156,7 +160,8 @@ def _speeds(rates: cost_rates.CostRates, members: Sequence[str]) -> List[float]:
 
 def describe_move(before: Sequence[float], after: Sequence[float]) -> str:
     """The detail of a rebalance event in cost mode: planned relative speeds before and after."""
+
     def text(speeds):
         return "[" + ", ".join(f"{speed:.2f}" for speed in speeds) + "]"
-    return f"relative speeds {text(before)} -> {text(after)} (balancing by cost)"
 
+    return f"relative speeds {text(before)} -> {text(after)} (balancing by cost)"

@@ -63,7 +63,7 @@ class DeviceLink:
         self.speed: Optional[float] = None  # emulated speed set by the driver, if any
         self.dead_members: frozenset = frozenset()  # peers of the latest generation known dead
         self.finish_reason: Optional[str] = None  # the driver asked to stop after the step in flight
-        self.driver_lost = False                  # the store (and so the driver) is gone
+        self.driver_lost = False  # the store (and so the driver) is gone
         self.leave_requested_at: Optional[float] = None  # SIGTERM: leave at the next boundary
         self._leave_proof = ""
         self._leave_grace_s = 30.0
@@ -100,8 +100,9 @@ class DeviceLink:
                     notice, read_all_at = seen, time.monotonic()
                     self._read_followed(store)
                 if self.leave_requested_at is not None and self._leave_proof:
-                    Channel(store, "events").send({"type": "leave", "device_id": self.device_id,
-                                                   "proof": self._leave_proof})
+                    Channel(store, "events").send(
+                        {"type": "leave", "device_id": self.device_id, "proof": self._leave_proof}
+                    )
                     self._leave_proof = ""  # sent once
                 while not self._outbox.empty():
                     metrics.send(self._outbox.get())
@@ -158,8 +159,12 @@ class DeviceLink:
         if self.finish_reason is not None or self.stop_reason is not None:
             return
         if self.leave_requested_at is not None and now - self.leave_requested_at > self._leave_grace_s:
-            print(f"flexpar: device {self.device_id}: did not leave within {self._leave_grace_s:g} s of "
-                  "SIGTERM; exiting now (the others recover as after a failure)", file=sys.stderr, flush=True)
+            print(
+                f"flexpar: device {self.device_id}: did not leave within {self._leave_grace_s:g} s of "
+                "SIGTERM; exiting now (the others recover as after a failure)",
+                file=sys.stderr,
+                flush=True,
+            )
             os.kill(os.getpid(), signal.SIGKILL)
 
     def _wait_out_leave_grace(self) -> None:
@@ -205,7 +210,9 @@ class DeviceLink:
             yield
         except RuntimeError as error:
             self.driver_lost = True
-            raise DriverLost(f"the job's driver is gone ({str(error).splitlines()[0] if str(error) else error})") from None
+            raise DriverLost(
+                f"the job's driver is gone ({str(error).splitlines()[0] if str(error) else error})"
+            ) from None
 
     def read_finish_reason(self) -> Optional[str]:
         """Why the job is asked to finish, read from the store now (the follower may lag)."""
@@ -220,6 +227,7 @@ class DeviceLink:
         Returns "" once every member has arrived, or why the generation cannot
         form: a member the coordinator knows is dead, or a newer generation.
         """
+
         def problem() -> str:
             self.check()
             if self.latest_generation > generation:

@@ -155,9 +155,12 @@ class WorkerEvaluation:
             wait_for_collective(work, self._peer_lost)
         self._evaluated = (self.generation, step)
         record = {
-            "kind": "eval", "step": step, "time": time.time(),
+            "kind": "eval",
+            "step": step,
+            "time": time.time(),
             "elapsed_s": 0.0,  # filled in by the driver, which knows the job's start
-            "generation": self.generation, "devices": list(self.members),
+            "generation": self.generation,
+            "devices": list(self.members),
             "eval_s": time.perf_counter() - started,
             "metrics": evaluation.metrics_of(vector.cpu().tolist(), keys),
         }
@@ -187,4 +190,6 @@ class WorkerEvaluation:
             return self.link.store.get(key).decode()
         except RuntimeError as error:  # the store, hosted by the driver, is gone
             self.link.driver_lost = True
-            raise DriverLost(f"the job's driver is gone ({str(error).splitlines()[0] if str(error) else error})") from None
+            raise DriverLost(
+                f"the job's driver is gone ({str(error).splitlines()[0] if str(error) else error})"
+            ) from None

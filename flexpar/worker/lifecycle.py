@@ -39,25 +39,26 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from flexpar.core import balance, batching
-from flexpar.comm import state_transfer as training_state
-from flexpar.worker import checkpoints
-from flexpar.comm.protocol import get_blob, get_json, join_proof, put_blob, tell_driver
-from flexpar.worker.device_link import DeviceLink, DriverLost
 from flexpar import recipes
 from flexpar.callbacks import CALLBACK_STOP
-from flexpar.worker.cost_planner import CostPlanner
-from flexpar.errors import UserCodeError
-from flexpar.worker.user_code import build_model, build_optimizer, loss_terms, model_digest
-from flexpar.worker.loader import VirtualWorkerLoader, load_batch, to_device as _to_device
+from flexpar.comm import state_transfer as training_state
 from flexpar.comm.collectives import GroupReaper, PeerFailure, collective, fresh_group
 from flexpar.comm.gradient_sync import GradientSync
+from flexpar.comm.protocol import get_blob, get_json, join_proof, put_blob, tell_driver
+from flexpar.core import balance, batching
+from flexpar.errors import UserCodeError
 from flexpar.version import __version__
-from flexpar.worker.state_keeping import WorkerCheckpoints
+from flexpar.worker import checkpoints
+from flexpar.worker.cost_planner import CostPlanner
+from flexpar.worker.device_link import DeviceLink, DriverLost
 from flexpar.worker.evaluator import WorkerEvaluation
+from flexpar.worker.loader import VirtualWorkerLoader, load_batch
+from flexpar.worker.loader import to_device as _to_device
 from flexpar.worker.records import RECORDS_KEPT, WorkerRecords
 from flexpar.worker.settings import RunSettings, WorkerArgs
+from flexpar.worker.state_keeping import WorkerCheckpoints
 from flexpar.worker.step_loop import StepLoop, StopEarly
+from flexpar.worker.user_code import build_model, build_optimizer, loss_terms, model_digest
 
 
 class Phase(enum.Enum):
@@ -112,12 +113,14 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
         self.scaler = recipes.make_scaler(self.job)  # fp16 only; part of the training state
         self._grad_norm = 0.0  # of the step in flight's applied gradient (`_prepare_gradient`)
         self.reaper = GroupReaper()
-        self.loader = VirtualWorkerLoader(self.job, self._plan, self.settings.total_steps,
-                                          record_indices=self.settings.sample_ledger)
+        self.loader = VirtualWorkerLoader(
+            self.job, self._plan, self.settings.total_steps, record_indices=self.settings.sample_ledger
+        )
         self.balance_state = balance.BalanceState(seconds_per_vw={})
         # Job(sample_cost=...): each step's VW sets by predicted cost (flexpar/cost_planner.py).
-        self.cost_planner = (CostPlanner(self.job, self.settings.total_steps) if self.job.sample_cost is not None
-                             else None)
+        self.cost_planner = (
+            CostPlanner(self.job, self.settings.total_steps) if self.job.sample_cost is not None else None
+        )
         self.generation = 0
         self.members: tuple = ()
         self.rank = 0
@@ -130,9 +133,12 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
         # them; rank 0 publishes). A rank 0 that dies may take queued records with it.
         self.recent_records: collections.deque = collections.deque(maxlen=RECORDS_KEPT)
         self.recovering = False  # the next generation follows a failed collective
-        self.faults = {(int(step), phase): _SIGNALS[fault[3] if len(fault) > 3 else "kill"]
-                       for fault in self.settings.faults for step, device, phase in [fault[:3]]
-                       if device == args.device_id}
+        self.faults = {
+            (int(step), phase): _SIGNALS[fault[3] if len(fault) > 3 else "kill"]
+            for fault in self.settings.faults
+            for step, device, phase in [fault[:3]]
+            if device == args.device_id
+        }
 
     def _peer_lost(self) -> Optional[str]:
         """A member of this generation that the coordinator knows is dead, if any."""
@@ -153,13 +159,20 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
 
         Each fault fires once: a step redone after a failure does not fire it again.
         """
-        due = [key for key in self.faults if key[1] == phase and
-               (key[0] == step or (phase in self._BOUNDARY_PHASES and key[0] <= step))]
+        due = [
+            key
+            for key in self.faults
+            if key[1] == phase and (key[0] == step or (phase in self._BOUNDARY_PHASES and key[0] <= step))
+        ]
         for key in due:
             number = self.faults.pop(key)
             # Said first, with the time: the fault soak measures detection from it.
-            print(f"flexpar: fault: {self.args.device_id} gets {signal.Signals(number).name} at step {step} "
-                  f"({phase}) at {time.time():.6f}", file=sys.stderr, flush=True)
+            print(
+                f"flexpar: fault: {self.args.device_id} gets {signal.Signals(number).name} at step {step} "
+                f"({phase}) at {time.time():.6f}",
+                file=sys.stderr,
+                flush=True,
+            )
             os.kill(os.getpid(), number)
 
     # ------------------------------------------------------------ lifecycle
@@ -182,8 +195,7 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
         proof = self.proof
         self.link.send("announce", proof=proof, remote=self.args.remote)
         warmup_s = self.warm_up()
-        self.link.send("ready", proof=proof, digest=model_digest(self.model),
-                       version=__version__, warmup_s=warmup_s)
+        self.link.send("ready", proof=proof, digest=model_digest(self.model), version=__version__, warmup_s=warmup_s)
         self.phase = Phase.WAITING
         generation, record = self.link.wait_for_generation(0, joining=True)
         # Devices of generation 1 built the same model from the same seed: step 0 is
@@ -213,8 +225,7 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
                 self.phase = Phase.RECOVERING
                 self.recovering = True
                 self.optimizer.zero_grad(set_to_none=True)
-                self.link.send("failure", generation=generation, step=self.committed,
-                               error=str(failure)[:500])
+                self.link.send("failure", generation=generation, step=self.committed, error=str(failure)[:500])
             # Outside the except block, whose traceback holds the broken group's works.
             self.reaper.retire(self.sync.release_works())()
             generation, record = self.link.wait_for_generation(generation, joining=False)
@@ -237,9 +248,11 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
             self.sync.exact_stats = terms.count is not None
         except Exception as error:
             if self.job.compile and recipes.is_compile_error(error):
-                raise UserCodeError(f"torch.compile failed on device {self.args.device_id} during its warm-up "
-                                    f"({type(error).__name__}: {str(error).strip()[:2000]}); run without "
-                                    "compile=True, or try compile_options={'backend': 'aot_eager'}") from error
+                raise UserCodeError(
+                    f"torch.compile failed on device {self.args.device_id} during its warm-up "
+                    f"({type(error).__name__}: {str(error).strip()[:2000]}); run without "
+                    "compile=True, or try compile_options={'backend': 'aot_eager'}"
+                ) from error
             raise
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
@@ -259,12 +272,18 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
         problem = self.link.gather(generation, members)
         if problem:
             raise PeerFailure(problem)
-        with fresh_group(self.reaper.retire(self.sync.release_works()), self.settings.backend,
-                         dist.PrefixStore(f"gen/{generation}/pg", self.link.store), rank, len(members),
-                         self.settings.timeout_s):
+        with fresh_group(
+            self.reaper.retire(self.sync.release_works()),
+            self.settings.backend,
+            dist.PrefixStore(f"gen/{generation}/pg", self.link.store),
+            rank,
+            len(members),
+            self.settings.timeout_s,
+        ):
             self.link.send("formed", generation=generation)
-            stock = collective(lambda: training_state.take_stock(
-                self.committed, self.committed_wall, rank, len(members), self.device))
+            stock = collective(
+                lambda: training_state.take_stock(self.committed, self.committed_wall, rank, len(members), self.device)
+            )
             if stock.receivers:
                 self._level(stock, rank, len(members))
         previous_members = self.members
@@ -282,8 +301,9 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
         """Send the latest state from the source to the members behind it."""
         if rank == stock.source:
             state = self._capture()
-            collective(lambda: training_state.send_state(state, stock.receivers, self.device,
-                                                          after_size=self._transfer_fault))
+            collective(
+                lambda: training_state.send_state(state, stock.receivers, self.device, after_size=self._transfer_fault)
+            )
         elif rank in stock.receivers:
             # A joiner holds nothing committed: it receives the model in place. A member
             # that is only behind keeps its own state intact until the new one is whole.
@@ -299,8 +319,11 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
             data = training_state.to_bytes({"model": self.model.state_dict(), "step": self.committed})
             put_blob(self.link.store, "result", data, self.args.secret)
             self.link.flush()
-            tell_driver(self.link.store, "done", json.dumps({"step": self.committed, "stopped": stopped,
-                                                                     "checkpoint": checkpoint}))
+            tell_driver(
+                self.link.store,
+                "done",
+                json.dumps({"step": self.committed, "stopped": stopped, "checkpoint": checkpoint}),
+            )
 
     def stop_early(self) -> None:
         """Every member committed the same step and stops: the driver asked, or is gone."""
@@ -310,16 +333,23 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
             raise DriverLost("the job's driver is gone")
         # Another member may have seen the request first: ask the store for its words,
         # so that every member agrees on the reason (a callback's stop evaluates once more).
-        reason = (self._verdict_stop or self.link.finish_reason or self.link.read_finish_reason()
-                  or "the driver asked to stop")
+        reason = (
+            self._verdict_stop
+            or self.link.finish_reason
+            or self.link.read_finish_reason()
+            or "the driver asked to stop"
+        )
         if reason.startswith(CALLBACK_STOP) and self._evaluation_due(final=True):
             self.evaluate(ask_driver=False)  # a callback's stop ends as the last step does
         checkpoint = ""
         if self.rank == 0:
             if self.settings.checkpoint_dir:
                 checkpoint = self._write_checkpoint(self.settings.checkpoint_dir)
-            self._publish_event("stop", f"{reason}; stopped after step {self.committed}"
-                                + (f", checkpoint {checkpoint}" if checkpoint else ""), 0.0)
+            self._publish_event(
+                "stop",
+                f"{reason}; stopped after step {self.committed}" + (f", checkpoint {checkpoint}" if checkpoint else ""),
+                0.0,
+            )
         self.finish(stopped=reason, checkpoint=checkpoint)
 
     def _say(self, message: str) -> None:

@@ -112,9 +112,7 @@ class VirtualWorkerLoader:
 
     def _step_indices(self, step: int) -> list:
         if self._cached_step != step:
-            batch = batching.global_batch_indices(
-                self.job.seed, step, self.dataset_size, self.job.global_batch
-            )
+            batch = batching.global_batch_indices(self.job.seed, step, self.dataset_size, self.job.global_batch)
             self._cached_batch = batching.split_global_batch(batch, self.job.virtual_workers)
             self._cached_step = step
         return self._cached_batch

@@ -18,8 +18,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from flexpar.worker.device_link import DeviceLink, DriverLost, Evicted, JobStopped
 from flexpar.errors import UserCodeError
+from flexpar.worker.device_link import DeviceLink, DriverLost, Evicted, JobStopped
 from flexpar.worker.lifecycle import Worker
 from flexpar.worker.settings import EXIT_DRIVER_LOST, EXIT_EVICTED, WorkerArgs
 
@@ -59,8 +59,14 @@ def main(args: WorkerArgs) -> None:
             code = EXIT_EVICTED
     except Exception as error:  # the user's code (or ours) raised: stop the job, say why once
         try:
-            link.events.send({"type": "error", "device_id": args.device_id,
-                              "message": _describe(error), "traceback": traceback.format_exc()})
+            link.events.send(
+                {
+                    "type": "error",
+                    "device_id": args.device_id,
+                    "message": _describe(error),
+                    "traceback": traceback.format_exc(),
+                }
+            )
         except Exception:  # no driver to tell: say it here
             traceback.print_exc()
         code = 1
@@ -103,8 +109,9 @@ def keep_freed_memory() -> bool:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)) and \
-            bool(libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES))
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)) and bool(
+            libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES)
+        )
     except (OSError, AttributeError):  # not glibc
         return False
 
@@ -129,13 +136,15 @@ def _leave_on_sigterm(worker: "Worker") -> None:
         if link.leave_requested_at is not None:
             if time.monotonic() - link.leave_requested_at < SAME_NOTICE_S:
                 return  # the same notice twice: to the whole host, and passed on by `flexpar join`
-            print(f"flexpar: device {worker.args.device_id}: second SIGTERM: exiting now", file=sys.stderr,
-                  flush=True)
+            print(f"flexpar: device {worker.args.device_id}: second SIGTERM: exiting now", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        print(f"flexpar: device {worker.args.device_id}: SIGTERM: leaving at the next step boundary "
-              f"(a second SIGTERM over {SAME_NOTICE_S:g} s later, or {grace_s:g} s without a boundary, "
-              "stops it at once)", file=sys.stderr,
-              flush=True)
+        print(
+            f"flexpar: device {worker.args.device_id}: SIGTERM: leaving at the next step boundary "
+            f"(a second SIGTERM over {SAME_NOTICE_S:g} s later, or {grace_s:g} s without a boundary, "
+            "stops it at once)",
+            file=sys.stderr,
+            flush=True,
+        )
         link.request_leave(worker.proof, grace_s)
 
     signal.signal(signal.SIGTERM, on_sigterm)

@@ -6,7 +6,6 @@ import time
 
 from flexpar.core import balance
 
-
 # Step records each device keeps for a new rank 0 to send again (the driver drops
 # steps it has): more than a dying rank 0 can have queued unsent.
 RECORDS_KEPT = 32
@@ -21,23 +20,36 @@ class WorkerRecords:
         # Every device keeps the record of its last committed step; only rank 0
         # publishes it. It travels with the state, so a rank 0 that was brought
         # level after a failure can publish the step it did not commit itself.
-        return ({
-            "kind": "step", "step": step, "time": self.committed_wall,
+        return {
+            "kind": "step",
+            "step": step,
+            "time": self.committed_wall,
             "elapsed_s": 0.0,  # filled in by the driver, which knows the job's start
-            "loss": loss, "samples_per_s": self.job.global_batch / max(step_time, 1e-9),
-            "step_time_s": step_time, "generation": self.generation,
-            "devices": list(self.members), "assignment": list(assignment),
-            "busy_s": busy, "imbalance": balance.imbalance(busy),
+            "loss": loss,
+            "samples_per_s": self.job.global_batch / max(step_time, 1e-9),
+            "step_time_s": step_time,
+            "generation": self.generation,
+            "devices": list(self.members),
+            "assignment": list(assignment),
+            "busy_s": busy,
+            "imbalance": balance.imbalance(busy),
             "lr": float(self.optimizer.param_groups[0]["lr"]),
             "grad_norm": grad_norm,  # of the applied gradient, before clipping (inf/nan: an fp16 skip)
-        })
+        }
 
     def _publish_event(self, event: str, detail: str, stall_s: float) -> None:
-        self.link.publish({
-            "kind": "event", "event": event, "step": self.committed, "time": time.time(),
-            "generation": self.generation, "devices": list(self.members),
-            "stall_s": stall_s, "detail": detail,
-        })
+        self.link.publish(
+            {
+                "kind": "event",
+                "event": event,
+                "step": self.committed,
+                "time": time.time(),
+                "generation": self.generation,
+                "devices": list(self.members),
+                "stall_s": stall_s,
+                "detail": detail,
+            }
+        )
 
     def _publish_generation_event(self, record: dict, previous_members: tuple, stall: float) -> None:
         recovered, self.recovering = self.recovering, False
@@ -55,6 +67,7 @@ class WorkerRecords:
             joined = record["joined"]
             if kind == "join":  # a joiner's warm-up (compile included) was paid before the stall began
                 warmups = record.get("warmup_s") or {}
-                joined = [f"{device} (warm-up {warmups[device]:.2f} s)" if device in warmups else device
-                          for device in joined]
+                joined = [
+                    f"{device} (warm-up {warmups[device]:.2f} s)" if device in warmups else device for device in joined
+                ]
             self._publish_event(kind, "joined: " + ", ".join(joined), 0.0 if kind == "start" else stall)

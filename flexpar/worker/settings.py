@@ -12,11 +12,13 @@ from typing import Optional
 # Exit codes of a worker process, read by the driver and by `flexpar join`.
 EXIT_EVICTED = 3
 EXIT_DRIVER_LOST = 4
-EXIT_MAIN_GUARD = 78  # fit() ran while the worker imported the user's script: the driver reports MAIN_GUARD_MESSAGE once
+EXIT_MAIN_GUARD = (
+    78  # fit() ran while the worker imported the user's script: the driver reports MAIN_GUARD_MESSAGE once
+)
 
 MAIN_GUARD_MESSAGE = (
     "fit() was called while a worker process imported your script. Put the training call under "
-    "`if __name__ == \"__main__\":` so that workers can import the script without starting training again."
+    '`if __name__ == "__main__":` so that workers can import the script without starting training again.'
 )
 
 
@@ -48,11 +50,11 @@ class RunSettings:
     resume_path: Optional[str]
     faults: tuple = ()  # (step, device_id, phase, signal): send the signal there (tests only)
     rescue_dir: str = ""  # where the last committed step goes if the driver is lost
-    script: str = ""      # the job's script
+    script: str = ""  # the job's script
     resume_command: str = ""  # the command that resumes the job from its checkpoints (launch.resume_command)
     preemption_grace_s: float = 30.0
     sample_ledger: bool = False  # count the samples each step consumed (flexpar.ledger)
     eval_every: Optional[int] = None  # evaluate every N committed steps (and after the last)
-    eval_keys: tuple = ()             # the sorted metric names of job.evaluate (found by the driver)
-    eval_verdict: bool = False        # wait after each evaluation for the driver's callbacks (on_eval may stop)
+    eval_keys: tuple = ()  # the sorted metric names of job.evaluate (found by the driver)
+    eval_verdict: bool = False  # wait after each evaluation for the driver's callbacks (on_eval may stop)
     keep_checkpoints: Optional[int] = None  # keep only the newest K checkpoints

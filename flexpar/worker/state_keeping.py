@@ -14,9 +14,9 @@ import json
 import os
 from typing import Optional
 
+from flexpar.comm import state_transfer as training_state
 from flexpar.core import balance
 from flexpar.worker import checkpoints
-from flexpar.comm import state_transfer as training_state
 from flexpar.worker.records import RECORDS_KEPT
 
 
@@ -26,8 +26,11 @@ class WorkerCheckpoints:
     # ------------------------------------------------------------ state
 
     def _capture(self) -> dict:
-        extra = {"balance": balance.state_to_dict(self.balance_state), "committed_wall": self.committed_wall,
-                 "recent_records": json.dumps(list(self.recent_records))}
+        extra = {
+            "balance": balance.state_to_dict(self.balance_state),
+            "committed_wall": self.committed_wall,
+            "recent_records": json.dumps(list(self.recent_records)),
+        }
         if self.scaler is not None:  # fp16: the loss scale travels to joiners and into checkpoints
             extra["grad_scaler"] = self.scaler.state_dict()
         if self.cost_planner is not None:  # by cost: joiners plan with the same rates
@@ -85,7 +88,6 @@ class WorkerCheckpoints:
         except RuntimeError as error:
             self._say(str(error))
 
-
     def _rescue(self, step: int, agreed: bool) -> None:
         """The driver is gone: write the last committed step somewhere a resume finds it; say where.
 
@@ -104,7 +106,10 @@ class WorkerCheckpoints:
         else:
             path = checkpoints.checkpoint_path(directory, step)
             path += f" (written by {self.members[0]})" if self.members else ""
-        command = self.settings.resume_command or (f"flexpar run --resume --checkpoint-dir {directory} "
-                                                   f"{self.settings.script or 'SCRIPT'}")
-        self._say(f"the job's driver is gone (its store stopped answering); the last committed step, "
-                  f"{step}, is in {path}. Resume with: {command}")
+        command = self.settings.resume_command or (
+            f"flexpar run --resume --checkpoint-dir {directory} {self.settings.script or 'SCRIPT'}"
+        )
+        self._say(
+            f"the job's driver is gone (its store stopped answering); the last committed step, "
+            f"{step}, is in {path}. Resume with: {command}"
+        )

@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from flexpar import recipes
 from flexpar.comm.collectives import collective
-from flexpar.core import balance, batching, ledger as sample_ledger
+from flexpar.core import balance, batching
+from flexpar.core import ledger as sample_ledger
 from flexpar.core.step_statistics import StatsLayout, mixed_loss_message, nonfinite_gradient_message
 from flexpar.errors import UserCodeError
 from flexpar.worker.loader import to_device as _to_device
@@ -62,11 +63,13 @@ class StepLoop:
                 sets = self.cost_planner.assignment(self.committed, self.members)
                 assignment, mine = tuple(len(members) for members in sets), sets[self.rank]
             else:
-                assignment = balance.next_assignment(
-                    self.balance_state, self.members, self.job.virtual_workers
-                )
-                if self.rank == 0 and self.assignment and assignment != self.assignment and \
-                        tuple(self.balance_state.device_ids) == self.members:
+                assignment = balance.next_assignment(self.balance_state, self.members, self.job.virtual_workers)
+                if (
+                    self.rank == 0
+                    and self.assignment
+                    and assignment != self.assignment
+                    and tuple(self.balance_state.device_ids) == self.members
+                ):
                     self._publish_event("rebalance", f"{list(self.assignment)} -> {list(assignment)}", 0.0)
                 mine = batching.virtual_workers_of(assignment, self.rank)
             self.assignment = assignment
@@ -146,11 +149,13 @@ class StepLoop:
         scale = self.scaler.scale if self.scaler is not None else 1.0
         factor = 1.0 / ((count if pairs else 1.0) * scale) if (pairs or scale != 1.0) else 1.0
         if dense_sums is None:
-            self._grad_norm = recipes.finish_gradients(self.sync.dense, self.sync.sparse, factor,
-                                                       self.job.max_grad_norm)
+            self._grad_norm = recipes.finish_gradients(
+                self.sync.dense, self.sync.sparse, factor, self.job.max_grad_norm
+            )
             return None
-        self._grad_norm, multiplier = recipes.prepare_gradients(dense_sums, self.sync.sparse, factor,
-                                                                self.job.max_grad_norm)
+        self._grad_norm, multiplier = recipes.prepare_gradients(
+            dense_sums, self.sync.sparse, factor, self.job.max_grad_norm
+        )
         return multiplier
 
     def _verdict_on_gradient(self, summed: torch.Tensor, slots: "StatsLayout", step: int) -> tuple:
@@ -252,8 +257,9 @@ class StepLoop:
         stats[slots.pairs] = pairs
         if self.scaler is not None:  # fp16: this device's own gradient overflowed (all skip the step)
             stats[slots.overflow] = float(recipes.has_nonfinite(self.sync.dense, self.sync.sparse))
-        summed = self.sync.finish(stats.to(self.device), before_wait=lambda: self._fault_point("sync", step),
-                                  scale=self._prepare_gradient)
+        summed = self.sync.finish(
+            stats.to(self.device), before_wait=lambda: self._fault_point("sync", step), scale=self._prepare_gradient
+        )
         if world == 1:  # nothing was summed: this device's gradient is the step's
             self._prepare_gradient(summed, None)
         if ledger is not None:

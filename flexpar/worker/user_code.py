@@ -62,8 +62,10 @@ def loss_terms(result, step: int, virtual_worker: int) -> LossTerms:
         return LossTerms(result, check_loss(result, step, virtual_worker), None)
     where = f"at step {step}, virtual worker {virtual_worker}"
     if len(result) != 2:
-        raise UserCodeError(f"loss(model, batch) returned a {type(result).__name__} of {len(result)} items {where}; "
-                            "return a scalar tensor (the mean loss) or a pair (loss_sum, count)")
+        raise UserCodeError(
+            f"loss(model, batch) returned a {type(result).__name__} of {len(result)} items {where}; "
+            "return a scalar tensor (the mean loss) or a pair (loss_sum, count)"
+        )
     loss_sum, count = result
     value = check_loss(loss_sum, step, virtual_worker)
     number = None

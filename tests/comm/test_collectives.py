@@ -1,4 +1,5 @@
-"""GroupReaper and fresh_group: replacing the process group at a boundary, the old one's teardown released later; take_stock.
+"""GroupReaper and fresh_group: replacing the process group at a boundary, the old one's teardown released
+later; take_stock.
 
 These run a one-member gloo group inside the test process: the point is where
 the last references are dropped, which does not need peers.
@@ -70,7 +71,7 @@ def test_fresh_group_releases_the_old_one_when_its_block_ends(block_fails):
             assert not dist.is_initialized()
             assert released == []  # the old group waits for the block's end
             if block_fails:
-                1 / 0
+                1 / 0  # noqa: B018  (the block fails on purpose)
     assert done.wait(timeout=10) and released == ["flexpar-retire-group"]
     assert not dist.is_initialized()
     reaper.retire([])()
@@ -81,8 +82,9 @@ def test_fresh_group_that_cannot_form_is_a_peer_failure():
     released, done = [], threading.Event()
     with pytest.raises(PeerFailure):
         # A second member that never comes: the rendezvous times out.
-        with fresh_group(GroupReaper().retire([_DropWitness(released, done)]), "gloo", dist.HashStore(), 0, 2,
-                         timeout_s=1):
+        with fresh_group(
+            GroupReaper().retire([_DropWitness(released, done)]), "gloo", dist.HashStore(), 0, 2, timeout_s=1
+        ):
             pass
     assert done.wait(timeout=10)  # the old group is released on the failure too
     assert not dist.is_initialized()
@@ -115,7 +117,7 @@ def test_stock_of_members_level_has_no_receivers():
 
 # Per device: a total token count above 2**24 that float32 cannot hold (2**24 + 1), and fractional
 # ones. One device's float64 sum is what every device set must reproduce.
-_STATS = ([2.0 ** 24 + 1, 0.1, 5.0], [2.0, 0.2, 7.0])
+_STATS = ([2.0**24 + 1, 0.1, 5.0], [2.0, 0.2, 7.0])
 
 
 def _sum_stats(rank: int, port: int, folder: str) -> None:

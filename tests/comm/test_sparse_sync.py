@@ -46,9 +46,7 @@ def _embedding_gradient(rank: int, lookups: int, dtype=torch.float32) -> torch.T
     generator = torch.Generator().manual_seed(1000 + rank)
     rows = torch.randint(0, TABLE_ROWS, (lookups,), generator=generator)
     values = torch.randn((lookups, EMBEDDING_DIM), generator=generator, dtype=dtype)
-    return torch.sparse_coo_tensor(
-        rows.unsqueeze(0), values, (TABLE_ROWS, EMBEDDING_DIM), check_invariants=True
-    )
+    return torch.sparse_coo_tensor(rows.unsqueeze(0), values, (TABLE_ROWS, EMBEDDING_DIM), check_invariants=True)
 
 
 # Per rank: number of lookups; in the main scenario rank 1 has no gradient at all.
@@ -225,8 +223,7 @@ def three_rank_results(tmp_path_factory):
     output_dir = str(tmp_path_factory.mktemp("sparse_ranks"))
     # The parent holds the store's server, so its port (chosen by the OS) is
     # free and known before any rank starts.
-    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, timeout=timedelta(seconds=30),
-                          wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
     context = multiprocessing.get_context("spawn")
     processes = [context.Process(target=_rank_main, args=(rank, store.port, output_dir)) for rank in range(WORLD_SIZE)]
     try:
@@ -251,15 +248,11 @@ def three_rank_results(tmp_path_factory):
             if process.is_alive():
                 process.kill()
                 process.join(5)
-    return [
-        torch.load(os.path.join(output_dir, f"rank{rank}.pt"), weights_only=True) for rank in range(WORLD_SIZE)
-    ]
+    return [torch.load(os.path.join(output_dir, f"rank{rank}.pt"), weights_only=True) for rank in range(WORLD_SIZE)]
 
 
 def _dense(plain: dict) -> torch.Tensor:
-    return torch.sparse_coo_tensor(
-        plain["indices"], plain["values"], plain["shape"], check_invariants=True
-    ).to_dense()
+    return torch.sparse_coo_tensor(plain["indices"], plain["values"], plain["shape"], check_invariants=True).to_dense()
 
 
 def _assert_identical_on_every_rank(results, scenario):

@@ -46,10 +46,18 @@ def _trained_state():
         model(torch.randn(8, 4)).square().mean().backward()
         optimizer.step()
         scheduler.step()
-    extra = {"balance": {"device_ids": ["a", "b"], "seconds_per_vw": [0.1, 0.2]}, "committed_wall": 12.5,
-             "odd": {"flags": torch.tensor([True, False]), "half": torch.ones(2, 2, dtype=torch.bfloat16),
-                     "scalar": torch.tensor(7, dtype=torch.int64), "empty": torch.zeros(0, 5),
-                     "strided": torch.arange(12.0).reshape(3, 4).t(), "pair": (1, torch.ones(1))}}
+    extra = {
+        "balance": {"device_ids": ["a", "b"], "seconds_per_vw": [0.1, 0.2]},
+        "committed_wall": 12.5,
+        "odd": {
+            "flags": torch.tensor([True, False]),
+            "half": torch.ones(2, 2, dtype=torch.bfloat16),
+            "scalar": torch.tensor(7, dtype=torch.int64),
+            "empty": torch.zeros(0, 5),
+            "strided": torch.arange(12.0).reshape(3, 4).t(),
+            "pair": (1, torch.ones(1)),
+        },
+    }
     return model, optimizer, scheduler, training_state.capture(model, optimizer, scheduler, 2, extra)
 
 

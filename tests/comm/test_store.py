@@ -2,7 +2,7 @@
 
 import pytest
 
-from flexpar.comm.channel import Channel, HOLE_GRACE_S
+from flexpar.comm.channel import HOLE_GRACE_S, Channel
 from flexpar.comm.store import Unreachable, connect, connect_client
 
 

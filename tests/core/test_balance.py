@@ -249,7 +249,9 @@ def test_small_noise_keeps_the_current_optimum(problem, data):
     seconds, virtual_workers = problem
     ids = device_names(len(seconds))
     current = optimal_assignment(seconds, virtual_workers)
-    factors = data.draw(st.lists(st.floats(min_value=0.99, max_value=1.01), min_size=len(seconds), max_size=len(seconds)))
+    factors = data.draw(
+        st.lists(st.floats(min_value=0.99, max_value=1.01), min_size=len(seconds), max_size=len(seconds))
+    )
     noisy = {device_id: value * factor for device_id, value, factor in zip(ids, seconds, factors)}
     state = BalanceState(noisy, ids, current)
     assert next_assignment(state, ids, virtual_workers, hysteresis=0.05) == current
@@ -388,7 +390,7 @@ def test_device_slowing_by_half_reaches_the_new_optimum_within_ten_rounds():
     state, history = run_steps(state, ids, virtual_workers, after, rounds=10)
     assert target in history
     # Once reached, it stays: the following assignments are all the target.
-    assert all(assignment == target for assignment in history[history.index(target):])
+    assert all(assignment == target for assignment in history[history.index(target) :])
     assert next_assignment(state, ids, virtual_workers) == target
 
 
@@ -569,8 +571,9 @@ def measured_state(seconds, spread, assignment=None):
 
 def all_splits_within(seconds, virtual_workers, tolerance):
     limit = predicted_step_seconds(optimal_assignment(seconds, virtual_workers), seconds) * (1.0 + tolerance)
-    return [split for split in all_splits(virtual_workers, len(seconds))
-            if predicted_step_seconds(split, seconds) <= limit]
+    return [
+        split for split in all_splits(virtual_workers, len(seconds)) if predicted_step_seconds(split, seconds) <= limit
+    ]
 
 
 def busy_imbalance(split, seconds):
@@ -595,8 +598,11 @@ def test_a_placement_is_the_most_even_split_within_the_tie_tolerance(problem, sp
     # optimum, and no split within the tolerance has a smaller predicted imbalance.
     seconds, virtual_workers = problem
     ids = device_names(len(seconds))
-    recent = {device_id: alternating_window(value, spread)
-              for device_id, value, spread in zip(ids, seconds, spreads) if spread}
+    recent = {
+        device_id: alternating_window(value, spread)
+        for device_id, value, spread in zip(ids, seconds, spreads)
+        if spread
+    }
     state = BalanceState(dict(zip(ids, seconds)), recent=recent)
     tolerance = tie_tolerance(state, ids)
     chosen = next_assignment(state, ids, virtual_workers)
@@ -847,8 +853,13 @@ def test_change_threshold_follows_the_documented_rule():
     ids = device_names(2)
     values = [1.0, 1.1] * 4  # relative_noise 0.1 / 1.05
     noise = relative_noise(values)
-    state = BalanceState({"local-0": 1.05, "local-1": 1.05}, ids, (4, 4),
-                         recent={"local-0": values, "local-1": values[:2]}, steady={"local-0": 4})
+    state = BalanceState(
+        {"local-0": 1.05, "local-1": 1.05},
+        ids,
+        (4, 4),
+        recent={"local-0": values, "local-1": values[:2]},
+        steady={"local-0": 4},
+    )
     # Only devices whose count changes count; local-0 stands on 4 steady measurements.
     moved_first = (5, 4)
     assert change_threshold(state, ids, (4, 4), moved_first) == pytest.approx(NOISE_FACTOR * noise / 2)
@@ -894,14 +905,15 @@ def test_states_of_older_versions_still_load():
         (lambda: BalanceState(recent={"a": [1.0, float("nan")]}), r"recent\['a'\]\[1\]=nan"),
         (lambda: BalanceState(recent={"a": "fast"}), r"must be a sequence of seconds"),
         (lambda: BalanceState(steady={"a": -1}), r"steady\['a'\]=-1 is below the minimum of 0"),
-        (lambda: state_from_dict({"seconds_per_vw": {}, "device_ids": [], "assignment": [], "recent": []}),
-         r"recent must be a mapping"),
+        (
+            lambda: state_from_dict({"seconds_per_vw": {}, "device_ids": [], "assignment": [], "recent": []}),
+            r"recent must be a mapping",
+        ),
     ],
 )
 def test_bad_windows_are_refused(call, message):
     with pytest.raises(ValueError, match=message):
         call()
-
 
 
 # --------------------------------------------------------------------------

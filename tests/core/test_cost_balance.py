@@ -104,16 +104,29 @@ def test_deterministic_and_independent_of_the_order_inputs_were_built_in(problem
 def test_the_same_sets_in_processes_with_other_hash_seeds():
     """No set or dict iteration order may leak into the result: other hash seeds, same sets."""
     generator = random.Random(5)
-    cases = [([float(generator.randint(1, 500)) for _ in range(virtual_workers)],
-              [generator.choice([1.0, 0.5, 0.3]) for _ in range(devices)])
-             for virtual_workers, devices in ((16, 2), (32, 3), (128, 8), (40, 5))]
+    cases = [
+        (
+            [float(generator.randint(1, 500)) for _ in range(virtual_workers)],
+            [generator.choice([1.0, 0.5, 0.3]) for _ in range(devices)],
+        )
+        for virtual_workers, devices in ((16, 2), (32, 3), (128, 8), (40, 5))
+    ]
     here = [[list(members) for members in cost_assignment(costs, rates)] for costs, rates in cases]
-    program = ("import json, sys; from flexpar.core.cost_balance import cost_assignment; "
-               "cases = json.load(sys.stdin); "
-               "print(json.dumps([[list(m) for m in cost_assignment(c, r)] for c, r in cases]))")
+    program = (
+        "import json, sys; from flexpar.core.cost_balance import cost_assignment; "
+        "cases = json.load(sys.stdin); "
+        "print(json.dumps([[list(m) for m in cost_assignment(c, r)] for c, r in cases]))"
+    )
     for seed in ("12345",):
-        result = subprocess.run([sys.executable, "-c", program], input=json.dumps(cases), capture_output=True,
-                                text=True, env={**os.environ, "PYTHONHASHSEED": seed}, cwd=ROOT, check=True)
+        result = subprocess.run(
+            [sys.executable, "-c", program],
+            input=json.dumps(cases),
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            cwd=ROOT,
+            check=True,
+        )
         assert json.loads(result.stdout) == here
 
 
@@ -174,15 +187,25 @@ def test_bad_inputs_are_refused_with_the_numbers():
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value,expected", [(3, 3.0), (2.5, 2.5), (0, 0.0), (np.int64(7), 7.0),
-                                            (np.float32(1.5), 1.5), (torch.tensor(4), 4.0),
-                                            (torch.tensor([2.0]), 2.0)])
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        (3, 3.0),
+        (2.5, 2.5),
+        (0, 0.0),
+        (np.int64(7), 7.0),
+        (np.float32(1.5), 1.5),
+        (torch.tensor(4), 4.0),
+        (torch.tensor([2.0]), 2.0),
+    ],
+)
 def test_sample_cost_values_that_are_numbers_are_taken(value, expected):
     assert sample_cost_value(value, 3) == expected
 
 
-@pytest.mark.parametrize("value", ["12", None, True, [1], torch.tensor([1.0, 2.0]), math.nan, math.inf, -1.0,
-                                   np.float64("nan")])
+@pytest.mark.parametrize(
+    "value", ["12", None, True, [1], torch.tensor([1.0, 2.0]), math.nan, math.inf, -1.0, np.float64("nan")]
+)
 def test_sample_cost_values_that_are_no_cost_are_refused_naming_the_index(value):
     with pytest.raises(ValueError, match=r"sample_cost\(17\).*token count of sample 17"):
         sample_cost_value(value, 17)

@@ -10,7 +10,15 @@ import pytest
 
 from flexpar.core import balance
 from flexpar.core.cost_balance import cost_assignment, device_costs
-from flexpar.core.cost_balance.rates import CostRates, observe_costs, planning_seconds, rates_from_dict, rates_to_dict, replan
+from flexpar.core.cost_balance.rates import (
+    CostRates,
+    observe_costs,
+    planning_seconds,
+    rates_from_dict,
+    rates_to_dict,
+    replan,
+)
+
 
 def step(rates, device_ids, costs, true_rates, next_costs, noise=None):
     """One step: plan with the planned rates, measure exact (or noisy) busy times, observe, replan."""
@@ -74,8 +82,7 @@ def test_a_device_that_slows_down_is_followed_within_a_few_steps():
         if index == 20:
             true_rates = [1.0, 2.0]
         costs = [float(generator.randint(1, 300)) for _ in range(16)]
-        rates, _ = step(rates, ["a", "b"], costs, true_rates, costs,
-                        noise=lambda: generator.uniform(0.95, 1.05))
+        rates, _ = step(rates, ["a", "b"], costs, true_rates, costs, noise=lambda: generator.uniform(0.95, 1.05))
         if index >= 20 and seen is None and rates.planned.get("b", 0) > 1.5 * rates.planned.get("a", 1):
             seen = index - 20
     assert seen is not None and seen <= 4, seen

@@ -22,8 +22,7 @@ seconds_values = st.one_of(
     st.floats(min_value=1e-3, max_value=1e3, allow_nan=False, allow_infinity=False),
     st.sampled_from([0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.08]),
 )
-tolerances = st.one_of(st.sampled_from([0.0, 0.01, 0.021, 0.05, 0.2, 0.5]),
-                       st.floats(min_value=0.0, max_value=0.9))
+tolerances = st.one_of(st.sampled_from([0.0, 0.01, 0.021, 0.05, 0.2, 0.5]), st.floats(min_value=0.0, max_value=0.9))
 
 
 def all_splits(virtual_workers, device_count):
@@ -36,8 +35,9 @@ def all_splits(virtual_workers, device_count):
 def within(seconds, virtual_workers, tolerance):
     """The splits whose predicted step time is at most (1 + tolerance) x the optimum's (the code's own bound)."""
     limit = predicted_step_seconds(optimal_assignment(seconds, virtual_workers), seconds) * (1.0 + tolerance)
-    return [split for split in all_splits(virtual_workers, len(seconds))
-            if predicted_step_seconds(split, seconds) <= limit]
+    return [
+        split for split in all_splits(virtual_workers, len(seconds)) if predicted_step_seconds(split, seconds) <= limit
+    ]
 
 
 @settings(max_examples=400, deadline=None)
@@ -48,8 +48,9 @@ def test_the_most_even_split_within_the_tolerance_matches_brute_force(seconds, e
     assert len(chosen) == len(seconds) and min(chosen) >= 1 and sum(chosen) == virtual_workers
     candidates = within(seconds, virtual_workers, tolerance)
     assert chosen in candidates  # its predicted step time is within the tolerance of the optimum
-    assert not [split for split in candidates
-                if predicted_imbalance(split, seconds) < predicted_imbalance(chosen, seconds)]
+    assert not [
+        split for split in candidates if predicted_imbalance(split, seconds) < predicted_imbalance(chosen, seconds)
+    ]
 
 
 @settings(max_examples=200, deadline=None)
@@ -59,8 +60,11 @@ def test_zero_tolerance_is_the_optimum_itself(seconds, extra):
     assert most_even_assignment(seconds, virtual_workers, 0.0) == optimal_assignment(seconds, virtual_workers)
     # ... which is the most even of the fastest splits (the tolerance 0 case of the test above).
     chosen = optimal_assignment(seconds, virtual_workers)
-    assert not [split for split in within(seconds, virtual_workers, 0.0)
-                if predicted_imbalance(split, seconds) < predicted_imbalance(chosen, seconds)]
+    assert not [
+        split
+        for split in within(seconds, virtual_workers, 0.0)
+        if predicted_imbalance(split, seconds) < predicted_imbalance(chosen, seconds)
+    ]
 
 
 @settings(max_examples=100, deadline=None)

@@ -2,18 +2,19 @@
 
 import dataclasses
 
+import ledger_pieces
+import pieces
 import pytest
 import torch
 
-import ledger_pieces
-import pieces
 from flexpar.core import batching, ledger
 from flexpar.worker.loader import VirtualWorkerLoader
 
 
 def _true_entries(seed, size, global_batch, steps):
-    return {step: sorted(batching.global_batch_indices(seed, step, size, global_batch).tolist())
-            for step in range(steps)}
+    return {
+        step: sorted(batching.global_batch_indices(seed, step, size, global_batch).tolist()) for step in range(steps)
+    }
 
 
 def test_the_audit_counts_lost_repeated_and_missing():
@@ -36,8 +37,9 @@ def test_consumed_repeats_an_index_as_often_as_it_was_counted():
 
 def test_a_run_with_a_join_a_leave_and_a_kill_consumes_every_sample_once(train):
     job = pieces.make_job(virtual_workers=6, delay_s=0.01)
-    model, summary = train(job, steps=30, devices=2, max_devices=3, schedule="2:+1,20:-1",
-                           faults="9:local-0:sync", sample_ledger=True)
+    model, summary = train(
+        job, steps=30, devices=2, max_devices=3, schedule="2:+1,20:-1", faults="9:local-0:sync", sample_ledger=True
+    )
     entries = ledger.read(summary["sample_ledger"])
     assert ledger.audit(entries, job.seed, len(job.dataset), job.global_batch, 30).clean
     pieces.assert_same_parameters(model, pieces.reference(job, 30))
@@ -50,8 +52,9 @@ def test_the_loader_hands_over_the_indices_it_loaded():
     inputs = job.dataset.tensors[0]
     for step in range(3):
         for virtual_worker in (0, 2, 3):  # skipping VW 1: the loader restarts along the plan
-            expected = batching.virtual_worker_indices(job.seed, step, virtual_worker, len(job.dataset),
-                                                       job.global_batch, job.virtual_workers)
+            expected = batching.virtual_worker_indices(
+                job.seed, step, virtual_worker, len(job.dataset), job.global_batch, job.virtual_workers
+            )
             batch = recording.batch(step, virtual_worker)
             assert recording.loaded_indices == expected
             assert torch.equal(batch[0], inputs[expected])
@@ -63,12 +66,15 @@ def test_a_stale_batch_shows_in_the_ledger_even_though_the_plan_is_right(train, 
     # The workers' loaders serve the previous step's samples at STALE_STEP while the plan
     # (what batching says) names the right ones: the ledger counts what was loaded (with
     # DataLoader worker processes too: the indices travel with the batch).
-    job = dataclasses.replace(pieces.make_job(virtual_workers=6, num_workers=num_workers),
-                              loss=ledger_pieces.StaleBatchLoss())
+    job = dataclasses.replace(
+        pieces.make_job(virtual_workers=6, num_workers=num_workers), loss=ledger_pieces.StaleBatchLoss()
+    )
     _, summary = train(job, steps=6, devices=2, sample_ledger=True)
     entries = ledger.read(summary["sample_ledger"])
     stale = ledger_pieces.STALE_STEP
-    assert entries[stale] == sorted(batching.global_batch_indices(job.seed, stale - 1, len(job.dataset),
-                                                                  job.global_batch).tolist())
-    assert ledger.audit(entries, job.seed, len(job.dataset), job.global_batch, 6) == \
-        ledger.Audit(0, job.global_batch, job.global_batch)
+    assert entries[stale] == sorted(
+        batching.global_batch_indices(job.seed, stale - 1, len(job.dataset), job.global_batch).tolist()
+    )
+    assert ledger.audit(entries, job.seed, len(job.dataset), job.global_batch, 6) == ledger.Audit(
+        0, job.global_batch, job.global_batch
+    )

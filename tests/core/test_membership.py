@@ -188,8 +188,9 @@ def test_once_finishing_the_device_set_stays_and_only_failures_are_recovered():
     assert [a.accepted for a in _answers(actions)] == [False, False] and not state.starting
     assert "stopping" in _answers(actions)[0].message
     # A member that dies meanwhile is still recovered from, so the others can stop together.
-    state, actions = _run(state, ms.Exited("local-2", 1.0), ms.FailureReported("local-0", 1, 1.0),
-                          ms.FailureReported("local-1", 1, 1.0))
+    state, actions = _run(
+        state, ms.Exited("local-2", 1.0), ms.FailureReported("local-0", 1, 1.0), ms.FailureReported("local-1", 1, 1.0)
+    )
     (published,) = _published(actions)
     assert published.members == ("local-0", "local-1") and published.failed == ("local-2",)
 
@@ -205,10 +206,16 @@ def test_a_quiet_finish_is_carried_quietly_and_scaling_by_nothing_changes_nothin
 
 # Found by the state machine (tests/test_membership_properties.py), pinned as examples.
 
+
 def test_a_survivor_that_dies_before_the_recovery_is_published_is_not_in_it():
     state = _started(initial=3, maximum=3)
-    state, actions = _run(state, ms.FailureReported("local-1", 1, now=1.0), ms.Exited("local-2", now=1.1),
-                          ms.Exited("local-1", now=1.2), ms.FailureReported("local-0", 1, now=1.3))
+    state, actions = _run(
+        state,
+        ms.FailureReported("local-1", 1, now=1.0),
+        ms.Exited("local-2", now=1.1),
+        ms.Exited("local-1", now=1.2),
+        ms.FailureReported("local-0", 1, now=1.3),
+    )
     (published,) = [a for a in actions if isinstance(a, ms.Publish)]
     assert published.members == ("local-0",) and published.failed == ("local-1", "local-2")
 

@@ -42,12 +42,20 @@ def _starts_a_failure(state: ms.Membership, event) -> bool:
 
 
 class MembershipRules(RuleBasedStateMachine):
-    @initialize(initial=strategies.integers(1, 3), room=strategies.integers(0, 3),
-                capacity=strategies.none() | strategies.integers(0, 4), grace=strategies.sampled_from((0.5, 5.0)))
+    @initialize(
+        initial=strategies.integers(1, 3),
+        room=strategies.integers(0, 3),
+        capacity=strategies.none() | strategies.integers(0, 4),
+        grace=strategies.sampled_from((0.5, 5.0)),
+    )
     def start(self, initial, room, capacity, grace):
         self.now = 0.0
-        self.state = ms.Membership(initial_devices=initial, max_devices=initial + room, grace_s=grace,
-                                   local_capacity=None if capacity is None else initial + capacity)
+        self.state = ms.Membership(
+            initial_devices=initial,
+            max_devices=initial + room,
+            grace_s=grace,
+            local_capacity=None if capacity is None else initial + capacity,
+        )
         self.refused: set = set()
         self.apply(ms.Start(initial))
 
@@ -162,8 +170,9 @@ def _check(before: ms.Membership, event, after: ms.Membership, actions: tuple) -
         assert set(generation.joined) <= set(before.waiting) | {getattr(event, "device_id", None)}
         recovery = before.failure_since is not None or _starts_a_failure(before, event)
         if before.generation >= 1 and not recovery:
-            formed = before.formed | ({event.device_id} if isinstance(event, ms.Formed)
-                                      and event.generation == before.generation else set())
+            formed = before.formed | (
+                {event.device_id} if isinstance(event, ms.Formed) and event.generation == before.generation else set()
+            )
             assert set(before.members) <= formed, "at most one generation in formation"
             assert not before.finishing, "no planned change once the job is finishing"
             kept = tuple(m for m in before.members if m not in generation.left)
@@ -177,8 +186,12 @@ def _check(before: ms.Membership, event, after: ms.Membership, actions: tuple) -
             if event.delta < 0:
                 assert after.device_count >= 1, "at least one device stays"
         else:
-            assert (after.members, after.waiting, after.starting, after.leaving) == \
-                (before.members, before.waiting, before.starting, before.leaving), "refused whole"
+            assert (after.members, after.waiting, after.starting, after.leaving) == (
+                before.members,
+                before.waiting,
+                before.starting,
+                before.leaving,
+            ), "refused whole"
     else:
         assert not answers
 

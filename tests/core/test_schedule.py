@@ -2,11 +2,11 @@
 
 import json
 
-from flexpar.core import membership as ms
-from flexpar.options import parse_schedule
-from flexpar.core.schedule import ON_TIME_STEPS, ScheduleTracker
-
 import pieces
+
+from flexpar.core import membership as ms
+from flexpar.core.schedule import ON_TIME_STEPS, ScheduleTracker
+from flexpar.options import parse_schedule
 
 
 def _event(step, devices):

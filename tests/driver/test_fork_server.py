@@ -61,8 +61,7 @@ def test_the_workers_tunables_turn_the_per_thread_cache_off():
 
 
 def test_the_users_own_tunables_are_kept():
-    assert worker_malloc_tunables("glibc.malloc.arena_max=2") == \
-        "glibc.malloc.arena_max=2:glibc.malloc.tcache_count=0"
+    assert worker_malloc_tunables("glibc.malloc.arena_max=2") == "glibc.malloc.arena_max=2:glibc.malloc.tcache_count=0"
     # Their own choice of the cache wins.
     assert worker_malloc_tunables("glibc.malloc.tcache_count=7") == "glibc.malloc.tcache_count=7"
 
@@ -89,8 +88,9 @@ def test_with_the_workers_tunables_more_vws_cost_one_gradients_memory():
     2048x2048 layer's, as torch.profiler shows); with the workers' tunables the peak rises by that.
     With glibc's defaults here it rose by 64 MiB: the freed gradients' holes were pinned by crumbs."""
     environment = {**os.environ, "GLIBC_TUNABLES": worker_malloc_tunables(os.environ.get("GLIBC_TUNABLES"))}
-    run = subprocess.run([sys.executable, "-c", ACCUMULATION], capture_output=True, text=True, timeout=120,
-                         env=environment)
+    run = subprocess.run(
+        [sys.executable, "-c", ACCUMULATION], capture_output=True, text=True, timeout=120, env=environment
+    )
     assert run.returncode == 0, run.stderr
     risen_mib = float(run.stdout.split()[-1])
     assert risen_mib <= 16 + 4, f"the peak rose by {risen_mib:.1f} MiB for one 16 MiB gradient"

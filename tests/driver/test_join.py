@@ -12,9 +12,8 @@ import threading
 import time
 import uuid
 
-import pytest
-
 import pieces
+import pytest
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where pieces.py is
 
@@ -26,8 +25,13 @@ def _free_port():
 
 
 def _flexpar(*arguments, env=None, timeout=120, prefix=()):
-    return subprocess.run([*prefix, sys.executable, "-m", "flexpar", *arguments], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [*prefix, sys.executable, "-m", "flexpar", *arguments],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 class BackgroundJob:
@@ -66,15 +70,23 @@ def _wait_for_step(metrics_file, step, timeout=90):
 def _other_model_script(directory):
     """A copy of the test pieces whose make_model builds another architecture."""
     source = open(os.path.join(TESTS, "pieces.py")).read()
-    (directory / "pieces.py").write_text(source.replace("def make_model():", "def make_model_original():")
-                                         .replace("def make_wider_model():", "def make_model():"))
+    (directory / "pieces.py").write_text(
+        source.replace("def make_model():", "def make_model_original():").replace(
+            "def make_wider_model():", "def make_model():"
+        )
+    )
     (directory / "train.py").write_text("import pieces\n")
     return str(directory / "train.py")
 
 
 def _start_flexpar(*arguments, env=None):
-    return subprocess.Popen([sys.executable, "-m", "flexpar", *arguments], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    return subprocess.Popen(
+        [sys.executable, "-m", "flexpar", *arguments],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.mark.timeout(400)
@@ -82,8 +94,18 @@ def test_refusals_scale_and_status(tmp_path):
     port, secret = _free_port(), uuid.uuid4().hex
     metrics = tmp_path / "metrics.jsonl"
     job = pieces.make_job(virtual_workers=6, delay_s=0.02)
-    background = BackgroundJob(job, steps=200, devices=1, max_devices=3, port=port, secret=secret,
-                               metrics=str(metrics), display=False, quiet=True, oversubscribe=True)
+    background = BackgroundJob(
+        job,
+        steps=200,
+        devices=1,
+        max_devices=3,
+        port=port,
+        secret=secret,
+        metrics=str(metrics),
+        display=False,
+        quiet=True,
+        oversubscribe=True,
+    )
     address = f"127.0.0.1:{port}"
     _wait_for_step(metrics, 1)
     status = json.loads(_flexpar("status", address, "--json").stdout)
@@ -91,8 +113,7 @@ def test_refusals_scale_and_status(tmp_path):
     script = os.path.join(TESTS, "pieces.py")
     # Both bad joiners at once: the job must shrug them off and keep training.
     wrong = _start_flexpar("join", address, "--script", script, env={"FLEXPAR_SECRET": "not-the-secret"})
-    other = _start_flexpar("join", address, "--script", _other_model_script(tmp_path),
-                           env={"FLEXPAR_SECRET": secret})
+    other = _start_flexpar("join", address, "--script", _other_model_script(tmp_path), env={"FLEXPAR_SECRET": secret})
     scaled = _flexpar("scale", address, "--devices", "+1", env={"FLEXPAR_SECRET": secret})
     assert scaled.returncode == 0, scaled.stderr
     assert wrong.wait(timeout=120) == 3 and "secret" in wrong.stderr.read()
@@ -152,18 +173,33 @@ def test_joiner_on_another_host(tmp_path, namespace):
     port, secret = _free_port(), uuid.uuid4().hex
     metrics, output = tmp_path / "metrics.jsonl", tmp_path / "model.pt"
     script = tmp_path / "driver.py"
-    script.write_text(_DRIVER.format(tests=TESTS, host=namespace["host_ip"], port=port, secret=secret,
-                                     metrics=str(metrics), output=str(output)))
+    script.write_text(
+        _DRIVER.format(
+            tests=TESTS, host=namespace["host_ip"], port=port, secret=secret, metrics=str(metrics), output=str(output)
+        )
+    )
     # gloo picks its interface from GLOO_SOCKET_IFNAME (torch's documented way on multi-homed hosts).
-    driver = subprocess.Popen([sys.executable, str(script)], env={**os.environ,
-                              "GLOO_SOCKET_IFNAME": namespace["host_if"]}, stderr=subprocess.PIPE, text=True)
+    driver = subprocess.Popen(
+        [sys.executable, str(script)],
+        env={**os.environ, "GLOO_SOCKET_IFNAME": namespace["host_if"]},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         _wait_for_step(metrics, 1)
         # The joiner finds the job through the cluster's environment alone (no address argument).
-        joined = _flexpar("join", "--script", str(script),
-                          env={"FLEXPAR_ADDRESS": f"{namespace['host_ip']}:{port}", "FLEXPAR_SECRET": secret,
-                               "GLOO_SOCKET_IFNAME": namespace["ns_if"]},
-                          prefix=("ip", "netns", "exec", namespace["name"]), timeout=150)
+        joined = _flexpar(
+            "join",
+            "--script",
+            str(script),
+            env={
+                "FLEXPAR_ADDRESS": f"{namespace['host_ip']}:{port}",
+                "FLEXPAR_SECRET": secret,
+                "GLOO_SOCKET_IFNAME": namespace["ns_if"],
+            },
+            prefix=("ip", "netns", "exec", namespace["name"]),
+            timeout=150,
+        )
         assert driver.wait(timeout=150) == 0, driver.stderr.read()
     finally:
         if driver.poll() is None:

@@ -11,9 +11,9 @@ single-process reference's.
 import json
 import multiprocessing
 
+import pieces
 import pytest
 
-import pieces
 from flexpar.core.balance import optimal_assignment
 
 SPEEDS = (1.0, 0.5, 0.25)
@@ -34,8 +34,14 @@ def balanced_run(tmp_path_factory):
     job = pieces.make_job(virtual_workers=VIRTUAL_WORKERS, global_batch=48, delay_s=DELAY_S)
     # The same settings as the `train` fixture of conftest.py (module scope needs its own).
     model, _ = job.fit(
-        steps=STEPS, devices=len(SPEEDS), emulate_speeds=list(SPEEDS), metrics=str(metrics),
-        display=False, quiet=True, oversubscribe=True, timeout_s=10.0,
+        steps=STEPS,
+        devices=len(SPEEDS),
+        emulate_speeds=list(SPEEDS),
+        metrics=str(metrics),
+        display=False,
+        quiet=True,
+        oversubscribe=True,
+        timeout_s=10.0,
     )
     leftovers = [child for child in multiprocessing.active_children() if child.name.startswith("flexpar-")]
     for child in leftovers:
@@ -101,8 +107,10 @@ def test_assignment_stays_optimal_once_reached(balanced_run):
     assert first is not None, f"never optimal: {_assignments(records)}"
     departures = [record["step"] for record in records[first:] if not _is_optimal(record)]
     # On failure, show what the balancer saw: each step's devices, assignment and busy seconds.
-    trace = [(record["step"], record["devices"], record["assignment"], [round(busy, 3) for busy in record["busy_s"]])
-             for record in records]
+    trace = [
+        (record["step"], record["devices"], record["assignment"], [round(busy, 3) for busy in record["busy_s"]])
+        for record in records
+    ]
     assert not departures, (
         f"the assignment left the optimum (first reached at step {first}) at steps {departures}; "
         f"(step, devices, assignment, busy_s): {trace}"

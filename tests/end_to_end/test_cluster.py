@@ -10,10 +10,9 @@ import subprocess
 import sys
 import time
 
+import pieces
 import pytest
 import torch
-
-import pieces
 from conftest import flexpar_command
 
 LONG_RUN_ATOL = 1e-6  # as in test_elastic: 60+ SGD-momentum steps in another summation order
@@ -43,8 +42,9 @@ def test_sigterm_to_a_busy_worker_is_a_planned_leave(train, metrics_file):
 def test_sigterm_to_the_last_device_stops_the_job_cleanly(train, tmp_path):
     job = pieces.make_job(delay_s=0.02)
     checkpoints = tmp_path / "checkpoints"
-    model, summary = train(job, steps=30, devices=1, faults="5:local-0:forward:term",
-                           checkpoint_every=100, checkpoint_dir=str(checkpoints))
+    model, summary = train(
+        job, steps=30, devices=1, faults="5:local-0:forward:term", checkpoint_every=100, checkpoint_dir=str(checkpoints)
+    )
     assert "its last device, local-0, got SIGTERM" in summary["stopped"]
     final = summary["steps"]
     assert 5 <= final < 30 and os.path.exists(summary["checkpoint"])
@@ -84,9 +84,14 @@ def test_joiner_from_the_environment_and_sigterm_to_flexpar_join(tmp_path, comma
     environment = {**os.environ, "FLEXPAR_ADDRESS": job.address, "FLEXPAR_SECRET_FILE": job.secret_file}
     environment.pop("FLEXPAR_SECRET", None)
     # Nothing but the environment: the address, the secret, and (same host) the job's own script path.
-    joiner = subprocess.Popen([sys.executable, "-m", "flexpar", "join"],
-                              env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True)
+    joiner = subprocess.Popen(
+        [sys.executable, "-m", "flexpar", "join"],
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         _wait_for(lambda: _events(metrics, "join"), "the joiner to join")
         (joined,) = _events(metrics, "join")
@@ -162,8 +167,7 @@ def test_kill_9_of_the_driver_leaves_a_checkpoint_that_resumes(tmp_path, command
     timeout_s = 10
     flags = ["--oversubscribe", "--no-display", "--timeout", str(timeout_s), "--metrics", str(metrics)]
     job = command_line_job(flags, SAVING_JOB).wait_for_banner()
-    _wait_for(lambda: metrics.exists() and sum(r["kind"] == "step" for r in _records(metrics)) >= 10,
-              "ten steps")
+    _wait_for(lambda: metrics.exists() and sum(r["kind"] == "step" for r in _records(metrics)) >= 10, "ten steps")
     workers = _descendants(job.process.pid)
     assert workers
     os.kill(job.process.pid, signal.SIGKILL)
@@ -227,8 +231,14 @@ def test_the_driver_and_rank_0_killed_together_leave_the_survivors_checkpoint(tm
     timeout_s = 10
     flags = ["--oversubscribe", "--no-display", "--timeout", str(timeout_s), "--metrics", str(metrics)]
     job = command_line_job(flags, PID_RECORDING_JOB).wait_for_banner()
-    _wait_for(lambda: metrics.exists() and sum(r["kind"] == "step" for r in _records(metrics)) >= 10
-              and all((tmp_path / f"pid-local-{index}").exists() for index in range(3)), "ten steps")
+    _wait_for(
+        lambda: (
+            metrics.exists()
+            and sum(r["kind"] == "step" for r in _records(metrics)) >= 10
+            and all((tmp_path / f"pid-local-{index}").exists() for index in range(3))
+        ),
+        "ten steps",
+    )
     workers = _descendants(job.process.pid)
     rank_0 = int((tmp_path / "pid-local-0").read_text())
     assert rank_0 in workers
@@ -253,8 +263,7 @@ def test_the_driver_and_rank_0_killed_together_leave_the_survivors_checkpoint(tm
     assert f"resuming from step {saved_step}" in resumed.stdout
     model = pieces.make_model()
     model.load_state_dict(torch.load(tmp_path / "final.pt", weights_only=True))
-    pieces.assert_same_parameters(model, pieces.reference(pieces.make_job(virtual_workers=6), 60),
-                                  atol=LONG_RUN_ATOL)
+    pieces.assert_same_parameters(model, pieces.reference(pieces.make_job(virtual_workers=6), 60), atol=LONG_RUN_ATOL)
 
 
 # ------------------------------------------------------------ hung peers and faults at boundaries
@@ -266,8 +275,9 @@ def test_a_hung_peer_is_noticed_by_its_silence_not_the_collective_timeout(train,
     and the others go on. The collective timeout (600 s here) is never waited out: the test's own
     limit is far below it."""
     job = pieces.make_job(virtual_workers=6, delay_s=0.01)
-    model, summary = train(job, steps=20, devices=3, faults="7:local-2:backward:stop", timeout_s=600.0,
-                           heartbeat_timeout_s=2.0)
+    model, summary = train(
+        job, steps=20, devices=3, faults="7:local-2:backward:stop", timeout_s=600.0, heartbeat_timeout_s=2.0
+    )
     records = _records(metrics_file)
     failures = [r for r in records if r["kind"] == "event" and r["event"] == "failure"]
     assert [f["detail"] for f in failures] == ["failed: local-2"]
@@ -282,8 +292,15 @@ def test_a_death_during_group_formation_or_a_checkpoint_costs_no_timeout(train, 
     """A device killed as a generation's group forms (the first, here) or as it writes a checkpoint:
     the others learn it from the coordinator's death notice, not from a 600 s timeout."""
     job = pieces.make_job(virtual_workers=6)
-    model, summary = train(job, steps=12, devices=3, faults=fault, timeout_s=600.0,
-                           checkpoint_every=4, checkpoint_dir=str(tmp_path / "checkpoints"))
+    model, summary = train(
+        job,
+        steps=12,
+        devices=3,
+        faults=fault,
+        timeout_s=600.0,
+        checkpoint_every=4,
+        checkpoint_dir=str(tmp_path / "checkpoints"),
+    )
     records = _records(metrics_file)
     assert [r["step"] for r in records if r["kind"] == "step"] == list(range(12))
     assert {len(r["devices"]) for r in records if r["kind"] == "step"} <= {2, 3}
@@ -298,7 +315,7 @@ def test_a_device_that_cannot_leave_within_the_grace_period_fails_over(train, me
     model, summary = train(job, steps=6, devices=3, faults="2:local-1:forward:term", preemption_grace_s=0.2)
     events = [r for r in _records(metrics_file) if r["kind"] == "event" and r["event"] in ("leave", "failure")]
     assert [(e["event"], e["detail"]) for e in events] in (
-        [("failure", "failed: local-1")],                  # it died before the coordinator let it go
+        [("failure", "failed: local-1")],  # it died before the coordinator let it go
         [("failure", "failed: local-1 (while leaving)")],  # ... or after: the others still lost the step
     )
     pieces.assert_same_parameters(model, pieces.reference(job, 6))
@@ -326,8 +343,9 @@ if __name__ == "__main__":
 
 def test_a_whole_hosts_sigterm_during_start_up_stops_in_one_line(tmp_path, command_line_job):
     """The devices are still building their model (1.5 s) when SLURM or systemd signals them all."""
-    job = command_line_job(["--oversubscribe", "--no-display", "--metrics", str(tmp_path / "m.jsonl")],
-                           SLOW_START_JOB).wait_for_banner()
+    job = command_line_job(
+        ["--oversubscribe", "--no-display", "--metrics", str(tmp_path / "m.jsonl")], SLOW_START_JOB
+    ).wait_for_banner()
     os.killpg(job.process.pid, signal.SIGTERM)
     assert job.wait(timeout_s=60) == 143
     _, err = job.output()

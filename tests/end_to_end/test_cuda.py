@@ -5,10 +5,9 @@ With two GPUs a device joins mid-run, which sends the state over NCCL
 (`flexpar.state.send_state`, its CPU tensors moved to the GPU and back).
 """
 
+import pieces
 import pytest
 import torch
-
-import pieces
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 

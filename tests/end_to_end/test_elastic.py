@@ -7,9 +7,8 @@ reference, and every step must have consumed its global batch exactly once.
 import json
 import math
 
-import pytest
-
 import pieces
+import pytest
 
 STEPS = 40
 # A joiner normally trains within a few steps of its request, but its start (a

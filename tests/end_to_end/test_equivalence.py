@@ -1,8 +1,7 @@
 """The promise: parameters after N steps equal the single-process reference for any device set."""
 
-import pytest
-
 import pieces
+import pytest
 
 CASES = [(1, 1), (1, 4), (1, 6), (2, 4), (2, 6), (3, 6)]
 

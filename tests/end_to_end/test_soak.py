@@ -9,7 +9,9 @@ import sys
 import pytest
 from hypothesis import Phase, given, settings, strategies
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
+)
 
 import soak  # noqa: E402
 import soak_plan  # noqa: E402
@@ -26,7 +28,7 @@ def _check_plan(plan):
     assert all(device in {f"local-{i}" for i in range(plan.devices)} for device in targets)
     assert plan.devices + plan.joins <= soak_plan.VIRTUAL_WORKERS
     joins = leaves = 0
-    for step, delta in sorted(plan.schedule):
+    for _step, delta in sorted(plan.schedule):
         joins, leaves = joins + (delta > 0), leaves + (delta < 0)
         assert leaves <= joins, "a planned leave never takes a device the run started with"
     for step, _, phase, kind in plan.faults:
@@ -46,8 +48,9 @@ def _check_fireable(plan):
         if phase == "transfer":
             assert any(at >= step for at, delta in plan.schedule if delta > 0), "a join to send the state to"
         if phase == "formation":
-            triggers = [at for at, _ in plan.schedule] + \
-                [other[0] for other in plan.faults if other[1] != device and other[2] != "formation"]
+            triggers = [at for at, _ in plan.schedule] + [
+                other[0] for other in plan.faults if other[1] != device and other[2] != "formation"
+            ]
             assert any(at >= step for at in triggers), "a change after it forms a new generation"
         if phase == "eval":
             assert step in soak_plan.EVALUATION_STEPS
@@ -86,24 +89,40 @@ def test_the_phase_deck_keeps_an_excluded_phase_for_later():
 
 # ------------------------------------------------------------ what fired
 
+
 def _line(device, signal, step, phase, at):
     return f"flexpar: fault: {device} gets {signal} at step {step} ({phase}) at {at:.6f}\n"
 
 
 def test_the_tally_counts_what_fired_by_kind_and_phase_and_what_did_not():
-    plan = RunPlan(0, 3, [(5, +1), (9, +1), (20, -1)],
-                   [(4, "local-1", "forward", "kill"), (4, "local-2", "formation", "kill"),
-                    (12, "local-0", "checkpoint", "term")])
-    stderr = ("noise\n" + _line("local-1", "SIGKILL", 4, "forward", 100.0)
-              + _line("local-2", "SIGKILL", 4, "formation", 100.5))  # rank 0's checkpoint fault never fired
-    outcomes = [{"step": 5, "delta": 1, "status": "on time", "detail": ""},
-                {"step": 9, "delta": 1, "status": "not applied", "detail": "the job ended first"},
-                {"step": 20, "delta": -1, "status": "late", "detail": ""}]
-    records = [{"kind": "step", "step": 3, "time": 99.0}, {"kind": "event", "event": "failure", "time": 101.0},
-               {"kind": "step", "step": 4, "time": 101.2}]
+    plan = RunPlan(
+        0,
+        3,
+        [(5, +1), (9, +1), (20, -1)],
+        [(4, "local-1", "forward", "kill"), (4, "local-2", "formation", "kill"), (12, "local-0", "checkpoint", "term")],
+    )
+    stderr = (
+        "noise\n"
+        + _line("local-1", "SIGKILL", 4, "forward", 100.0)
+        + _line("local-2", "SIGKILL", 4, "formation", 100.5)
+    )  # rank 0's checkpoint fault never fired
+    outcomes = [
+        {"step": 5, "delta": 1, "status": "on time", "detail": ""},
+        {"step": 9, "delta": 1, "status": "not applied", "detail": "the job ended first"},
+        {"step": 20, "delta": -1, "status": "late", "detail": ""},
+    ]
+    records = [
+        {"kind": "step", "step": 3, "time": 99.0},
+        {"kind": "event", "event": "failure", "time": 101.0},
+        {"kind": "step", "step": 4, "time": 101.2},
+    ]
     tally = soak_tally.tally(plan, stderr, outcomes, records)
     assert [(f.kind, f.phase, f.step) for f in tally.fired] == [
-        ("kill", "forward", 4), ("kill", "formation", 4), ("join", "schedule", 5), ("leave", "schedule", 20)]
+        ("kill", "forward", 4),
+        ("kill", "formation", 4),
+        ("join", "schedule", 5),
+        ("leave", "schedule", 20),
+    ]
     assert tally.not_fired == [("term", "checkpoint", 12, "local-0"), ("join", "schedule", 9, "")]
     assert (tally.simultaneous, tally.signal_with_change, tally.during_recovery) == (1, 0, 1)
     counts = soak_tally.counts([tally, tally])
@@ -119,8 +138,12 @@ def test_recovery_ends_at_the_next_generation_or_step_whichever_shows_first():
     after_the_failure = [{"kind": "event", "event": "failure", "time": 103.0}]
     assert soak_tally.tally(plan, stopped + later, [], after_the_failure).during_recovery == 0
     # The failure event was lost with its rank 0; the next committed step still ends the recovery.
-    assert soak_tally.tally(plan, stopped + later, [], [{"kind": "step", "step": 4, "time": 103.5}]).during_recovery == 0
-    assert soak_tally.tally(plan, stopped + later, [], [{"kind": "step", "step": 4, "time": 104.5}]).during_recovery == 1
+    assert (
+        soak_tally.tally(plan, stopped + later, [], [{"kind": "step", "step": 4, "time": 103.5}]).during_recovery == 0
+    )
+    assert (
+        soak_tally.tally(plan, stopped + later, [], [{"kind": "step", "step": 4, "time": 104.5}]).during_recovery == 1
+    )
     # A SIGTERM is a planned leave, not a failure: nothing recovers from it. A join at the
     # signal's step is a signal with a change.
     term_first = _line("local-2", "SIGTERM", 12, "forward", 100.0) + _line("local-1", "SIGSTOP", 12, "sync", 100.1)
@@ -147,14 +170,25 @@ def test_a_real_run_cut_short_counts_as_failed_not_as_a_shorter_match(tmp_path):
 
 # ------------------------------------------------------------ the soak itself
 
+
 @pytest.mark.timeout(400)
 def test_a_small_soak_fires_every_kind_and_phase_and_finds_no_error(tmp_path):
     # Seed 9's first four runs draw every kind and phase, a kill with a formation fault in its
     # recovery, two signals at one step, and a signal at a join's step (soak_plan.plans).
-    report = soak.run_soak(faults=12, seed=9, folder=str(tmp_path), timeout_s=30.0, heartbeat_timeout_s=3.0,
-                           progress=print, references=_REFERENCES)
-    problems = [d for d in report["details"] if d["hang"] or d["failed"] or d["divergent"] or d["eval_missing"]
-                or d["eval_divergent"]]
+    report = soak.run_soak(
+        faults=12,
+        seed=9,
+        folder=str(tmp_path),
+        timeout_s=30.0,
+        heartbeat_timeout_s=3.0,
+        progress=print,
+        references=_REFERENCES,
+    )
+    problems = [
+        d
+        for d in report["details"]
+        if d["hang"] or d["failed"] or d["divergent"] or d["eval_missing"] or d["eval_divergent"]
+    ]
     for key in soak.PROBLEMS:
         assert report[key] == 0, (key, problems)
     assert report["faults_injected"] >= 12 and report["hung_peers"] >= 1, "a SIGSTOP fired and was noticed"
@@ -172,7 +206,8 @@ def test_hypothesis_drawn_plans_train_to_the_failure_free_result(tmp_path_factor
     # real; no shrinking, each example is a whole run (about 10 s).
     plan = soak_plan.draw_run(rng, 0)
     _check_fireable(plan)
-    result = soak.run_one(plan, str(tmp_path_factory.mktemp("drawn")), timeout_s=10.0, heartbeat_timeout_s=3.0,
-                          references=_REFERENCES)
+    result = soak.run_one(
+        plan, str(tmp_path_factory.mktemp("drawn")), timeout_s=10.0, heartbeat_timeout_s=3.0, references=_REFERENCES
+    )
     assert not result.bad, soak.describe(plan, result)
     assert result.steps == soak_plan.STEPS

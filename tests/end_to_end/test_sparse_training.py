@@ -11,12 +11,12 @@ by the optimizer exactly as the dense gradient would be.
 
 import json
 
+import pieces
 import pytest
 import torch
 from torch import nn
 
 import flexpar
-import pieces
 
 ROWS = 500
 WIDTH = 8
@@ -59,8 +59,13 @@ def make_dataset(size: int = 480, seed: int = 3):
 
 def make_job(model, delay_s=0.0, virtual_workers=6):
     return flexpar.Job(
-        model=model, optimizer=plain_sgd, loss=pieces.Loss(delay_s), dataset=make_dataset(),
-        global_batch=48, virtual_workers=virtual_workers, seed=11,
+        model=model,
+        optimizer=plain_sgd,
+        loss=pieces.Loss(delay_s),
+        dataset=make_dataset(),
+        global_batch=48,
+        virtual_workers=virtual_workers,
+        seed=11,
     )
 
 

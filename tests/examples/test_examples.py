@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from flexpar.examples import digits, tiny_lm
 
+
 def _needs_sklearn():
     pytest.importorskip("sklearn", reason="the digits data set ships with scikit-learn")
 
@@ -332,9 +333,13 @@ def test_hf_gpt_script_without_transformers_names_the_extra_to_install():
     import subprocess
     import sys
 
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "hf_gpt.py")
-    hide = ("import runpy, sys; sys.modules['transformers'] = None; sys.argv = [sys.argv[1], '--steps', '1']; "
-            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    script = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "hf_gpt.py"
+    )
+    hide = (
+        "import runpy, sys; sys.modules['transformers'] = None; sys.argv = [sys.argv[1], '--steps', '1']; "
+        "runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
     run = subprocess.run([sys.executable, "-c", hide, script], capture_output=True, text=True, timeout=120)
     assert run.returncode == 1
     assert run.stderr.strip() == 'examples/hf_gpt.py needs Hugging Face transformers: pip install "flexpar[hf]"'

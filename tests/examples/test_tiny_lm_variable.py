@@ -5,14 +5,14 @@ from __future__ import annotations
 import dataclasses
 import pickle
 
+import pieces
 import pytest
 import torch
 import torch.nn.functional as F
 
-import pieces
 from flexpar.core import batching
-from flexpar.examples import tiny_lm, tiny_lm_variable
 from flexpar.driver.job_checks import first_batch_check
+from flexpar.examples import tiny_lm, tiny_lm_variable
 from flexpar.worker.user_code import build_model
 
 SMALL_BYTES = 60_000
@@ -68,8 +68,12 @@ def test_the_job_balances_by_token_count_and_passes_the_drivers_checks(units):
     job = tiny_lm_variable.build_job(dataset, global_batch=8, virtual_workers=4, model=SMALL_MODEL)
     assert job.sample_cost(5) == len(units[5]) - 1
     first_batch_check(job, build_model(job))
-    assert tiny_lm_variable.build_job(dataset, by_cost=False, global_batch=8, virtual_workers=4,
-                                      model=SMALL_MODEL).sample_cost is None
+    assert (
+        tiny_lm_variable.build_job(
+            dataset, by_cost=False, global_batch=8, virtual_workers=4, model=SMALL_MODEL
+        ).sample_cost
+        is None
+    )
     default = tiny_lm_variable.build_job(dataset, global_batch=8, virtual_workers=4)
     assert default.model.context == max(len(unit) for unit in units) - 1
     pickle.loads(pickle.dumps(job))

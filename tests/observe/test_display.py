@@ -7,6 +7,7 @@ import logging
 import sys
 
 import pytest
+from metrics_pieces import REBALANCE_STEPS, TOTAL_STEPS, event_record, synthetic_run
 
 from flexpar.observe.display import LiveDisplay
 from flexpar.observe.log_lines import (
@@ -15,7 +16,6 @@ from flexpar.observe.log_lines import (
     format_rebalance_line,
     format_rebalance_summary,
 )
-from metrics_pieces import REBALANCE_STEPS, TOTAL_STEPS, event_record, synthetic_run
 
 
 @pytest.fixture
@@ -50,7 +50,8 @@ def test_estimate_remaining_uses_the_mean_pace_since_the_first_step():
 
 def test_rebalance_line_and_summary_texts():
     assert format_rebalance_line(3, 40, ["local-0", "local-1"], [9, 7]) == (
-        "3 rebalances since step 40, now local-0:9 local-1:7")
+        "3 rebalances since step 40, now local-0:9 local-1:7"
+    )
     assert format_rebalance_line(1, 0, ["a"], [4]) == "1 rebalance since step 0, now a:4"
     last = {"event": "rebalance", "step": 812, "detail": "[8, 8] -> [9, 7]"}
     assert format_rebalance_summary(7, last) == "rebalances: 7 (last at step 812: 8,8 -> 9,7)"
@@ -90,10 +91,19 @@ def test_plain_mode_logs_steps_events_and_one_rebalance_line_per_log_interval(re
 
 def test_plain_mode_warns_of_failures_refusals_and_schedule_entries(records, caplog):
     run_plain(records, caplog, log_every=10)
-    levels = {entry.getMessage().split()[1]: entry.levelno
-              for entry in flexpar_lines(caplog) if entry.getMessage().startswith("event ")}
-    assert levels == {"start": logging.INFO, "join": logging.INFO, "schedule": logging.WARNING,
-                      "failure": logging.WARNING, "leave": logging.INFO, "end": logging.INFO}
+    levels = {
+        entry.getMessage().split()[1]: entry.levelno
+        for entry in flexpar_lines(caplog)
+        if entry.getMessage().startswith("event ")
+    }
+    assert levels == {
+        "start": logging.INFO,
+        "join": logging.INFO,
+        "schedule": logging.WARNING,
+        "failure": logging.WARNING,
+        "leave": logging.INFO,
+        "end": logging.INFO,
+    }
     failure = next(entry.getMessage() for entry in flexpar_lines(caplog) if "event failure" in entry.getMessage())
     assert "-local-1" in failure
     schedule = next(entry.getMessage() for entry in flexpar_lines(caplog) if "event schedule" in entry.getMessage())
@@ -102,15 +112,18 @@ def test_plain_mode_warns_of_failures_refusals_and_schedule_entries(records, cap
 
 def test_plain_mode_gives_a_stop_and_a_refused_joiner_their_own_lines(caplog):
     caplog.set_level(logging.INFO, logger="flexpar")
-    stop = {**event_record("stop", 42, 1_700_000_010.0, 3, ["local-0"], 0.0,
-                           "SIGTERM to the driver; stopped after step 42")}
+    stop = {
+        **event_record("stop", 42, 1_700_000_010.0, 3, ["local-0"], 0.0, "SIGTERM to the driver; stopped after step 42")
+    }
     refused = {**stop, "event": "refused", "detail": "hostC-0: wrong secret"}
     with LiveDisplay(60, force_terminal=False) as display:
         display.update(stop)
         display.update(refused)
     entries = flexpar_lines(caplog)
     assert [(entry.getMessage().split()[1], entry.levelno) for entry in entries] == [
-        ("stop", logging.INFO), ("refused", logging.WARNING)]
+        ("stop", logging.INFO),
+        ("refused", logging.WARNING),
+    ]
     assert "SIGTERM to the driver" in entries[0].getMessage()
 
 
@@ -118,15 +131,13 @@ def test_plain_mode_with_a_long_interval_sums_up_all_rebalances_once(records, ca
     run_plain(records, caplog, log_every=100)
     messages = [entry.getMessage() for entry in flexpar_lines(caplog)]
     assert [line for line in messages if line.startswith("step ")][0].startswith("step 60/60")
-    assert [line for line in messages if "since step" in line] == [
-        "5 rebalances since step 0, now local-0:8 local-2:8"]
+    assert [line for line in messages if "since step" in line] == ["5 rebalances since step 0, now local-0:8 local-2:8"]
 
 
 def test_closing_reports_rebalances_not_yet_reported(records, caplog):
     # Stop feeding after step 17 (index 17 is the 18th step): the rebalances at
     # 16 and 17 came after the step-10 line, and the job ends before step 20.
-    upto = next(index for index, record in enumerate(records)
-                if record["kind"] == "step" and record["step"] == 17) + 1
+    upto = next(index for index, record in enumerate(records) if record["kind"] == "step" and record["step"] == 17) + 1
     display = run_plain(records, caplog, log_every=10, upto=upto)
     messages = [entry.getMessage() for entry in flexpar_lines(caplog)]
     assert messages[-1] == "2 rebalances since step 10, now local-0:5 local-1:4 local-2:7"

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from metrics_pieces import TOTAL_STEPS, synthetic_run, write_run
 
 from flexpar.observe.metrics import (
     EVENT_KEYS,
@@ -23,11 +24,10 @@ from flexpar.observe.metrics import (
     device_change,
     event_label,
     format_split,
-    rebalance_change,
     read_records,
+    rebalance_change,
     validate_record,
 )
-from metrics_pieces import TOTAL_STEPS, synthetic_run, write_run
 
 FLEXPAR = Path(__file__).resolve().parents[2] / "flexpar" / "observe"
 
@@ -216,7 +216,9 @@ def test_rebalance_change_reads_the_workers_detail():
     assert rebalance_change(event) == ([8, 8], [9, 7])
     assert format_split([9, 7]) == "9,7"
     assert rebalance_change({"event": "rebalance", "detail": "[12,11,6,3]->[12, 12, 6, 2]"}) == (
-        [12, 11, 6, 3], [12, 12, 6, 2])
+        [12, 11, 6, 3],
+        [12, 12, 6, 2],
+    )
     assert rebalance_change({"event": "rebalance", "detail": "assignment 6 5 5"}) is None
     assert rebalance_change({"event": "join", "detail": "[8, 8] -> [9, 7]"}) is None
 
@@ -233,9 +235,13 @@ def test_metrics_imports_neither_the_display_nor_the_plot():
     assert not {"flexpar.observe.display", "flexpar.observe.plot", "rich", "matplotlib"} & imported
     for module in ("display", "plot"):
         source = ast.parse((FLEXPAR / f"{module}.py").read_text())
-        assert "flexpar.observe.metrics" in {node.module for node in ast.walk(source) if isinstance(node, ast.ImportFrom)}
-    check = ("import sys, flexpar.observe.metrics, flexpar.observe.display, flexpar.observe.plot; "
-             "print(sorted(m for m in ('rich', 'matplotlib') if m in sys.modules))")
+        assert "flexpar.observe.metrics" in {
+            node.module for node in ast.walk(source) if isinstance(node, ast.ImportFrom)
+        }
+    check = (
+        "import sys, flexpar.observe.metrics, flexpar.observe.display, flexpar.observe.plot; "
+        "print(sorted(m for m in ('rich', 'matplotlib') if m in sys.modules))"
+    )
     completed = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True, timeout=60)
     assert completed.stdout.strip() == "[]"  # both extras stay lazy
 
@@ -246,16 +252,32 @@ def test_step_records_of_balancing_by_cost_carry_their_sets_and_costs():
 
     from flexpar.observe.metrics import validate_record
 
-    record = {"kind": "step", "step": 3, "time": 1.0, "elapsed_s": 2.0, "loss": 0.5, "samples_per_s": 10.0,
-              "step_time_s": 0.1, "generation": 1, "devices": ["a", "b"], "assignment": [3, 1],
-              "busy_s": [0.05, 0.04], "imbalance": 0.2, "lr": 0.1, "grad_norm": 1.0,
-              "cost": [30.0, 28.0], "virtual_worker_sets": [[0, 2, 3], [1]]}
+    record = {
+        "kind": "step",
+        "step": 3,
+        "time": 1.0,
+        "elapsed_s": 2.0,
+        "loss": 0.5,
+        "samples_per_s": 10.0,
+        "step_time_s": 0.1,
+        "generation": 1,
+        "devices": ["a", "b"],
+        "assignment": [3, 1],
+        "busy_s": [0.05, 0.04],
+        "imbalance": 0.2,
+        "lr": 0.1,
+        "grad_norm": 1.0,
+        "cost": [30.0, 28.0],
+        "virtual_worker_sets": [[0, 2, 3], [1]],
+    }
     validate_record(record)
-    for change, message in ((lambda r: r.update(virtual_worker_sets=[[0, 2], [1, 3]]), "has 2 VWs"),
-                            (lambda r: r.update(virtual_worker_sets=[[0, 2, 2], [1]]), "exactly once"),
-                            (lambda r: r.update(cost=[30.0]), "'cost' has 1 entries"),
-                            (lambda r: r.update(cost=[-1.0, 2.0]), r"cost\[0\]"),
-                            (lambda r: r.update(costs=[1.0, 2.0]), "'costs' is not part of the schema")):
+    for change, message in (
+        (lambda r: r.update(virtual_worker_sets=[[0, 2], [1, 3]]), "has 2 VWs"),
+        (lambda r: r.update(virtual_worker_sets=[[0, 2, 2], [1]]), "exactly once"),
+        (lambda r: r.update(cost=[30.0]), "'cost' has 1 entries"),
+        (lambda r: r.update(cost=[-1.0, 2.0]), r"cost\[0\]"),
+        (lambda r: r.update(costs=[1.0, 2.0]), "'costs' is not part of the schema"),
+    ):
         broken = copy.deepcopy(record)
         change(broken)
         with pytest.raises(ValueError, match=message):

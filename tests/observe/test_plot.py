@@ -6,10 +6,10 @@ import struct
 import sys
 
 import pytest
+from metrics_pieces import CHANGES, REBALANCE_STEPS, START_TIME, synthetic_run, write_run
 
 from flexpar.observe.metrics import MetricsWriter
 from flexpar.observe.plot import plot_timeline, rebalance_times, stall_gaps, step_spans
-from metrics_pieces import CHANGES, REBALANCE_STEPS, START_TIME, synthetic_run, write_run
 
 pytest.importorskip("matplotlib")
 
@@ -98,8 +98,11 @@ def test_rebalances_are_ticks_on_the_vw_panel_not_event_lines(tmp_path, metrics_
     rebalances = rebalance_times(records, START_TIME)
 
     # Event lines: one per join, leave and failure, across every panel, none for rebalances.
-    device_set_events = [record["time"] - START_TIME for record in records
-                         if record["kind"] == "event" and record["event"] in ("join", "leave", "failure")]
+    device_set_events = [
+        record["time"] - START_TIME
+        for record in records
+        if record["kind"] == "event" and record["event"] in ("join", "leave", "failure")
+    ]
     for axis in (strip, throughput, loss, busy, assignment):
         assert vertical_line_positions(axis) == pytest.approx(device_set_events)
     labels = [text.get_text() for text in strip.texts]
@@ -107,8 +110,12 @@ def test_rebalances_are_ticks_on_the_vw_panel_not_event_lines(tmp_path, metrics_
     assert any("+1 join (stall 0.21 s)" in label for label in labels)
 
     # Ticks: one short segment per rebalance at the top of the VW panel, counted in its legend.
-    ticks = [segment for collection in assignment.collections if hasattr(collection, "get_segments")
-             for segment in collection.get_segments()]
+    ticks = [
+        segment
+        for collection in assignment.collections
+        if hasattr(collection, "get_segments")
+        for segment in collection.get_segments()
+    ]
     assert sorted(float(segment[0][0]) for segment in ticks) == pytest.approx(rebalances)
     assert all(segment[0][1] >= 0.9 for segment in ticks)  # axes coordinates: the top edge
     assert [text.get_text() for text in assignment.get_legend().get_texts()] == ["5 rebalances"]
@@ -121,12 +128,23 @@ def test_plot_timeline_with_many_devices_and_no_events(tmp_path, records, drawn)
     with MetricsWriter(path) as writer:
         for step in range(30):
             busy = [0.01 * (1 + index % 3) for index in range(len(devices))]
-            writer.write({
-                **template, "step": step, "time": START_TIME + 0.05 * (step + 1),
-                "elapsed_s": 0.05 * (step + 1), "loss": 1.0 / (step + 1), "samples_per_s": 5000.0,
-                "step_time_s": 0.05, "generation": 1, "devices": devices, "assignment": [2] * 20,
-                "busy_s": busy, "imbalance": 2 / 3, "lr": 0.1,
-            })
+            writer.write(
+                {
+                    **template,
+                    "step": step,
+                    "time": START_TIME + 0.05 * (step + 1),
+                    "elapsed_s": 0.05 * (step + 1),
+                    "loss": 1.0 / (step + 1),
+                    "samples_per_s": 5000.0,
+                    "step_time_s": 0.05,
+                    "generation": 1,
+                    "devices": devices,
+                    "assignment": [2] * 20,
+                    "busy_s": busy,
+                    "imbalance": 2 / 3,
+                    "lr": 0.1,
+                }
+            )
     output = tmp_path / "many.png"
     plot_timeline(path, output)
     assert png_size(output.read_bytes())[0] > 800

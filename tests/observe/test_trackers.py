@@ -5,9 +5,9 @@ import importlib.util
 import math
 import os
 
+import evaluation_pieces as ep
 import pytest
 
-import evaluation_pieces as ep
 from flexpar import FitOptions
 from flexpar.observe import trackers
 
@@ -38,9 +38,18 @@ def tracked_run(tmp_path_factory):
     names = ["csv"] + [name for name in ("tensorboard", "mlflow") if _installed(name)]
     folder = tmp_path_factory.mktemp("tracked")
     job = ep.make_job(virtual_workers=4, eval_batch=50)
-    model, summary = job.fit(steps=8, devices=2, eval_every=4, trackers=names, faults="5:local-1:forward",
-                             metrics=str(folder / "metrics.jsonl"), display=False, quiet=True,
-                             oversubscribe=True, timeout_s=10.0)
+    model, summary = job.fit(
+        steps=8,
+        devices=2,
+        eval_every=4,
+        trackers=names,
+        faults="5:local-1:forward",
+        metrics=str(folder / "metrics.jsonl"),
+        display=False,
+        quiet=True,
+        oversubscribe=True,
+        timeout_s=10.0,
+    )
     return summary
 
 
@@ -59,15 +68,23 @@ def test_csv_parses(tracked_run):
     assert {row["name"] for row in rows if row["kind"] == "event"} >= {"event/start/stall_s", "event/failure/stall_s"}
 
 
-@pytest.mark.skipif(not _installed("tensorboard"), reason="the tensorboard package is not installed (flexpar[tensorboard])")
+@pytest.mark.skipif(
+    not _installed("tensorboard"), reason="the tensorboard package is not installed (flexpar[tensorboard])"
+)
 def test_tensorboard_files_read_back_with_tensorboards_reader(tracked_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     accumulator = EventAccumulator(os.path.join(tracked_run["run_dir"], "tensorboard"))
     accumulator.Reload()
     tags = accumulator.Tags()["scalars"]
-    assert {"train/loss", "train/lr", "train/grad_norm", "eval/loss_sum", "eval/correct_mean",
-            "event/failure/stall_s"} <= set(tags)
+    assert {
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "eval/loss_sum",
+        "eval/correct_mean",
+        "event/failure/stall_s",
+    } <= set(tags)
     assert [event.step for event in accumulator.Scalars("train/loss")] == list(range(1, 9))
     evals = accumulator.Scalars("eval/loss_sum")
     assert [event.step for event in evals] == [4, 8]
@@ -96,9 +113,22 @@ def test_mlflow_run_reads_back_through_mlflows_api(tracked_run, monkeypatch):
 def test_trackers_are_callbacks_and_log_steps_done_on_the_x_axis(tmp_path):
     tracker = trackers.create(["csv"], str(tmp_path))[0]
     assert isinstance(tracker, trackers.Tracker)
-    step = {"kind": "step", "step": 0, "time": 1.0, "elapsed_s": 0.0, "loss": 2.0, "samples_per_s": 10.0,
-            "step_time_s": 0.1, "generation": 1, "devices": ["local-0"], "assignment": [2], "busy_s": [0.1],
-            "imbalance": 0.0, "lr": 0.1, "grad_norm": 0.5}
+    step = {
+        "kind": "step",
+        "step": 0,
+        "time": 1.0,
+        "elapsed_s": 0.0,
+        "loss": 2.0,
+        "samples_per_s": 10.0,
+        "step_time_s": 0.1,
+        "generation": 1,
+        "devices": ["local-0"],
+        "assignment": [2],
+        "busy_s": [0.1],
+        "imbalance": 0.0,
+        "lr": 0.1,
+        "grad_norm": 0.5,
+    }
     tracker.on_step(step)
     tracker.finish_tracking()
     rows = list(csv.DictReader(open(tmp_path / "csv" / "metrics.csv")))
@@ -106,15 +136,32 @@ def test_trackers_are_callbacks_and_log_steps_done_on_the_x_axis(tmp_path):
     assert {row["name"]: float(row["value"]) for row in rows}["train/grad_norm"] == 0.5
 
 
-_STEP = {"kind": "step", "step": 0, "time": 1700000000.0, "elapsed_s": 0.0, "loss": 2.0, "samples_per_s": 10.0,
-         "step_time_s": 0.1, "generation": 1, "devices": ["local-0"], "assignment": [2], "busy_s": [0.1],
-         "imbalance": 0.0, "lr": 0.1, "grad_norm": 0.5}
+_STEP = {
+    "kind": "step",
+    "step": 0,
+    "time": 1700000000.0,
+    "elapsed_s": 0.0,
+    "loss": 2.0,
+    "samples_per_s": 10.0,
+    "step_time_s": 0.1,
+    "generation": 1,
+    "devices": ["local-0"],
+    "assignment": [2],
+    "busy_s": [0.1],
+    "imbalance": 0.0,
+    "lr": 0.1,
+    "grad_norm": 0.5,
+}
 
 
 def _steps_with_an_fp16_skip():
     """Steps 0-2; step 1 was skipped for an inf gradient (fp16), as its record says with grad_norm inf."""
-    return [{**_STEP, "step": 0}, {**_STEP, "step": 1, "grad_norm": float("inf")},
-            {**_STEP, "step": 2, "grad_norm": float("nan")}, {**_STEP, "step": 3, "grad_norm": 0.25}]
+    return [
+        {**_STEP, "step": 0},
+        {**_STEP, "step": 1, "grad_norm": float("inf")},
+        {**_STEP, "step": 2, "grad_norm": float("nan")},
+        {**_STEP, "step": 3, "grad_norm": 0.25},
+    ]
 
 
 def test_a_skipped_fp16_step_is_a_marker_not_an_infinite_grad_norm(tmp_path):
@@ -130,8 +177,10 @@ def test_a_skipped_fp16_step_is_a_marker_not_an_infinite_grad_norm(tmp_path):
             tracker.on_step(record)
         tracker.finish_tracking()
     rows = list(csv.DictReader(open(tmp_path / "csv" / "metrics.csv")))
-    assert [(int(row["step"]), float(row["value"])) for row in rows if row["name"] == "train/grad_norm"] == \
-        [(1, 0.5), (4, 0.25)]
+    assert [(int(row["step"]), float(row["value"])) for row in rows if row["name"] == "train/grad_norm"] == [
+        (1, 0.5),
+        (4, 0.25),
+    ]
     assert [int(row["step"]) for row in rows if row["name"] == "train/skipped_step"] == [2, 3]
     if "tensorboard" in names:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -145,8 +194,9 @@ def test_a_skipped_fp16_step_is_a_marker_not_an_infinite_grad_norm(tmp_path):
         with tracker._file_store_allowed():
             from mlflow.tracking import MlflowClient
 
-            history = MlflowClient(tracking_uri=tracker.tracking_uri).get_metric_history(tracker.run_id,
-                                                                                         "train/grad_norm")
+            history = MlflowClient(tracking_uri=tracker.tracking_uri).get_metric_history(
+                tracker.run_id, "train/grad_norm"
+            )
         assert sorted((metric.step, metric.value) for metric in history) == [(1, 0.5), (4, 0.25)]
 
 
@@ -204,18 +254,35 @@ def test_the_command_line_flags_reach_fit(tmp_path):
     from conftest import TESTS, flexpar_command
 
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import json, sys
         sys.path.insert(0, {TESTS!r})
         import evaluation_pieces as ep
         if __name__ == "__main__":
             model, summary = ep.make_job(eval_batch=100).fit(steps=4)
             print("SUMMARY", json.dumps({{"eval": summary["eval"], "run_dir": summary["run_dir"]}}))
-    """))
-    result = flexpar_command("run", "--eval-every", "2", "--tracker", "csv", "--keep-checkpoints", "1",
-                             "--checkpoint-every", "1", "--checkpoint-dir", str(tmp_path / "ck"),
-                             "--no-display", "--metrics", str(tmp_path / "run" / "metrics.jsonl"), str(script),
-                             timeout_s=120, cwd=str(tmp_path))
+    """)
+    )
+    result = flexpar_command(
+        "run",
+        "--eval-every",
+        "2",
+        "--tracker",
+        "csv",
+        "--keep-checkpoints",
+        "1",
+        "--checkpoint-every",
+        "1",
+        "--checkpoint-dir",
+        str(tmp_path / "ck"),
+        "--no-display",
+        "--metrics",
+        str(tmp_path / "run" / "metrics.jsonl"),
+        str(script),
+        timeout_s=120,
+        cwd=str(tmp_path),
+    )
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout.split("SUMMARY", 1)[1])
     assert summary["eval"]["step"] == 4 and summary["eval"]["metrics"]["count"] == ep.EVAL_SIZE

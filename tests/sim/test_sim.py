@@ -28,8 +28,8 @@ from flexpar.sim import (
     host_contention,
     load_scenario,
     parse_scenario,
-    predict_elastic_stalls,
     pg_formation_seconds,
+    predict_elastic_stalls,
     predict_step_seconds,
     ring_all_reduce_seconds,
     scalability,
@@ -40,25 +40,39 @@ from flexpar.sim import (
     step_seconds,
     uniform_assignment,
 )
-from flexpar.sim.results import weighted_median
 from flexpar.sim.policies import BalanceSettings
+from flexpar.sim.results import weighted_median
 from flexpar.sim.scalability import failure_trace, scaled_devices, scaled_scenario
 
 # A small cost model whose figures are easy to check by hand.
-NETWORK = NetworkModel(alpha_s=1e-3, bandwidth_bytes_per_s=1e6, broadcast_bandwidth_bytes_per_s=2e6,
-                       bucket_bytes=1e6, overlap_fraction=0.0)
+NETWORK = NetworkModel(
+    alpha_s=1e-3, bandwidth_bytes_per_s=1e6, broadcast_bandwidth_bytes_per_s=2e6, bucket_bytes=1e6, overlap_fraction=0.0
+)
 WORKLOAD = WorkloadModel(gradient_bytes=2e6, state_bytes=4e6, optimizer_s=0.01, samples_per_vw=4)
 ELASTIC = ElasticCosts(warmup_s=5.0, pg_formation_s=0.2, pg_formation_per_device_s=0.0, detection_s=0.5)
-RESTART = RestartCosts(process_start_s=1.0, import_s=2.0, rebuild_s=3.0, checkpoint_save_s=0.5,
-                       checkpoint_load_s=0.25, checkpoint_every_steps=10)
+RESTART = RestartCosts(
+    process_start_s=1.0,
+    import_s=2.0,
+    rebuild_s=3.0,
+    checkpoint_save_s=0.5,
+    checkpoint_load_s=0.25,
+    checkpoint_every_steps=10,
+)
 PARAMETERS = ModelParameters(network=NETWORK, workload=WORKLOAD, elastic=ELASTIC, restart=RESTART)
 
 
-def make_scenario(seconds_per_vw, virtual_workers, steps=20, events=(), noise=0.0, parameters=PARAMETERS,
-                  **overrides):
+def make_scenario(seconds_per_vw, virtual_workers, steps=20, events=(), noise=0.0, parameters=PARAMETERS, **overrides):
     devices = tuple(DeviceSpec(f"d{index}", seconds) for index, seconds in enumerate(seconds_per_vw))
-    return Scenario(name="test", steps=steps, virtual_workers=virtual_workers, devices=devices,
-                    events=tuple(events), noise=noise, parameters=parameters, **overrides)
+    return Scenario(
+        name="test",
+        steps=steps,
+        virtual_workers=virtual_workers,
+        devices=devices,
+        events=tuple(events),
+        noise=noise,
+        parameters=parameters,
+        **overrides,
+    )
 
 
 def write_toml(tmp_path, text, name="scenario.toml"):
@@ -103,8 +117,9 @@ def test_broadcast_pays_tree_depth_latency_and_the_bytes_once():
 
 
 def test_overlap_hides_communication_only_up_to_the_last_backward():
-    overlapping = dataclasses.replace(PARAMETERS, network=dataclasses.replace(NETWORK, overlap_fraction=1.0,
-                                                                              backward_fraction=0.5))
+    overlapping = dataclasses.replace(
+        PARAMETERS, network=dataclasses.replace(NETWORK, overlap_fraction=1.0, backward_fraction=0.5)
+    )
     all_reduce = ring_all_reduce_seconds(2, 2e6, NETWORK)
     # Last VW 1 s, of which 0.5 s backward: at most 0.5 s of the all-reduce hides.
     assert step_seconds((2, 2), (1.0, 1.0), overlapping) == pytest.approx(2.0 + all_reduce - 0.5 + 0.01)
@@ -230,8 +245,9 @@ def test_balance_interval_observes_less_often(monkeypatch):
     calls = []
     real_observe = balance.observe
     monkeypatch.setattr(balance, "observe", lambda *a, **k: calls.append(1) or real_observe(*a, **k))
-    scenario = make_scenario([0.1, 0.05], virtual_workers=6, steps=12, noise=0.02,
-                             balance=BalanceSettings(interval_steps=4))
+    scenario = make_scenario(
+        [0.1, 0.05], virtual_workers=6, steps=12, noise=0.02, balance=BalanceSettings(interval_steps=4)
+    )
     assert simulate(scenario, "flexpar").completed
     assert len(calls) == 3
 
@@ -280,8 +296,9 @@ def test_failure_costs_in_flight_step_detection_and_group_or_a_rollback():
 
 def test_a_failure_early_in_a_step_costs_flexpar_the_survivors_compute_and_restart_only_up_to_it():
     # 3 devices x 2 VWs x 0.2 s: each survivor computes 0.4 s before the all-reduce.
-    quick = dataclasses.replace(PARAMETERS, elastic=dataclasses.replace(ELASTIC, detection_s=0.1,
-                                                                         recovery_notice_s=0.03))
+    quick = dataclasses.replace(
+        PARAMETERS, elastic=dataclasses.replace(ELASTIC, detection_s=0.1, recovery_notice_s=0.03)
+    )
     step_three = step_seconds((2, 2, 2), [0.2] * 3, quick)
     failure = Event("failure", ("d1",), at_s=3 * step_three + 0.05)  # 0.05 s into step 3
     scenario = make_scenario([0.2] * 3, virtual_workers=6, steps=20, events=[failure], parameters=quick)
@@ -290,15 +307,25 @@ def test_a_failure_early_in_a_step_costs_flexpar_the_survivors_compute_and_resta
     restart = simulate(scenario, "restart")
     assert stall_of(restart, "failure") == pytest.approx(0.05 + 0.1 + (1.0 + 2.0 + 3.0 + 0.25 + 0.2))
     # Dying just before the all-reduce: the detection outlasts the survivors' compute.
-    late = make_scenario([0.2] * 3, virtual_workers=6, steps=20, parameters=quick,
-                         events=[Event("failure", ("d1",), at_s=3 * step_three + 0.38)])
+    late = make_scenario(
+        [0.2] * 3,
+        virtual_workers=6,
+        steps=20,
+        parameters=quick,
+        events=[Event("failure", ("d1",), at_s=3 * step_three + 0.38)],
+    )
     assert stall_of(simulate(late, "flexpar"), "failure") == pytest.approx(0.38 + 0.1 + 0.03 + 0.2)
 
 
 def test_joins_beyond_one_device_per_vw_are_refused():
     join = Event("join", ("x", "y"), at_step=2, devices=(DeviceSpec("x", 0.1), DeviceSpec("y", 0.1)))
-    scenario = make_scenario([0.1, 0.1], virtual_workers=3, steps=10, events=[join],
-                             parameters=dataclasses.replace(PARAMETERS, elastic=dataclasses.replace(ELASTIC, warmup_s=0)))
+    scenario = make_scenario(
+        [0.1, 0.1],
+        virtual_workers=3,
+        steps=10,
+        events=[join],
+        parameters=dataclasses.replace(PARAMETERS, elastic=dataclasses.replace(ELASTIC, warmup_s=0)),
+    )
     result = simulate(scenario, "flexpar")
     assert result.count("join") == 1 and result.count("refused") == 1
     assert result.segment_devices.max() == 3
@@ -341,7 +368,11 @@ def test_shipped_scenarios_parse():
 def test_device_entries_take_a_type_a_speed_or_measured_seconds(tmp_path):
     scenario = load_scenario(str(write_toml(tmp_path, MINIMAL_TOML)))
     assert [(device.device_id, device.seconds_per_vw) for device in scenario.devices] == [
-        ("slow-0", 0.1), ("slow-1", 0.1), ("fast-0", 0.05), ("measured-0", 0.02)]
+        ("slow-0", 0.1),
+        ("slow-1", 0.1),
+        ("fast-0", 0.05),
+        ("measured-0", 0.02),
+    ]
     assert scenario.policies == ("flexpar", "uniform", "restart")
     assert scenario.global_batch == 8 * 32
 
@@ -354,14 +385,21 @@ def test_device_entries_take_a_type_a_speed_or_measured_seconds(tmp_path):
         ("steps = 10", "steps = 10\nstepz = 3", "scenario.stepz: unknown field"),
         ("virtual_workers = 8", "virtual_workers = 2", "scenario.virtual_workers: expected an integer >= 4"),
         ("[model]", "[model]\ngradient_bytes = -5", "scenario.model.gradient_bytes: expected a number >= 0, got -5"),
-        ("[model]", "[network]\noverlap_fraction = 2\n[model]",
-         "scenario.network.overlap_fraction: expected a number in [0, 1], got 2"),
+        (
+            "[model]",
+            "[network]\noverlap_fraction = 2\n[model]",
+            "scenario.network.overlap_fraction: expected a number in [0, 1], got 2",
+        ),
         ('type = "slow"', 'type = "fast"', "scenario.devices[0].type: expected one of the device_types ['slow']"),
         ('type = "slow"', 'type = "slow"\nspeed = 3', "scenario.devices[0]: expected exactly one of type"),
         ("count = 2", "count = 0", "scenario.devices[0].count: expected an integer >= 1, got 0"),
         ('name = "minimal"', 'name = "minimal"\npolicies = ["ddp"]', "scenario.policies[0]: expected one of"),
         ("reference_seconds_per_vw = 0.1\n", "", "scenario.device_types.slow.speed: a relative speed needs"),
-        ("[model]", "[elastic]\nhost_cores = 0\n[model]", "scenario.elastic.host_cores: expected a positive number, got 0"),
+        (
+            "[model]",
+            "[elastic]\nhost_cores = 0\n[model]",
+            "scenario.elastic.host_cores: expected a positive number, got 0",
+        ),
     ],
 )
 def test_bad_scenario_files_name_the_field(tmp_path, replace_from, replace_to, message):
@@ -378,8 +416,14 @@ def test_bad_scenario_files_name_the_field(tmp_path, replace_from, replace_to, m
         ('at_s = 5\nkind = "explode"\nids = ["slow-0"]', r"scenario.events\[0\].kind: expected one of"),
         ('kind = "leave"\nids = ["slow-0"]', r"scenario.events\[0\]: expected exactly one of at_s"),
         ('at_s = 5\nat_step = 3\nkind = "leave"\nids = ["slow-0"]', r"scenario.events\[0\]: expected exactly one"),
-        ('at_s = 5\nkind = "leave"\nids = ["nobody"]', r"scenario.events\[0\].ids\[0\]: expected an initial or joining"),
-        ('at_s = 5\nkind = "join"\nids = ["slow-1"]\ntype = "slow"', r"scenario.events\[0\].ids\[0\]: device id 'slow-1'"),
+        (
+            'at_s = 5\nkind = "leave"\nids = ["nobody"]',
+            r"scenario.events\[0\].ids\[0\]: expected an initial or joining",
+        ),
+        (
+            'at_s = 5\nkind = "join"\nids = ["slow-1"]\ntype = "slow"',
+            r"scenario.events\[0\].ids\[0\]: device id 'slow-1'",
+        ),
         ('at_s = -1\nkind = "leave"\nids = ["slow-0"]', r"scenario.events\[0\].at_s: expected a number >= 0, got -1"),
         ('at_step = 2\nkind = "slowdown"\nids = ["slow-0"]', r"scenario.events\[0\].factor: required field"),
         ('at_step = 2\nkind = "leave"\nids = []', r"scenario.events\[0\].ids: expected a non-empty list"),
@@ -408,8 +452,15 @@ def test_simulate_command_prints_the_table_and_writes_plot_and_json(tmp_path, ca
     plot_path, json_path = tmp_path / "plot.png", tmp_path / "out.json"
     assert simulate_command(str(path), plot_path=str(plot_path), json_path=str(json_path)) == 0
     printed = capsys.readouterr().out
-    for label in ("flexpar (balanced, in-place)", "uniform split (DDP)", "checkpoint-restart (torchrun)",
-                  "samples/s", "time to N steps", "stall", "imbalance (median)"):
+    for label in (
+        "flexpar (balanced, in-place)",
+        "uniform split (DDP)",
+        "checkpoint-restart (torchrun)",
+        "samples/s",
+        "time to N steps",
+        "stall",
+        "imbalance (median)",
+    ):
         assert label in printed
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads(json_path.read_text())
@@ -428,8 +479,10 @@ def test_scalability_sweep_command(tmp_path, capsys):
     text = textwrap.dedent(MINIMAL_TOML) + "[scalability]\ndevice_counts = [8, 16]\nsteps = 50\n"
     path = write_toml(tmp_path, text)
     json_path = tmp_path / "sweep.json"
-    assert simulate_command(str(path), plot_path=str(tmp_path / "s.png"), json_path=str(json_path),
-                            scalability_sweep=True) == 0
+    assert (
+        simulate_command(str(path), plot_path=str(tmp_path / "s.png"), json_path=str(json_path), scalability_sweep=True)
+        == 0
+    )
     assert "flexpar samples/s" in capsys.readouterr().out
     assert (tmp_path / "s.png").exists()
     assert json.loads(json_path.read_text())["device_counts"] == [8, 16]
@@ -556,10 +609,13 @@ def test_lost_compute_runs_faster_after_the_death_only_on_shared_cores():
 
 def test_predicted_elastic_stalls_count_the_survivors_and_the_recovery_notice():
     costs = ElasticCosts(pg_formation_s=0.004, detection_s=0.03, recovery_notice_s=0.02, host_cores=2.0)
-    calibration = calibrate({"pg_formation_s": 0.004, "detection_s": 0.03, "recovery_notice_s": 0.02,
-                             "host_cores": 2.0})
-    assert calibration.parameters.elastic == dataclasses.replace(ElasticCosts(), **{
-        name: getattr(costs, name) for name in ("pg_formation_s", "detection_s", "recovery_notice_s", "host_cores")})
+    calibration = calibrate(
+        {"pg_formation_s": 0.004, "detection_s": 0.03, "recovery_notice_s": 0.02, "host_cores": 2.0}
+    )
+    assert calibration.parameters.elastic == dataclasses.replace(
+        ElasticCosts(),
+        **{name: getattr(costs, name) for name in ("pg_formation_s", "detection_s", "recovery_notice_s", "host_cores")},
+    )
     stalls = predict_elastic_stalls(calibration, devices_before=3)
     # 2 survivors on 2 cores: the leaver skips its last update and exits at the lowest priority.
     assert stalls["scale_in_stall_s"] == pytest.approx(0.004)

@@ -9,7 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
+)
 
 import sim_validation as validation
 
@@ -74,8 +76,14 @@ def test_per_vw_samples_takes_the_window_and_divides_by_the_count():
 
 
 def test_transfer_path_is_a_fresh_receivers_receive_and_restore():
-    parts = {"capture_s": 0.01, "send_s": 0.2, "receive_s": 0.25, "restore_s": 0.05, "fresh_receive_s": 0.31,
-             "fresh_restore_s": 0.02}
+    parts = {
+        "capture_s": 0.01,
+        "send_s": 0.2,
+        "receive_s": 0.25,
+        "restore_s": 0.05,
+        "fresh_receive_s": 0.31,
+        "fresh_restore_s": 0.02,
+    }
     assert validation.transfer_path_seconds(parts) == pytest.approx(0.33)
     # Older elastic.py JSONs have no fresh receivers: the long-lived receiver stands in.
     assert validation.transfer_path_seconds({**parts, "fresh_receive_s": None}) == pytest.approx(0.3)
@@ -84,8 +92,14 @@ def test_transfer_path_is_a_fresh_receivers_receive_and_restore():
 
 
 def _step(step, generation, devices, busy):
-    return {"kind": "step", "step": step, "generation": generation, "devices": devices,
-            "assignment": [2] * len(devices), "busy_s": busy}
+    return {
+        "kind": "step",
+        "step": step,
+        "generation": generation,
+        "devices": devices,
+        "assignment": [2] * len(devices),
+        "busy_s": busy,
+    }
 
 
 def test_failed_step_inputs_are_the_slowest_survivors_busy_and_the_victims_vws():
@@ -102,8 +116,7 @@ def test_failed_step_inputs_are_the_slowest_survivors_busy_and_the_victims_vws()
     assert inputs["victim_vws"] == 2 and inputs["devices_before"] == 3
     assert validation.failed_steps_inputs([r for r in records if r["kind"] == "step"]) == []
     # A second failure, of a later set: its own generation's steps.
-    records += [_step(5, 3, ["a", "b"], [0.7, 0.8]),
-                {"kind": "event", "event": "failure", "step": 6, "devices": ["b"]}]
+    records += [_step(5, 3, ["a", "b"], [0.7, 0.8]), {"kind": "event", "event": "failure", "step": 6, "devices": ["b"]}]
     first, second = validation.failed_steps_inputs(records)
     assert first == inputs
     assert second["survivor_busy_s"] == pytest.approx(0.8) and second["devices_before"] == 2
@@ -118,11 +131,14 @@ def test_fault_death_fraction_places_the_fault_in_the_victims_first_vw():
 
 
 def test_predicted_failure_stall_charges_the_survivors_vws_at_the_contention_after_the_death():
-    inputs = [{"survivor_busy_s": 0.3, "victim_vws": 2, "devices_before": 3},
-              {"survivor_busy_s": 0.6, "victim_vws": 2, "devices_before": 3},
-              {"survivor_busy_s": 0.4, "victim_vws": 2, "devices_before": 3}]
-    parameters = calibrate({"host_cores": 2.0, "recovery_notice_s": 0.02, "detection_s": 0.03,
-                            "pg_formation_s": 0.004}).parameters
+    inputs = [
+        {"survivor_busy_s": 0.3, "victim_vws": 2, "devices_before": 3},
+        {"survivor_busy_s": 0.6, "victim_vws": 2, "devices_before": 3},
+        {"survivor_busy_s": 0.4, "victim_vws": 2, "devices_before": 3},
+    ]
+    parameters = calibrate(
+        {"host_cores": 2.0, "recovery_notice_s": 0.02, "detection_s": 0.03, "pg_formation_s": 0.004}
+    ).parameters
     stall, lost = validation.predict_failure_stall(inputs, parameters)
     # elastic.py kills in backward: 1/6 of the way in at 3 busy processes, the rest at 2 (1.5x faster).
     assert lost == pytest.approx(0.4 * (1 / 6 + (5 / 6) / 1.5))
@@ -136,17 +152,31 @@ def test_recovery_notice_is_half_of_each_poll_on_the_path(monkeypatch):
 
 
 def test_ddp_slowest_seconds_per_vw_is_the_median_over_rounds():
-    balance = {"virtual_workers": 8, "devices": 2,
-               "rounds": [{"uniform_busy_s": [0.4, 0.8]}, {"uniform_busy_s": [0.4, 1.2]}, {}]}
+    balance = {
+        "virtual_workers": 8,
+        "devices": 2,
+        "rounds": [{"uniform_busy_s": [0.4, 0.8]}, {"uniform_busy_s": [0.4, 1.2]}, {}],
+    }
     assert validation.ddp_slowest_seconds_per_vw(balance) == pytest.approx(0.25)
 
 
 def test_predict_balance_noise_free_matches_the_closed_form():
-    balance = {"virtual_workers": 6, "devices": 2,
-               "config": {"speeds": [1.0, 1.0], "changed_device": 0, "changed_speed": 0.5}}
+    balance = {
+        "virtual_workers": 6,
+        "devices": 2,
+        "config": {"speeds": [1.0, 1.0], "changed_device": 0, "changed_speed": 0.5},
+    }
     table = [0.1, 0.2]
-    calibration = calibrate({"seconds_per_vw": table, "devices": 2, "virtual_workers": 6,
-                             "gradient_bytes": 1e6, "all_reduce_s": 0.01, "optimizer_s": 0.005})
+    calibration = calibrate(
+        {
+            "seconds_per_vw": table,
+            "devices": 2,
+            "virtual_workers": 6,
+            "gradient_bytes": 1e6,
+            "all_reduce_s": 0.01,
+            "optimizer_s": 0.005,
+        }
+    )
     predicted = validation.predict_balance(balance, table, calibration, noise=0.0)
     # Balanced: 4 x 0.1 vs 2 x 0.2 -> 0.4; uniform 3 + 3 -> 0.6; local-0 at 0.2 -> 3 + 3 -> 0.6.
     assert predicted["flexpar_step_s"] == pytest.approx(0.4 + 0.01 + 0.005, rel=1e-6)
@@ -162,12 +192,14 @@ def test_boundary_seconds_takes_the_last_arrivals_time_per_repeat_then_the_media
 
 
 def test_boundary_calibration_fits_base_and_per_device_from_sizes_2_and_3():
-    fitted = validation.boundary_calibration({"process_group_formation_s": 0.5},
-                                             {"boundary_s_by_size": {2: 0.004, 3: 0.006}}, cores=8)
+    fitted = validation.boundary_calibration(
+        {"process_group_formation_s": 0.5}, {"boundary_s_by_size": {2: 0.004, 3: 0.006}}, cores=8
+    )
     assert fitted["pg_formation_per_device_s"] == pytest.approx(0.002)
     assert fitted["pg_formation_s"] == pytest.approx(0.0)
     calibration = calibrate({**fitted, "devices": 2})
     from flexpar.sim.model import pg_formation_seconds
+
     assert pg_formation_seconds(2, calibration.parameters.elastic) == pytest.approx(0.004)
     assert pg_formation_seconds(3, calibration.parameters.elastic) == pytest.approx(0.006)
     # A negative intercept is not a cost: a line through the origin, least squares.
@@ -179,8 +211,10 @@ def test_boundary_calibration_fits_base_and_per_device_from_sizes_2_and_3():
     assert flat["pg_formation_per_device_s"] == 0.0
     assert flat["pg_formation_s"] == pytest.approx(0.0045)
     # Without the probe's sizes, elastic.py's fresh-group figure stands in.
-    assert validation.boundary_calibration({"process_group_formation_s": 0.5}, {}, cores=8) == \
-        {"pg_formation_s": 0.5, "host_cores": 8}
+    assert validation.boundary_calibration({"process_group_formation_s": 0.5}, {}, cores=8) == {
+        "pg_formation_s": 0.5,
+        "host_cores": 8,
+    }
 
 
 def test_boundary_calibration_takes_the_host_contention_out_before_the_fit():
@@ -190,18 +224,40 @@ def test_boundary_calibration_takes_the_host_contention_out_before_the_fit():
     assert fitted["pg_formation_s"] == pytest.approx(0.002)
     elastic = calibrate(fitted).parameters.elastic
     from flexpar.sim.model import host_contention, pg_formation_seconds
+
     assert pg_formation_seconds(3, elastic) == pytest.approx(0.0075)
-    assert pg_formation_seconds(2, elastic) * host_contention(3, elastic.host_cores) == \
-        pytest.approx(0.006)  # with a third process busy
+    assert pg_formation_seconds(2, elastic) * host_contention(3, elastic.host_cores) == pytest.approx(
+        0.006
+    )  # with a third process busy
 
 
 def test_probes_combine_into_the_median_of_each_timing_and_boundary_size():
-    probes = [{"all_reduce_s": 0.01, "optimizer_s": 0.002, "detection_s": 0.03, "parameter_count": 5, "world": 4,
-               "boundary_s_by_size": {"2": 0.003, "3": 0.006}},
-              {"all_reduce_s": 0.03, "optimizer_s": 0.001, "detection_s": None, "parameter_count": 5, "world": 4,
-               "boundary_s_by_size": {"2": 0.005, "3": 0.009}},
-              {"all_reduce_s": 0.02, "optimizer_s": 0.004, "detection_s": 0.05, "parameter_count": 5, "world": 4,
-               "boundary_s_by_size": {"2": 0.004}}]
+    probes = [
+        {
+            "all_reduce_s": 0.01,
+            "optimizer_s": 0.002,
+            "detection_s": 0.03,
+            "parameter_count": 5,
+            "world": 4,
+            "boundary_s_by_size": {"2": 0.003, "3": 0.006},
+        },
+        {
+            "all_reduce_s": 0.03,
+            "optimizer_s": 0.001,
+            "detection_s": None,
+            "parameter_count": 5,
+            "world": 4,
+            "boundary_s_by_size": {"2": 0.005, "3": 0.009},
+        },
+        {
+            "all_reduce_s": 0.02,
+            "optimizer_s": 0.004,
+            "detection_s": 0.05,
+            "parameter_count": 5,
+            "world": 4,
+            "boundary_s_by_size": {"2": 0.004},
+        },
+    ]
     combined = validation.combine_probes(probes)
     assert combined["all_reduce_s"] == 0.02 and combined["optimizer_s"] == 0.002
     assert combined["detection_s"] == pytest.approx(0.04)  # the runs that saw a detection

@@ -3,12 +3,12 @@
 import os
 import threading
 
+import pieces
 import pytest
 import torch
 
-import pieces
-from flexpar.worker import checkpoints
 from flexpar.comm import state_transfer as training_state
+from flexpar.worker import checkpoints
 
 
 def _state(value=1.0):
@@ -84,8 +84,7 @@ def test_prune_ignores_other_files(tmp_path):
 def test_a_job_keeps_the_newest_k_and_its_last_checkpoint_is_its_model(train, tmp_path):
     folder = tmp_path / "checkpoints"
     job = pieces.make_job(virtual_workers=4)
-    model, summary = train(job, steps=11, devices=2, checkpoint_every=2, checkpoint_dir=str(folder),
-                           keep_checkpoints=3)
+    model, summary = train(job, steps=11, devices=2, checkpoint_every=2, checkpoint_dir=str(folder), keep_checkpoints=3)
     assert sorted(os.listdir(folder)) == ["step-00000008.pt", "step-00000010.pt", "step-00000011.pt"]
     last = checkpoints.read_checkpoint(str(folder / "step-00000011.pt"), "cpu")
     pieces.assert_same_parameters(model, _loaded(job, last["model"]), rtol=0, atol=0)

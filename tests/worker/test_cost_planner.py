@@ -9,14 +9,14 @@ VW sets follow the costs: not contiguous ranges, not equal counts.
 import json
 import math
 
+import cost_pieces
+import pieces
 import pytest
 
-import cost_pieces
 import flexpar
-import pieces
 from flexpar.core import batching, cost_balance, ledger
-from flexpar.worker.cost_planner import CostPlanner
 from flexpar.errors import UserCodeError
+from flexpar.worker.cost_planner import CostPlanner
 
 # A join needs its joiner started and warm before the job ends (test_elastic.py).
 JOIN_HEADROOM_S = 6.0
@@ -50,9 +50,15 @@ def test_the_planner_sees_the_samples_batching_gives_every_step():
     planner = CostPlanner(job)
     table = job.sample_cost.costs
     for step in (0, 1, 9, 10, 11, 25):  # 480 samples / 48: epochs of 10 steps
-        expected = [math.fsum(table[index] for index in batching.virtual_worker_indices(
-            job.seed, step, virtual_worker, len(job.dataset), job.global_batch, job.virtual_workers))
-            for virtual_worker in range(job.virtual_workers)]
+        expected = [
+            math.fsum(
+                table[index]
+                for index in batching.virtual_worker_indices(
+                    job.seed, step, virtual_worker, len(job.dataset), job.global_batch, job.virtual_workers
+                )
+            )
+            for virtual_worker in range(job.virtual_workers)
+        ]
         assert list(planner.raw_costs(step)) == expected
 
 
@@ -72,8 +78,9 @@ def test_a_sample_cost_that_is_not_a_function_is_refused():
         pieces.make_job(sample_cost=[1, 2, 3])
 
 
-@pytest.mark.parametrize("value,message", [(math.nan, "returned nan"), (-2.0, "returned -2.0"),
-                                           ("long", "returned 'long' \\(str\\)")])
+@pytest.mark.parametrize(
+    "value,message", [(math.nan, "returned nan"), (-2.0, "returned -2.0"), ("long", "returned 'long' \\(str\\)")]
+)
 def test_the_driver_refuses_a_bad_cost_before_any_worker_starts(train, value, message):
     job = pieces.make_job(virtual_workers=4)
     index = batching.virtual_worker_indices(job.seed, 0, 0, len(job.dataset), job.global_batch, 4)[0]
@@ -85,8 +92,11 @@ def test_the_driver_refuses_a_bad_cost_before_any_worker_starts(train, value, me
 def test_a_bad_cost_found_later_stops_the_job_naming_the_index_and_step(train):
     job = pieces.make_job(virtual_workers=4)
     checked = set(batching.virtual_worker_indices(job.seed, 0, 0, len(job.dataset), job.global_batch, 4))
-    later = next(index for index in batching.global_batch_indices(job.seed, 1, len(job.dataset), 48).tolist()
-                 if index not in checked and index != len(job.dataset) - 1)
+    later = next(
+        index
+        for index in batching.global_batch_indices(job.seed, 1, len(job.dataset), 48).tolist()
+        if index not in checked and index != len(job.dataset) - 1
+    )
     job = cost_pieces.make_cost_job(virtual_workers=4, sample_cost=cost_pieces.BadCostAt(later, math.inf))
     with pytest.raises(flexpar.TrainingError, match=rf"sample_cost\({later}\) returned inf.* at step 1"):
         train(job, steps=4, devices=2)
@@ -103,8 +113,9 @@ def test_parameters_equal_the_reference_through_a_join(train, metrics_file):
     job = cost_pieces.make_cost_job(virtual_workers=6, delay_s=0.001)
     step_s = 4 * 27 * job.loss.delay_s  # about 4 VWs on the fast device, 8 samples of mean cost 26.7 / 8
     steps = 6 + math.ceil(JOIN_HEADROOM_S / step_s)
-    model, summary = train(job, steps=steps, devices=2, max_devices=3, schedule="6:+1", sample_ledger=True,
-                           emulate_speeds=[1.0, 0.25])
+    model, summary = train(
+        job, steps=steps, devices=2, max_devices=3, schedule="6:+1", sample_ledger=True, emulate_speeds=[1.0, 0.25]
+    )
     records = _records(metrics_file)
     assert [record["step"] for record in records] == list(range(steps))
     assert {len(record["devices"]) for record in records} == {2, 3}, "the join took effect"
@@ -114,8 +125,9 @@ def test_parameters_equal_the_reference_through_a_join(train, metrics_file):
     fast, slow = before_join[-1]["cost"]
     assert fast > 1.5 * slow, f"planned by the speeds: {before_join[-1]}"
     _check_step_records(records, job)
-    assert ledger.audit(ledger.read(summary["sample_ledger"]), job.seed, len(job.dataset), job.global_batch,
-                        steps).clean, "every sample of every step ran exactly once"
+    assert ledger.audit(
+        ledger.read(summary["sample_ledger"]), job.seed, len(job.dataset), job.global_batch, steps
+    ).clean, "every sample of every step ran exactly once"
     pieces.assert_same_parameters(model, pieces.reference(job, steps), atol=LONG_RUN_ATOL)
 
 
@@ -132,6 +144,7 @@ def test_two_devices_run_uneven_non_contiguous_sets_and_match_the_reference(trai
     assert any(len(set(record["assignment"])) > 1 for record in records), [r["assignment"] for r in records]
     rebalances = [event for event in _records(metrics_file, "event") if event["event"] == "rebalance"]
     assert len(rebalances) <= steps // 4, f"cost mode must not announce a rebalance per step: {rebalances}"
-    assert ledger.audit(ledger.read(summary["sample_ledger"]), job.seed, len(job.dataset), job.global_batch,
-                        steps).clean
+    assert ledger.audit(
+        ledger.read(summary["sample_ledger"]), job.seed, len(job.dataset), job.global_batch, steps
+    ).clean
     pieces.assert_same_parameters(model, pieces.reference(job, steps))

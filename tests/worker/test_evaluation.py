@@ -11,11 +11,12 @@ import os
 import socket
 import time
 
-import pytest
-from hypothesis import given, settings, strategies as st
-
 import evaluation_pieces as ep
 import pieces
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from flexpar.core import evaluation
 from flexpar.worker.device_link import FOLLOW_ALL_S
 from flexpar.worker.evaluator import evaluate_all
@@ -24,8 +25,9 @@ from flexpar.worker.evaluator import evaluate_all
 
 
 @settings(max_examples=300, deadline=None)
-@given(size=st.integers(1, 5000), batch=st.integers(1, 300),
-       shares=st.lists(st.integers(1, 64), min_size=1, max_size=12))
+@given(
+    size=st.integers(1, 5000), batch=st.integers(1, 300), shares=st.lists(st.integers(1, 64), min_size=1, max_size=12)
+)
 def test_every_sample_is_evaluated_exactly_once(size, batch, shares):
     ranges = evaluation.sample_ranges(size, shares, batch)
     assert len(ranges) == len(shares)
@@ -45,14 +47,21 @@ def test_chunks_follow_the_shares(chunks, shares):
         assert abs(len(part) - chunks * share / total) < 1.0, "within one chunk of the proportional share"
 
 
-@given(size=st.integers(1, 2000), batch=st.integers(1, 100),
-       shares=st.lists(st.integers(1, 16), min_size=1, max_size=6),
-       other=st.lists(st.integers(1, 16), min_size=1, max_size=6))
+@given(
+    size=st.integers(1, 2000),
+    batch=st.integers(1, 100),
+    shares=st.lists(st.integers(1, 16), min_size=1, max_size=6),
+    other=st.lists(st.integers(1, 16), min_size=1, max_size=6),
+)
 def test_the_chunks_do_not_depend_on_the_device_set(size, batch, shares, other):
     """The batches evaluated are the same fixed chunks, whatever the split: the sums cannot depend on it."""
+
     def chunks_of(split):
-        return [tuple(chunk) for part in evaluation.sample_ranges(size, split, batch)
-                for chunk in evaluation.batches_of(part, batch)]
+        return [
+            tuple(chunk)
+            for part in evaluation.sample_ranges(size, split, batch)
+            for chunk in evaluation.batches_of(part, batch)
+        ]
 
     assert chunks_of(shares) == chunks_of(other) == chunks_of([1])
 
@@ -80,8 +89,13 @@ def test_metrics_are_checked_and_added_in_key_order():
     assert evaluation.metrics_of([2.0, 3.0, 1.5], keys) == {"correct": 2, "count": 3, "loss_sum": 1.5}
     assert evaluation.means({"correct": 2, "count": 4, "loss_sum": 1.0}) == {"correct": 0.5, "loss": 0.25}
     assert evaluation.means({"loss_sum": 1.0}) == {}
-    for bad, message in [(1.0, "dict"), ({}, "dict"), ({"x": torch.ones(2)}, "shape"), ({"x": "a"}, "number"),
-                         ({1: 2.0}, "strings")]:
+    for bad, message in [
+        (1.0, "dict"),
+        ({}, "dict"),
+        ({"x": torch.ones(2)}, "shape"),
+        ({"x": "a"}, "number"),
+        ({1: 2.0}, "strings"),
+    ]:
         with pytest.raises(evaluation.MetricsError, match=message):
             evaluation.as_numbers(bad)
     with pytest.raises(evaluation.MetricsError, match="same metrics"):
@@ -217,8 +231,9 @@ def _free_port() -> int:
 
 def _held_job(folder, port, **extra):
     """ep.make_job's job whose evaluation waits for generation 2 (EvaluateUntilTheDeviceSetChanges)."""
-    return pieces.make_job(eval_dataset=ep.make_eval_dataset(), evaluate=EvaluateUntilTheDeviceSetChanges(port, folder),
-                           **extra)
+    return pieces.make_job(
+        eval_dataset=ep.make_eval_dataset(), evaluate=EvaluateUntilTheDeviceSetChanges(port, folder), **extra
+    )
 
 
 def _waited(folder):
@@ -232,8 +247,9 @@ def test_a_join_ready_during_an_evaluation_changes_nothing(train, metrics_file, 
     port = _free_port()
     job = _held_job(str(tmp_path), port, virtual_workers=6, eval_batch=12)
     model, summary = train(job, steps=8, devices=2, max_devices=3, eval_every=1, schedule="1:+1", port=port)
-    assert _waited(tmp_path) == ["waited-flexpar-local-0", "waited-flexpar-local-1"], \
+    assert _waited(tmp_path) == ["waited-flexpar-local-0", "waited-flexpar-local-1"], (
         "both devices were evaluating when the joiner became ready"
+    )
     evals = _evals(metrics_file)
     assert [record["step"] for record in evals] == list(range(1, 9))
     assert [len(record["devices"]) for record in evals] == [2] + [3] * 7, "step 1's on two devices, then three"
@@ -243,8 +259,7 @@ def test_a_join_ready_during_an_evaluation_changes_nothing(train, metrics_file, 
     _assert_equals_reference(job, evals, model, 8)
 
 
-def test_a_scheduled_leave_landing_during_an_evaluation_waits_for_the_next_step_boundary(train, metrics_file,
-                                                                                         tmp_path):
+def test_a_scheduled_leave_landing_during_an_evaluation_waits_for_the_next_step_boundary(train, metrics_file, tmp_path):
     """schedule "2:-1": the leave is accepted while all three devices evaluate step 2 (which waits for
     it); that evaluation completes on three devices, the leaver goes at the next step boundary, and
     nothing is redone or counted twice."""
@@ -282,8 +297,9 @@ def test_a_leave_asked_during_an_evaluation_waits_for_the_next_step_boundary(tra
     _assert_equals_reference(job, evals, model, 12)
 
 
-@pytest.mark.parametrize("fault", ["4:local-1:eval", "4:local-0:eval", "4:local-1:eval:stop"],
-                         ids=["killed", "rank-0-killed", "hung"])
+@pytest.mark.parametrize(
+    "fault", ["4:local-1:eval", "4:local-0:eval", "4:local-1:eval:stop"], ids=["killed", "rank-0-killed", "hung"]
+)
 def test_a_failure_during_an_evaluation_redoes_it(train, metrics_file, fault):
     """A device dies (kill -9; rank 0 too, which publishes the records) or hangs (SIGSTOP, found by its
     silent heartbeat) in the evaluation after step 4, before the sums are added: nothing of it is
@@ -294,8 +310,11 @@ def test_a_failure_during_an_evaluation_redoes_it(train, metrics_file, fault):
     evals = _evals(metrics_file)
     assert [record["step"] for record in evals] == [2, 4, 6], "one record per evaluated step"
     assert [len(record["devices"]) for record in evals] == [3, 2, 2]
-    (failure,) = [record for record in map(json.loads, open(metrics_file))
-                  if record["kind"] == "event" and record["event"] == "failure"]
+    (failure,) = [
+        record
+        for record in map(json.loads, open(metrics_file))
+        if record["kind"] == "event" and record["event"] == "failure"
+    ]
     assert failure["detail"] == f"failed: {failed}" and failure["step"] == 4
     redone = evals[1]
     assert redone["generation"] == failure["generation"] > evals[0]["generation"], "the new generation's"
@@ -319,8 +338,9 @@ def test_evaluation_runs_under_the_jobs_autocast():
     from flexpar.worker import evaluator
 
     for precision, batches in ((None, 0.0), ("bf16", 5.0)):
-        job = pieces.make_job(eval_dataset=ep.make_eval_dataset(50), evaluate=RecordsPrecision(), eval_batch=10,
-                              mixed_precision=precision)
+        job = pieces.make_job(
+            eval_dataset=ep.make_eval_dataset(50), evaluate=RecordsPrecision(), eval_batch=10, mixed_precision=precision
+        )
         assert evaluator.metric_keys(job, pieces.make_model()) == ("bf16_batches", "count")
         sums = evaluator.evaluate_samples(job, pieces.make_model(), range(50), ("bf16_batches", "count"))
         assert sums == {"bf16_batches": batches, "count": 50.0}, precision
@@ -343,9 +363,16 @@ def test_a_bf16_jobs_evaluation_on_devices_is_the_bf16_evaluation(train, metrics
 
 # ------------------------------------------------------------------ the eval record: file, display, plot
 
-EVAL_RECORD = {"kind": "eval", "step": 4, "time": 1700000001.5, "elapsed_s": 1.5, "generation": 1,
-               "devices": ["local-0", "local-1"], "eval_s": 0.25,
-               "metrics": {"correct": 750, "count": 997, "loss_sum": 402.6}}
+EVAL_RECORD = {
+    "kind": "eval",
+    "step": 4,
+    "time": 1700000001.5,
+    "elapsed_s": 1.5,
+    "generation": 1,
+    "devices": ["local-0", "local-1"],
+    "eval_s": 0.25,
+    "metrics": {"correct": 750, "count": 997, "loss_sum": 402.6},
+}
 
 
 def test_eval_records_are_validated():
@@ -353,9 +380,13 @@ def test_eval_records_are_validated():
 
     validate_record(EVAL_RECORD)
     validate_record({**EVAL_RECORD, "metrics": {"loss_sum": float("nan")}})  # a diverged model is recorded
-    for change, message in [({"metrics": {}}, "metrics"), ({"metrics": {"a": "x"}}, "must be a float"),
-                            ({"eval_s": -1.0}, "eval_s"), ({"extra": 1}, "not part of the schema"),
-                            ({"devices": []}, "at least one device")]:
+    for change, message in [
+        ({"metrics": {}}, "metrics"),
+        ({"metrics": {"a": "x"}}, "must be a float"),
+        ({"eval_s": -1.0}, "eval_s"),
+        ({"extra": 1}, "not part of the schema"),
+        ({"devices": []}, "at least one device"),
+    ]:
         with pytest.raises(ValueError, match=message):
             validate_record({**EVAL_RECORD, **change})
     with pytest.raises(ValueError, match="'step', 'event' or 'eval'"):
@@ -401,13 +432,26 @@ def test_the_plot_marks_evaluations(tmp_path, metrics_file):
 
     with MetricsWriter(metrics_file) as writer:
         for step in range(6):
-            writer.write({"kind": "step", "step": step, "time": 1700000000.0 + step, "elapsed_s": float(step),
-                          "loss": 1.0 / (step + 1), "samples_per_s": 10.0, "step_time_s": 1.0, "generation": 1,
-                          "devices": ["local-0", "local-1"], "assignment": [2, 2], "busy_s": [0.5, 0.5],
-                          "imbalance": 0.0, "lr": 0.1, **_issue_17_fields()})
+            writer.write(
+                {
+                    "kind": "step",
+                    "step": step,
+                    "time": 1700000000.0 + step,
+                    "elapsed_s": float(step),
+                    "loss": 1.0 / (step + 1),
+                    "samples_per_s": 10.0,
+                    "step_time_s": 1.0,
+                    "generation": 1,
+                    "devices": ["local-0", "local-1"],
+                    "assignment": [2, 2],
+                    "busy_s": [0.5, 0.5],
+                    "imbalance": 0.0,
+                    "lr": 0.1,
+                    **_issue_17_fields(),
+                }
+            )
             if step % 2 == 1:
-                writer.write({**EVAL_RECORD, "step": step + 1, "elapsed_s": step + 0.5,
-                              "time": 1700000000.5 + step})
+                writer.write({**EVAL_RECORD, "step": step + 1, "elapsed_s": step + 0.5, "time": 1700000000.5 + step})
     output = tmp_path / "timeline.png"
     plot_timeline(metrics_file, output)
     assert output.stat().st_size > 10_000

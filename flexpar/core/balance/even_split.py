@@ -32,8 +32,9 @@ import math
 from typing import List, Sequence, Tuple
 
 
-def most_even_split(seconds: Sequence[float], virtual_workers: int, optimum: Sequence[int],
-                    limit: float) -> Tuple[int, ...]:
+def most_even_split(
+    seconds: Sequence[float], virtual_workers: int, optimum: Sequence[int], limit: float
+) -> Tuple[int, ...]:
     """Among splits whose predicted step time is at most ``limit``, one with the smallest imbalance.
 
     ``seconds`` are positive per-VW times in rank order, ``optimum`` a split
@@ -93,8 +94,7 @@ def most_even_split(seconds: Sequence[float], virtual_workers: int, optimum: Seq
     return _split_within(seconds, virtual_workers, best[1], best_minimum)
 
 
-def _split_within(seconds: Sequence[float], virtual_workers: int, bound: float,
-                  best_minimum: float) -> Tuple[int, ...]:
+def _split_within(seconds: Sequence[float], virtual_workers: int, bound: float, best_minimum: float) -> Tuple[int, ...]:
     """A split with maximum at most ``bound`` and the best minimum it allows; the greedy fills up."""
     most = virtual_workers - len(seconds) + 1
     uppers = [_most_within(bound, device_seconds, most) for device_seconds in seconds]
@@ -102,8 +102,11 @@ def _split_within(seconds: Sequence[float], virtual_workers: int, bound: float,
     counts = [_fewest_reaching(floor, device_seconds) for device_seconds in seconds]
     # Fill the rest with the min-max greedy (smallest finishing time first, ties: lower
     # rank) within the upper bounds: the shortest step among the splits this even.
-    following = [((number + 1) * device_seconds, rank)
-                 for rank, (number, device_seconds) in enumerate(zip(counts, seconds)) if number < uppers[rank]]
+    following = [
+        ((number + 1) * device_seconds, rank)
+        for rank, (number, device_seconds) in enumerate(zip(counts, seconds))
+        if number < uppers[rank]
+    ]
     heapq.heapify(following)
     for _ in range(virtual_workers - sum(counts)):
         _, rank = heapq.heappop(following)

@@ -54,7 +54,7 @@ def middle_mean(values: Sequence[float]) -> float:
     if len(ordered) < 4:
         return median(ordered)
     quarter = len(ordered) // 4
-    middle = ordered[quarter:len(ordered) - quarter]
+    middle = ordered[quarter : len(ordered) - quarter]
     return math.fsum(middle) / len(middle)
 
 
@@ -84,8 +84,9 @@ def relative_noise(measurements: Sequence[float]) -> float:
     let it through. 0.0 with fewer than ``MINIMUM_NOISE_SAMPLES`` values
     (``change_threshold`` treats such a device as not yet known).
     """
-    return relative_noise_of([usable_seconds(finite_seconds(value, f"measurements[{index}]"))
-                            for index, value in enumerate(measurements)])
+    return relative_noise_of(
+        [usable_seconds(finite_seconds(value, f"measurements[{index}]")) for index, value in enumerate(measurements)]
+    )
 
 
 def relative_noise_of(values: Sequence[float]) -> float:

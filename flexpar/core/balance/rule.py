@@ -210,8 +210,7 @@ def next_assignment(
     optimum = optimal_assignment(seconds, virtual_workers)
     current = state.assignment
     if device_ids != state.device_ids or sum(current) != virtual_workers:
-        return most_even(seconds, virtual_workers, optimum,
-                          tie_tolerance(state, device_ids, hysteresis, noise_factor))
+        return most_even(seconds, virtual_workers, optimum, tie_tolerance(state, device_ids, hysteresis, noise_factor))
     current_seconds = predicted_step_seconds(current, seconds)
     # The common case, decided without the noise: nothing beats the current split by
     # even the smallest floor (the preferred split is never faster than the optimum).
@@ -221,8 +220,11 @@ def next_assignment(
     if preferred == current:
         return current
     floor = hysteresis
-    if all(len(state.recent.get(device_id, ())) >= MINIMUM_NOISE_SAMPLES
-           for device_id, before, after in zip(device_ids, current, preferred) if before != after):
+    if all(
+        len(state.recent.get(device_id, ())) >= MINIMUM_NOISE_SAMPLES
+        for device_id, before, after in zip(device_ids, current, preferred)
+        if before != after
+    ):
         floor = MEASURED_HYSTERESIS_SHARE * hysteresis
     threshold = change_threshold(state, device_ids, current, preferred, floor, noise_factor)
     if predicted_step_seconds(preferred, seconds) < (1.0 - threshold) * current_seconds:
@@ -240,7 +242,7 @@ def _changed_speed(measurements: Sequence[float], smoothed: float) -> bool:
     """
     if len(measurements) < MINIMUM_NOISE_SAMPLES:
         return False
-    change = abs(median(measurements[-(SHIFT_SAMPLES + 1):]) - smoothed)
+    change = abs(median(measurements[-(SHIFT_SAMPLES + 1) :]) - smoothed)
     if change <= SHIFT_MINIMUM * smoothed:
         return False  # the common case, decided without sorting the window
     return change > SHIFT_FACTOR * relative_noise_of(measurements) * smoothed
@@ -313,7 +315,7 @@ def observe(
             level = min(SHIFT_SAMPLES, len(values))
             seconds[device_id] = median(values[-level:])
         else:
-            measured = middle_mean(values[-min(level, window):])
+            measured = middle_mean(values[-min(level, window) :])
             seconds[device_id] = measured if old is None else weight * measured + (1.0 - weight) * old
         recent[device_id] = values
         steady[device_id] = level

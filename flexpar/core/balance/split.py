@@ -80,8 +80,9 @@ def _raise_the_minimum(counts: List[int], seconds: List[float], virtual_workers:
     step = max(count * device_seconds for count, device_seconds in zip(counts, seconds))
     # Each device may take at most one VW more than the greedy gave it: that covers
     # the ties the greedy breaks badly and keeps this pass O(n log n).
-    caps = [count + 1 if (count + 1) * device_seconds <= step else count
-            for count, device_seconds in zip(counts, seconds)]
+    caps = [
+        count + 1 if (count + 1) * device_seconds <= step else count for count, device_seconds in zip(counts, seconds)
+    ]
     # A heap of (minus the busy time left after giving one back, minus rank).
     candidates = [(-(cap - 1) * seconds[rank], -rank) for rank, cap in enumerate(caps) if cap > 1]
     heapq.heapify(candidates)

@@ -56,7 +56,21 @@ from flexpar.core.cost_balance.search import (
 )
 
 __all__ = [
-    "Assignment", "CostRates", "EXHAUSTIVE_NODES", "LOCAL_SEARCH_ROUNDS", "NODE_BUDGET", "checked_costs",
-    "cost_assignment", "cost_assignment_with_proof", "count_based_sets", "device_costs", "observe_costs",
-    "planning_seconds", "predicted_step_seconds", "rates_from_dict", "rates_to_dict", "replan", "sample_cost_value",
+    "Assignment",
+    "CostRates",
+    "EXHAUSTIVE_NODES",
+    "LOCAL_SEARCH_ROUNDS",
+    "NODE_BUDGET",
+    "checked_costs",
+    "cost_assignment",
+    "cost_assignment_with_proof",
+    "count_based_sets",
+    "device_costs",
+    "observe_costs",
+    "planning_seconds",
+    "predicted_step_seconds",
+    "rates_from_dict",
+    "rates_to_dict",
+    "replan",
+    "sample_cost_value",
 ]

@@ -30,8 +30,9 @@ def sample_cost_value(value: Any, index: int) -> float:
     number: Optional[float] = None
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         number = float(value)
-    elif isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex() \
-            and value.dtype != torch.bool:
+    elif (
+        isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
+    ):
         number = float(value.item())
     if number is None:
         raise ValueError(
@@ -84,8 +85,9 @@ def device_costs(assignment: Sequence[Sequence[int]], costs: Sequence[float]) ->
     return tuple(math.fsum(costs[virtual_worker] for virtual_worker in members) for members in assignment)
 
 
-def predicted_step_seconds(assignment: Sequence[Sequence[int]], costs: Sequence[float],
-                           seconds_per_cost: Sequence[float]) -> float:
+def predicted_step_seconds(
+    assignment: Sequence[Sequence[int]], costs: Sequence[float], seconds_per_cost: Sequence[float]
+) -> float:
     """``max_d(rate_d * cost of device d's VWs)``, the figure ``cost_assignment`` minimises."""
     rates = checked_rates(seconds_per_cost)
     if len(assignment) != len(rates):

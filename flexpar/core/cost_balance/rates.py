@@ -76,8 +76,7 @@ class CostRates:
     def __post_init__(self) -> None:
         planned = {}
         for device_id in sorted(self.planned):
-            planned[str(device_id)] = usable_seconds(
-                finite_seconds(self.planned[device_id], f"planned[{device_id!r}]"))
+            planned[str(device_id)] = usable_seconds(finite_seconds(self.planned[device_id], f"planned[{device_id!r}]"))
         object.__setattr__(self, "planned", MappingProxyType(planned))
 
     def __reduce__(self):
@@ -108,8 +107,13 @@ def planning_seconds(rates: CostRates, device_ids: Sequence[str]) -> List[float]
     return [rates.planned.get(device_id, fallback) for device_id in device_ids]
 
 
-def observe_costs(rates: CostRates, device_ids: Sequence[str], assignment: Sequence[Sequence[int]],
-                  costs: Sequence[float], busy_seconds: Sequence[float]) -> CostRates:
+def observe_costs(
+    rates: CostRates,
+    device_ids: Sequence[str],
+    assignment: Sequence[Sequence[int]],
+    costs: Sequence[float],
+    busy_seconds: Sequence[float],
+) -> CostRates:
     """Fold one step into the measured rates: device i ran ``assignment[i]`` (VWs of ``costs``) in ``busy_seconds[i]``.
 
     A device whose VWs cost nothing this step says nothing about its rate and
@@ -117,21 +121,32 @@ def observe_costs(rates: CostRates, device_ids: Sequence[str], assignment: Seque
     """
     device_ids = tuple(device_ids)
     if not (len(device_ids) == len(assignment) == len(busy_seconds)):
-        raise ValueError(f"device_ids ({len(device_ids)}), assignment ({len(assignment)}) and busy_seconds "
-                         f"({len(busy_seconds)}) must have one entry per device")
+        raise ValueError(
+            f"device_ids ({len(device_ids)}), assignment ({len(assignment)}) and busy_seconds "
+            f"({len(busy_seconds)}) must have one entry per device"
+        )
     work = device_costs(assignment, checked_costs(costs))
     ran = [index for index, amount in enumerate(work) if amount > 0.0]
     if not ran:
         return rates
-    measured = balance.observe(rates.measured, [device_ids[index] for index in ran],
-                               [len(assignment[index]) for index in ran],
-                               [busy_seconds[index] for index in ran], work=[work[index] for index in ran])
+    measured = balance.observe(
+        rates.measured,
+        [device_ids[index] for index in ran],
+        [len(assignment[index]) for index in ran],
+        [busy_seconds[index] for index in ran],
+        work=[work[index] for index in ran],
+    )
     return CostRates(measured, rates.planned)
 
 
-def replan(rates: CostRates, device_ids: Sequence[str], next_costs: Sequence[float],
-           current_plan: Optional[Assignment] = None, hysteresis: float = balance.DEFAULT_HYSTERESIS,
-           noise_factor: float = balance.NOISE_FACTOR) -> CostRates:
+def replan(
+    rates: CostRates,
+    device_ids: Sequence[str],
+    next_costs: Sequence[float],
+    current_plan: Optional[Assignment] = None,
+    hysteresis: float = balance.DEFAULT_HYSTERESIS,
+    noise_factor: float = balance.NOISE_FACTOR,
+) -> CostRates:
     """``rates`` with the planned rates moved to the smoothed ones, if that pays (module docstring).
 
     ``next_costs`` are the VW costs of the next step, on which the current
@@ -160,7 +175,6 @@ def replan(rates: CostRates, device_ids: Sequence[str], next_costs: Sequence[flo
     if current_plan is None:
         current_plan = cost_assignment(next_costs, planning_seconds(rates, device_ids))
     current_time = predicted_step_seconds(current_plan, next_costs, proposed_seconds)
-    proposed_time = predicted_step_seconds(cost_assignment(next_costs, proposed_seconds), next_costs,
-                                           proposed_seconds)
+    proposed_time = predicted_step_seconds(cost_assignment(next_costs, proposed_seconds), next_costs, proposed_seconds)
     threshold = balance.noise_threshold(noise, hysteresis, noise_factor)
     return proposed if proposed_time < (1.0 - threshold) * current_time else rates

@@ -53,8 +53,9 @@ _EPSILON = 1e-9
 """Relative slack of the pruning tests: they prune only what is worse by more than float rounding."""
 
 
-def cost_assignment(costs: Sequence[float], seconds_per_cost: Sequence[float],
-                    node_budget: int = NODE_BUDGET) -> Assignment:
+def cost_assignment(
+    costs: Sequence[float], seconds_per_cost: Sequence[float], node_budget: int = NODE_BUDGET
+) -> Assignment:
     """For each device (rank order) the ascending ids of the VWs it runs.
 
     ``costs[v]`` is VW v's cost (finite, >= 0), ``seconds_per_cost[d]`` device
@@ -68,8 +69,9 @@ def cost_assignment(costs: Sequence[float], seconds_per_cost: Sequence[float],
     return cost_assignment_with_proof(costs, seconds_per_cost, node_budget)[0]
 
 
-def cost_assignment_with_proof(costs: Sequence[float], seconds_per_cost: Sequence[float],
-                               node_budget: int = NODE_BUDGET) -> Tuple[Assignment, bool]:
+def cost_assignment_with_proof(
+    costs: Sequence[float], seconds_per_cost: Sequence[float], node_budget: int = NODE_BUDGET
+) -> Tuple[Assignment, bool]:
     """``cost_assignment`` and whether the result is proven optimal (the search completed)."""
     costs = checked_costs(costs)
     rates = checked_rates(seconds_per_cost)
@@ -88,8 +90,9 @@ def cost_assignment_with_proof(costs: Sequence[float], seconds_per_cost: Sequenc
     searched_seconds = step_seconds(searched, costs, rates)
     if searched_seconds < best_seconds:
         best, best_seconds = searched, searched_seconds
-    best, best_seconds, complete = _branch_and_bound(costs, rates, order, best, best_seconds,
-                                                     _node_budget(virtual_workers, devices, node_budget))
+    best, best_seconds, complete = _branch_and_bound(
+        costs, rates, order, best, best_seconds, _node_budget(virtual_workers, devices, node_budget)
+    )
     return sets(best, devices), complete
 
 

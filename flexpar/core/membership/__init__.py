@@ -30,4 +30,28 @@ from flexpar.core.membership.events import (
     Tick,
 )
 
-__all__ = ["Action", "Announced", "Answer", "Event", "Evict", "Exited", "FailureReported", "FinishJob", "FinishRequested", "Formed", "LeaveRequested", "Membership", "Note", "Publish", "Ready", "Refuse", "STOPPED_BEFORE_START", "ScaleBy", "SpawnLocal", "Start", "StopJob", "Tick", "decide"]
+__all__ = [
+    "Action",
+    "Announced",
+    "Answer",
+    "Event",
+    "Evict",
+    "Exited",
+    "FailureReported",
+    "FinishJob",
+    "FinishRequested",
+    "Formed",
+    "LeaveRequested",
+    "Membership",
+    "Note",
+    "Publish",
+    "Ready",
+    "Refuse",
+    "STOPPED_BEFORE_START",
+    "ScaleBy",
+    "SpawnLocal",
+    "Start",
+    "StopJob",
+    "Tick",
+    "decide",
+]

@@ -69,15 +69,15 @@ class Membership:
     generation: int = 0
     members: tuple = ()
     formed: frozenset = frozenset()
-    starting: tuple = ()          # spawned or announced, not yet warm
-    waiting: tuple = ()           # warm and accepted, waiting for the next generation
-    leaving: tuple = ()           # members to drop at the next generation
-    survivors: tuple = ()         # members that reported the current generation failed
+    starting: tuple = ()  # spawned or announced, not yet warm
+    waiting: tuple = ()  # warm and accepted, waiting for the next generation
+    leaving: tuple = ()  # members to drop at the next generation
+    survivors: tuple = ()  # members that reported the current generation failed
     dead: frozenset = frozenset()
     failure_since: Optional[float] = None
-    next_local: int = 0           # counter for local device ids
+    next_local: int = 0  # counter for local device ids
     stopped: bool = False
-    finishing: bool = False       # every member stops after the step in flight (FinishRequested)
+    finishing: bool = False  # every member stops after the step in flight (FinishRequested)
     local_capacity: Optional[int] = None  # devices this host may run (cores or GPUs); None: no limit
 
     @property
@@ -115,9 +115,7 @@ def _on_start(state, event):
 
 def _spawn(state, count):
     ids = tuple(f"local-{state.next_local + i}" for i in range(count))
-    state = dataclasses.replace(
-        state, next_local=state.next_local + count, starting=state.starting + ids
-    )
+    state = dataclasses.replace(state, next_local=state.next_local + count, starting=state.starting + ids)
     return state, [SpawnLocal(ids)]
 
 
@@ -165,9 +163,7 @@ def _on_failure(state, event):
         return state, []
     since = state.failure_since if state.failure_since is not None else event.now
     return (
-        dataclasses.replace(
-            state, survivors=state.survivors + (event.device_id,), failure_since=since
-        ),
+        dataclasses.replace(state, survivors=state.survivors + (event.device_id,), failure_since=since),
         [],
     )
 
@@ -192,8 +188,14 @@ def _on_scale(state, event):
     if state.finishing:
         return _refusal(state, event, "the job is stopping after the step in flight")
     if event.delta == 0:
-        return state, [Answer(event.request_id, True, f"already at {_devices(state.device_count)}; nothing changes",
-                              state.device_count)]
+        return state, [
+            Answer(
+                event.request_id,
+                True,
+                f"already at {_devices(state.device_count)}; nothing changes",
+                state.device_count,
+            )
+        ]
     if event.delta > 0:
         return _grow(state, event)
     return _shrink(state, event)
@@ -215,21 +217,36 @@ def _refusal(state, event, reason):
 def _grow(state, event):
     room = state.max_devices - state.device_count
     if event.delta > room:
-        return _refusal(state, event, (
-            f"the job has {_devices(state.device_count)} and may grow to {state.max_devices} "
-            f"(--max-devices {state.max_devices}), so {_more(event.delta)}; start the job "
-            "with a larger --max-devices"))
+        return _refusal(
+            state,
+            event,
+            (
+                f"the job has {_devices(state.device_count)} and may grow to {state.max_devices} "
+                f"(--max-devices {state.max_devices}), so {_more(event.delta)}; start the job "
+                "with a larger --max-devices"
+            ),
+        )
     if state.local_capacity is not None and state.local_count + event.delta > state.local_capacity:
-        return _refusal(state, event, (
-            f"this host runs {_devices(state.local_count)} and has room for {state.local_capacity} "
-            f"(its cores or GPUs), so {_more(event.delta)}; pass --oversubscribe to the job "
-            "to run more CPU processes than cores, or add devices from other hosts with `flexpar join`"))
+        return _refusal(
+            state,
+            event,
+            (
+                f"this host runs {_devices(state.local_count)} and has room for {state.local_capacity} "
+                f"(its cores or GPUs), so {_more(event.delta)}; pass --oversubscribe to the job "
+                "to run more CPU processes than cores, or add devices from other hosts with `flexpar join`"
+            ),
+        )
     state, actions = _spawn(state, event.delta)
     started = actions[0].device_ids
     target = state.device_count
-    answer = Answer(event.request_id, True,
-                    f"{target - event.delta} -> {target} devices: starting {', '.join(started)}; "
-                    "each joins at a step boundary once warm", target, started=started)
+    answer = Answer(
+        event.request_id,
+        True,
+        f"{target - event.delta} -> {target} devices: starting {', '.join(started)}; "
+        "each joins at a step boundary once warm",
+        target,
+        started=started,
+    )
     return state, actions + [answer]
 
 
@@ -240,19 +257,29 @@ def _shrink(state, event):
     pending = list(state.waiting) + list(state.starting)
     remove = -event.delta
     if remove > len(staying) + len(pending) - 1:
-        return _refusal(state, event, (
-            f"the job has {_devices(state.device_count)} and at least one must stay; "
-            f"ask for at most {-(len(staying) + len(pending) - 1)}"
-            if len(staying) + len(pending) > 1 else
-            f"the job has {_devices(state.device_count)} and at least one must stay"))
-    cancelled = tuple(pending[len(pending) - min(remove, len(pending)):])
-    leavers = tuple(staying[len(staying) - (remove - len(cancelled)):]) if remove > len(cancelled) else ()
+        return _refusal(
+            state,
+            event,
+            (
+                f"the job has {_devices(state.device_count)} and at least one must stay; "
+                f"ask for at most {-(len(staying) + len(pending) - 1)}"
+                if len(staying) + len(pending) > 1
+                else f"the job has {_devices(state.device_count)} and at least one must stay"
+            ),
+        )
+    cancelled = tuple(pending[len(pending) - min(remove, len(pending)) :])
+    leavers = tuple(staying[len(staying) - (remove - len(cancelled)) :]) if remove > len(cancelled) else ()
     state = _drop(state, leavers, cancelled)
-    answer = Answer(event.request_id, True,
-                    f"{state.device_count + remove} -> {state.device_count} devices"
-                    + (f"; {', '.join(leavers)} leave at the next step boundary" if leavers else "")
-                    + (f"; cancelled {', '.join(cancelled)}, still starting" if cancelled else ""),
-                    state.device_count, leaving=leavers, cancelled=cancelled)
+    answer = Answer(
+        event.request_id,
+        True,
+        f"{state.device_count + remove} -> {state.device_count} devices"
+        + (f"; {', '.join(leavers)} leave at the next step boundary" if leavers else "")
+        + (f"; cancelled {', '.join(cancelled)}, still starting" if cancelled else ""),
+        state.device_count,
+        leaving=leavers,
+        cancelled=cancelled,
+    )
     evictions = [Evict(device, "the job was scaled down before it was admitted") for device in cancelled]
     return state, evictions + [answer]
 
@@ -274,8 +301,10 @@ def _on_leave_requested(state, event):
         return state, [Note(f"{device} got SIGTERM; the job stops at the next step boundary anyway")]
     if device in state.waiting or device in state.starting:
         state = _drop(state, (), (device,))
-        return state, [Evict(device, "it was asked to stop (SIGTERM) before it was admitted"),
-                       Note(f"{device} got SIGTERM before it was admitted: cancelled")]
+        return state, [
+            Evict(device, "it was asked to stop (SIGTERM) before it was admitted"),
+            Note(f"{device} got SIGTERM before it was admitted: cancelled"),
+        ]
     if device not in state.members or device in state.leaving or device in state.dead:
         return state, []
     staying = [m for m in state.members if m not in state.leaving and m not in state.dead]
@@ -320,14 +349,16 @@ def _advance(state: Membership):
     if state.generation == 0:
         if state.finishing:  # asked to stop before anything trained: nothing to finish
             return _stop(state, STOPPED_BEFORE_START)
-        if len(state.waiting) >= state.initial_devices or (
-            state.waiting and not state.starting
-        ):
+        if len(state.waiting) >= state.initial_devices or (state.waiting and not state.starting):
             # The first device set in id order, whoever warmed up first: ranks are predictable.
             members = tuple(sorted(state.waiting, key=_id_order))
             return _publish(state, members=members, joined=members, left=(), failed=())
         if not state.waiting and not state.starting and state.dead:
-            return _stop(state, "no device could start; see the messages above (a script whose fit() call is not under `if __name__ == \"__main__\":` stops its workers this way)")
+            return _stop(
+                state,
+                "no device could start; see the messages above (a script whose fit() call is not under "
+                '`if __name__ == "__main__":` stops its workers this way)',
+            )
         return state, ()
     if state.failure_since is not None:
         return _recover(state)
@@ -335,9 +366,7 @@ def _advance(state: Membership):
         return state, ()
     if state.waiting or state.leaving:
         members = tuple(m for m in state.members if m not in state.leaving) + state.waiting
-        return _publish(
-            state, members=members, joined=state.waiting, left=state.leaving, failed=()
-        )
+        return _publish(state, members=members, joined=state.waiting, left=state.leaving, failed=())
     return state, ()
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-
 # ----------------------------------------------------------------- events
 
 
@@ -90,8 +89,7 @@ class Tick:
     now: float
 
 
-Event = Union[Start, Announced, Ready, Formed, FailureReported, Exited, ScaleBy, LeaveRequested,
-              FinishRequested, Tick]
+Event = Union[Start, Announced, Ready, Formed, FailureReported, Exited, ScaleBy, LeaveRequested, FinishRequested, Tick]
 
 
 # ---------------------------------------------------------------- actions
@@ -146,8 +144,8 @@ class Answer:
     accepted: bool
     message: str
     devices: int
-    started: tuple = ()    # devices spawned for it
-    leaving: tuple = ()    # members that leave at the next generation
+    started: tuple = ()  # devices spawned for it
+    leaving: tuple = ()  # members that leave at the next generation
     cancelled: tuple = ()  # devices on their way that it cancelled
 
 
