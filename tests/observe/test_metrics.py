@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pieces
 import pytest
 from metrics_pieces import TOTAL_STEPS, synthetic_run, write_run
 
@@ -282,3 +283,65 @@ def test_step_records_of_balancing_by_cost_carry_their_sets_and_costs():
         change(broken)
         with pytest.raises(ValueError, match=message):
             validate_record(broken)
+
+
+# --- the schema file, read by jsonschema ------------------------------------------------
+
+jsonschema = pytest.importorskip("jsonschema", reason="jsonschema checks the schema file (pip install -e '.[test]')")
+
+SCHEMA_FILE = FLEXPAR / "metrics.schema.json"
+
+# Breakages whose rule is one of flexpar's own keywords (finiteness, alignment with `devices`)
+# or Python's types (a float 2.0 is an integer to JSON Schema, not to flexpar): a standard
+# validator does not see them, flexpar's does (the tests above).
+BEYOND_JSON_SCHEMA = {"nan throughput", "float VWs", "short busy", "short assignment", "infinite time"}
+
+
+def _standard_validator():
+    schema = json.loads(SCHEMA_FILE.read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def test_the_schema_file_is_a_valid_json_schema_and_every_record_kind_is_in_it():
+    validator = _standard_validator()
+    kinds = {branch["$ref"].rsplit("/", 1)[1] for branch in validator.schema["oneOf"]}
+    assert kinds == {"step", "event", "eval"}
+    assert tuple(validator.schema["$defs"]["step"]["required"]) == STEP_KEYS
+
+
+def test_the_records_of_a_run_follow_the_schema_file(metrics_file):
+    validator = _standard_validator()
+    for line in metrics_file.read_text().splitlines():
+        errors = [error.message for error in validator.iter_errors(json.loads(line))]
+        assert not errors, (line, errors)
+
+
+@pytest.mark.parametrize(
+    "breakage", STEP_BREAKAGES + EVENT_BREAKAGES, ids=[name for name, _, _ in STEP_BREAKAGES + EVENT_BREAKAGES]
+)
+def test_the_schema_file_refuses_what_flexpar_refuses(breakage):
+    name, damage, _field = breakage
+    record = step_record() if (name, damage, _field) in STEP_BREAKAGES else event_record()
+    damage(record)
+    with pytest.raises(ValueError):
+        validate_record(record)  # flexpar's own check refuses every breakage
+    if name in BEYOND_JSON_SCHEMA:
+        pytest.skip("a rule beyond standard JSON Schema (see record_schema.py)")
+    assert not _standard_validator().is_valid(json.loads(json.dumps(record)))
+
+
+def test_the_records_of_a_real_job_follow_the_schema_file(tmp_path, train):
+    """A job with an evaluation and balancing by cost writes every kind of record and the optional keys."""
+    import cost_pieces
+    import evaluation_pieces
+
+    job = evaluation_pieces.make_job(sample_cost=cost_pieces.LabelCost(pieces.make_dataset()))
+    train(job, steps=3, devices=2, eval_every=2, metrics=str(tmp_path / "metrics.jsonl"))
+    validator = _standard_validator()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {record["kind"] for record in records} == {"step", "event", "eval"}
+    assert all("virtual_worker_sets" in record for record in records if record["kind"] == "step")
+    for record in records:
+        errors = [error.message for error in validator.iter_errors(record)]
+        assert not errors, (record, errors)
