@@ -15,7 +15,7 @@ A callback is any object with one or more of `on_step(record)`,
 `Callback` is optional). They run in the driver process (the one that called
 `fit()`), never in a worker, one at a time, in the order the records happen
 (docs/metrics.md describes the records; each callback gets its own copy).
-Trackers (`flexpar.trackers`) are callbacks too.
+Trackers (`flexpar.observe.trackers`) are callbacks too.
 
 Returning `flexpar.STOP` ends the job cleanly, as after its last step (final
 evaluation, final checkpoint, the model returned):

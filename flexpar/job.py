@@ -52,7 +52,7 @@ class Job:
     lr_scheduler:   optional, maps the optimizer to a scheduler stepped once per step
     eval_dataset / evaluate: optional evaluation set and evaluate(model, batch) -> dict of
                     metrics summed over the batch ({"loss_sum": ..., "correct": ..., "count": ...}),
-                    run every `eval_every` steps and after the last (flexpar/evaluator.py)
+                    run every `eval_every` steps and after the last (flexpar/worker/evaluator.py)
     eval_batch:     samples per evaluation batch (default: the micro-batch, global_batch / V)
     mixed_precision: None, "bf16" or "fp16": each VW's forward and loss run under torch.autocast;
                     "fp16" adds dynamic loss scaling (flexpar/recipes.py), tuned by
@@ -62,7 +62,7 @@ class Job:
                     keyword arguments, e.g. {"mode": "max-autotune"} or {"backend": "aot_eager"})
     sample_cost:    optional sample_cost(index) -> number >= 0, e.g. the token count of sample
                     `index` (cheap: called in the workers for every sample of every step); VWs are
-                    then assigned to devices by predicted cost, not count (flexpar/cost_balance.py)
+                    then assigned to devices by predicted cost, not count (flexpar/core/cost_balance/)
     """
 
     model: Callable[[], nn.Module]

@@ -154,7 +154,7 @@ class FitOptions:
     sample_ledger: bool = False  # record the samples each committed step consumed (ledger.jsonl)
     eval_every: Optional[int] = None  # evaluate every N steps (and after the last) when the job has an eval set
     callbacks: tuple = ()  # objects with on_step / on_event / on_eval / on_end (flexpar.callbacks)
-    trackers: tuple = ()  # "tensorboard", "mlflow", "csv" (flexpar.trackers)
+    trackers: tuple = ()  # "tensorboard", "mlflow", "csv" (flexpar.observe.trackers)
     keep_checkpoints: Optional[int] = None  # keep only the newest K checkpoints
 
     def __post_init__(self):

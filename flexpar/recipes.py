@@ -9,7 +9,7 @@ the device set. Where each piece sits in a step (`flexpar.worker`):
 2. Backward runs on `loss / V` (a scalar loss) or on `loss_sum` (a pair),
    times the loss scale with fp16. The step's statistics vector, summed
    across devices with the last bucket, carries the counts of all its VWs
-   (for pairs summed exactly, in float64: `flexpar.sync`), how many of its
+   (for pairs summed exactly, in float64: `flexpar.comm.gradient_sync`), how many of its
    VWs returned pairs, and (fp16) whether its own gradients hold an inf or NaN.
 3. After the sum across devices, `prepare_gradients` multiplies the summed
    gradient (dense and sparse) by `1 / (total count x scale)`, measures its

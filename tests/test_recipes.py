@@ -526,7 +526,7 @@ def test_a_nonfinite_gradient_without_loss_scaling_stops_naming_the_step(train, 
 
 
 def test_counts_are_summed_exactly_on_any_device_set(train, metrics_file):
-    """The statistics of a token-weighted loss are summed in float64 (flexpar/sync.py): the first step's
+    """The statistics of a token-weighted loss are summed in float64 (flexpar/comm/gradient_sync.py): the first step's
     recorded token mean on two devices is bit for bit the one-device value (the same parameters at step 0;
     a float32 sum of the loss sums would round them to 24 bits)."""
     job = token_job(optimizer=plain_sgd)

@@ -30,7 +30,7 @@ BatchNorm running statistics (close, not identical, on several devices) sees
 float32's rounding.
 
 Sparse gradients (`nn.Embedding(sparse=True)`) are summed as indices and
-values by `flexpar.sparse.all_reduce_sparse`, after the dense buckets.
+values by `flexpar.comm.sparse_sync.all_reduce_sparse`, after the dense buckets.
 
 Every device adds `(1/V) * grad` of each of its VWs (the caller scales the
 loss), so the plain sum across devices is the mean over the global batch: no

@@ -1,7 +1,7 @@
 """The step's statistics vector: where each figure sits, and the messages its verdicts give.
 
 Every device adds its own figures into one small vector that rides in the
-step's last gradient bucket (flexpar.sync); after the sum every device reads
+step's last gradient bucket (flexpar.comm.gradient_sync); after the sum every device reads
 the same numbers, so every decision taken from them is agreed.
 """
 

@@ -3,7 +3,7 @@
 The fork server's environment carries what every worker needs from its first
 instruction on (glibc's allocator tunables, torch's C++ log level), set only
 while the server starts, so the driver's own environment stays as it was; the
-server ignores SIGTERM, and its children get it back (flexpar.forkserver_preload).
+server ignores SIGTERM, and its children get it back (flexpar.driver.forkserver_preload).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def worker_malloc_tunables(user_tunables: Optional[str]) -> str:
     and the difference is those 16 MB. Keeps any tunable the user set,
     their own tcache_count included. The cache can only be turned off
     before the process starts; the rest of the workers' allocator settings
-    are made in the process (worker_process.keep_freed_memory).
+    are made in the process (flexpar/worker/process.py, keep_freed_memory).
     """
     if user_tunables and "glibc.malloc.tcache_count" in user_tunables:
         return user_tunables
@@ -96,7 +96,7 @@ def _sigterm_ignored():
     would count as failed at once. The driver and the workers handle SIGTERM
     themselves (a clean stop, a planned leave); the fork server ends with the
     driver as it always does. Every child it forks starts with SIGTERM at its
-    default again (flexpar.forkserver_preload). If the user's code started the
+    default again (flexpar.driver.forkserver_preload). If the user's code started the
     fork server before fit() did, it is that one, with the user's settings.
     """
     if threading.current_thread() is not threading.main_thread():

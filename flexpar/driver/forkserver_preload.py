@@ -6,7 +6,7 @@ every child it forks, the user's own forkserver processes included (Python's
 fork server is one per driver, shared with any `get_context("forkserver")`):
 their `terminate()` would do nothing. So every child forked from the fork
 server starts with SIGTERM at its default again, before any of its own code
-runs; flexpar's workers then install their own handler (worker_process.main).
+runs; flexpar's workers then install their own handler (flexpar.worker.process.main).
 """
 
 import os

@@ -62,7 +62,7 @@ def join(
     Waits up to `connect_timeout_s` for the job to answer (under SLURM or
     Kubernetes a joiner may start before its job listens). SIGTERM (a
     preemption notice) is passed on to the workers, which leave at the next
-    step boundary; a second SIGTERM (more than worker_process.SAME_NOTICE_S after the
+    step boundary; a second SIGTERM (more than flexpar.worker.process.SAME_NOTICE_S after the
     first) is passed on too and stops them at once.
     Returns the workers' worst exit code (0: all left or finished).
     """

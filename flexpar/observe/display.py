@@ -1,6 +1,6 @@
 """The live display of a running job: a rich panel on a terminal, log lines elsewhere.
 
-``LiveDisplay`` takes the job's records (``flexpar.metrics``: step, event and
+``LiveDisplay`` takes the job's records (``flexpar.observe.metrics``: step, event and
 eval records) one at a time. The line formatting of the plain log mode lives
 in flexpar/observe/log_lines.py (``format_step_line``, ``format_event_line``,
 ``format_eval_line``, ``format_rebalance_line``). ``rich`` is imported only when a live panel is

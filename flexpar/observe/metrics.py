@@ -165,7 +165,7 @@ def event_label(event: Mapping[str, Any], previous_devices: Sequence[str]) -> st
 
 
 def eval_means(metrics: Mapping[str, Any]) -> dict:
-    """Per-sample means of an eval record's sums when it holds a `count` (flexpar.evaluation.means)."""
+    """Per-sample means of an eval record's sums when it holds a `count` (flexpar.core.evaluation.means)."""
     return means(metrics)
 
 

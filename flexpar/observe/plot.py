@@ -1,6 +1,6 @@
 """The timeline plot of a metrics file: ``plot_timeline`` and its helpers.
 
-Reads the records with ``flexpar.metrics.read_records`` and draws stacked
+Reads the records with ``flexpar.observe.metrics.read_records`` and draws stacked
 panels over wall time. ``matplotlib`` is imported only when a plot is drawn
 (``flexpar[plot]``); the figure is drawn on an Agg canvas directly, so pyplot's
 global backend is never touched.

@@ -1,6 +1,6 @@
 """Cluster simulator: flexpar's step loop over many devices, with elastic events.
 
-The simulator runs the real balancer (``flexpar.balance``) on simulated
+The simulator runs the real balancer (``flexpar.core.balance``) on simulated
 timings, so that what it predicts for 1024 devices is what the library would
 do, with a closed-form cost model (``model.py``) that can be calibrated on
 measurements (``calibration.py``). See docs/simulator.md.

@@ -1,6 +1,6 @@
 """``flexpar simulate``: run a scenario (or its scalability sweep), print a table, write a plot.
 
-The lead's ``flexpar/cli.py`` calls ``simulate_command``; ``python -m
+The lead's ``flexpar/cli/`` calls ``simulate_command``; ``python -m
 flexpar.sim`` runs the same thing on its own (``main``).
 """
 

@@ -7,12 +7,12 @@ interrupts the step in flight. Each step:
 
 1. apply the events that are due, and charge the policy's cost for them;
 2. ask the policy's assignment rule for this step's VW counts (for flexpar,
-   ``flexpar.balance.next_assignment``);
+   ``flexpar.core.balance.next_assignment``);
 3. busy time per device = count x seconds per VW x noise; step time from the
    closed-form model (``model.py``);
 4. if a device fails inside the step, the step is lost and recovery charged;
    else the step is committed and the busy times fed back to the rule
-   (``flexpar.balance.observe``).
+   (``flexpar.core.balance.observe``).
 
 Skipping identical steps: with no noise, once the device set is unchanged and
 the balancer's smoothed times equal the true ones (``is_settled``), every step

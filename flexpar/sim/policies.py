@@ -5,7 +5,7 @@ makes a difference:
 
 - an *assignment rule*: which device runs how many VWs this step.
   ``BalancedAssignment`` is flexpar's balancer itself: it calls
-  ``flexpar.balance.next_assignment`` and ``flexpar.balance.observe`` (the
+  ``flexpar.core.balance.next_assignment`` and ``flexpar.core.balance.observe`` (the
   functions the real workers run, imported, not copied), fed with the
   simulated busy times. ``UniformAssignment`` is the equal split of DDP
   (equal per-GPU batches), the remainder going to the first ranks.
@@ -56,7 +56,7 @@ SETTLED_RELATIVE_TOLERANCE = 1e-9
 
 @dataclass(frozen=True)
 class BalanceSettings:
-    """Parameters handed to ``flexpar.balance`` (same meaning and defaults as there).
+    """Parameters handed to ``flexpar.core.balance`` (same meaning and defaults as there).
 
     ``interval_steps``: observe and re-assign every this many steps, with the
     busy times averaged over the interval. 1 is what the real workers do; a
@@ -107,7 +107,7 @@ class UniformAssignment:
 
 @dataclass(frozen=True)
 class BalancedAssignment:
-    """flexpar's balancer: every decision is a call into ``flexpar.balance``."""
+    """flexpar's balancer: every decision is a call into ``flexpar.core.balance``."""
 
     settings: BalanceSettings = BalanceSettings()
     name = "balanced"

@@ -1,6 +1,6 @@
 """A worker's side of balancing by cost (``Job(sample_cost=FN)``): costs, plans and rates of its steps.
 
-The math is in ``flexpar.cost_balance`` and ``flexpar.cost_rates`` (pure). This class holds what a
+The math is in ``flexpar.core.cost_balance`` and ``flexpar.core.cost_balance.rates`` (pure). This class holds what a
 worker keeps between steps: the learned rates (``CostRates``, part of the
 training state, so joiners and checkpoints carry them), and small caches of
 each step's VW costs and plans, because the data loader asks for the plan of

@@ -134,7 +134,7 @@ class WorkerEvaluation:
         """Evaluate the model after `committed` steps on this generation's devices.
 
         The devices split the evaluation set's chunks in proportion to the next
-        step's VW assignment (their speeds; flexpar.evaluation), each sums its
+        step's VW assignment (their speeds; flexpar.core.evaluation), each sums its
         chunks' metrics, and one all-reduce adds the sums. Only then does the
         record exist: a failure before it completes leaves nothing published,
         and the next generation evaluates again. Every member keeps the record

@@ -88,8 +88,8 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
     """One device's training: its lifecycle (`Phase`), the step loop, the boundaries between generations.
 
     State capture and checkpoints, evaluation, and step records live in the
-    mixins named for them (flexpar/worker_checkpoints.py, worker_evaluation.py,
-    worker_records.py); the step itself, from `train` to the optimizer, is here.
+    mixins named for them (flexpar/worker/state_keeping.py, evaluator.py,
+    records.py); the step itself, from `train` to the optimizer, is step_loop.py's `StepLoop`.
     """
 
     def __init__(self, args: WorkerArgs, link: DeviceLink):
@@ -117,7 +117,7 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
             self.job, self._plan, self.settings.total_steps, record_indices=self.settings.sample_ledger
         )
         self.balance_state = balance.BalanceState(seconds_per_vw={})
-        # Job(sample_cost=...): each step's VW sets by predicted cost (flexpar/cost_planner.py).
+        # Job(sample_cost=...): each step's VW sets by predicted cost (flexpar/worker/cost_planner.py).
         self.cost_planner = (
             CostPlanner(self.job, self.settings.total_steps) if self.job.sample_cost is not None else None
         )
@@ -243,7 +243,7 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
                 result = self.job.loss(self.forward_model, batch)
             terms = loss_terms(result, 0, 0)
             terms.tensor.backward()
-            # A token-weighted loss needs its counts summed exactly (flexpar/sync.py). Every device
+            # A token-weighted loss needs its counts summed exactly (flexpar/comm/gradient_sync.py). Every device
             # warms up on the same batch, so every device takes the same collectives.
             self.sync.exact_stats = terms.count is not None
         except Exception as error:

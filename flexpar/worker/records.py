@@ -1,4 +1,4 @@
-"""The step records and events a worker keeps, and rank 0 publishes (flexpar.metrics)."""
+"""The step records and events a worker keeps, and rank 0 publishes (flexpar.observe.metrics)."""
 
 from __future__ import annotations
 

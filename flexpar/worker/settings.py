@@ -51,9 +51,11 @@ class RunSettings:
     faults: tuple = ()  # (step, device_id, phase, signal): send the signal there (tests only)
     rescue_dir: str = ""  # where the last committed step goes if the driver is lost
     script: str = ""  # the job's script
-    resume_command: str = ""  # the command that resumes the job from its checkpoints (launch.resume_command)
+    resume_command: str = (
+        ""  # the command that resumes the job from its checkpoints (flexpar.driver.launch.resume_command)
+    )
     preemption_grace_s: float = 30.0
-    sample_ledger: bool = False  # count the samples each step consumed (flexpar.ledger)
+    sample_ledger: bool = False  # count the samples each step consumed (flexpar.core.ledger)
     eval_every: Optional[int] = None  # evaluate every N committed steps (and after the last)
     eval_keys: tuple = ()  # the sorted metric names of job.evaluate (found by the driver)
     eval_verdict: bool = False  # wait after each evaluation for the driver's callbacks (on_eval may stop)

@@ -2,7 +2,7 @@
 
 The state is the model, optimizer and scheduler plus what must travel with
 them (balancing, fp16 loss scale, cost rates, the last step records); a
-checkpoint is written by a background thread (flexpar.checkpoints) so the
+checkpoint is written by a background thread (flexpar.worker.checkpoints) so the
 step loop pays only for an in-memory copy. When the driver is lost, the
 device that was rank 0 writes the last committed step, or every survivor
 does where rank 0 may have gone too (`_rescue`)."""
@@ -61,7 +61,7 @@ class WorkerCheckpoints:
 
         The step loop pays for a CPU copy of the state only; a background
         thread writes the file (atomically) and keeps the newest
-        `keep_checkpoints` (flexpar.checkpoints). A write in flight is waited
+        `keep_checkpoints` (flexpar.worker.checkpoints). A write in flight is waited
         for before the next one starts, in `finish`, on the rescue path and
         before the process exits.
         """

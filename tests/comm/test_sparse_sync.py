@@ -1,4 +1,4 @@
-"""Tests of flexpar.sparse: sparse gradients summed as indices + values.
+"""Tests of flexpar.comm.sparse_sync: sparse gradients summed as indices + values.
 
 Single-process tests use a world-size-1 gloo group built directly on a
 FileStore (``ProcessGroupGloo``), so they leave no default process group

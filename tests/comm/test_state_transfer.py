@@ -1,4 +1,5 @@
-"""State transfer (flexpar.state): a tensor's bytes go straight into a fresh tensor; the rest is a small skeleton.
+"""State transfer (flexpar.comm.state_transfer): a tensor's bytes go straight into a fresh tensor; the rest is a
+small skeleton.
 
 The wire is faked here (a FIFO standing in for gloo's send/recv, which keeps
 the order of messages between two ranks); the real path runs in every join

@@ -1,4 +1,4 @@
-"""Tests of flexpar.balance: exact min-max assignment, smoothing, hysteresis.
+"""Tests of flexpar.core.balance: exact min-max assignment, smoothing, hysteresis.
 
 The optimum is checked two independent ways: against brute force over every
 split for small cases, and against a threshold certificate (no split can finish

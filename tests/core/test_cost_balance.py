@@ -1,4 +1,4 @@
-"""Tests of flexpar.cost_balance: the assignment by cost, against brute force and the count split."""
+"""Tests of flexpar.core.cost_balance: the assignment by cost, against brute force and the count split."""
 
 from __future__ import annotations
 

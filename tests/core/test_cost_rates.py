@@ -1,4 +1,4 @@
-"""Tests of flexpar.cost_rates: rates from busy times, and when the planned rates move."""
+"""Tests of flexpar.core.cost_balance.rates: rates from busy times, and when the planned rates move."""
 
 from __future__ import annotations
 

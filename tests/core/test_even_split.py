@@ -1,4 +1,4 @@
-"""Tests of the most even near-fastest split (flexpar/even_split.py, balance.most_even_assignment).
+"""Tests of the most even near-fastest split (flexpar/core/balance/even_split.py, balance.most_even_assignment).
 
 Checked against brute force over every split for small cases: the answer's
 predicted step time is within the tolerance of the optimum, and no split

@@ -1,11 +1,11 @@
 """membership.decide under random event sequences: the module's rules hold after every event.
 
 A hypothesis state machine feeds `decide` what the coordinator could hand it
-(flexpar/control.py turns store messages, process exits and the clock into
+(flexpar/driver/coordinator.py turns store messages, process exits and the clock into
 events): devices announcing, warming up (or refused), forming, reporting a
 failure, exiting; scale requests, preemption notices, a finish request, and
 time passing, including stale generations and devices nobody knows. After
-every event it checks the rules of flexpar/membership.py's module doc:
+every event it checks the rules of flexpar/core/membership/decide.py's module doc:
 
 - generations are published one at a time, each the previous + 1;
 - a generation's members are unique and never more than --max-devices, and

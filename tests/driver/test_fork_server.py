@@ -1,4 +1,4 @@
-"""How worker processes start (flexpar/fork_server.py `worker_context`): glibc's tunables for their memory.
+"""How worker processes start (flexpar/driver/fork_server.py `worker_context`): glibc's tunables for their memory.
 
 The equivalence of the training itself is covered by test_equivalence.py and
 test_elastic.py; these pin the allocator settings every worker inherits from

@@ -2,7 +2,7 @@
 
 The reference trains on the CPU, so the tolerance allows for GPU arithmetic.
 With two GPUs a device joins mid-run, which sends the state over NCCL
-(`flexpar.state.send_state`, its CPU tensors moved to the GPU and back).
+(`flexpar.comm.state_transfer.send_state`, its CPU tensors moved to the GPU and back).
 """
 
 import pieces

@@ -1,4 +1,4 @@
-"""Tests for flexpar.display: the live panel, the plain log lines and the rebalance summary."""
+"""Tests for flexpar.observe.display: the live panel, the plain log lines and the rebalance summary."""
 
 from __future__ import annotations
 

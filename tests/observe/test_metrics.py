@@ -1,4 +1,4 @@
-"""Tests for flexpar.metrics: record schema, validation, JSON lines, the shared pure helpers.
+"""Tests for flexpar.observe.metrics: record schema, validation, JSON lines, the shared pure helpers.
 
 The live display is tested in test_display.py and the timeline plot in
 test_plot.py; all three use the synthetic run of metrics_pieces.py.

@@ -1,4 +1,4 @@
-"""Tests for flexpar.plot: the timeline figure of a metrics file (matplotlib's Agg canvas)."""
+"""Tests for flexpar.observe.plot: the timeline figure of a metrics file (matplotlib's Agg canvas)."""
 
 from __future__ import annotations
 

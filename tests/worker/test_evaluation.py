@@ -1,7 +1,7 @@
 """Evaluation: the split of the evaluation set (pure, property-tested) and evaluations on real devices.
 
 The promise: the metrics of an evaluation equal a single-process evaluation of
-the whole set (`flexpar.evaluator.evaluate_all`) on any device set, with a
+the whole set (`flexpar.worker.evaluator.evaluate_all`) on any device set, with a
 join, or with a failure during the evaluation, each sample counted once.
 """
 
@@ -212,7 +212,7 @@ class EvaluateUntilTheDeviceSetChanges(ep.Evaluate):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"no generation 2 within {self.timeout_s} s of an evaluation in generation 1")
                 time.sleep(0.02)
-            # This read the store itself. The device's own follower thread (flexpar.control.DeviceLink)
+            # This read the store itself. The device's own follower thread (flexpar.worker.device_link.DeviceLink)
             # sees the generation one poll (DEVICE_POLL_S) after the coordinator's notice, which follows
             # the key, and at the latest at its next full read (FOLLOW_ALL_S); the device then puts what it
             # saw into the next step's statistics. Held until the follower has had two full reads, "became
@@ -334,7 +334,7 @@ class RecordsPrecision:
 
 
 def test_evaluation_runs_under_the_jobs_autocast():
-    """As Accelerate and Lightning do: mixed_precision covers evaluation too (flexpar/evaluator.py)."""
+    """As Accelerate and Lightning do: mixed_precision covers evaluation too (flexpar/worker/evaluator.py)."""
     from flexpar.worker import evaluator
 
     for precision, batches in ((None, 0.0), ("bf16", 5.0)):

@@ -1,10 +1,10 @@
 """The most even split among those nearly as fast as the fastest (pure, exact).
 
-``flexpar.balance`` finds the split of V virtual workers (VWs) with the
+``flexpar.core.balance`` finds the split of V virtual workers (VWs) with the
 shortest predicted step time ``T* = min max_i(c_i * s_i)``. Measured times
 never tie exactly, so the fastest split by a hair can leave a slow device idle
 for a third of the step while another, as fast within the measurement noise,
-keeps every device busy (balance.py's module docstring has the numbers). This
+keeps every device busy (rule.py's module docstring has the numbers). This
 module answers: among the splits with ``max_i(c_i * s_i) <= limit`` (``limit``
 at or above ``T*``), which has the smallest predicted imbalance ``(max - min) /
 max`` of the busy times ``c_i * s_i``? Every count is at least 1 and they sum
@@ -20,7 +20,7 @@ over the values ``M = k * s_i`` in ``[T*, limit]``, which a sweep in increasing
 every device to its lower bound and fills up with the min-max greedy within
 the upper bounds.
 
-Inputs are trusted (the caller, ``flexpar.balance``, validates and floors
+Inputs are trusted (the caller, ``flexpar.core.balance``, validates and floors
 them); every value is a product ``k * s_i`` or a ratio of such products, in a
 fixed order, so equal inputs give equal counts on every device.
 """
@@ -39,7 +39,7 @@ def most_even_split(
 
     ``seconds`` are positive per-VW times in rank order, ``optimum`` a split
     of ``virtual_workers`` with the shortest predicted step time ``T*``
-    (``flexpar.balance.optimal_assignment``), and ``limit >= T*``. Ties in
+    (``flexpar.core.balance.optimal_assignment``), and ``limit >= T*``. Ties in
     imbalance go to the smaller maximum (the shorter step), then to the
     min-max greedy's order (lower ranks take more), so the answer is a pure
     function of the inputs. With ``limit == T*`` the result takes exactly

@@ -146,7 +146,7 @@ def noise_threshold(noise: float, floor: float, noise_factor: float = NOISE_FACT
     """``max(floor, min(MAXIMUM_THRESHOLD, noise_factor * noise))``: the gain a move must beat.
 
     The one form of the rule, shared by the count split (``change_threshold``)
-    and the cost balancer's planned rates (``cost_rates.replan``).
+    and the cost balancer's planned rates (``flexpar.core.cost_balance.rates.replan``).
     """
     return max(floor, min(MAXIMUM_THRESHOLD, noise_factor * noise))
 

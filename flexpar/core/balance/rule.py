@@ -94,7 +94,7 @@ benchmark's devices measure a relative noise of 0.5-2.5% a step, so the
 tolerance is 1.4-5% after 3 steps and 0.5-2.2% after 32; its nominal ties
 (whole-VW splits of the same 12 units, measured 0.2-1% apart) come out as
 ties, and the 2% above is one when the noise is 0.4% or more per standard
-error, and resolved otherwise. ``flexpar/even_split.py`` finds that split
+error, and resolved otherwise. ``flexpar/core/balance/even_split.py`` finds that split
 exactly in O((n + E) log n) (E: multiples ``k * s_i`` inside the tolerance,
 about ``tolerance * V``); it only runs when a move is possible at all.
 
@@ -283,7 +283,7 @@ def observe(
     is about the raw noise / sqrt(n), which ``change_threshold`` relies on.
     ``window=1`` smooths the raw values.
 
-    ``work`` (balancing by cost, flexpar/cost_balance.py): the units of work
+    ``work`` (balancing by cost, flexpar/core/cost_balance/): the units of work
     each device ran, finite and > 0, in place of its VW count; the raw value
     is then ``busy_seconds[i] / work[i]`` (seconds per unit of work) and
     ``seconds_per_vw`` holds those. ``assignment`` is still recorded.

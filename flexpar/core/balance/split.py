@@ -138,7 +138,7 @@ def most_even_assignment(seconds_per_vw: Sequence[float], virtual_workers: int, 
     imbalance ``(max - min) / max`` of ``count * seconds`` (ties: the
     shorter step, then lower ranks take more). ``tolerance`` 0 gives
     ``optimal_assignment`` itself (whose tie-break is already the most even of
-    the fastest). flexpar/even_split.py has the method and the proof.
+    the fastest). flexpar/core/balance/even_split.py has the method and the proof.
     """
     seconds = seconds_list(seconds_per_vw, "seconds_per_vw")
     if not seconds:
