@@ -113,22 +113,7 @@ def test_mlflow_run_reads_back_through_mlflows_api(tracked_run, monkeypatch):
 def test_trackers_are_callbacks_and_log_steps_done_on_the_x_axis(tmp_path):
     tracker = trackers.create(["csv"], str(tmp_path))[0]
     assert isinstance(tracker, trackers.Tracker)
-    step = {
-        "kind": "step",
-        "step": 0,
-        "time": 1.0,
-        "elapsed_s": 0.0,
-        "loss": 2.0,
-        "samples_per_s": 10.0,
-        "step_time_s": 0.1,
-        "generation": 1,
-        "devices": ["local-0"],
-        "assignment": [2],
-        "busy_s": [0.1],
-        "imbalance": 0.0,
-        "lr": 0.1,
-        "grad_norm": 0.5,
-    }
+    step = {**_STEP, "time": 1.0}
     tracker.on_step(step)
     tracker.finish_tracking()
     rows = list(csv.DictReader(open(tmp_path / "csv" / "metrics.csv")))

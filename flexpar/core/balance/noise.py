@@ -8,7 +8,7 @@ change threshold and the tie tolerance.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, List, Mapping, Sequence
 
 from flexpar.core.balance.checks import device_id_tuple, finite_seconds, usable_seconds
 from flexpar.core.balance.state import BalanceState
@@ -40,6 +40,14 @@ def median(values: Sequence[float]) -> float:
     if len(ordered) % 2:
         return ordered[middle]
     return (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def median_for_unknown(values: Mapping[str, float], device_ids: Sequence[str], fallback: float) -> List[float]:
+    """Each device's value in rank order; a device without one gets the median of the known ones of
+    ``device_ids``, and every device gets ``fallback`` when none of them is known."""
+    known = [values[device_id] for device_id in device_ids if device_id in values]
+    filler = median(known) if known else fallback
+    return [values.get(device_id, filler) for device_id in device_ids]
 
 
 def middle_mean(values: Sequence[float]) -> float:

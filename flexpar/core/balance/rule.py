@@ -144,6 +144,7 @@ from flexpar.core.balance.noise import (
     check_hysteresis,
     check_noise_factor,
     median,
+    median_for_unknown,
     middle_mean,
     relative_noise_of,
     tie_tolerance,
@@ -171,9 +172,7 @@ def _seconds_for_devices(state: BalanceState, device_ids: Tuple[str, ...]) -> Li
     and the balancer corrects. When no device of the set is measured, all get
     the same time, which gives the uniform split.
     """
-    known = [state.seconds_per_vw[device_id] for device_id in device_ids if device_id in state.seconds_per_vw]
-    fallback = median(known) if known else _UNMEASURED_SECONDS_PER_VW
-    return [state.seconds_per_vw.get(device_id, fallback) for device_id in device_ids]
+    return median_for_unknown(state.seconds_per_vw, device_ids, _UNMEASURED_SECONDS_PER_VW)
 
 
 def next_assignment(

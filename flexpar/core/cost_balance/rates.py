@@ -53,7 +53,7 @@ from typing import Any, List, Mapping, Optional, Sequence
 
 from flexpar.core import balance
 from flexpar.core.balance.checks import finite_seconds, usable_seconds
-from flexpar.core.balance.noise import median
+from flexpar.core.balance.noise import median_for_unknown
 from flexpar.core.cost_balance.costs import Assignment, checked_costs, device_costs, predicted_step_seconds
 from flexpar.core.cost_balance.search import cost_assignment
 
@@ -102,9 +102,7 @@ def planning_seconds(rates: CostRates, device_ids: Sequence[str]) -> List[float]
 
     With none known, every device gets the same rate (a plan by cost alone).
     """
-    known = [rates.planned[device_id] for device_id in device_ids if device_id in rates.planned]
-    fallback = median(known) if known else _UNMEASURED_SECONDS
-    return [rates.planned.get(device_id, fallback) for device_id in device_ids]
+    return median_for_unknown(rates.planned, device_ids, _UNMEASURED_SECONDS)
 
 
 def observe_costs(

@@ -6,52 +6,8 @@ what the coordinator and the tests call: `from flexpar.core import membership
 as ms; ms.decide(ms.Membership(...), ms.Start(2))`.
 """
 
+from flexpar.core.membership import events
 from flexpar.core.membership.decide import STOPPED_BEFORE_START, Membership, decide
-from flexpar.core.membership.events import (
-    Action,
-    Announced,
-    Answer,
-    Event,
-    Evict,
-    Exited,
-    FailureReported,
-    FinishJob,
-    FinishRequested,
-    Formed,
-    LeaveRequested,
-    Note,
-    Publish,
-    Ready,
-    Refuse,
-    ScaleBy,
-    SpawnLocal,
-    Start,
-    StopJob,
-    Tick,
-)
+from flexpar.core.membership.events import *  # noqa: F403  (the events and actions: events.__all__)
 
-__all__ = [
-    "Action",
-    "Announced",
-    "Answer",
-    "Event",
-    "Evict",
-    "Exited",
-    "FailureReported",
-    "FinishJob",
-    "FinishRequested",
-    "Formed",
-    "LeaveRequested",
-    "Membership",
-    "Note",
-    "Publish",
-    "Ready",
-    "Refuse",
-    "STOPPED_BEFORE_START",
-    "ScaleBy",
-    "SpawnLocal",
-    "Start",
-    "StopJob",
-    "Tick",
-    "decide",
-]
+__all__ = ["STOPPED_BEFORE_START", "Membership", "decide", *events.__all__]

@@ -157,3 +157,27 @@ class Note:
 
 
 Action = Union[SpawnLocal, Publish, Refuse, Evict, StopJob, FinishJob, Answer, Note]
+
+
+__all__ = [
+    "Action",
+    "Announced",
+    "Answer",
+    "Event",
+    "Evict",
+    "Exited",
+    "FailureReported",
+    "FinishJob",
+    "FinishRequested",
+    "Formed",
+    "LeaveRequested",
+    "Note",
+    "Publish",
+    "Ready",
+    "Refuse",
+    "ScaleBy",
+    "SpawnLocal",
+    "Start",
+    "StopJob",
+    "Tick",
+]
