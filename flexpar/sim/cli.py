@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional, Sequence, TextIO
 
 from .engine import simulate_all
+from .plot import plot_comparison, plot_scalability
 from .report import comparison_summary, comparison_table, scalability_table, write_json
 from .scalability import scalability
 from .scenario import load_scenario, shipped_scenarios
@@ -52,7 +53,7 @@ def simulate_command(
         print(scalability_table(sweep), file=out)
         summary = sweep.summary()
         figure = _plot(
-            lambda path: _plot_scalability(sweep, path),
+            lambda path: plot_scalability(sweep, path),
             plot,
             plot_path,
             _default_plot_path(scenario.name, "scalability"),
@@ -62,7 +63,7 @@ def simulate_command(
         print(comparison_table(results), file=out)
         summary = comparison_summary(results)
         figure = _plot(
-            lambda path: _plot_comparison(results, path),
+            lambda path: plot_comparison(results, path),
             plot,
             plot_path,
             _default_plot_path(scenario.name, "simulation"),
@@ -83,18 +84,6 @@ def _plot(draw, enabled: bool, plot_path, default: Path) -> Optional[Path]:
     except RuntimeError as error:  # matplotlib missing: the table still stands
         print(f"flexpar simulate: no plot: {error}", file=sys.stderr)
         return None
-
-
-def _plot_comparison(results, path):
-    from .plot import plot_comparison
-
-    return plot_comparison(results, path)
-
-
-def _plot_scalability(sweep, path):
-    from .plot import plot_scalability
-
-    return plot_scalability(sweep, path)
 
 
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
