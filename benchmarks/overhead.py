@@ -41,15 +41,16 @@ machine disturbs less.
 Threads: flexpar gives each CPU device ``cores // devices`` torch threads; each
 DDP rank and the accumulation loop get the same.
 
-Peak RSS of a worker (``harness.PeakMemoryWatcher``): a background thread in this (driver) process reads
-every worker's ``VmHWM`` (the kernel's high-water mark of resident memory,
-monotonic over a process's life) in /proc every 50 ms and keeps the largest;
-it finds the workers by walking the driver's descendants every 0.5 s (a
-mark read late is not lower). Workers are the descendants that are neither
-the fork server (the driver's direct child that forks them) nor
-multiprocessing's resource tracker. A high-water mark only rises, so the last
-value read before a worker exits misses at most the growth of its last 50 ms,
-in which it only sends the model back and exits.
+Peak RSS of a worker (``harness.PeakMemoryWatcher``): a background thread in
+this (driver) process reads every worker's ``VmHWM`` (the kernel's high-water
+mark of resident memory, monotonic over a process's life) in /proc every 50 ms
+and keeps the largest; it finds the workers by walking the driver's descendants
+every 50 ms until it has found some, then every 0.5 s (a mark read late is not
+lower). Workers are the descendants that are neither the fork server (the
+driver's direct child that forks them) nor multiprocessing's resource tracker.
+A high-water mark only rises, so the last value read before a worker exits
+misses at most the growth of its last 50 ms, in which it only sends the model
+back and exits.
 
 Run: ``python benchmarks/overhead.py [--quick] [--recipes-only] [--json PATH]``
 (``--recipes-only``: the last two comparisons alone).

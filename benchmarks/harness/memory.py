@@ -27,9 +27,10 @@ class PeakMemoryWatcher:
     A background thread in this process reads every worker's VmHWM (monotonic
     over a process's life) every `interval_s` and keeps the largest; it finds
     the workers (`processes.workers`: this process's descendants but
-    multiprocessing's helpers) every WALK_EVERY reads, since a high-water mark
-    read late is not lower. The last value read before a worker exits misses
-    at most the growth of its last `interval_s`.
+    multiprocessing's helpers) at every read until it has found some, then
+    every WALK_EVERY reads, since a high-water mark read late is not lower.
+    The last value read before a worker exits misses at most the growth of its
+    last `interval_s`.
     """
 
     WALK_EVERY = 10  # reads of the workers' VmHWM per walk of the process tree
@@ -41,14 +42,16 @@ class PeakMemoryWatcher:
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
     def _watch(self) -> None:
-        # The process tree is walked every WALK_EVERY reads only (workers live for the whole
-        # fit, and a high-water mark found late is not lower): walking it every 50 ms cost
-        # about 1% of a core, taken from the flexpar side only, which computes on every core.
+        # Once workers are found, the process tree is walked every WALK_EVERY reads only
+        # (workers live for the whole fit, and a high-water mark found late is not lower):
+        # walking it every 50 ms cost about 1% of a core, taken from the flexpar side only,
+        # which computes on every core. Until then it is walked at every read: the workers of
+        # a --quick run live well under WALK_EVERY reads, and were missed.
         driver = os.getpid()
         found: List[int] = []
         reads = 0
         while not self._stop.is_set():
-            if reads % self.WALK_EVERY == 0:
+            if not found or reads % self.WALK_EVERY == 0:
                 found = workers(driver)
             reads += 1
             for pid in found:
