@@ -43,22 +43,20 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import base_parser, cpu_count, median, print_table, ratio, write_json  # noqa: E402
+import elastic_plan
+import harness
+import restart_worker
+from harness import cpu_count, median, ratio
+from restart_worker import make_dataset
 
-import restart_worker  # noqa: E402
-from restart_worker import adam, cross_entropy, make_dataset  # noqa: E402
-
-import flexpar  # noqa: E402
-from flexpar.worker import checkpoints  # noqa: E402
-from flexpar.comm import state_transfer as training_state  # noqa: E402
-from flexpar.worker import lifecycle as flexpar_worker  # noqa: E402
-from flexpar.observe.metrics import read_records  # noqa: E402
+from flexpar.comm import state_transfer as training_state
+from flexpar.worker import checkpoints
+from flexpar.worker import lifecycle as flexpar_worker
 
 GLOBAL_BATCH = 32
 VIRTUAL_WORKERS = 2
@@ -98,7 +96,8 @@ def _instrument() -> None:
         original(self)
         seconds = time.perf_counter() - started
         wrote = (self._checkpoint_writer is not None and self._checkpoint_writer.pending) or (
-            synchronous and os.path.isdir(folder) and set(os.listdir(folder)) - existing)
+            synchronous and os.path.isdir(folder) and set(os.listdir(folder)) - existing
+        )
         if wrote:
             with open(_calls_log(folder), "a", encoding="utf-8") as handle:
                 handle.write(json.dumps({"step": self.committed, "seconds": seconds, "waited": waited}) + "\n")
@@ -138,13 +137,12 @@ class Settings:
 
 def _job(settings: Settings):
     # The pieces are this module's: the workers import it (and its instrumentation).
-    return flexpar.Job(model=MODELS[settings.model_name], optimizer=adam, loss=cross_entropy,
-                       dataset=make_dataset(), global_batch=GLOBAL_BATCH, virtual_workers=VIRTUAL_WORKERS, seed=0)
+    return elastic_plan.make_job(MODELS[settings.model_name], GLOBAL_BATCH, VIRTUAL_WORKERS)
 
 
 def _durations(metrics: str) -> dict:
     """step index -> seconds since the previous commit."""
-    times = {record["step"]: record["time"] for record in read_records(metrics) if record["kind"] == "step"}
+    times = {record["step"]: record["time"] for record in harness.step_records(metrics)}
     return {step: times[step] - times[step - 1] for step in sorted(times) if step - 1 in times}
 
 
@@ -152,10 +150,10 @@ def run_job(settings: Settings, workdir: str, name: str, mode: str) -> tuple:
     """(step durations, the step loop's checkpoint calls as {committed step: call})."""
     metrics = os.path.join(workdir, f"{name}-{mode}.jsonl")
     folder = os.path.join(workdir, f"{name}-{mode}")
-    options = {} if mode == "none" else dict(checkpoint_every=settings.every, checkpoint_dir=folder,
-                                             keep_checkpoints=2)
-    _job(settings).fit(steps=settings.steps, devices=1, metrics=metrics, display=False, quiet=True, timeout_s=60.0,
-                       **options)
+    options = {} if mode == "none" else dict(checkpoint_every=settings.every, checkpoint_dir=folder, keep_checkpoints=2)
+    _job(settings).fit(
+        steps=settings.steps, devices=1, metrics=metrics, display=False, quiet=True, timeout_s=60.0, **options
+    )
     shutil.rmtree(folder, ignore_errors=True)
     calls = {}
     if os.path.exists(_calls_log(folder)):
@@ -204,8 +202,14 @@ def measure_save(settings: Settings, workdir: str) -> dict:
         del copy
     size = sum(tensor.numel() * tensor.element_size() for tensor in _tensors(state))
     parameters = sum(parameter.numel() for parameter in model.parameters())
-    return {"torch_save_s": median(saves), "copy_s": median(copies), "saves_s": saves, "copies_s": copies,
-            "state_mb": size / 1e6, "parameters": parameters}
+    return {
+        "torch_save_s": median(saves),
+        "copy_s": median(copies),
+        "saves_s": saves,
+        "copies_s": copies,
+        "state_mb": size / 1e6,
+        "parameters": parameters,
+    }
 
 
 def _tensors(value):
@@ -220,23 +224,21 @@ def _tensors(value):
 
 
 def main() -> int:
-    parser = base_parser(__doc__.splitlines()[0])
+    parser = harness.base_parser(__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=None, help="rounds of (background, synchronous, none)")
     arguments = parser.parse_args()
     settings = Settings(arguments.quick, arguments.rounds or (1 if arguments.quick else 2))
     torch.set_num_threads(cpu_count())  # what flexpar gives one CPU device on this host
     load_before = os.getloadavg()
-    workdir = tempfile.mkdtemp(prefix="flexpar-checkpoint-bench-")
-    try:
+    with harness.run_folder("flexpar-checkpoint-bench-") as workdir:
         rounds = []
         for index in range(settings.rounds):
             runs = {mode: run_job(settings, workdir, f"round{index}", mode) for mode in MODES}
             baseline = median([seconds for step, seconds in runs["none"][0].items() if step >= SKIP])
-            rounds.append({"baseline_step_s": baseline,
-                           **{mode: analyse(settings, *runs[mode], baseline) for mode in MODES[:2]}})
+            rounds.append(
+                {"baseline_step_s": baseline, **{mode: analyse(settings, *runs[mode], baseline) for mode in MODES[:2]}}
+            )
         saved = measure_save(settings, workdir)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
 
     def pooled(mode, key):
         return median([value for result in rounds for value in result[mode][key]])
@@ -264,22 +266,31 @@ def main() -> int:
         "load_average": {"before": load_before, "after": os.getloadavg()},
         "quick": arguments.quick,
     }
-    print_table([
-        {"what": "step loop stall per checkpoint", "flexpar (background)": stall,
-         "synchronous write": results["synchronous_stall_s"]},
-        {"what": "plain torch.save of the same state", "synchronous write": saved["torch_save_s"]},
-        {"what": "in-memory copy of the state alone", "flexpar (background)": saved["copy_s"]},
-        {"what": f"cost to the {settings.every} steps after a checkpoint", "flexpar (background)":
-            results["background_cost_s"], "synchronous write": results["synchronous_cost_s"]},
-        {"what": "median step without checkpoints", "flexpar (background)": results["baseline_step_s"]},
-    ], ["what", "flexpar (background)", "synchronous write"],
+    harness.print_table(
+        [
+            {
+                "what": "step loop stall per checkpoint",
+                "flexpar (background)": stall,
+                "synchronous write": results["synchronous_stall_s"],
+            },
+            {"what": "plain torch.save of the same state", "synchronous write": saved["torch_save_s"]},
+            {"what": "in-memory copy of the state alone", "flexpar (background)": saved["copy_s"]},
+            {
+                "what": f"cost to the {settings.every} steps after a checkpoint",
+                "flexpar (background)": results["background_cost_s"],
+                "synchronous write": results["synchronous_cost_s"],
+            },
+            {"what": "median step without checkpoints", "flexpar (background)": results["baseline_step_s"]},
+        ],
+        ["what", "flexpar (background)", "synchronous write"],
         title=f"checkpoint of {saved['state_mb']:.0f} MB ({saved['parameters'] / 1e6:.1f}M parameters, Adam), "
-              f"seconds, medians of {results['checkpoints_measured']} checkpoints each; checkpoint_stall_s / "
-              f"torch_save_s = {results['stall_ratio']:.3f}; {results['waited_for_previous_write']} waited for "
-              "the previous write")
-    write_json(arguments.json, results)
+        f"seconds, medians of {results['checkpoints_measured']} checkpoints each; checkpoint_stall_s / "
+        f"torch_save_s = {results['stall_ratio']:.3f}; {results['waited_for_previous_write']} waited for "
+        "the previous write",
+    )
+    harness.write_json(arguments.json, results)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    harness.run(main)

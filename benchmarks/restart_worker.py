@@ -39,9 +39,12 @@ CLASSES = 16
 def make_model(features: int = FEATURES, hidden: int = 4096, classes: int = CLASSES) -> nn.Module:
     """An MLP of a few wide layers: about 25.2M parameters at the default sizes."""
     return nn.Sequential(
-        nn.Linear(features, hidden), nn.ReLU(),
-        nn.Linear(hidden, hidden), nn.ReLU(),
-        nn.Linear(hidden, features), nn.ReLU(),
+        nn.Linear(features, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, features),
+        nn.ReLU(),
         nn.Linear(features, classes),
     )
 
@@ -92,13 +95,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="checkpoint-restart DDP worker (run under torchrun)")
     parser.add_argument("--records", required=True)
     parser.add_argument("--checkpoint", required=True)
-    parser.add_argument("--max-steps", type=int, default=200,
-                        help="a safety stop; the benchmark ends the workers once it has measured")
+    parser.add_argument(
+        "--max-steps", type=int, default=200, help="a safety stop; the benchmark ends the workers once it has measured"
+    )
     parser.add_argument("--global-batch", type=int, default=24)
     parser.add_argument("--model", choices=sorted(MODELS), default="full")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--pid-folder", default=None,
-                        help="each worker leaves its pid here, so the benchmark can always clean up")
+    parser.add_argument(
+        "--pid-folder", default=None, help="each worker leaves its pid here, so the benchmark can always clean up"
+    )
     args = parser.parse_args()
     if args.pid_folder:
         os.makedirs(args.pid_folder, exist_ok=True)
@@ -122,11 +127,20 @@ def main() -> None:
     ddp = DistributedDataParallel(model)  # broadcasts rank 0's parameters to the others
     ddp_ready = time.time()
     if rank == 0:
-        _log(args.records, {
-            "kind": "start", "world": world, "step": step, "process_started": PROCESS_STARTED,
-            "imported": IMPORTED, "group_formed": group_formed, "model_built": model_built,
-            "loaded": loaded, "ddp_ready": ddp_ready,
-        })
+        _log(
+            args.records,
+            {
+                "kind": "start",
+                "world": world,
+                "step": step,
+                "process_started": PROCESS_STARTED,
+                "imported": IMPORTED,
+                "group_formed": group_formed,
+                "model_built": model_built,
+                "loaded": loaded,
+                "ddp_ready": ddp_ready,
+            },
+        )
     dataset = make_dataset()
     per_rank = args.global_batch // world
     previous = time.time()
@@ -145,8 +159,17 @@ def main() -> None:
             # Recorded before the save: a worker stopped during the save loses this
             # step (the checkpoint still holds the one before), and `steps_lost` shows it.
             committed = time.time()
-            _log(args.records, {"kind": "step", "step": step - 1, "time": committed, "world": world,
-                                "step_time_s": committed - previous, "save_s": last_save_s})
+            _log(
+                args.records,
+                {
+                    "kind": "step",
+                    "step": step - 1,
+                    "time": committed,
+                    "world": world,
+                    "step_time_s": committed - previous,
+                    "save_s": last_save_s,
+                },
+            )
             _save_checkpoint(args.checkpoint, model, optimizer, step)
             last_save_s = time.time() - committed
         previous = time.time()

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -50,12 +49,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import common  # noqa: E402
-import soak_tally  # noqa: E402
-from soak_plan import CHECKPOINT_EVERY, EVAL_EVERY, STEPS, RunPlan, plans  # noqa: E402
+import harness
+import soak_tally
+from soak_plan import CHECKPOINT_EVERY, EVAL_EVERY, STEPS, RunPlan, plans
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @dataclass
@@ -75,7 +75,7 @@ class RunResult:
     eval_divergent: int = 0
     steps: int = 0
     hung_detection_s: list = field(default_factory=list)
-    fired: list = field(default_factory=list)      # soak_tally.Fired as dicts
+    fired: list = field(default_factory=list)  # soak_tally.Fired as dicts
     not_fired: list = field(default_factory=list)  # (kind, phase, step, device)
     simultaneous: int = 0
     signal_with_change: int = 0
@@ -83,38 +83,53 @@ class RunResult:
 
     @property
     def bad(self) -> bool:
-        return bool(self.hang or self.failed or self.divergent or self.samples_lost or self.samples_repeated
-                    or self.eval_missing or self.eval_samples_lost or self.eval_samples_repeated
-                    or self.eval_divergent)
+        return bool(
+            self.hang
+            or self.failed
+            or self.divergent
+            or self.samples_lost
+            or self.samples_repeated
+            or self.eval_missing
+            or self.eval_samples_lost
+            or self.eval_samples_repeated
+            or self.eval_divergent
+        )
 
 
 def run_one(plan: RunPlan, folder: str, timeout_s: float, heartbeat_timeout_s: float, references: dict) -> RunResult:
     """Run `plan`'s job and check it; `references` caches the failure-free run (filled on first use)."""
+    import soak_job
     import torch
 
-    import soak_job
     from flexpar.core import ledger
 
     output = os.path.join(folder, f"run-{plan.index:03d}")
     os.makedirs(output, exist_ok=True)
-    spec = {"output": output, "steps": STEPS, "devices": plan.devices, "max_devices": plan.devices + plan.joins,
-            "schedule": plan.schedule_text(), "faults": plan.fault_text(), "timeout_s": timeout_s,
-            "heartbeat_timeout_s": heartbeat_timeout_s, "checkpoint_every": CHECKPOINT_EVERY,
-            "eval_every": EVAL_EVERY}
+    spec = {
+        "output": output,
+        "steps": STEPS,
+        "devices": plan.devices,
+        "max_devices": plan.devices + plan.joins,
+        "schedule": plan.schedule_text(),
+        "faults": plan.fault_text(),
+        "timeout_s": timeout_s,
+        "heartbeat_timeout_s": heartbeat_timeout_s,
+        "checkpoint_every": CHECKPOINT_EVERY,
+        "eval_every": EVAL_EVERY,
+    }
     spec_path = os.path.join(output, "spec.json")
     with open(spec_path, "w") as handle:
         json.dump(spec, handle)
     bound_s = 60.0 + plan.size * timeout_s
     started = time.monotonic()
     with open(os.path.join(output, "stderr.txt"), "w") as stderr:
-        process = subprocess.Popen([sys.executable, os.path.join(HERE, "soak_job.py"), spec_path],
-                                   stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
-        try:
-            code = process.wait(timeout=bound_s)
-        except subprocess.TimeoutExpired:
-            code = None
-        finally:
-            _kill_group(process.pid)
+        # The run's driver and everything it started (stopped workers included) end with it.
+        code = harness.run_in_own_group(
+            [sys.executable, os.path.join(HERE, "soak_job.py"), spec_path],
+            bound_s,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
     result = RunResult(plan.index, asdict(plan), time.monotonic() - started)
     text = open(os.path.join(output, "stderr.txt")).read()
     summary_path = os.path.join(output, "summary.json")
@@ -186,29 +201,37 @@ def _check_evaluations(result: RunResult, records: list, expected: dict) -> None
             seen = metrics[soak_job.sample_key(index)]
             result.eval_samples_lost += max(0, 1 - seen)
             result.eval_samples_repeated += max(0, seen - 1)
-        if metrics["count"] != reference["count"] or \
-                abs(metrics["loss_sum"] - reference["loss_sum"]) > 1e-6 + 1e-5 * abs(reference["loss_sum"]):
+        if metrics["count"] != reference["count"] or abs(
+            metrics["loss_sum"] - reference["loss_sum"]
+        ) > 1e-6 + 1e-5 * abs(reference["loss_sum"]):
             result.eval_divergent += 1
     # An evaluation at a step the failure-free run has none at differs from it.
     result.eval_divergent += sum(1 for step in by_step if step not in expected)
 
 
-def _kill_group(pid: int) -> None:
-    """The run's driver and everything it started (stopped workers included) end here."""
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    # Workers the driver's death orphaned keep its process group; stopped ones die with SIGKILL too.
-
-
 # The figures that must be 0, in the order the table shows them.
-PROBLEMS = ("hangs", "failed_runs", "divergent_runs", "samples_lost", "samples_repeated", "eval_missing",
-            "eval_samples_lost", "eval_samples_repeated", "eval_divergent")
+PROBLEMS = (
+    "hangs",
+    "failed_runs",
+    "divergent_runs",
+    "samples_lost",
+    "samples_repeated",
+    "eval_missing",
+    "eval_samples_lost",
+    "eval_samples_repeated",
+    "eval_divergent",
+)
 
 
-def run_soak(faults: int, seed: int, folder: Optional[str] = None, timeout_s: float = 30.0,
-             heartbeat_timeout_s: float = 5.0, progress=print, references: Optional[dict] = None) -> dict:
+def run_soak(
+    faults: int,
+    seed: int,
+    folder: Optional[str] = None,
+    timeout_s: float = 30.0,
+    heartbeat_timeout_s: float = 5.0,
+    progress=print,
+    references: Optional[dict] = None,
+) -> dict:
     """Runs drawn from `seed` until `faults` have fired; the report (see the module doc).
     `references`: the failure-free run's cache (run_one), shared by callers that run more."""
     folder = folder or tempfile.mkdtemp(prefix="flexpar-soak-")
@@ -228,27 +251,38 @@ def run_soak(faults: int, seed: int, folder: Optional[str] = None, timeout_s: fl
 
 def describe(plan: RunPlan, result: RunResult) -> str:
     """One progress line per run."""
-    problems = [("HANG", result.hang), (f"FAILED: {result.failed}", result.failed), ("DIVERGENT", result.divergent),
-                (f"lost {result.samples_lost}", result.samples_lost),
-                (f"repeated {result.samples_repeated}", result.samples_repeated),
-                (f"evaluations missing {result.eval_missing}", result.eval_missing),
-                (f"evaluation samples lost {result.eval_samples_lost}", result.eval_samples_lost),
-                (f"evaluation samples repeated {result.eval_samples_repeated}", result.eval_samples_repeated),
-                (f"evaluations divergent {result.eval_divergent}", result.eval_divergent)]
+    problems = [
+        ("HANG", result.hang),
+        (f"FAILED: {result.failed}", result.failed),
+        ("DIVERGENT", result.divergent),
+        (f"lost {result.samples_lost}", result.samples_lost),
+        (f"repeated {result.samples_repeated}", result.samples_repeated),
+        (f"evaluations missing {result.eval_missing}", result.eval_missing),
+        (f"evaluation samples lost {result.eval_samples_lost}", result.eval_samples_lost),
+        (f"evaluation samples repeated {result.eval_samples_repeated}", result.eval_samples_repeated),
+        (f"evaluations divergent {result.eval_divergent}", result.eval_divergent),
+    ]
     missed = f", not fired: {result.not_fired}" if result.not_fired else ""
-    return (f"run {plan.index}: devices {plan.devices}, schedule '{plan.schedule_text()}', faults "
-            f"'{plan.fault_text()}': {result.injected} fired{missed}, {result.wall_s:.1f} s"
-            + "".join(f", {text}" for text, present in problems if present))
+    return (
+        f"run {plan.index}: devices {plan.devices}, schedule '{plan.schedule_text()}', faults "
+        f"'{plan.fault_text()}': {result.injected} fired{missed}, {result.wall_s:.1f} s"
+        + "".join(f", {text}" for text, present in problems if present)
+    )
 
 
-def report(results: list, seed: int, timeout_s: float, heartbeat_timeout_s: float, folder: str,
-           wall_s: float) -> dict:
+def report(results: list, seed: int, timeout_s: float, heartbeat_timeout_s: float, folder: str, wall_s: float) -> dict:
     """The soak's JSON (see the module doc)."""
     detections = [value for result in results for value in result.hung_detection_s]
-    tallies = [soak_tally.Tally(fired=[soak_tally.Fired(**fault) for fault in result.fired],
-                                not_fired=result.not_fired, simultaneous=result.simultaneous,
-                                signal_with_change=result.signal_with_change,
-                                during_recovery=result.during_recovery) for result in results]
+    tallies = [
+        soak_tally.Tally(
+            fired=[soak_tally.Fired(**fault) for fault in result.fired],
+            not_fired=result.not_fired,
+            simultaneous=result.simultaneous,
+            signal_with_change=result.signal_with_change,
+            during_recovery=result.during_recovery,
+        )
+        for result in results
+    ]
     return {
         "faults_injected": sum(result.injected for result in results),
         "runs": len(results),
@@ -276,25 +310,40 @@ def report(results: list, seed: int, timeout_s: float, heartbeat_timeout_s: floa
 
 
 def main() -> int:
-    parser = common.base_parser(__doc__.splitlines()[0])
+    parser = harness.base_parser(__doc__.splitlines()[0])
     parser.add_argument("--faults", type=int, default=100, help="faults to inject in all (default 100)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=30.0, help="the jobs' collective timeout (s)")
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0, help="the jobs' heartbeat timeout (s)")
     arguments = parser.parse_args()
     faults = 12 if arguments.quick else arguments.faults
-    result = run_soak(faults, arguments.seed, timeout_s=arguments.timeout,
-                      heartbeat_timeout_s=arguments.heartbeat_timeout)
-    keys = ("faults_injected", "runs") + PROBLEMS + (
-        "hung_peer_detection_s", "hung_peers", "simultaneous", "signal_with_change", "during_recovery",
-        "not_fired", "wall_s", "wall_s_median", "wall_s_max")
+    result = run_soak(
+        faults, arguments.seed, timeout_s=arguments.timeout, heartbeat_timeout_s=arguments.heartbeat_timeout
+    )
+    keys = (
+        ("faults_injected", "runs")
+        + PROBLEMS
+        + (
+            "hung_peer_detection_s",
+            "hung_peers",
+            "simultaneous",
+            "signal_with_change",
+            "during_recovery",
+            "not_fired",
+            "wall_s",
+            "wall_s_median",
+            "wall_s_max",
+        )
+    )
     rows = [{"figure": key, "value": result[key]} for key in keys]
-    rows += [{"figure": f"fired: {name}", "value": count}
-             for name, count in {**result["fired_by_kind"], **result["fired_by_phase"]}.items()]
-    common.print_table(rows, ["figure", "value"], "fault soak")
-    common.write_json(arguments.json, result)
+    rows += [
+        {"figure": f"fired: {name}", "value": count}
+        for name, count in {**result["fired_by_kind"], **result["fired_by_phase"]}.items()
+    ]
+    harness.print_table(rows, ["figure", "value"], "fault soak")
+    harness.write_json(arguments.json, result)
     return 1 if any(result[key] for key in PROBLEMS) else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    harness.run(main)

@@ -26,12 +26,13 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import flexpar  # noqa: E402
-from flexpar.core import batching  # noqa: E402
-from flexpar.worker import evaluator  # noqa: E402
-from flexpar.worker.user_code import build_model, build_optimizer  # noqa: E402
-from flexpar.worker.loader import load_batch  # noqa: E402
-from soak_plan import VIRTUAL_WORKERS  # noqa: E402
+from soak_plan import VIRTUAL_WORKERS
+
+import flexpar
+from flexpar.core import batching
+from flexpar.worker import evaluator
+from flexpar.worker.loader import load_batch
+from flexpar.worker.user_code import build_model, build_optimizer
 
 FEATURES, CLASSES, SAMPLES = 12, 3, 480
 GLOBAL_BATCH = 48
@@ -59,8 +60,7 @@ def sample_key(index: int) -> str:
 
 def evaluate(model, batch):
     inputs, labels, indices = batch
-    sums = {"loss_sum": nn.functional.cross_entropy(model(inputs), labels, reduction="sum"),
-            "count": len(labels)}
+    sums = {"loss_sum": nn.functional.cross_entropy(model(inputs), labels, reduction="sum"), "count": len(labels)}
     sums.update({sample_key(index): int((indices == index).sum()) for index in range(EVAL_SAMPLES)})
     return sums
 
@@ -80,9 +80,18 @@ def loss(model, batch):
 
 
 def make_job():
-    return flexpar.Job(model=make_model, optimizer=make_optimizer, loss=loss, dataset=make_dataset(),
-                       global_batch=GLOBAL_BATCH, virtual_workers=VIRTUAL_WORKERS, seed=3,
-                       eval_dataset=make_eval_dataset(), evaluate=evaluate, eval_batch=EVAL_BATCH)
+    return flexpar.Job(
+        model=make_model,
+        optimizer=make_optimizer,
+        loss=loss,
+        dataset=make_dataset(),
+        global_batch=GLOBAL_BATCH,
+        virtual_workers=VIRTUAL_WORKERS,
+        seed=3,
+        eval_dataset=make_eval_dataset(),
+        evaluate=evaluate,
+        eval_batch=EVAL_BATCH,
+    )
 
 
 def reference(steps: int, eval_every: int):
@@ -107,8 +116,9 @@ def _reference(steps: int, eval_every: int):
     for step in range(steps):
         losses = []
         for virtual_worker in range(job.virtual_workers):
-            indices = batching.virtual_worker_indices(job.seed, step, virtual_worker, len(job.dataset),
-                                                      job.global_batch, job.virtual_workers)
+            indices = batching.virtual_worker_indices(
+                job.seed, step, virtual_worker, len(job.dataset), job.global_batch, job.virtual_workers
+            )
             batch = load_batch(job, indices, batching.data_seed(job.seed, step, virtual_worker))
             torch.manual_seed(batching.virtual_worker_seed(job.seed, step, virtual_worker))
             inputs, labels = batch
@@ -125,11 +135,21 @@ if __name__ == "__main__":
     spec = json.load(open(sys.argv[1]))
     output = spec["output"]
     model, summary = make_job().fit(
-        steps=spec["steps"], devices=spec["devices"], max_devices=spec["max_devices"],
-        schedule=spec["schedule"], faults=spec["faults"], oversubscribe=True, display=False, quiet=True,
-        timeout_s=spec["timeout_s"], heartbeat_timeout_s=spec["heartbeat_timeout_s"],
-        checkpoint_every=spec["checkpoint_every"], checkpoint_dir=os.path.join(output, "checkpoints"),
-        metrics=os.path.join(output, "metrics.jsonl"), sample_ledger=True, eval_every=spec["eval_every"],
+        steps=spec["steps"],
+        devices=spec["devices"],
+        max_devices=spec["max_devices"],
+        schedule=spec["schedule"],
+        faults=spec["faults"],
+        oversubscribe=True,
+        display=False,
+        quiet=True,
+        timeout_s=spec["timeout_s"],
+        heartbeat_timeout_s=spec["heartbeat_timeout_s"],
+        checkpoint_every=spec["checkpoint_every"],
+        checkpoint_dir=os.path.join(output, "checkpoints"),
+        metrics=os.path.join(output, "metrics.jsonl"),
+        sample_ledger=True,
+        eval_every=spec["eval_every"],
     )
     torch.save(model.state_dict(), os.path.join(output, "model.pt"))
     with open(os.path.join(output, "summary.json"), "w") as handle:

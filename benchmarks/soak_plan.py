@@ -51,7 +51,7 @@ class RunPlan:
     index: int
     devices: int
     schedule: list = field(default_factory=list)  # (step, +1 | -1)
-    faults: list = field(default_factory=list)    # (step, device, phase, signal name)
+    faults: list = field(default_factory=list)  # (step, device, phase, signal name)
 
     @property
     def size(self) -> int:
@@ -97,10 +97,14 @@ def draw_run(rng: random.Random, index: int, next_phase: Optional[Callable[[tupl
     count = rng.randint(2, 4)
     while len(plan.schedule) + len(signals) < count:
         last_join = max((s for s, d in plan.schedule if d > 0), default=LAST_STEP)
-        possible = {"join": devices + plan.joins < VIRTUAL_WORKERS,
-                    # A leave comes strictly after a join, and takes that joiner.
-                    "leave": joins > 0 and last_join < LAST_STEP,
-                    "kill": losses_left > 0, "stop": losses_left > 0, "term": losses_left > 0}
+        possible = {
+            "join": devices + plan.joins < VIRTUAL_WORKERS,
+            # A leave comes strictly after a join, and takes that joiner.
+            "leave": joins > 0 and last_join < LAST_STEP,
+            "kill": losses_left > 0,
+            "stop": losses_left > 0,
+            "term": losses_left > 0,
+        }
         kinds = [kind for kind in KIND_WEIGHTS if possible[kind]]
         if not kinds:
             break
@@ -118,13 +122,20 @@ def draw_run(rng: random.Random, index: int, next_phase: Optional[Callable[[tupl
             losses_left -= 1
             phase = next_phase(RANK_ZERO_PHASES if any(s.phase in RANK_ZERO_PHASES for s in signals) else ())
             if phase == "eval":
-                step = min((s for s in EVALUATION_STEPS if s >= step and s <= LAST_STEP),
-                           default=max(s for s in EVALUATION_STEPS if s <= LAST_STEP))
+                step = min(
+                    (s for s in EVALUATION_STEPS if s >= step and s <= LAST_STEP),
+                    default=max(s for s in EVALUATION_STEPS if s <= LAST_STEP),
+                )
             signals.append(_Signal(step, phase, kind))
             # One kill in five inside a step brings a second fault into its recovery: a group-formation
             # fault on another device fires at the next formation, which is the recovery's.
-            if kind == "kill" and phase in IN_STEP_PHASES and losses_left and rng.random() < 0.2 \
-                    and len(plan.schedule) + len(signals) < count:
+            if (
+                kind == "kill"
+                and phase in IN_STEP_PHASES
+                and losses_left
+                and rng.random() < 0.2
+                and len(plan.schedule) + len(signals) < count
+            ):
                 losses_left -= 1
                 signals.append(_Signal(step, "formation", "kill", in_recovery=True))
     _make_fireable(rng, plan, signals)
@@ -147,8 +158,9 @@ def _make_fireable(rng: random.Random, plan: RunPlan, signals: list) -> None:
     for signal in signals:
         if signal.phase != "formation" or signal.in_recovery:
             continue
-        triggers = [step for step, _ in plan.schedule] + \
-            [other.step for other in signals if other is not signal and other.phase != "formation"]
+        triggers = [step for step, _ in plan.schedule] + [
+            other.step for other in signals if other is not signal and other.phase != "formation"
+        ]
         if any(step >= signal.step for step in triggers):
             continue
         if triggers:

@@ -38,8 +38,8 @@ _KIND_OF_SIGNAL = {name: kind for kind, name in SIGNAL_NAMES.items()}
 
 @dataclass(frozen=True)
 class Fired:
-    kind: str     # kill, stop, term, join, leave
-    phase: str    # a signal's phase; "schedule" for joins and leaves
+    kind: str  # kill, stop, term, join, leave
+    phase: str  # a signal's phase; "schedule" for joins and leaves
     step: int
     device: str = ""
     time: float = 0.0
@@ -47,8 +47,8 @@ class Fired:
 
 @dataclass
 class Tally:
-    fired: list = field(default_factory=list)       # Fired
-    not_fired: list = field(default_factory=list)   # (kind, phase, step, device) drawn, never happened
+    fired: list = field(default_factory=list)  # Fired
+    not_fired: list = field(default_factory=list)  # (kind, phase, step, device) drawn, never happened
     simultaneous: int = 0
     signal_with_change: int = 0
     during_recovery: int = 0
@@ -60,8 +60,10 @@ class Tally:
 
 def fired_signals(stderr_text: str) -> list:
     """Fired of every fault line in a run's output, in order."""
-    return [Fired(_KIND_OF_SIGNAL[name], phase, int(step), device, float(at))
-            for device, name, step, phase, at in FAULT_LINE.findall(stderr_text)]
+    return [
+        Fired(_KIND_OF_SIGNAL[name], phase, int(step), device, float(at))
+        for device, name, step, phase, at in FAULT_LINE.findall(stderr_text)
+    ]
 
 
 def tally(plan, stderr_text: str, schedule_outcomes: list, records: list) -> Tally:
@@ -78,14 +80,16 @@ def tally(plan, stderr_text: str, schedule_outcomes: list, records: list) -> Tal
         else:
             result.not_fired.append((kind, "schedule", outcome["step"], ""))
     if schedule_outcomes is None:
-        result.not_fired.extend(("join" if delta > 0 else "leave", "schedule", step, "")
-                                for step, delta in plan.schedule)
+        result.not_fired.extend(
+            ("join" if delta > 0 else "leave", "schedule", step, "") for step, delta in plan.schedule
+        )
     signal_steps = collections.Counter(f.step for f in result.signals)
     change_steps = {f.step for f in result.fired if f.phase == "schedule"}
     result.simultaneous = sum(1 for count in signal_steps.values() if count >= 2)
     result.signal_with_change = len(set(signal_steps) & change_steps)
-    marks = sorted(r["time"] for r in records
-                   if r["kind"] == "step" or (r["kind"] == "event" and r["event"] == "failure"))
+    marks = sorted(
+        r["time"] for r in records if r["kind"] == "step" or (r["kind"] == "event" and r["event"] == "failure")
+    )
     result.during_recovery = sum(1 for f in result.signals if _in_recovery(f, result.signals, marks))
     return result
 

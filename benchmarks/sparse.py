@@ -36,28 +36,23 @@ Run: ``python benchmarks/sparse.py [--quick] [--json PATH]``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
-import tempfile
-from pathlib import Path
 from typing import List
 
 import torch
-import torch.multiprocessing as torch_multiprocessing
 from torch import nn
 from torch.utils.data import TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (  # noqa: E402
-    ddp_training_rank,
-    alternate, base_parser, cpu_count, free_port, median, print_table, ratio, step_durations, write_json,
-)
+import harness
+from harness import alternate, median, ratio
 
-import flexpar  # noqa: E402
-from flexpar.core import batching  # noqa: E402
-from flexpar.worker.loader import load_batch  # noqa: E402
-from flexpar.observe.metrics import read_records  # noqa: E402
-from flexpar.comm.sparse_sync import dense_all_reduce_wire_bytes, sparse_parameters, sparse_wire_bytes  # noqa: E402
+import flexpar
+from flexpar.comm.sparse_sync import dense_all_reduce_wire_bytes, sparse_parameters, sparse_wire_bytes
+from flexpar.core import batching
+from flexpar.worker.loader import load_batch
 
 DEVICES = 2
 
@@ -81,10 +76,19 @@ class Config:
         return self.per_device_batch * DEVICES * self.lookups
 
 
-FULL = Config(rows=1_000_000, width=64, lookups=16, hidden=128, classes=10, per_device_batch=128,
-              steps=10, skip=3, repeats=3, dataset_size=8192)
-QUICK = Config(rows=100_000, width=64, lookups=8, hidden=128, classes=10, per_device_batch=32,
-               steps=8, skip=3, repeats=1, dataset_size=2048)
+FULL = Config(
+    rows=1_000_000,
+    width=64,
+    lookups=16,
+    hidden=128,
+    classes=10,
+    per_device_batch=128,
+    steps=10,
+    skip=3,
+    repeats=3,
+    dataset_size=8192,
+)
+QUICK = dataclasses.replace(FULL, rows=100_000, lookups=8, per_device_batch=32, steps=8, repeats=1, dataset_size=2048)
 
 
 # ---------------------------------------------------------------- shared pieces
@@ -135,9 +139,13 @@ def make_dataset(config: Config) -> TensorDataset:
 
 def make_job(config: Config) -> flexpar.Job:
     return flexpar.Job(
-        model=ModelFactory(config, sparse=True), optimizer=make_optimizer, loss=classification_loss,
-        dataset=make_dataset(config), global_batch=config.per_device_batch * DEVICES,
-        virtual_workers=DEVICES, seed=0,
+        model=ModelFactory(config, sparse=True),
+        optimizer=make_optimizer,
+        loss=classification_loss,
+        dataset=make_dataset(config),
+        global_batch=config.per_device_batch * DEVICES,
+        virtual_workers=DEVICES,
+        seed=0,
     )
 
 
@@ -146,11 +154,12 @@ def make_job(config: Config) -> flexpar.Job:
 
 def flexpar_run(config: Config, work_dir: str) -> dict:
     """One flexpar fit() on 2 devices; median step seconds and the timed steps' records."""
-    metrics_path = tempfile.mktemp(suffix=".jsonl", dir=work_dir)
-    make_job(config).fit(steps=config.steps, devices=DEVICES, metrics=metrics_path, display=False,
-                         quiet=True, run_dir=work_dir)
-    steps = sorted((r for r in read_records(metrics_path) if r["kind"] == "step"), key=lambda r: r["step"])
-    durations = step_durations([record["time"] for record in steps], config.skip)
+    metrics_path = harness.unique_path(work_dir, ".jsonl")
+    make_job(config).fit(
+        steps=config.steps, devices=DEVICES, metrics=metrics_path, display=False, quiet=True, run_dir=work_dir
+    )
+    steps = harness.step_records(metrics_path)
+    durations = harness.step_durations([record["time"] for record in steps], config.skip)
     timed = steps[config.skip :]
     return {
         "step_s": median(durations),
@@ -208,31 +217,31 @@ def wire_bytes(config: Config, nnz_per_rank: List[int]) -> dict:
 # ---------------------------------------------------------------- DDP side
 
 
-def _ddp_rank(rank: int, world_size: int, port: int, config: Config, result_path: str) -> None:
-    """One DDP rank with the dense model: the standard loop, timing each commit."""
-    ddp_training_rank(rank, world_size, port, ModelFactory(config, sparse=False), make_optimizer, make_dataset(config),
-                      config.per_device_batch, config.steps, result_path)
-
-
 def ddp_dense_run(config: Config, work_dir: str) -> dict:
-    result_path = tempfile.mktemp(suffix=".txt", dir=work_dir)
-    torch_multiprocessing.spawn(
-        _ddp_rank, args=(DEVICES, free_port(), config, result_path), nprocs=DEVICES, join=True
+    """One DDP job with the dense model: the standard loop (harness.ddp_training_rank), timing each commit."""
+    commit_times = harness.run_ddp(
+        ModelFactory(config, sparse=False),
+        make_optimizer,
+        functools.partial(make_dataset, config),
+        config.per_device_batch,
+        config.steps,
+        DEVICES,
+        work_dir,
     )
-    commit_times = [float(value) for value in Path(result_path).read_text().split()]
-    return {"step_s": median(step_durations(commit_times, config.skip))}
+    return {"step_s": median(harness.step_durations(commit_times, config.skip))}
 
 
 # ---------------------------------------------------------------- main
 
 
 def measure(config: Config, work_dir: str) -> dict:
-    runs = alternate({
-        "flexpar_sparse": lambda: flexpar_run(config, work_dir),
-        "ddp_dense": lambda: ddp_dense_run(config, work_dir),
-    }, config.repeats)
-    flexpar_step_s = median([run["step_s"] for run in runs["flexpar_sparse"]])
-    dense_step_s = median([run["step_s"] for run in runs["ddp_dense"]])
+    runs = alternate(
+        {
+            "flexpar_sparse": lambda _: flexpar_run(config, work_dir),
+            "ddp_dense": lambda _: ddp_dense_run(config, work_dir),
+        },
+        config.repeats,
+    )
     # The data plan of the last flexpar run's timed steps (every run has the same data).
     nnz = measured_nnz(config, runs["flexpar_sparse"][-1]["plan"])
     per_step_bytes = [wire_bytes(config, counts) for counts in nnz]
@@ -240,9 +249,9 @@ def measure(config: Config, work_dir: str) -> dict:
     return {
         "bytes_ratio": ratio(bytes_median["flexpar_bytes"], bytes_median["dense_bytes"]),
         "embedding_bytes_ratio": ratio(bytes_median["flexpar_embedding_bytes"], bytes_median["dense_embedding_bytes"]),
-        "speedup_vs_dense": ratio(dense_step_s, flexpar_step_s),
-        "flexpar_step_s": flexpar_step_s,
-        "ddp_dense_step_s": dense_step_s,
+        **harness.ratio_of_medians(
+            runs, "step_s", ("ddp_dense", "ddp_dense_step_s"), ("flexpar_sparse", "flexpar_step_s"), "speedup_vs_dense"
+        ),
         "nnz_per_rank_per_step": nnz,
         "max_rows_touched_fraction": max(sum(counts) for counts in nnz) / config.rows,
         **{f"{key}_per_step": value for key, value in bytes_median.items()},
@@ -256,36 +265,50 @@ def measure(config: Config, work_dir: str) -> dict:
 def report(figures: dict, config: Config) -> None:
     mib = 1 << 20
     rows = [
-        {"figure": "bytes sent per rank per step (MiB)", "flexpar sparse": figures["flexpar_bytes_per_step"] / mib,
-         "DDP dense": figures["dense_bytes_per_step"] / mib, "ratio": figures["bytes_ratio"],
-         "goal": "bytes_ratio <= 0.1"},
-        {"figure": "  of which the embedding (MiB)", "flexpar sparse": figures["flexpar_embedding_bytes_per_step"] / mib,
-         "DDP dense": figures["dense_embedding_bytes_per_step"] / mib, "ratio": figures["embedding_bytes_ratio"],
-         "goal": ""},
-        {"figure": "median step time (s)", "flexpar sparse": figures["flexpar_step_s"],
-         "DDP dense": figures["ddp_dense_step_s"], "ratio": figures["speedup_vs_dense"],
-         "goal": "speedup_vs_dense (dense / flexpar)"},
+        {
+            "figure": "bytes sent per rank per step (MiB)",
+            "flexpar sparse": figures["flexpar_bytes_per_step"] / mib,
+            "DDP dense": figures["dense_bytes_per_step"] / mib,
+            "ratio": figures["bytes_ratio"],
+            "goal": "bytes_ratio <= 0.1",
+        },
+        {
+            "figure": "  of which the embedding (MiB)",
+            "flexpar sparse": figures["flexpar_embedding_bytes_per_step"] / mib,
+            "DDP dense": figures["dense_embedding_bytes_per_step"] / mib,
+            "ratio": figures["embedding_bytes_ratio"],
+            "goal": "",
+        },
+        {
+            "figure": "median step time (s)",
+            "flexpar sparse": figures["flexpar_step_s"],
+            "DDP dense": figures["ddp_dense_step_s"],
+            "ratio": figures["speedup_vs_dense"],
+            "goal": "speedup_vs_dense (dense / flexpar)",
+        },
     ]
-    title = (f"sparse embedding {config.rows:,} x {config.width}, {DEVICES} devices, "
-             f"{config.per_device_batch} samples x {config.lookups} lookups per device, "
-             f"at most {figures['max_rows_touched_fraction']:.2%} of rows per step; "
-             f"{config.repeats} alternating rounds, medians")
-    print_table(rows, ["figure", "flexpar sparse", "DDP dense", "ratio", "goal"], title)
+    title = (
+        f"sparse embedding {config.rows:,} x {config.width}, {DEVICES} devices, "
+        f"{config.per_device_batch} samples x {config.lookups} lookups per device, "
+        f"at most {figures['max_rows_touched_fraction']:.2%} of rows per step; "
+        f"{config.repeats} alternating rounds, medians"
+    )
+    harness.print_table(rows, ["figure", "flexpar sparse", "DDP dense", "ratio", "goal"], title)
 
 
 def main() -> None:
-    arguments = base_parser(__doc__.split("\n\n")[0]).parse_args()
+    arguments = harness.base_parser(__doc__.split("\n\n")[0]).parse_args()
     config = QUICK if arguments.quick else FULL
     load_before = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="flexpar-sparse-") as work_dir:
+    with harness.run_folder("flexpar-sparse-") as work_dir:
         figures = measure(config, work_dir)
     figures["load_average_before_after"] = [load_before, os.getloadavg()[0]]
     report(figures, config)
     print(f"load average (1 min) before/after: {load_before:.2f} / {os.getloadavg()[0]:.2f}")
     figures["config"] = dataclasses.asdict(config)
-    figures["cores"] = cpu_count()
-    write_json(arguments.json, figures)
+    figures["cores"] = harness.cpu_count()
+    harness.write_json(arguments.json, figures)
 
 
 if __name__ == "__main__":
-    main()
+    harness.run(main)

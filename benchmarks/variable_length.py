@@ -54,10 +54,10 @@ from typing import Dict, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import median, print_table, ratio  # noqa: E402
-from flexpar.core import batching, cost_balance  # noqa: E402
-from flexpar.examples import tiny_lm_variable  # noqa: E402
-from flexpar.observe.metrics import read_records  # noqa: E402
+from harness import median, print_table, ratio, step_records
+
+from flexpar.core import batching, cost_balance
+from flexpar.examples import tiny_lm_variable
 
 
 @dataclass(frozen=True)
@@ -80,12 +80,24 @@ QUICK = dict(steps=16, warmup_steps=4, pairs=1)
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--variable-length", choices=("only", "skip"), default=None,
-                        help="run only the variable-length round (balancing by cost), or skip it")
-    parser.add_argument("--variable-length-pairs", type=int, default=None,
-                        help="alternating count/cost pairs per speed setting (default 3, quick 1)")
-    parser.add_argument("--token-us", type=float, default=None,
-                        help="emulated device time per predicted token, microseconds (default 200; 0: none)")
+    parser.add_argument(
+        "--variable-length",
+        choices=("only", "skip"),
+        default=None,
+        help="run only the variable-length round (balancing by cost), or skip it",
+    )
+    parser.add_argument(
+        "--variable-length-pairs",
+        type=int,
+        default=None,
+        help="alternating count/cost pairs per speed setting (default 3, quick 1)",
+    )
+    parser.add_argument(
+        "--token-us",
+        type=float,
+        default=None,
+        help="emulated device time per predicted token, microseconds (default 200; 0: none)",
+    )
 
 
 def config_from(options) -> VariableLengthConfig:
@@ -113,21 +125,35 @@ class DeviceTimeLoss:
 def make_jobs(config: VariableLengthConfig, dataset) -> Dict[str, object]:
     """The two contenders: the same job, without and with sample_cost."""
     longest = max(dataset.length(index) for index in range(len(dataset)))
-    model = tiny_lm_variable.ModelFactory(context=longest - 1, width=config.width, heads=config.heads,
-                                          layers=config.layers)
+    model = tiny_lm_variable.ModelFactory(
+        context=longest - 1, width=config.width, heads=config.heads, layers=config.layers
+    )
     jobs = {}
     for mode in ("count", "cost"):
-        job = tiny_lm_variable.build_job(dataset, by_cost=(mode == "cost"), global_batch=config.global_batch,
-                                         virtual_workers=config.virtual_workers, model=model)
+        job = tiny_lm_variable.build_job(
+            dataset,
+            by_cost=(mode == "cost"),
+            global_batch=config.global_batch,
+            virtual_workers=config.virtual_workers,
+            model=model,
+        )
         jobs[mode] = dataclasses.replace(job, loss=DeviceTimeLoss(config.token_us / 1e6))
     return jobs
 
 
 def _fit(job, config: VariableLengthConfig, speeds: Sequence[float], metrics: str) -> List[dict]:
     equal = len(set(speeds)) == 1
-    job.fit(steps=config.steps, devices=len(speeds), emulate_speeds=None if equal else list(speeds),
-            backend="gloo", oversubscribe=True, metrics=metrics, display=False, quiet=True)
-    return [record for record in read_records(metrics) if record["kind"] == "step"]
+    job.fit(
+        steps=config.steps,
+        devices=len(speeds),
+        emulate_speeds=None if equal else list(speeds),
+        backend="gloo",
+        oversubscribe=True,
+        metrics=metrics,
+        display=False,
+        quiet=True,
+    )
+    return step_records(metrics)
 
 
 def _token_imbalance(record: dict, job) -> float:
@@ -137,7 +163,8 @@ def _token_imbalance(record: dict, job) -> float:
     else:  # by count: contiguous ranges of the record's counts
         indices = batching.split_global_batch(
             batching.global_batch_indices(job.seed, record["step"], len(job.dataset), job.global_batch),
-            job.virtual_workers)
+            job.virtual_workers,
+        )
         costs = [sum(job.dataset.token_count(index) for index in vw) for vw in indices]
         sets, start = [], 0
         for count in record["assignment"]:
@@ -172,8 +199,10 @@ def run(config: VariableLengthConfig, folder: str, progress=print) -> dict:
                 result[mode] = _figures(_fit(jobs[mode], config, speeds, metrics), config, jobs[mode])
             result["speedup"] = ratio(result["count"]["step_s"], result["cost"]["step_s"])
             pairs.append(result)
-            progress(f"variable length, speeds {list(speeds)}, pair {pair + 1}/{config.pairs}: "
-                     f"count {result['count']['step_s']:.3f} s, cost {result['cost']['step_s']:.3f} s")
+            progress(
+                f"variable length, speeds {list(speeds)}, pair {pair + 1}/{config.pairs}: "
+                f"count {result['count']['step_s']:.3f} s, cost {result['cost']['step_s']:.3f} s"
+            )
         settings.append(_setting_summary(speeds, pairs))
     equal = settings[0]
     return {
@@ -207,16 +236,30 @@ def _setting_summary(speeds, pairs: List[dict]) -> dict:
 def print_report(section: Optional[dict]) -> None:
     if not section:
         return
-    rows = [{"speeds": setting["speeds"], "count_s": setting["count_step_s"], "cost_s": setting["cost_step_s"],
-             "speedup": setting["cost_balance_speedup"], "imbalance_count": setting["count_imbalance"],
-             "imbalance_cost": setting["cost_balance_imbalance"],
-             "token_imbalance_count": setting["token_imbalance_count"],
-             "token_imbalance_cost": setting["token_imbalance_cost"]}
-            for setting in section["settings"]]
+    rows = [
+        {
+            "speeds": setting["speeds"],
+            "count_s": setting["count_step_s"],
+            "cost_s": setting["cost_step_s"],
+            "speedup": setting["cost_balance_speedup"],
+            "imbalance_count": setting["count_imbalance"],
+            "imbalance_cost": setting["cost_balance_imbalance"],
+            "token_imbalance_count": setting["token_imbalance_count"],
+            "token_imbalance_cost": setting["token_imbalance_cost"],
+        }
+        for setting in section["settings"]
+    ]
     config = section["config"]
-    print_table(rows, list(rows[0]), title=(
-        f"variable-length round: tiny LM on {section['samples']} stdlib paragraphs (mean "
-        f"{section['mean_sample_tokens']:.0f} tokens), global batch {config['global_batch']}, "
-        f"V={config['virtual_workers']}; median step seconds by count vs by cost (sample_cost)"))
-    print(f"cost_balance_speedup {section['cost_balance_speedup']:.3f} (goal >= 1.15), "
-          f"cost_balance_imbalance {section['cost_balance_imbalance']:.3f}")
+    print_table(
+        rows,
+        list(rows[0]),
+        title=(
+            f"variable-length round: tiny LM on {section['samples']} stdlib paragraphs (mean "
+            f"{section['mean_sample_tokens']:.0f} tokens), global batch {config['global_batch']}, "
+            f"V={config['virtual_workers']}; median step seconds by count vs by cost (sample_cost)"
+        ),
+    )
+    print(
+        f"cost_balance_speedup {section['cost_balance_speedup']:.3f} (goal >= 1.15), "
+        f"cost_balance_imbalance {section['cost_balance_imbalance']:.3f}"
+    )

@@ -13,7 +13,7 @@ sys.path.insert(
     0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
 )
 
-import sim_validation as validation
+import validation
 
 from flexpar.sim import calibrate
 
