@@ -31,7 +31,8 @@ from flexpar.cli.job_commands import (
 )
 from flexpar.cli.run_command import add_run_flags, command_run
 from flexpar.comm.store import Unreachable
-from flexpar.sim.cli import main as simulate_main
+from flexpar.sim.cli import SIMULATE_DESCRIPTION, add_simulate_arguments, shipped_scenarios
+from flexpar.sim.cli import run_from_arguments as run_simulation
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,9 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("-o", "--output", default="model.safetensors")
     export.set_defaults(handler=command_export, parser=export)
 
-    simulate = commands.add_parser("simulate", help="simulate a cluster scenario", add_help=False)
-    simulate.add_argument("simulate_arguments", nargs=argparse.REMAINDER)
-    simulate.set_defaults(handler=lambda arguments: _simulate(arguments.simulate_arguments))
+    # simulate's own arguments on its subparser, so `flexpar simulate --help` prints them
+    # (an argparse.REMAINDER pass-through swallowed nothing that starts with a dash).
+    simulate = commands.add_parser(
+        "simulate",
+        help="simulate a cluster scenario",
+        description=SIMULATE_DESCRIPTION,
+        epilog=f"shipped scenarios: {', '.join(shipped_scenarios())}",
+    )
+    add_simulate_arguments(simulate)
+    simulate.set_defaults(handler=run_simulation, parser=simulate)
 
     demo = commands.add_parser("demo", help="train a small real model and show an elastic change")
     demo.add_argument("--steps", type=int, default=160)
@@ -126,10 +134,6 @@ def _exit_on_early_sigterm() -> None:
         raise SystemExit(143)
 
     signal.signal(signal.SIGTERM, on_sigterm)
-
-
-def _simulate(argv) -> int:
-    return simulate_main(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -86,6 +86,9 @@ def _plot(draw, enabled: bool, plot_path, default: Path) -> Optional[Path]:
         return None
 
 
+SIMULATE_DESCRIPTION = "Simulate a cluster scenario under flexpar, uniform split (DDP) and checkpoint-restart."
+
+
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``simulate``'s arguments to ``parser`` (e.g. a subcommand parser of ``flexpar``)."""
     parser.add_argument("scenario", help="scenario TOML file, or the name of a shipped scenario")
@@ -111,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     return add_simulate_arguments(
         argparse.ArgumentParser(
             prog="flexpar simulate",
-            description="Simulate a cluster scenario under flexpar, uniform split (DDP) and checkpoint-restart.",
+            description=SIMULATE_DESCRIPTION,
             epilog=f"shipped scenarios: {', '.join(shipped_scenarios())}",
         )
     )

@@ -468,6 +468,20 @@ def test_simulate_command_prints_the_table_and_writes_plot_and_json(tmp_path, ca
     assert data["policies"]["flexpar"]["completed_steps"] == 10
 
 
+def test_flexpar_simulate_takes_its_own_flags_and_prints_its_help(tmp_path, capsys):
+    from flexpar.cli import main as flexpar_main
+
+    with pytest.raises(SystemExit) as stopped:
+        flexpar_main(["simulate", "--help"])
+    assert stopped.value.code == 0
+    printed = capsys.readouterr().out
+    assert "usage: flexpar simulate" in printed and "--scalability" in printed and "mixed_cluster" in printed
+    json_path = tmp_path / "out.json"
+    path = write_toml(tmp_path, MINIMAL_TOML)
+    assert flexpar_main(["simulate", str(path), "--no-plot", "--json", str(json_path)]) == 0
+    assert json.loads(json_path.read_text())["policies"]["flexpar"]["completed_steps"] == 10
+
+
 def test_simulate_command_reports_a_bad_file_and_exits_2(tmp_path, capsys):
     path = write_toml(tmp_path, MINIMAL_TOML.replace("count = 2", "count = -2"))
     assert simulate_command(str(path), plot_path=str(tmp_path / "p.png")) == 2
