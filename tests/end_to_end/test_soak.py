@@ -195,7 +195,26 @@ def test_a_small_soak_fires_every_kind_and_phase_and_finds_no_error(tmp_path):
     missed = [(d["index"], d["not_fired"]) for d in report["details"] if d["not_fired"]]
     assert all(report["fired_by_kind"].values()), (report["fired_by_kind"], missed)
     assert all(report["fired_by_phase"].values()), (report["fired_by_phase"], missed)
-    assert report["simultaneous"] >= 1 and report["during_recovery"] >= 1, report
+    assert report["simultaneous"] >= 1, report
+    # A formation kill drawn into another kill's recovery fires at the recovery's group formation,
+    # so it is in that recovery by construction. The tally's time-based `during_recovery` also
+    # depends on whether the failure event was written before that formation (machine load), so
+    # the test asserts on the plan: such a fault was drawn, and it fired.
+    plans = soak_plan.plans(9)
+    drawn = [next(plans) for _ in report["details"]]
+    in_recovery = [
+        (plan.index, ("kill", "formation", step, device))
+        for plan in drawn
+        for step, device, phase, kind in plan.faults
+        if (phase, kind) == ("formation", "kill")
+        and any(
+            at == step and other_kind == "kill" and other_phase != "formation"
+            for at, _, other_phase, other_kind in plan.faults
+        )
+    ]
+    assert in_recovery, "seed 9 draws a formation kill into a kill's recovery"
+    not_fired = {(d["index"], tuple(fault)) for d in report["details"] for fault in d["not_fired"]}
+    assert not any(fault in not_fired for fault in in_recovery), (in_recovery, missed)
 
 
 @pytest.mark.timeout(240)
