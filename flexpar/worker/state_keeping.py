@@ -15,9 +15,15 @@ import os
 from typing import Optional
 
 from flexpar.comm import state_transfer as training_state
-from flexpar.core import balance
+from flexpar.core import balance, frozen
+from flexpar.errors import UserCodeError
 from flexpar.worker import checkpoints
 from flexpar.worker.records import RECORDS_KEPT
+
+
+def is_peft(model) -> bool:
+    """A peft model (duck-typed: flexpar does not import peft): export writes its adapter too."""
+    return type(model).__module__.startswith("peft") and hasattr(model, "peft_config")
 
 
 class WorkerCheckpoints:
@@ -25,7 +31,7 @@ class WorkerCheckpoints:
 
     # ------------------------------------------------------------ state
 
-    def _capture(self) -> dict:
+    def _capture(self, for_checkpoint: bool = False) -> dict:
         extra = {
             "balance": balance.state_to_dict(self.balance_state),
             "committed_wall": self.committed_wall,
@@ -35,12 +41,23 @@ class WorkerCheckpoints:
             extra["grad_scaler"] = self.scaler.state_dict()
         if self.cost_planner is not None:  # by cost: joiners plan with the same rates
             extra["cost_rates"] = self.cost_planner.state()
-        return training_state.capture(self.model, self.optimizer, self.scheduler, self.committed, extra)
+        complete = for_checkpoint and self.settings.checkpoint_frozen
+        if for_checkpoint:  # what resume and export check the factory's rebuild against
+            extra["frozen"] = self.frozen.checkpoint_entry(
+                complete, self.settings.model_factory, self.job.seed, is_peft(self.model)
+            )
+        model_state = self.frozen.travelling(self.model, complete=complete)
+        return training_state.capture(self.model, self.optimizer, self.scheduler, self.committed, extra, model_state)
 
     def _restore(self, state: dict) -> None:
-        training_state.restore(self.model, self.optimizer, self.scheduler, state)
-        self.committed = int(state["step"])
         extra = state.get("extra") or {}
+        recorded = (extra.get("frozen") or {}).get("digests")
+        if recorded is not None:  # a checkpoint: its frozen part must be the one this factory built
+            problem = frozen.frozen_problem(self.frozen.digests, recorded, where="the checkpoint")
+            if problem:
+                raise UserCodeError(f"{problem}; resume with the same model factory and pretrained files")
+        training_state.restore(self.model, self.optimizer, self.scheduler, state, load_model=self.frozen.load)
+        self.committed = int(state["step"])
         if "balance" in extra:
             self.balance_state = balance.state_from_dict(extra["balance"])
         self.committed_wall = float(extra.get("committed_wall", self.committed_wall))
@@ -69,7 +86,7 @@ class WorkerCheckpoints:
         self._fault_point("checkpoint", self.committed)
         writer = self._checkpoint_writer_now()
         if not os.path.exists(path) and writer.pending != path:  # the last step may be written already
-            writer.submit(directory, self.committed, checkpoints.cpu_copy(self._capture()))
+            writer.submit(directory, self.committed, checkpoints.cpu_copy(self._capture(for_checkpoint=True)))
         return path
 
     _checkpoint_writer: Optional[checkpoints.CheckpointWriter] = None
