@@ -67,7 +67,8 @@ class FrozenPart:
         problem = frozen.load_problem(self.layout, list(model_state))
         if problem:
             raise ValueError(problem)
-        kept = collections.OrderedDict((key, value) for key, value in model_state.items() if key not in self.layout.frozen)
+        frozen_keys = self.layout.frozen
+        kept = collections.OrderedDict((key, value) for key, value in model_state.items() if key not in frozen_keys)
         kept._metadata = getattr(model_state, "_metadata", None)
         model.load_state_dict(kept, strict=False)
 
