@@ -178,3 +178,53 @@ def test_frozen_trunk_elastic_run_refusal_checkpoint_and_resume(train, metrics_f
         dataclasses.replace(reference_job, model=frozen_pieces.FrozenTrunk(str(other))).fit(
             steps=8, devices=1, resume=True, checkpoint_dir=str(folder), display=False, quiet=True
         )
+
+
+@pytest.mark.timeout(240)
+def test_lora_elastic_run_matches_reference_and_exports_a_peft_adapter(train, metrics_file, tmp_path):
+    pytest.importorskip("peft", reason="peft is not installed (flexpar[hf])")
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import GPT2LMHeadModel
+
+    from flexpar import export
+    from flexpar.examples import hf_gpt, lora_gpt
+
+    folder = lora_gpt.write_pretrained(str(tmp_path / "pretrained"), layers=2, width=32, heads=2, context=32)
+    dataset, _ = hf_gpt.load_splits(context=32, max_bytes=30_000)
+    delay_s = 0.05
+    faults, schedule, steps = _schedule(delay_s, 6)
+
+    def job_with(delay):  # fp32: bf16 rounds differently as the device set changes (README)
+        loss = frozen_pieces.SlowLoss(hf_gpt.loss_fn, delay)
+        return lora_gpt.build_job(
+            folder, steps, 12, 6, dataset=dataset, mixed_precision=None, max_grad_norm=0.5, rank=4, loss=loss
+        )
+
+    checkpoint_folder = tmp_path / "checkpoints"
+    model, summary = train(
+        job_with(delay_s),
+        steps=steps,
+        devices=2,
+        max_devices=3,
+        faults=faults,
+        schedule=schedule,
+        checkpoint_dir=str(checkpoint_folder),
+        checkpoint_every=steps,
+    )
+    assert _device_counts(_records(metrics_file)) == [2, 1, 2, 1]
+    pieces.assert_same_parameters(model, pieces.reference(job_with(0.0), steps), atol=ATOL)
+    # The checkpoint holds the adapters only; export rebuilds the model by the recorded factory.
+    last = checkpoints.checkpoint_path(str(checkpoint_folder), steps)
+    state = checkpoints.read_checkpoint(last, torch.device("cpu"))
+    assert state["model"] and all("lora_" in name for name in state["model"])
+    output, adapter = export.export_with_adapter(last, str(tmp_path / "lora.safetensors"))
+    assert adapter == str(tmp_path / "lora-adapter")
+    loaded = PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(folder), adapter).eval()
+    tokens = torch.stack([dataset[index][0] for index in range(4)])
+    with torch.no_grad():
+        want = model.eval()(input_ids=tokens).logits
+        torch.testing.assert_close(loaded(input_ids=tokens).logits, want, rtol=0, atol=0)
+        whole = lora_gpt.PretrainedLoRA(folder, rank=4)().eval()
+        whole.load_state_dict(load_file(output))
+        torch.testing.assert_close(whole(input_ids=tokens).logits, want, rtol=0, atol=0)
