@@ -80,6 +80,7 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--checkpoint-frozen",
         action="store_true",
+        default=None,
         help="write the frozen weights into checkpoints too (default: the trainable state and their digests)",
     )
 
