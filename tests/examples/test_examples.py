@@ -343,3 +343,21 @@ def test_hf_gpt_script_without_transformers_names_the_extra_to_install():
     run = subprocess.run([sys.executable, "-c", hide, script], capture_output=True, text=True, timeout=120)
     assert run.returncode == 1
     assert run.stderr.strip() == 'examples/hf_gpt.py needs Hugging Face transformers: pip install "flexpar[hf]"'
+
+
+def test_lora_gpt_script_without_peft_names_the_extra_to_install():
+    """`python examples/lora_gpt.py` without peft: one line naming the [hf] extra, exit 1, nothing started."""
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "lora_gpt.py"
+    )
+    hide = (
+        "import runpy, sys; sys.modules['peft'] = None; sys.argv = [sys.argv[1], '--steps', '1']; "
+        "runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    run = subprocess.run([sys.executable, "-c", hide, script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert run.stderr.strip() == 'examples/lora_gpt.py needs transformers and peft: pip install "flexpar[hf]"'
