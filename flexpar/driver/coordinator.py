@@ -46,7 +46,7 @@ class Coordinator:
         heartbeat_timeout_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         on_note: Callable[[str], None] = print,
-        frozen_reference: Callable[[], dict] = dict,
+        frozen_reference: Optional[Callable[[], dict]] = None,
     ):
         self.store = store
         self.secret = secret
@@ -60,7 +60,8 @@ class Coordinator:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.clock = clock
         self.on_note = on_note
-        # The job's frozen digests (flexpar/core/frozen.py), computed by the driver in the background.
+        # The job's frozen digests (flexpar/core/frozen.py), computed by the driver in the background;
+        # None: no content check (a coordinator without a model of its own).
         self.frozen_reference = frozen_reference
         self.events = Channel(store, "events")
         self.stop_reason: Optional[str] = None
@@ -192,8 +193,8 @@ class Coordinator:
                 "the model differs from the job's (parameter names, shapes or dtypes do not match): "
                 "join with the same script and model code"
             )
-        reference = self.frozen_reference()
-        if message.get("frozen_digest") != frozen.combined_digest(reference):
+        reference = self.frozen_reference() if self.frozen_reference is not None else None
+        if reference is not None and message.get("frozen_digest") != frozen.combined_digest(reference):
             reported = message.get("frozen_digests")
             if not isinstance(reported, dict):
                 return "the device did not report its frozen weights' digests: install the job's flexpar version"
