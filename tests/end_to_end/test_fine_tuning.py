@@ -9,7 +9,6 @@ one equals the uninterrupted run, and `export` writes a peft adapter that
 """
 
 import dataclasses
-import json
 import math
 import os
 import shutil
@@ -31,16 +30,8 @@ JOIN_HEADROOM_S = 6.0  # as tests/end_to_end/test_elastic.py: a joiner's start o
 ATOL = 1e-6  # summation order over dozens of SGD-momentum steps (test_elastic's LONG_RUN_ATOL)
 
 
-def _records(path):
-    return [json.loads(line) for line in open(path)]
-
-
-def _device_counts(records):
-    counts = []
-    for record in records:
-        if record["kind"] == "step" and (not counts or counts[-1] != len(record["devices"])):
-            counts.append(len(record["devices"]))
-    return counts
+_records = pieces.metrics_records
+_device_counts = pieces.device_counts
 
 
 def _free_port():
