@@ -219,3 +219,28 @@ def test_lora_elastic_run_matches_reference_and_exports_a_peft_adapter(train, me
         whole = lora_gpt.PretrainedLoRA(folder, rank=4)().eval()
         whole.load_state_dict(load_file(output))
         torch.testing.assert_close(whole(input_ids=tokens).logits, want, rtol=0, atol=0)
+
+
+class Unfreezes(pieces.Loss):
+    """The loss, which unfreezes the trunk at its fourth call (the driver's checks and the warm-up call it too)."""
+
+    def __init__(self):
+        super().__init__(0.0)
+        self.calls = 0
+
+    def __call__(self, model, batch):
+        self.calls += 1
+        if self.calls == 4:
+            model.trunk[0].weight.requires_grad_(True)
+        return super().__call__(model, batch)
+
+
+def test_changing_requires_grad_during_training_stops_naming_the_parameter(train, tmp_path):
+    trunk = tmp_path / "trunk.pt"
+    frozen_pieces.write_trunk(trunk)
+    job = pieces.make_job(virtual_workers=1, global_batch=8, model=frozen_pieces.FrozenTrunk(str(trunk)))
+    job = dataclasses.replace(job, loss=Unfreezes())
+    with pytest.raises(
+        flexpar.TrainingError, match=r"trunk\.0\.weight became trainable \(requires_grad=True\) at step \d"
+    ):
+        train(job, steps=5, devices=1)
