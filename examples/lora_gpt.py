@@ -2,8 +2,8 @@
 
     pip install "flexpar[hf]"                         # transformers and peft
     python examples/lora_gpt.py --steps 80            # every local device, or one CPU process
-    flexpar run --devices 2 --max-devices 3 --oversubscribe --schedule 20:+1,50:-1 \\
-        --checkpoint-dir runs/lora-ck --checkpoint-every 20 examples/lora_gpt.py --steps 80
+    flexpar run --devices 2 --max-devices 3 --oversubscribe --schedule 10:+1,70:-1 \\
+        --checkpoint-dir runs/lora-ck --checkpoint-every 20 examples/lora_gpt.py   # 80 steps
     flexpar export runs/lora-ck/step-00000080.pt -o runs/lora.safetensors   # + runs/lora-adapter/
 
 The script first writes a small GPT-2 checkpoint to --pretrained (nothing is
