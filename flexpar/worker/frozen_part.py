@@ -52,15 +52,31 @@ class FrozenPart:
                     changed.add(name)
         return changed
 
-    def travelling(self, model: torch.nn.Module, complete: bool = False) -> collections.OrderedDict:
-        """The model's state_dict less the frozen part (`complete`: all of it), `_metadata` kept."""
+    def travelling(self, model: torch.nn.Module) -> collections.OrderedDict:
+        """The model's state_dict less the frozen part, `_metadata` kept."""
         full = model.state_dict()
-        if complete:
-            return full
         keys = frozen.travelling_keys(self.layout, self.changed_buffers(model))
         subset = collections.OrderedDict((key, value) for key, value in full.items() if key in keys)
         subset._metadata = getattr(full, "_metadata", None)
         return subset
+
+    def complete(self, model: torch.nn.Module, copied: dict) -> collections.OrderedDict:
+        """`copied` (a CPU copy of `travelling`) completed to the whole state_dict, in its order.
+
+        Frozen parameters are the live tensors (they never change: `check_flags`);
+        the buffers that stayed as built are copied (one may change while a write is in flight).
+        """
+        full = model.state_dict()
+        whole = collections.OrderedDict()
+        for key, value in full.items():
+            if key in copied:
+                whole[key] = copied[key]
+            elif key in self.layout.frozen:
+                whole[key] = value.detach()
+            else:
+                whole[key] = value.detach().to("cpu", copy=True)
+        whole._metadata = getattr(full, "_metadata", None)
+        return whole
 
     def load(self, model: torch.nn.Module, model_state: dict) -> None:
         """Load a received or checkpointed model state; frozen tensors in it are ignored (the factory's stay)."""

@@ -41,12 +41,15 @@ class WorkerCheckpoints:
             extra["grad_scaler"] = self.scaler.state_dict()
         if self.cost_planner is not None:  # by cost: joiners plan with the same rates
             extra["cost_rates"] = self.cost_planner.state()
-        complete = for_checkpoint and self.settings.checkpoint_frozen
         if for_checkpoint:  # what resume and export check the factory's rebuild against
             extra["frozen"] = self.frozen.checkpoint_entry(
-                complete, self.settings.model_factory, self.job.seed, is_peft(self.model)
+                for_checkpoint and self.settings.checkpoint_frozen,
+                self.settings.model_factory,
+                self.job.seed,
+                is_peft(self.model),
             )
-        model_state = self.frozen.travelling(self.model, complete=complete)
+        # checkpoint_frozen: `_write_checkpoint` adds the frozen parameters after the copy.
+        model_state = self.frozen.travelling(self.model)
         return training_state.capture(self.model, self.optimizer, self.scheduler, self.committed, extra, model_state)
 
     def _restore(self, state: dict) -> None:
@@ -86,7 +89,12 @@ class WorkerCheckpoints:
         self._fault_point("checkpoint", self.committed)
         writer = self._checkpoint_writer_now()
         if not os.path.exists(path) and writer.pending != path:  # the last step may be written already
-            writer.submit(directory, self.committed, checkpoints.cpu_copy(self._capture(for_checkpoint=True)))
+            state = checkpoints.cpu_copy(self._capture(for_checkpoint=True))
+            if self.settings.checkpoint_frozen:
+                # The frozen parameters never change: the writer thread serialises the live
+                # tensors, so the step loop copies only what trains (and the small buffers).
+                state["model"] = self.frozen.complete(self.model, state["model"])
+            writer.submit(directory, self.committed, state)
         return path
 
     _checkpoint_writer: Optional[checkpoints.CheckpointWriter] = None

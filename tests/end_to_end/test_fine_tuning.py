@@ -162,6 +162,7 @@ def test_frozen_trunk_elastic_run_refusal_checkpoint_and_resume(train, metrics_f
         torch.testing.assert_close(resumed.state_dict()[name], value, rtol=1e-5, atol=ATOL)
     complete = checkpoints.read_checkpoint(checkpoints.checkpoint_path(str(resumed_folder), 8), torch.device("cpu"))
     assert set(complete["model"]) == set(model.state_dict()) and complete["extra"]["frozen"]["complete"]
+    assert torch.equal(complete["model"]["trunk.2.weight"], model.state_dict()["trunk.2.weight"])
     # A resume whose factory builds another trunk is refused before any worker starts, naming it.
     other = tmp_path / "other-trunk.pt"
     frozen_pieces.write_trunk(other, perturbed="0.weight")

@@ -6,6 +6,7 @@ from torch import nn
 
 from flexpar.comm.gradient_sync import GradientSync
 from flexpar.errors import UserCodeError
+from flexpar.worker import checkpoints
 from flexpar.worker.frozen_part import FrozenPart
 
 
@@ -36,7 +37,12 @@ def test_warm_up_changed_buffers_travel_and_a_later_change_does_too():
         model.scale[0] = 9.0
     travelling = part.travelling(model)
     assert "scale" in travelling and travelling._metadata is not None
-    assert set(part.travelling(model, complete=True)) == set(model.state_dict())
+    whole = part.complete(model, checkpoints.cpu_copy(travelling))
+    assert list(whole) == list(model.state_dict())
+    # The frozen weight is the live tensor (never copied); the trainable one is the copy.
+    assert whole["trunk.0.weight"].data_ptr() == model.trunk[0].weight.data_ptr()
+    assert whole["head.weight"].data_ptr() != model.head.weight.data_ptr()
+    assert all(torch.equal(whole[name], value) for name, value in model.state_dict().items())
 
 
 def test_a_trainable_only_state_restores_the_trained_model():
