@@ -43,7 +43,7 @@ class WorkerCheckpoints:
             extra["cost_rates"] = self.cost_planner.state()
         if for_checkpoint:  # what resume and export check the factory's rebuild against
             extra["frozen"] = self.frozen.checkpoint_entry(
-                for_checkpoint and self.settings.checkpoint_frozen,
+                self.settings.checkpoint_frozen,
                 self.settings.model_factory,
                 self.job.seed,
                 is_peft(self.model),
