@@ -336,7 +336,7 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
         self.phase = Phase.DONE
         self._checkpoint_writer_now().wait()  # the checkpoint "done" names exists before the job ends
         if self.rank == 0:
-            data = training_state.to_bytes({"model": self.frozen.travelling(self.model), "step": self.committed})
+            data = training_state.to_bytes({"model": self._model_state_for_transfer(), "step": self.committed})
             put_blob(self.link.store, "result", data, self.args.secret)
             self.link.flush()
             tell_driver(

@@ -49,8 +49,15 @@ class WorkerCheckpoints:
                 is_peft(self.model),
             )
         # checkpoint_frozen: `_write_checkpoint` adds the frozen parameters after the copy.
-        model_state = self.frozen.travelling(self.model)
+        model_state = self._model_state_for_transfer()
         return training_state.capture(self.model, self.optimizer, self.scheduler, self.committed, extra, model_state)
+
+    def _model_state_for_transfer(self) -> dict:
+        """The model part of every state this device hands on (joiner, checkpoint, result): no frozen weights.
+
+        The one place a capture's model part is decided (the name agreed with issue 27's sharding).
+        """
+        return self.frozen.travelling(self.model)
 
     def _restore(self, state: dict) -> None:
         extra = state.get("extra") or {}
