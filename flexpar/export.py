@@ -5,15 +5,26 @@ else, so any program loads it without flexpar or pickle:
 
     model.load_state_dict(safetensors.torch.load_file("model.safetensors"))
 
+A fine-tuning job's checkpoint holds the trainable state only (its frozen
+weights are the factory's, checked by digest): export rebuilds the model with
+the factory the checkpoint names, checks the frozen digests, loads the trained
+tensors and writes the whole model. For a peft model it also writes the
+adapter alone with peft's own `save_pretrained` (loadable with
+`PeftModel.from_pretrained(base, ADAPTER)`).
+
 Needs the `safetensors` package (`pip install flexpar[safetensors]`).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+from typing import Optional
 
 import torch
 
+from flexpar.core import frozen
+from flexpar.driver.join import import_script_as_main
 from flexpar.worker import checkpoints
 
 EXTRA_HINT = "pip install safetensors (or flexpar[safetensors])"
@@ -47,8 +58,82 @@ def model_tensors(state: dict) -> dict:
     return tensors
 
 
-def export(checkpoint: str, output: str) -> str:
-    """Write the model weights of flexpar checkpoint `checkpoint` to `output` (safetensors); returns `output`."""
+def adapter_folder(output: str) -> str:
+    """Where a peft adapter goes by default: `lora.safetensors` -> `lora-adapter`."""
+    root, extension = os.path.splitext(output)
+    return (root if extension == ".safetensors" else output) + "-adapter"
+
+
+def _named(name: str):
+    """`module:qualname` (or `module.qualname`) -> the object."""
+    module_name, _, qualname = name.partition(":") if ":" in name else name.rpartition(".")
+    target = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def resolve_factory(recorded: Optional[dict], script: Optional[str], name: Optional[str], checkpoint: str):
+    """The model factory that rebuilds a checkpoint's model: `name` if given, else the one the checkpoint names.
+
+    A factory defined in the training script needs `script` (a checkpoint
+    never chooses which file export runs).
+    """
+    if script:
+        import_script_as_main(os.path.abspath(script))
+    if name:
+        return _named(name if ":" in name or "." in name else f"__main__:{name}")
+    if recorded is None:
+        raise ValueError(
+            f"{checkpoint} holds the trainable weights only and its model factory could not be recorded "
+            "(a lambda, a local function or a partial): name it with --model MODULE:NAME (or --script SCRIPT "
+            "--model NAME)"
+        )
+    module = recorded["name"].split(":", 1)[0]
+    if module in ("__main__", "__mp_main__") and not script:
+        raise ValueError(
+            f"{checkpoint}'s model factory ({recorded['name']}) is defined in the training script: "
+            f"flexpar export {checkpoint} --script SCRIPT"
+        )
+    target = _named(recorded["name"].replace("__mp_main__:", "__main__:"))
+    return target(**recorded["fields"]) if "fields" in recorded else target
+
+
+def rebuild_model(state: dict, factory, checkpoint: str) -> torch.nn.Module:
+    """The factory's model under the job's seed, its frozen part checked, the checkpoint's tensors loaded."""
+    entry = state["extra"]["frozen"]
+    torch.manual_seed(int(entry.get("seed", 0)))
+    model = factory()
+    problem = frozen.frozen_problem(entry["digests"], frozen.frozen_digests(model), where="the model built here")
+    if problem:
+        raise ValueError(f"cannot export {checkpoint}: {problem}")
+    layout = frozen.model_layout(model)
+    problem = frozen.load_problem(layout, list(state["model"]))
+    if problem:
+        raise ValueError(f"cannot export {checkpoint}: {problem}")
+    model.load_state_dict({k: v for k, v in state["model"].items() if k not in layout.frozen}, strict=False)
+    return model
+
+
+def export(checkpoint: str, output: str, **options) -> str:
+    """Write the model weights of flexpar checkpoint `checkpoint` to `output` (safetensors); returns `output`.
+
+    `options`: those of `export_with_adapter` (where a peft adapter goes, how to rebuild the model).
+    """
+    return export_with_adapter(checkpoint, output, **options)[0]
+
+
+def export_with_adapter(
+    checkpoint: str,
+    output: str,
+    adapter: Optional[str] = None,
+    script: Optional[str] = None,
+    model: Optional[str] = None,
+) -> tuple:
+    """`export`, and for a peft model its adapter to `adapter` (default `adapter_folder(output)`).
+
+    Returns (`output`, the adapter's folder or None).
+    """
     save_file = _safetensors()
     if not os.path.isfile(checkpoint):
         raise ValueError(f"no such checkpoint: {checkpoint}")
@@ -59,6 +144,12 @@ def export(checkpoint: str, output: str) -> str:
             f"{checkpoint} is not a readable flexpar checkpoint ({type(error).__name__}: "
             f"{str(error).splitlines()[0] if str(error) else ''})"
         ) from None
+    entry = (state.get("extra") or {}).get("frozen") if isinstance(state, dict) else None
+    built = None
+    if entry is not None and (not entry.get("complete") or entry.get("peft")):
+        factory = resolve_factory(entry.get("factory"), script, model, checkpoint)
+        built = rebuild_model(state, factory, checkpoint)
+        state = {"model": built.state_dict(), "step": state.get("step", "")}
     tensors = model_tensors(state)
     folder = os.path.dirname(os.path.abspath(output))
     os.makedirs(folder, exist_ok=True)
@@ -66,4 +157,8 @@ def export(checkpoint: str, output: str) -> str:
     temporary = output + ".tmp"
     save_file(tensors, temporary, metadata=metadata)
     os.replace(temporary, output)
-    return output
+    if built is not None and entry.get("peft"):
+        adapter = adapter or adapter_folder(output)
+        built.save_pretrained(adapter)  # peft's own layout: adapter_config.json, adapter_model.safetensors
+        return output, adapter
+    return output, None

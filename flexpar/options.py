@@ -156,6 +156,7 @@ class FitOptions:
     callbacks: tuple = ()  # objects with on_step / on_event / on_eval / on_end (flexpar.callbacks)
     trackers: tuple = ()  # "tensorboard", "mlflow", "csv" (flexpar.observe.trackers)
     keep_checkpoints: Optional[int] = None  # keep only the newest K checkpoints
+    checkpoint_frozen: bool = False  # checkpoints hold the frozen weights too (default: trainable state + digests)
 
     def __post_init__(self):
         object.__setattr__(self, "schedule", parse_schedule(self.schedule))
@@ -175,6 +176,8 @@ class FitOptions:
         _positive("keep_checkpoints", self.keep_checkpoints)
         if self.keep_checkpoints is not None and self.checkpoint_dir is None:
             raise ValueError(f"keep_checkpoints={self.keep_checkpoints} needs checkpoint_dir= (where they are)")
+        if self.checkpoint_frozen and self.checkpoint_dir is None:
+            raise ValueError("checkpoint_frozen=True needs checkpoint_dir= (where the checkpoints go)")
         object.__setattr__(self, "callbacks", callbacks_module.check_callbacks(self.callbacks))
         object.__setattr__(self, "trackers", trackers_module.check_names(self.trackers))
         if self.timeout_s <= 0:

@@ -12,6 +12,7 @@ full-batch gradient.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import time
 
@@ -171,3 +172,17 @@ def reference(job, steps: int, trace=None) -> nn.Module:
 def assert_same_parameters(model, expected, rtol=1e-5, atol=1e-7):
     for (name, got), (_, want) in zip(model.state_dict().items(), expected.state_dict().items()):
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def metrics_records(path) -> list:
+    """Every record of a metrics file (JSON lines), in file order."""
+    return [json.loads(line) for line in open(path)]
+
+
+def device_counts(records) -> list:
+    """The sequence of device-set sizes the step records went through."""
+    counts = []
+    for record in records:
+        if record["kind"] == "step" and (not counts or counts[-1] != len(record["devices"])):
+            counts.append(len(record["devices"]))
+    return counts

@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export", help="write a checkpoint's model weights as safetensors")
     export.add_argument("checkpoint", help="a flexpar checkpoint (step-NNNNNNNN.pt)")
     export.add_argument("-o", "--output", default="model.safetensors")
+    export.add_argument("--adapter", help="a peft model's adapter folder (default: OUTPUT-adapter)")
+    export.add_argument("--script", help="the training script, where the checkpoint's model factory is defined")
+    export.add_argument("--model", help="the model factory, NAME in --script or MODULE:NAME, if not recorded")
     export.set_defaults(handler=command_export, parser=export)
 
     # simulate's own arguments on its subparser, so `flexpar simulate --help` prints them

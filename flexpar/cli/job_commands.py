@@ -15,7 +15,7 @@ from flexpar.comm.channel import Channel
 from flexpar.comm.protocol import get_json, has, scale_proof
 from flexpar.comm.store import Unreachable, connect_client
 from flexpar.driver.join import join
-from flexpar.export import export
+from flexpar.export import export_with_adapter
 from flexpar.observe.plot import plot_timeline
 
 
@@ -113,11 +113,15 @@ def command_plot(arguments) -> int:
 
 def command_export(arguments) -> int:
     try:
-        path = export(arguments.checkpoint, arguments.output)
+        path, adapter = export_with_adapter(
+            arguments.checkpoint, arguments.output, arguments.adapter, arguments.script, arguments.model
+        )
     except ImportError as error:
         print(f"flexpar export: {error}", file=sys.stderr)
         return 1
     print(f"flexpar: wrote {path}")
+    if adapter:
+        print(f"flexpar: wrote the peft adapter to {adapter} (PeftModel.from_pretrained(base_model, {adapter!r}))")
     return 0
 
 

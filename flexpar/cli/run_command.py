@@ -77,6 +77,12 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         help="log to an experiment tracker in the run directory (repeatable)",
     )
     parser.add_argument("--keep-checkpoints", type=int, help="keep only the newest K checkpoints")
+    parser.add_argument(
+        "--checkpoint-frozen",
+        action="store_true",
+        default=None,
+        help="write the frozen weights into checkpoints too (default: the trainable state and their digests)",
+    )
 
 
 _RUN_FIELDS = (
@@ -103,6 +109,7 @@ _RUN_FIELDS = (
     "eval_every",
     "trackers",
     "keep_checkpoints",
+    "checkpoint_frozen",
 )
 
 

@@ -20,10 +20,14 @@ import torch
 import torch.distributed as dist
 
 
-def capture(model, optimizer, scheduler, step: int, extra: dict) -> dict:
-    """The training state after `step` committed steps."""
+def capture(model, optimizer, scheduler, step: int, extra: dict, model_state: Optional[dict] = None) -> dict:
+    """The training state after `step` committed steps.
+
+    `model_state`: the part of the model that travels (a fine-tuning job leaves
+    its frozen part out: flexpar/worker/frozen_part.py); None: the whole state_dict.
+    """
     return {
-        "model": model.state_dict(),
+        "model": model.state_dict() if model_state is None else model_state,
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "step": step,
@@ -31,8 +35,12 @@ def capture(model, optimizer, scheduler, step: int, extra: dict) -> dict:
     }
 
 
-def restore(model, optimizer, scheduler, state: dict) -> None:
-    model.load_state_dict(state["model"])
+def restore(model, optimizer, scheduler, state: dict, load_model=None) -> None:
+    """`load_model(model, model_state)`: how the model part is loaded (default: strict load_state_dict)."""
+    if load_model is None:
+        model.load_state_dict(state["model"])
+    else:
+        load_model(model, state["model"])
     optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])
@@ -101,10 +109,15 @@ def stock_of(slots: list, own_wall: float) -> Stock:
     )
 
 
-def all_level(world_size: int, device) -> None:
-    """Returns once every member has passed its part of the state transfer (receivers: restored)."""
+def all_level(world_size: int, device, sent_bytes: float = 0.0) -> float:
+    """Returns once every member has passed its part of the state transfer (receivers: restored).
+
+    Returns the bytes of state the members sent, all senders together (`sent_bytes`: this member's).
+    """
+    total = torch.tensor([float(sent_bytes)], dtype=torch.float64, device=device)
     if world_size > 1:
-        dist.all_reduce(torch.zeros(1, device=device))
+        dist.all_reduce(total)
+    return float(total.item())
 
 
 # The state's tensors travel as their own bytes, each straight from the sender's
@@ -182,8 +195,11 @@ def _as_bytes(tensor: torch.Tensor, device) -> torch.Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8).to(device)
 
 
-def send_state(state: dict, receivers: list, device, after_size=None) -> None:
-    """Send the training state to each receiver: skeleton size, skeleton, then each tensor's bytes."""
+def send_state(state: dict, receivers: list, device, after_size=None) -> int:
+    """Send the training state to each receiver: skeleton size, skeleton, then each tensor's bytes.
+
+    Returns the bytes sent, all receivers together.
+    """
     tensors: list = []
     skeleton = split_tensors(state, tensors)
     buffer = io.BytesIO()
@@ -202,6 +218,7 @@ def send_state(state: dict, receivers: list, device, after_size=None) -> None:
         for payload in payloads:
             if payload.numel():
                 dist.send(payload, receiver)
+    return len(receivers) * (size.numel() * 8 + header.numel() + sum(payload.numel() for payload in payloads))
 
 
 def receive_state(source: int, device, own_model_state: Optional[dict] = None) -> dict:

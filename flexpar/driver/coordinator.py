@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Optional
 
 from flexpar.comm.channel import Channel
 from flexpar.comm.protocol import get_json, has, join_proof, scale_proof, tell_devices
+from flexpar.core import frozen
 from flexpar.core import membership as ms
 
 # How often the coordinator reads the devices' heartbeats (they beat every 0.5 s).
@@ -45,6 +46,7 @@ class Coordinator:
         heartbeat_timeout_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         on_note: Callable[[str], None] = print,
+        frozen_reference: Optional[Callable[[], dict]] = None,
     ):
         self.store = store
         self.secret = secret
@@ -58,12 +60,16 @@ class Coordinator:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.clock = clock
         self.on_note = on_note
+        # The job's frozen digests (flexpar/core/frozen.py), computed by the driver in the background;
+        # None: no content check (a coordinator without a model of its own).
+        self.frozen_reference = frozen_reference
         self.events = Channel(store, "events")
         self.stop_reason: Optional[str] = None
         self.published: list = []  # Publish actions, for metrics and status
         self.errors: list = []  # error messages from devices: the job stops on the first
         self.heartbeats: dict = {}  # device_id -> (last heartbeat value, time it changed)
         self.warmups: dict = {}  # device_id -> its warm-up's seconds (from "ready"): in the join event
+        self.digest_times: dict = {}  # device_id -> its frozen digest's seconds (from "ready"): likewise
         self._heartbeats_read_at = float("-inf")
         self._finish_asked: queue.SimpleQueue = queue.SimpleQueue()  # by signal handlers (request_finish)
 
@@ -152,6 +158,8 @@ class Coordinator:
         if kind == "ready":
             if isinstance(message.get("warmup_s"), (int, float)):
                 self.warmups[device] = float(message["warmup_s"])
+            if isinstance(message.get("digest_s"), (int, float)):
+                self.digest_times[device] = float(message["digest_s"])
             return ms.Ready(device, self._ready_problem(message))
         if kind == "formed":
             return ms.Formed(device, int(message["generation"]))
@@ -185,6 +193,12 @@ class Coordinator:
                 "the model differs from the job's (parameter names, shapes or dtypes do not match): "
                 "join with the same script and model code"
             )
+        reference = self.frozen_reference() if self.frozen_reference is not None else None
+        if reference is not None and message.get("frozen_digest") != frozen.combined_digest(reference):
+            reported = message.get("frozen_digests")
+            if not isinstance(reported, dict):
+                return "the device did not report its frozen weights' digests: install the job's flexpar version"
+            return frozen.frozen_problem(reference, reported, where=f"device {message.get('device_id', '?')}")
         return ""
 
     def _scale_delta(self, message: dict) -> int:
@@ -222,6 +236,9 @@ class Coordinator:
                 # What each joiner's warm-up took (its start-up costs and, with compile=True, the
                 # compilation): paid before this generation, the join event's detail says it.
                 "warmup_s": {device: self.warmups[device] for device in action.joined if device in self.warmups},
+                "digest_s": {
+                    device: self.digest_times[device] for device in action.joined if device in self.digest_times
+                },
             }
             self.store.set(f"gen/{action.generation}", json.dumps(record))
             tell_devices(self.store, "gen/latest", str(action.generation))

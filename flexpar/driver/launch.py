@@ -21,6 +21,7 @@ import socket
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Optional
 
@@ -30,7 +31,7 @@ from flexpar import callbacks as callbacks_module
 from flexpar.comm import state_transfer as training_state
 from flexpar.comm.protocol import get_blob, put_blob, tell_devices
 from flexpar.comm.store import connect
-from flexpar.core import membership
+from flexpar.core import frozen, membership
 from flexpar.driver.coordinator import Coordinator
 from flexpar.driver.driver_loop import DriverLoop, DriverWaker
 from flexpar.driver.fork_server import worker_context
@@ -63,6 +64,11 @@ def run(job, options: FitOptions) -> tuple:
             "Job(..., eval_dataset=DATASET, evaluate=FUNCTION)"
         )
     eval_keys = evaluator.metric_keys(job, model) if job.evaluate is not None else ()
+    # The job's frozen digests: the driver's own build is the reference (its frozen part is the
+    # one the result completes). Hashed in the background while the workers start.
+    digesting = ThreadPoolExecutor(1, thread_name_prefix="flexpar-digest")
+    reference = digesting.submit(_reference_digests, model, available if kind == "cpu" else os.cpu_count() or 1)
+    digesting.shutdown(wait=False)
     payload = pickle_pieces(job)
     total_steps = options.steps or options.epochs * job.steps_per_epoch()
     resume_path = None
@@ -70,6 +76,7 @@ def run(job, options: FitOptions) -> tuple:
         resume_path = checkpoints.latest_checkpoint(options.checkpoint_dir)
         if resume_path is None:
             raise ValueError(f"resume=True but {options.checkpoint_dir} holds no checkpoint (step-*.pt)")
+        _check_resumed_frozen_part(resume_path, reference.result())
     run_dir, metrics_path = run_paths(options)
     callbacks = callbacks_module.Dispatcher(
         options.callbacks + tuple(trackers_module.create(options.trackers, run_dir))
@@ -93,6 +100,8 @@ def run(job, options: FitOptions) -> tuple:
         eval_keys=tuple(eval_keys),
         eval_verdict=bool(options.eval_every and eval_keys and callbacks.can_stop_at_eval),
         keep_checkpoints=options.keep_checkpoints,
+        checkpoint_frozen=options.checkpoint_frozen,
+        model_factory=frozen.factory_reference(job.model),
     )
     secret = options.secret or secrets.token_hex(16)
     store = connect(options.host, options.port, options.timeout_s, server=True)
@@ -120,6 +129,7 @@ def run(job, options: FitOptions) -> tuple:
         local_exits=local.exits,
         heartbeat_timeout_s=options.heartbeat_timeout_s,
         on_note=lambda message: print(f"flexpar: {message}", file=sys.stderr, flush=True),
+        frozen_reference=reference.result,
     )
     loop = DriverLoop(
         store,
@@ -141,7 +151,7 @@ def run(job, options: FitOptions) -> tuple:
             loop.run(DriverWaker(options.host, store.port, options.timeout_s, store))
         data = get_blob(store, "result", secret)
         result = training_state.from_bytes(data, torch.device("cpu"))
-        model.load_state_dict(result["model"])
+        _load_result(model, result["model"])
         summary = loop.summary(result["step"])
         summary["resumed_from"] = checkpoints.checkpoint_step(resume_path) if resume_path else None
         callbacks.call("on_end", summary)
@@ -173,6 +183,30 @@ def run(job, options: FitOptions) -> tuple:
         print(f"flexpar: stopped by SIGTERM after step {summary['steps']}{where}", file=sys.stderr, flush=True)
         raise SystemExit(143)
     return model, summary
+
+
+def _reference_digests(model, threads: int) -> dict:
+    with ThreadPoolExecutor(max(1, min(8, threads))) as pool:
+        return frozen.frozen_digests(model, pool.map)
+
+
+def _check_resumed_frozen_part(path: str, reference: dict) -> None:
+    """Refuse, before any worker starts, a checkpoint whose frozen part is not the one this factory builds."""
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # maps: reads only what is used
+    recorded = ((state.get("extra") or {}).get("frozen") or {}).get("digests")
+    if recorded is None:  # written before frozen digests existed: its frozen tensors were the factory's anyway
+        return
+    problem = frozen.frozen_problem(reference, recorded, where=f"the checkpoint {path}")
+    if problem:
+        raise ValueError(f"{problem}; resume with the same model factory and pretrained files")
+
+
+def _load_result(model, model_state: dict) -> None:
+    """The trained state from rank 0: trainable parameters and changed buffers; the frozen part is the driver's."""
+    problem = frozen.load_problem(frozen.model_layout(model), list(model_state))
+    if problem:
+        raise TrainingError(f"the job's result cannot be loaded: {problem}")
+    model.load_state_dict(model_state, strict=False)
 
 
 def resume_command(directory: str, argv: Optional[list] = None, script_argv: Optional[list] = None) -> str:

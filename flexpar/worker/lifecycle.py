@@ -52,6 +52,7 @@ from flexpar.worker import checkpoints
 from flexpar.worker.cost_planner import CostPlanner
 from flexpar.worker.device_link import DeviceLink, DriverLost
 from flexpar.worker.evaluator import WorkerEvaluation
+from flexpar.worker.frozen_part import FrozenPart
 from flexpar.worker.loader import VirtualWorkerLoader, load_batch
 from flexpar.worker.loader import to_device as _to_device
 from flexpar.worker.records import RECORDS_KEPT, WorkerRecords
@@ -102,7 +103,11 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
         self.job = pickle.loads(get_blob(link.store, "job/payload", args.secret))
         self.settings = RunSettings(**get_json(link.store, "job/settings"))
         link.set_timeout(self.settings.timeout_s)  # a vanished driver is noticed within the job's timeout
-        self.model = build_model(self.job).to(self.device)
+        model = build_model(self.job)
+        # The frozen part's digests, on the CPU as built, before this device announces itself:
+        # a joiner's hashing delays its own admission only, never the running devices.
+        self.frozen = FrozenPart(model, torch.get_num_threads())
+        self.model = model.to(self.device)
         self.optimizer, self.scheduler = build_optimizer(self.job, self.model)
         self.sync = GradientSync(self.model, self.device, self.settings.bucket_mb, peer_lost=self._peer_lost)
         # Recipes (flexpar/recipes.py): checked for this device's type before anything runs;
@@ -195,7 +200,16 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
         proof = self.proof
         self.link.send("announce", proof=proof, remote=self.args.remote)
         warmup_s = self.warm_up()
-        self.link.send("ready", proof=proof, digest=model_digest(self.model), version=__version__, warmup_s=warmup_s)
+        self.link.send(
+            "ready",
+            proof=proof,
+            digest=model_digest(self.model),
+            version=__version__,
+            warmup_s=warmup_s,
+            frozen_digest=self.frozen.combined,
+            frozen_digests=self.frozen.digests,
+            digest_s=self.frozen.digest_s,
+        )
         self.phase = Phase.WAITING
         generation, record = self.link.wait_for_generation(0, joining=True)
         # Devices of generation 1 built the same model from the same seed: step 0 is
@@ -237,7 +251,7 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
             self.job.seed, 0, 0, len(self.job.dataset), self.job.global_batch, self.job.virtual_workers
         )
         batch = _to_device(load_batch(self.job, indices, batching.data_seed(self.job.seed, 0, 0)), self.device)
-        buffers = [buffer.clone() for buffer in self.model.buffers()]  # BatchNorm must not count it
+        buffers = [(name, buffer.clone()) for name, buffer in self.model.named_buffers()]  # BatchNorm must not count it
         try:  # under the step's autocast: with compile=True, this compiles the graph the steps run
             with recipes.autocast(self.job, self.device.type):
                 result = self.job.loss(self.forward_model, batch)
@@ -255,8 +269,12 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
                 ) from error
             raise
         self.optimizer.zero_grad(set_to_none=True)
+        # Buffers the forward moved (BatchNorm statistics, a frozen trunk's included) always travel.
+        self.frozen.note_warm_up(
+            name for (name, saved), buffer in zip(buffers, self.model.buffers()) if not torch.equal(buffer, saved)
+        )
         with torch.no_grad():
-            for buffer, saved in zip(self.model.buffers(), buffers):
+            for (_, saved), buffer in zip(buffers, self.model.buffers()):
                 buffer.copy_(saved)
         return time.perf_counter() - started
 
@@ -281,6 +299,7 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
             self.settings.timeout_s,
         ):
             self.link.send("formed", generation=generation)
+            self.boundary_bytes = 0
             stock = collective(
                 lambda: training_state.take_stock(self.committed, self.committed_wall, rank, len(members), self.device)
             )
@@ -299,9 +318,10 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
 
     def _level(self, stock: training_state.Stock, rank: int, world_size: int) -> None:
         """Send the latest state from the source to the members behind it."""
+        sent = 0
         if rank == stock.source:
             state = self._capture()
-            collective(
+            sent = collective(
                 lambda: training_state.send_state(state, stock.receivers, self.device, after_size=self._transfer_fault)
             )
         elif rank in stock.receivers:
@@ -309,14 +329,14 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
             # that is only behind keeps its own state intact until the new one is whole.
             own = self.model.state_dict() if self.committed < 0 else None
             self._restore(collective(lambda: training_state.receive_state(stock.source, self.device, own)))
-        # The stall ends when the slowest receiver has restored.
-        collective(lambda: training_state.all_level(world_size, self.device))
+        # The stall ends when the slowest receiver has restored; the sum says what the boundary sent.
+        self.boundary_bytes = int(collective(lambda: training_state.all_level(world_size, self.device, sent)))
 
     def finish(self, stopped: str = "", checkpoint: str = "") -> None:
         self.phase = Phase.DONE
         self._checkpoint_writer_now().wait()  # the checkpoint "done" names exists before the job ends
         if self.rank == 0:
-            data = training_state.to_bytes({"model": self.model.state_dict(), "step": self.committed})
+            data = training_state.to_bytes({"model": self._model_state_for_transfer(), "step": self.committed})
             put_blob(self.link.store, "result", data, self.args.secret)
             self.link.flush()
             tell_driver(

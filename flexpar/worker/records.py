@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 from flexpar.core import balance
 
@@ -37,9 +38,11 @@ class WorkerRecords:
             "grad_norm": grad_norm,  # of the applied gradient, before clipping (inf/nan: an fp16 skip)
         }
 
-    def _publish_event(self, event: str, detail: str, stall_s: float) -> None:
+    def _publish_event(self, event: str, detail: str, stall_s: float, state_bytes_sent: Optional[int] = None) -> None:
+        extra = {} if state_bytes_sent is None else {"state_bytes_sent": int(state_bytes_sent)}
         self.link.publish(
             {
+                **extra,
                 "kind": "event",
                 "event": event,
                 "step": self.committed,
@@ -53,21 +56,26 @@ class WorkerRecords:
 
     def _publish_generation_event(self, record: dict, previous_members: tuple, stall: float) -> None:
         recovered, self.recovering = self.recovering, False
+        sent = getattr(self, "boundary_bytes", 0)  # the state this boundary sent, all senders
         if record["failed"]:
-            self._publish_event("failure", "failed: " + ", ".join(record["failed"]), stall)
+            self._publish_event("failure", "failed: " + ", ".join(record["failed"]), stall, sent)
         if record["left"] and recovered and not record["failed"]:
             # A planned leave ends gracefully at a boundary and breaks no collective; this
             # generation follows a broken one, so a leaver died on the way (its grace ran
             # out, or a second SIGTERM): the others lost the step in flight, as in a failure.
-            self._publish_event("failure", "failed: " + ", ".join(record["left"]) + " (while leaving)", stall)
+            self._publish_event("failure", "failed: " + ", ".join(record["left"]) + " (while leaving)", stall, sent)
         elif record["left"]:
-            self._publish_event("leave", "left: " + ", ".join(record["left"]), stall)
+            self._publish_event("leave", "left: " + ", ".join(record["left"]), stall, sent)
         if record["joined"]:
             kind = "start" if self.generation == 1 else "join"
             joined = record["joined"]
             if kind == "join":  # a joiner's warm-up (compile included) was paid before the stall began
-                warmups = record.get("warmup_s") or {}
+                warmups, digests = record.get("warmup_s") or {}, record.get("digest_s") or {}
                 joined = [
-                    f"{device} (warm-up {warmups[device]:.2f} s)" if device in warmups else device for device in joined
+                    device
+                    + (f" (warm-up {warmups[device]:.2f} s" if device in warmups else "")
+                    + (f", frozen digest {digests[device]:.2f} s" if device in digests and device in warmups else "")
+                    + (")" if device in warmups else "")
+                    for device in joined
                 ]
-            self._publish_event(kind, "joined: " + ", ".join(joined), 0.0 if kind == "start" else stall)
+            self._publish_event(kind, "joined: " + ", ".join(joined), 0.0 if kind == "start" else stall, sent)

@@ -60,3 +60,5 @@ class RunSettings:
     eval_keys: tuple = ()  # the sorted metric names of job.evaluate (found by the driver)
     eval_verdict: bool = False  # wait after each evaluation for the driver's callbacks (on_eval may stop)
     keep_checkpoints: Optional[int] = None  # keep only the newest K checkpoints
+    checkpoint_frozen: bool = False  # checkpoints hold the frozen weights too
+    model_factory: Optional[dict] = None  # flexpar.core.frozen.factory_reference(job.model): export rebuilds by it

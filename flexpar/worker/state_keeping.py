@@ -15,9 +15,15 @@ import os
 from typing import Optional
 
 from flexpar.comm import state_transfer as training_state
-from flexpar.core import balance
+from flexpar.core import balance, frozen
+from flexpar.errors import UserCodeError
 from flexpar.worker import checkpoints
 from flexpar.worker.records import RECORDS_KEPT
+
+
+def is_peft(model) -> bool:
+    """A peft model (duck-typed: flexpar does not import peft): export writes its adapter too."""
+    return type(model).__module__.startswith("peft") and hasattr(model, "peft_config")
 
 
 class WorkerCheckpoints:
@@ -25,7 +31,7 @@ class WorkerCheckpoints:
 
     # ------------------------------------------------------------ state
 
-    def _capture(self) -> dict:
+    def _capture(self, for_checkpoint: bool = False) -> dict:
         extra = {
             "balance": balance.state_to_dict(self.balance_state),
             "committed_wall": self.committed_wall,
@@ -35,12 +41,33 @@ class WorkerCheckpoints:
             extra["grad_scaler"] = self.scaler.state_dict()
         if self.cost_planner is not None:  # by cost: joiners plan with the same rates
             extra["cost_rates"] = self.cost_planner.state()
-        return training_state.capture(self.model, self.optimizer, self.scheduler, self.committed, extra)
+        if for_checkpoint:  # what resume and export check the factory's rebuild against
+            extra["frozen"] = self.frozen.checkpoint_entry(
+                self.settings.checkpoint_frozen,
+                self.settings.model_factory,
+                self.job.seed,
+                is_peft(self.model),
+            )
+        # checkpoint_frozen: `_write_checkpoint` adds the frozen parameters after the copy.
+        model_state = self._model_state_for_transfer()
+        return training_state.capture(self.model, self.optimizer, self.scheduler, self.committed, extra, model_state)
+
+    def _model_state_for_transfer(self) -> dict:
+        """The model part of every state this device hands on (joiner, checkpoint, result): no frozen weights.
+
+        The one place a capture's model part is decided (the name agreed with issue 27's sharding).
+        """
+        return self.frozen.travelling(self.model)
 
     def _restore(self, state: dict) -> None:
-        training_state.restore(self.model, self.optimizer, self.scheduler, state)
-        self.committed = int(state["step"])
         extra = state.get("extra") or {}
+        recorded = (extra.get("frozen") or {}).get("digests")
+        if recorded is not None:  # a checkpoint: its frozen part must be the one this factory built
+            problem = frozen.frozen_problem(self.frozen.digests, recorded, where="the checkpoint")
+            if problem:
+                raise UserCodeError(f"{problem}; resume with the same model factory and pretrained files")
+        training_state.restore(self.model, self.optimizer, self.scheduler, state, load_model=self.frozen.load)
+        self.committed = int(state["step"])
         if "balance" in extra:
             self.balance_state = balance.state_from_dict(extra["balance"])
         self.committed_wall = float(extra.get("committed_wall", self.committed_wall))
@@ -69,7 +96,12 @@ class WorkerCheckpoints:
         self._fault_point("checkpoint", self.committed)
         writer = self._checkpoint_writer_now()
         if not os.path.exists(path) and writer.pending != path:  # the last step may be written already
-            writer.submit(directory, self.committed, checkpoints.cpu_copy(self._capture()))
+            state = checkpoints.cpu_copy(self._capture(for_checkpoint=True))
+            if self.settings.checkpoint_frozen:
+                # The frozen parameters never change: the writer thread serialises the live
+                # tensors, so the step loop copies only what trains (and the small buffers).
+                state["model"] = self.frozen.complete(self.model, state["model"])
+            writer.submit(directory, self.committed, state)
         return path
 
     _checkpoint_writer: Optional[checkpoints.CheckpointWriter] = None

@@ -75,6 +75,7 @@ class StepLoop:
             self.assignment = assignment
             step = self.committed
             summed = self.run_step(step, mine)
+            self.frozen.check_flags(step)  # user code changed requires_grad: stop before applying anything
             world = len(self.members)
             slots = StatsLayout(world)
             busy = summed[slots.busy].tolist()

@@ -4,7 +4,6 @@ Every run must end with the parameters of the failure-free, fixed-device
 reference, and every step must have consumed its global batch exactly once.
 """
 
-import json
 import math
 
 import pieces
@@ -25,17 +24,8 @@ JOIN_HEADROOM_S = 6.0
 LONG_RUN_ATOL = 1e-6
 
 
-def _records(path):
-    return [json.loads(line) for line in open(path)]
-
-
-def _device_counts(records):
-    """The sequence of device-set sizes the step records went through."""
-    counts = []
-    for record in records:
-        if record["kind"] == "step" and (not counts or counts[-1] != len(record["devices"])):
-            counts.append(len(record["devices"]))
-    return counts
+_records = pieces.metrics_records
+_device_counts = pieces.device_counts
 
 
 def _passes_through(counts, expected):

@@ -326,20 +326,27 @@ def test_tiny_lm_command_line_defaults_and_flags():
 # ---------------------------------------------------------------- hf_gpt, run as a script
 
 
-def test_hf_gpt_script_without_transformers_names_the_extra_to_install():
-    """`python examples/hf_gpt.py` on an install without the [hf] extra: one line naming it, exit 1,
-    before any argument is read or any process starts (transformers hidden from the import system)."""
+@pytest.mark.parametrize(
+    "script,hidden,message",
+    [
+        ("hf_gpt.py", "transformers", 'examples/hf_gpt.py needs Hugging Face transformers: pip install "flexpar[hf]"'),
+        ("lora_gpt.py", "peft", 'examples/lora_gpt.py needs transformers and peft: pip install "flexpar[hf]"'),
+    ],
+)
+def test_hf_script_without_its_extra_names_the_extra_to_install(script, hidden, message):
+    """`python examples/hf_gpt.py` (or lora_gpt.py) on an install without the [hf] extra: one line naming it,
+    exit 1, before any argument is read or any process starts (the package hidden from the import system)."""
     import os
     import subprocess
     import sys
 
-    script = os.path.join(
-        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "hf_gpt.py"
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", script
     )
     hide = (
-        "import runpy, sys; sys.modules['transformers'] = None; sys.argv = [sys.argv[1], '--steps', '1']; "
+        f"import runpy, sys; sys.modules[{hidden!r}] = None; sys.argv = [sys.argv[1], '--steps', '1']; "
         "runpy.run_path(sys.argv[0], run_name='__main__')"
     )
-    run = subprocess.run([sys.executable, "-c", hide, script], capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-c", hide, path], capture_output=True, text=True, timeout=120)
     assert run.returncode == 1
-    assert run.stderr.strip() == 'examples/hf_gpt.py needs Hugging Face transformers: pip install "flexpar[hf]"'
+    assert run.stderr.strip() == message

@@ -90,6 +90,17 @@ def test_a_job_keeps_the_newest_k_and_its_last_checkpoint_is_its_model(train, tm
     pieces.assert_same_parameters(model, _loaded(job, last["model"]), rtol=0, atol=0)
 
 
+def test_checkpoint_frozen_needs_a_folder_and_the_flag_maps_onto_it():
+    from flexpar.cli import build_parser
+    from flexpar.options import FitOptions
+
+    with pytest.raises(ValueError, match="checkpoint_frozen=True needs checkpoint_dir"):
+        FitOptions(steps=1, checkpoint_frozen=True)
+    arguments = build_parser().parse_args(["run", "--checkpoint-frozen", "--checkpoint-dir", "ck", "train.py"])
+    assert arguments.checkpoint_frozen is True
+    assert build_parser().parse_args(["run", "train.py"]).checkpoint_frozen is None  # the script's own choice stands
+
+
 def test_keep_checkpoints_needs_a_folder():
     from flexpar import FitOptions
 
