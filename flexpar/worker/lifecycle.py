@@ -208,7 +208,9 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
             warmup_s=warmup_s,
             frozen_digest=self.frozen.combined,
             frozen_digests=self.frozen.digests,
-            digest_s=self.frozen.digest_s,
+            # The digest's time is news only where something is frozen (a fine-tuning job); a
+            # fully trainable model's join event keeps its plain "(warm-up X s)" detail.
+            digest_s=self.frozen.digest_s if self.frozen.layout.frozen else None,
         )
         self.phase = Phase.WAITING
         generation, record = self.link.wait_for_generation(0, joining=True)
