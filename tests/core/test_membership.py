@@ -234,3 +234,19 @@ def test_a_stop_asked_before_the_first_generation_stops_at_once():
     state, _ = _run(state, ms.Start(2), ms.Ready("local-0"))
     state, actions = _run(state, ms.FinishRequested("the driver got SIGTERM"))
     assert state.stopped and ms.StopJob(ms.STOPPED_BEFORE_START) in actions and not _published(actions)
+
+
+def test_a_device_refused_at_its_warm_up_never_comes_back_over_the_hosts_capacity():
+    """The sequence tests/core/test_membership_properties.py's machine found: local-2 is refused at its
+    warm-up (another model), a scale +2 gives its place on this host to two new devices, and then an
+    announcement under local-2's id arrives (late, or replayed). Admitting it again made this host's
+    devices 5 with room for 4; a refused id is retired like a dead one."""
+    state = ms.Membership(initial_devices=3, max_devices=5, grace_s=0.5, local_capacity=4)
+    state, _ = _run(state, ms.Start(3), ms.Announced("hostb-0"), ms.ScaleBy(-1), ms.Announced("hostb-0"))
+    state, actions = _run(state, ms.Ready("local-2", "its model differs from the job's"))
+    assert actions == [ms.Refuse("local-2", "its model differs from the job's")] and "local-2" in state.dead
+    state, actions = _run(state, ms.ScaleBy(2))
+    assert [a for a in actions if isinstance(a, ms.SpawnLocal)] == [ms.SpawnLocal(("local-3", "local-4"))]
+    state, actions = _run(state, ms.Announced("local-2"))
+    assert actions == [] and "local-2" not in state.starting
+    assert state.local_count == 4 <= state.local_capacity

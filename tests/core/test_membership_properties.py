@@ -14,7 +14,7 @@ every event it checks the rules of flexpar/core/membership/decide.py's module do
 - a new generation follows a formed one, or a failure (at most one in
   formation); a planned one keeps the members' order and appends joiners,
   and none is published once the job is finishing;
-- a device that died (exited, evicted, cancelled) never comes back under the
+- a device that died (exited, evicted, cancelled) or was refused never comes back under the
   same id: not waiting, not starting, not in a later generation, even if it
   announces itself again;
 - a scale request is answered once, carried out whole or refused whole, and

@@ -21,6 +21,14 @@ Rules, in one place:
   At least one device always stays.
 - A device that asks to leave (preemption: SIGTERM) leaves at the next
   generation like a planned scale-in; one still on its way is cancelled.
+- A device that died, was evicted or cancelled, or was refused (over
+  --max-devices when it announced itself, or at its warm-up: another model,
+  another version) never comes back under its id: its process exits on the
+  refusal, and a later message under that id (a late or replayed
+  announcement) admits nothing. Before refusals counted so, a device refused
+  at its warm-up could be counted again by a late announcement, after its
+  place on this host had gone to another: this host's devices then exceeded
+  local_capacity (tests/core/test_membership.py pins that sequence).
 - Once the job is finishing (SIGTERM to the driver, a callback, its last
   device preempted: every member stops after the step in flight), nothing
   changes the device set any more: leave requests are moot (the devices stop
@@ -127,8 +135,13 @@ def _on_announced(state, event):
             f"the job already has {state.device_count} devices, its maximum "
             f"(--max-devices {state.max_devices}); start the job with a larger --max-devices"
         )
-        return state, [Refuse(event.device_id, reason)]
+        return _refused(state, event.device_id, reason)
     return dataclasses.replace(state, starting=state.starting + (event.device_id,)), []
+
+
+def _refused(state, device_id, reason):
+    """Refuse `device_id` for good: its id is retired with the dead (see the rules above)."""
+    return dataclasses.replace(state, dead=state.dead | {device_id}), [Refuse(device_id, reason)]
 
 
 def _known(state, device_id):
@@ -144,7 +157,7 @@ def _on_ready(state, event):
     starting = tuple(d for d in state.starting if d != event.device_id)
     state = dataclasses.replace(state, starting=starting)
     if event.problem:
-        return state, [Refuse(event.device_id, event.problem)]
+        return _refused(state, event.device_id, event.problem)
     if _known(state, event.device_id):
         return state, []
     return dataclasses.replace(state, waiting=state.waiting + (event.device_id,)), []
