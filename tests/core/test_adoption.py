@@ -5,6 +5,7 @@ import dataclasses
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_membership import _published, _run  # the same helpers as the membership's own tests
 
 from flexpar.core import adoption as ad
 from flexpar.core import membership as ms
@@ -140,18 +141,6 @@ def _window(initial=2, maximum=4, checkpoint_step=-1):
 
 def _report(device, generation=6, members=MEMBERS, seen=6, committed=41, **fields):
     return ms.Reported(ad.DeviceReport(device, generation, members, seen, committed, True, 100.0, **fields), 0.5)
-
-
-def _published(actions):
-    return [a for a in actions if isinstance(a, ms.Publish)]
-
-
-def _run(state, *events):
-    actions = []
-    for event in events:
-        state, more = ms.decide(state, event)
-        actions.extend(more)
-    return state, actions
 
 
 def test_the_window_re_adopts_the_newest_generation_above_every_number_seen():
