@@ -1,7 +1,7 @@
 """Losing the driver (issue 30): a restarted driver re-adopts the running devices, vs today's full restart.
 
 Per round, alternating the two paths on the same job (benchmarks/driver_loss_job.py: 2 CPU devices,
-a 3.2M-parameter MLP with Adam): start the job under `flexpar run`; at a step drawn at random, kill -9
+a 2.8M-parameter MLP with Adam): start the job under `flexpar run`; at a step drawn at random, kill -9
 its driver; 2 s later run the resume command the devices printed; wait for the end.
 - adopt: `--driver-grace 60`: the devices wait with their state in memory and the restarted driver
   re-adopts them;

@@ -1,6 +1,6 @@
 """The job benchmarks/driver_loss.py trains, under `flexpar run` (its driver is killed and restarted).
 
-An MLP of about 3.2M parameters with Adam (its state: about 38 MB more), 2 local CPU devices, 4 VWs.
+An MLP of about 2.8M parameters with Adam (its state: about 22 MB more), 2 local CPU devices, 4 VWs.
 The number of steps and where the final parameters go come from the environment the benchmark
 sets, so that the resume command the devices print (the same script and flags) runs the same job.
 """
