@@ -24,6 +24,11 @@ from typing import Optional
 # new store 0.13-0.20 s after it listened), so a live device is in within half a second;
 # the window only runs out when a member died with the driver, or no device is left.
 ADOPTION_WINDOW_S = 2.0
+# A device seen waiting on the driver's own host (its report file names a live process, see
+# flexpar/comm/waiting.py) is alive: the window waits for it past ADOPTION_WINDOW_S, up to this
+# much longer. Under load (a full test suite on 2 cores) a live device's reconnect once took
+# more than the 2 s, and the restarted driver replaced a device that was there.
+LATE_WINDOW_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,7 @@ class Adoption:
     reports: tuple = ()
     checkpoint_step: int = -1
     checkpoint_path: str = ""
+    expected: frozenset = frozenset()  # devices seen waiting on this host, alive: waited for past the deadline
 
     def by_device(self) -> dict:
         return {report.device_id: report for report in self.reports}
@@ -100,7 +106,8 @@ def closeable(adoption: Adoption, dead: frozenset, now: float) -> bool:
 
     Never while a member of the newest generation that said it is there is still finishing its
     step (it holds the newest state); otherwise once every member of the newest generation
-    reported (or died), or at the deadline.
+    reported (or died), or at the deadline; past the deadline, while a device seen waiting on this
+    host (`expected`) has neither reported nor died, not before `LATE_WINDOW_S` more.
     """
     reports = adoption.by_device()
     generation, members = newest_generation(adoption.reports)
@@ -108,7 +115,17 @@ def closeable(adoption: Adoption, dead: frozenset, now: float) -> bool:
     if unsettled:
         return False
     settled = {d for d, r in reports.items() if r.final} | set(dead)
-    return (generation > 0 and set(members) <= settled) or now >= adoption.deadline
+    if generation > 0 and set(members) <= settled:
+        return True
+    if now < adoption.deadline:
+        return False
+    return not (adoption.expected - settled) or now >= adoption.deadline + LATE_WINDOW_S
+
+
+def seen_waiting(adoption: Adoption, device_ids) -> Adoption:
+    """The window with `device_ids` as the devices now seen waiting on this host (a device whose
+    process ended drops out of the set: it is no longer waited for)."""
+    return dataclasses.replace(adoption, expected=frozenset(device_ids))
 
 
 @dataclass(frozen=True)

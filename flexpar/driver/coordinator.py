@@ -63,6 +63,7 @@ class Coordinator:
         adopt_local: Callable[[str, int, str], None] = lambda device_id, pid, device: None,
         fingerprint: Optional[dict] = None,
         resume_from: Callable[[ms.NothingToAdopt], None] = lambda action: None,
+        seen_waiting: Callable[[], Iterable[str]] = lambda: (),
     ):
         self.store = store
         self.secret = secret
@@ -91,6 +92,9 @@ class Coordinator:
         self.adopt_local = adopt_local
         self.fingerprint = fingerprint or {}
         self.resume_from = resume_from
+        # This host's devices waiting for a driver (their report files): an adoption window waits for them.
+        self.seen_waiting = seen_waiting
+        self._waiting_read_at = float("-inf")
         self.reports: dict = {}  # device id -> its last present/adopt message (a restarted driver's)
         self.declined: Optional[str] = None  # a device of another job reported: this driver stops
         self.nothing_to_adopt: Optional[ms.NothingToAdopt] = None  # the window closed with no member back
@@ -145,6 +149,9 @@ class Coordinator:
         for device_id in exited:
             self._announce_death(device_id)
             self.apply(ms.Exited(device_id, now))
+        if self.state.adoption is not None and now - self._waiting_read_at >= HEARTBEATS_READ_S:
+            self._waiting_read_at = now
+            self.apply(ms.SeenWaiting(tuple(self.seen_waiting())))
         self.apply(ms.Tick(now))
 
     def _announce_death(self, device_id: str) -> None:

@@ -37,6 +37,7 @@ import torch
 
 from flexpar import callbacks as callbacks_module
 from flexpar.comm import state_transfer as training_state
+from flexpar.comm import waiting
 from flexpar.comm.protocol import DRIVER_KEY, get_blob, put_blob, tell_devices
 from flexpar.comm.store import connect
 from flexpar.core import adoption, frozen, membership
@@ -159,6 +160,7 @@ def run(job, options: FitOptions) -> tuple:
         adopt_local=local.adopt,
         fingerprint=adoption.fingerprint(job, settings, __version__),
         resume_from=resume_from,
+        seen_waiting=lambda: [report["device_id"] for report in waiting.read(store.port)],
     )
     # Last: what this driver is, and whether it re-adopts devices that outlived the one before it.
     instance = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "adopting": options.resume}

@@ -92,6 +92,23 @@ def test_the_window_closes_when_every_member_reported_or_at_its_deadline():
     assert ad.closeable(window, frozenset({"local-0"}), now=0.1)
 
 
+def test_a_device_seen_waiting_on_this_host_is_waited_for_past_the_deadline():
+    """A live device whose reconnect is slow (a loaded host) is not replaced by a fresh one."""
+    members = ("local-0", "local-1")
+    window = ad.add_report(ad.Adoption(deadline=2.0), ad.DeviceReport("local-1", 3, members, 3, 7))
+    window = ad.seen_waiting(window, ["local-0", "local-1"])
+    assert not ad.closeable(window, frozenset(), now=2.0 + ad.LATE_WINDOW_S - 0.1)
+    assert ad.closeable(window, frozenset(), now=2.0 + ad.LATE_WINDOW_S)  # ... but not for ever
+    assert ad.closeable(window, frozenset({"local-0"}), now=2.5)  # it died
+    assert ad.closeable(ad.seen_waiting(window, ["local-1"]), frozenset(), now=2.5)  # its process ended
+    assert not ad.closeable(window, frozenset(), now=1.0)  # before the deadline, as always
+    back = ad.add_report(window, ad.DeviceReport("local-0", 3, members, 3, 7))
+    assert ad.closeable(back, frozenset(), now=0.5)
+    # Nobody reported yet, both seen waiting: the window waits rather than resume from a checkpoint.
+    silent = ad.seen_waiting(ad.Adoption(deadline=2.0), ["local-0"])
+    assert not ad.closeable(silent, frozenset(), now=3.0)
+
+
 def test_a_member_still_finishing_its_step_holds_the_window_open_past_its_deadline():
     members = ("local-0", "local-1")
     window = ad.Adoption(deadline=2.0)

@@ -62,6 +62,7 @@ from flexpar.core.membership.events import (
     Refuse,
     Reported,
     ScaleBy,
+    SeenWaiting,
     Start,
     Tick,
 )
@@ -319,6 +320,7 @@ _HANDLERS = {
     FinishRequested: _on_finish_requested,
     Tick: _on_tick,
     Reported: readoption.on_reported,
+    SeenWaiting: readoption.on_seen_waiting,
 }
 
 

@@ -92,6 +92,14 @@ class Tick:
 
 
 @dataclass(frozen=True)
+class SeenWaiting:
+    """A restarted driver's look at its own host: these devices are alive and wait to be re-adopted
+    (their report files, flexpar/comm/waiting.py); its adoption window waits for them."""
+
+    device_ids: tuple
+
+
+@dataclass(frozen=True)
 class Reported:
     """A device that outlived its driver reported to the restarted one (or is still finishing its
     step: `report.final` False); `problem`: why it is not of this job (proof, model, settings)."""
@@ -102,7 +110,18 @@ class Reported:
 
 
 Event = Union[
-    Start, Announced, Ready, Formed, FailureReported, Exited, ScaleBy, LeaveRequested, FinishRequested, Tick, Reported
+    Start,
+    Announced,
+    Ready,
+    Formed,
+    FailureReported,
+    Exited,
+    ScaleBy,
+    LeaveRequested,
+    FinishRequested,
+    Tick,
+    Reported,
+    SeenWaiting,
 ]
 
 
@@ -217,6 +236,7 @@ __all__ = [
     "Refuse",
     "Reported",
     "ScaleBy",
+    "SeenWaiting",
     "SpawnLocal",
     "Start",
     "StopJob",

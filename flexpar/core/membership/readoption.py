@@ -59,6 +59,13 @@ def _refused(state: Membership, device_id: str, reason: str) -> tuple:
     return dataclasses.replace(state, dead=state.dead | {device_id}), [Refuse(device_id, reason)]
 
 
+def on_seen_waiting(state: Membership, event) -> tuple:
+    """Devices seen waiting on the driver's host: the open window waits for them (nothing after it)."""
+    if state.adoption is None:
+        return state, []
+    return dataclasses.replace(state, adoption=adoption.seen_waiting(state.adoption, event.device_ids)), []
+
+
 def on_tick(state: Membership, now: float) -> tuple:
     """The window closes when flexpar/core/adoption.py says it may."""
     if adoption.closeable(state.adoption, state.dead, now):
