@@ -1,8 +1,9 @@
 """Losing the driver (issue 30): the devices wait, and a driver restarted with --resume re-adopts them.
 
 One process test checks several things at once (the suite's time budget): the driver killed during a
-forward and during a sync, each time restarted with the resume command the devices printed; the
-result equals the uninterrupted run; no worker restarted; the metrics file continues.
+forward, during a sync and during a join's state transfer, each time restarted with the resume command
+the devices printed; the result equals the uninterrupted run; no worker restarted; the joiner that was
+receiving the state stays a joiner and joins; the metrics file continues.
 """
 
 import json
@@ -19,7 +20,9 @@ from conftest import flexpar_command
 LONG_RUN_ATOL = 1e-6  # as in test_elastic: SGD-momentum steps in another summation order
 STEPS = 26
 
-# The job kills its own driver twice (faults fired by rank 0): in step 5's forward, in step 12's sync.
+# The job kills its own driver three times: in the state transfer to the device scheduled to join at
+# step 3 (fired by the sender, at that join's boundary), in step 12's forward and in step 18's sync
+# (fired by rank 0).
 RE_ADOPTED_JOB = """
 import os, sys, torch
 if __name__ == "__main__":
@@ -27,14 +30,18 @@ if __name__ == "__main__":
     model, summary = pieces.make_job(delay_s=0.02).fit(
         steps={steps},
         devices=2,
+        max_devices=3,
         port=port,
-        faults="5:driver:forward,12:driver:sync",
+        schedule="3:+1",
+        faults="3:driver:transfer,12:driver:forward,18:driver:sync",
         driver_grace_s=60,
     )
     torch.save(model.state_dict(), "final.pt")
     print("resumed by", summary.get("resumed_by"), "from", summary["resumed_from"])
 """
-KILLS = 2
+KILLS = 3
+DEVICES = ("local-0", "local-1")
+JOINER = "local-2"
 
 
 def _records(path):
@@ -65,26 +72,28 @@ def _waiting_notes(drivers):
 
 @pytest.mark.timeout(300)
 def test_a_killed_driver_restarted_with_resume_re_adopts_the_devices(tmp_path, command_line_job, monkeypatch):
-    """Two kill -9s of the driver (during a forward, during a sync), each followed by
+    """Three kill -9s of the driver (during a forward, a sync, a join's state transfer), each followed by
     the resume command the devices printed: the result equals the uninterrupted run, no worker
-    restarted, no checkpoint read, the metrics file continues; during the first gap `flexpar status`
-    says who waits."""
+    restarted, the joiner joins, no checkpoint read, the metrics file continues; during the first gap
+    `flexpar status` says who waits."""
     metrics = tmp_path / "m.jsonl"
     port = _free_port()
     monkeypatch.setenv("TEST_PORT", str(port))
     flags = ["--oversubscribe", "--no-display", "--timeout", "20", "--metrics", str(metrics)]
     first = command_line_job(flags, RE_ADOPTED_JOB.format(steps=STEPS)).wait_for_banner()
     drivers = [first]
+    notes = 0
     for kill in range(KILLS):
         _wait_for(lambda: drivers[-1].process.poll() is not None, f"the driver's death {kill + 1}")
-        expected = 2 * (kill + 1)  # every member says once that it waits
+        # Every device holding a committed step says once that it waits (the joiner, once it does).
         _wait_for(
-            lambda count=expected: len(_waiting_notes(drivers)) >= count, f"the devices to say they wait ({expected})"
+            lambda seen=notes: len(_waiting_notes(drivers)) >= seen + 2, f"the devices to say they wait ({kill + 1})"
         )
-        if kill == 0:
+        notes = len(_waiting_notes(drivers))
+        if kill == 1:  # killed in step 12's forward: the step in flight still commits (13 steps)
             status = flexpar_command("status", f"127.0.0.1:{port}", timeout_s=60)
-            assert status.returncode == 1 and "no driver; 2 devices waiting since" in status.stdout, status
-            assert "local-0 (step 6), local-1 (step 6)" in status.stdout, status.stdout
+            assert status.returncode == 1 and "no driver; " in status.stdout and "waiting since" in status.stdout
+            assert "local-0 (step 13), local-1 (step 13)" in status.stdout, status.stdout
         command = shlex.split(_waiting_notes(drivers)[-1].split("restart it with: ", 1)[1])
         assert command[:3] == ["flexpar", "run", "--resume"], command
         drivers.append(command_line_job([], "", arguments=command[1:], outputs=f"driver-{kill + 2}"))
@@ -92,6 +101,9 @@ def test_a_killed_driver_restarted_with_resume_re_adopts_the_devices(tmp_path, c
     out, err = drivers[-1].output()
     assert "resumed by adoption" in out and "no checkpoint read" in out, out
     assert not any("resuming from step" in driver.output()[0] for driver in drivers)
+    said = "".join(driver.output()[1] for driver in drivers)
+    assert said.count("fault: driver gets SIGKILL") == KILLS, said
+    assert re.search(r"fault: driver gets SIGKILL at step \d+ \(transfer\)", said), said
 
     records = _records(metrics)
     steps = [r["step"] for r in records if r["kind"] == "step"]
@@ -102,11 +114,13 @@ def test_a_killed_driver_restarted_with_resume_re_adopts_the_devices(tmp_path, c
     assert all(event["steps_lost"] <= 1 and event["no_driver_s"] >= 0 for event in adopted)
     generations = [event["generation"] for event in events]
     assert generations == sorted(generations), "every driver numbers its generations above the last one seen"
-    # No worker restarted: the same two devices trained every step, and no other device ever joined.
-    assert {tuple(r["devices"]) for r in records if r["kind"] == "step"} == {("local-0", "local-1")}
-    assert [event["event"] for event in events] == ["start", "adopt", "adopt"], events
-    said = "".join(driver.output()[1] for driver in drivers)
-    assert len(re.findall(r"re-adopted by the restarted driver", said)) == 2 * KILLS, said
+    # No worker restarted: the same two devices trained every step until the joiner, which was receiving
+    # the state when the driver died, joined (it stayed a joiner); no other device ever came.
+    devices = [tuple(r["devices"]) for r in sorted(records, key=lambda r: r["time"]) if r["kind"] == "step"]
+    joined = devices.index(DEVICES + (JOINER,))
+    assert set(devices[:joined]) == {DEVICES} and set(devices[joined:]) == {DEVICES + (JOINER,)}, devices
+    for device in DEVICES:  # each member was re-adopted by every restarted driver
+        assert said.count(f"device {device}: re-adopted by the restarted driver") == KILLS, said
 
     model = pieces.make_model()
     model.load_state_dict(torch.load(tmp_path / "final.pt", weights_only=True))
