@@ -47,11 +47,15 @@ class DriverLoop:
         exit_codes=lambda: {},
         callbacks: Dispatcher = None,
         resumed_from: int = -1,
+        adopted: bool = False,
     ):
         """`resumed_from`: the committed steps a resumed job (`--resume`: re-adopted devices or a
         checkpoint) continues from; -1 for a new job. A resumed job appends to its metrics file and
         ledger, counts `elapsed_s` from the job's first start, writes each step once (steps the file
-        holds are not written again), and does not fire its schedule's entries at or before it."""
+        holds are not written again), and does not fire its schedule's entries at or before it.
+        `adopted`: it re-adopted devices that outlived the earlier driver; those may have committed
+        steps that driver never saw, so the entries it did not fire are those after the last step its
+        metrics file holds (it fires an entry as it writes the step that makes it due)."""
         self.store = store
         self.coordinator = coordinator
         self.options = options
@@ -62,7 +66,6 @@ class DriverLoop:
         self.exit_codes = exit_codes  # device id -> exit code of local workers that ended
         self.metrics = Channel(store, "metrics")
         self.resumed = resumed_from >= 0
-        self.schedule = ScheduleTracker(options.schedule, after_step=resumed_from)
         self.pending_speeds = sorted(options.speed_changes, key=lambda change: change.step)
         self.started = time.time()
         self.steps: list = []
@@ -74,12 +77,16 @@ class DriverLoop:
         self.done: dict = {}
         self.metrics_path = metrics_path
         self.writer = MetricsWriter(metrics_path, append=self.resumed)
+        last_step = None
         if self.resumed:  # the metrics file goes on where the job's earlier driver stopped
             started, last_step = resume_point(metrics_path)
             self.started = started if started is not None else self.started
             if last_step is not None:
                 self.steps.append(last_step)
                 self.devices, self.generation = list(last_step["devices"]), last_step["generation"]
+        if adopted:
+            resumed_from = last_step["step"] + 1 if last_step is not None else -1
+        self.schedule = ScheduleTracker(options.schedule, after_step=resumed_from)
         self.ledger_file = None
         self.display = None
         if not options.quiet:

@@ -195,6 +195,7 @@ def run(job, options: FitOptions) -> tuple:
                 exit_codes=lambda: dict(local.exit_codes),
                 callbacks=callbacks,
                 resumed_from=resumed_from,
+                adopted=resumed_by == "adoption",
             )
             loop.run(waker)
         data = get_blob(store, "result", secret)

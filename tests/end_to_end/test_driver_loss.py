@@ -22,7 +22,8 @@ STEPS = 26
 
 # The job kills its own driver three times: in the state transfer to the device scheduled to join at
 # step 3 (fired by the sender, at that join's boundary), in step 12's forward and in step 18's sync
-# (fired by rank 0).
+# (fired by rank 0). The leave scheduled at step 13 is due just after the second kill: the restarted
+# driver follows it (its dead predecessor never saw step 13 commit), and the joiner leaves.
 RE_ADOPTED_JOB = """
 import os, sys, torch
 if __name__ == "__main__":
@@ -32,7 +33,7 @@ if __name__ == "__main__":
         devices=2,
         max_devices=3,
         port=port,
-        schedule="3:+1",
+        schedule="3:+1,13:-1",
         faults="3:driver:transfer,12:driver:forward,18:driver:sync",
         driver_grace_s=60,
     )
@@ -114,11 +115,14 @@ def test_a_killed_driver_restarted_with_resume_re_adopts_the_devices(tmp_path, c
     assert all(event["steps_lost"] <= 1 and event["no_driver_s"] >= 0 for event in adopted)
     generations = [event["generation"] for event in events]
     assert generations == sorted(generations), "every driver numbers its generations above the last one seen"
-    # No worker restarted: the same two devices trained every step until the joiner, which was receiving
-    # the state when the driver died, joined (it stayed a joiner); no other device ever came.
+    # No worker restarted: the same two devices trained every step; the joiner, which was receiving the
+    # state when the driver died, joined (it stayed a joiner), then left as scheduled; no other device came.
     devices = [tuple(r["devices"]) for r in sorted(records, key=lambda r: r["time"]) if r["kind"] == "step"]
     joined = devices.index(DEVICES + (JOINER,))
-    assert set(devices[:joined]) == {DEVICES} and set(devices[joined:]) == {DEVICES + (JOINER,)}, devices
+    left = joined + devices[joined:].index(DEVICES)
+    assert set(devices[:joined]) == set(devices[left:]) == {DEVICES}, devices
+    assert set(devices[joined:left]) == {DEVICES + (JOINER,)}, devices
+    assert [event["event"] for event in events if event["event"] in ("join", "leave")] == ["join", "leave"], events
     for device in DEVICES:  # each member was re-adopted by every restarted driver
         assert said.count(f"device {device}: re-adopted by the restarted driver") == KILLS, said
 
