@@ -4,7 +4,9 @@ Many short runs of a small job (benchmarks/soak_job.py), each with a schedule
 drawn at random from a seed (benchmarks/soak_plan.py): joins and planned
 leaves, and kill -9, SIGSTOP (a hung peer) and SIGTERM (preemption) of devices
 at random steps and phases (forward, backward, gradient sync, state transfer,
-group formation, checkpoint write, evaluation). A run has several faults; some
+group formation, checkpoint write, evaluation), and, every fourth run, kill -9 of
+the driver (forward, backward, sync or a join's state transfer), restarted with the
+devices' resume command 0.5 s later (it re-adopts them). A run has several faults; some
 land on the same step (two at once), and some are a group-formation fault on
 another device at a kill's step, which fires in the recovery from that kill (a
 fault during recovery). Every drawn fault is placed where it can fire.
@@ -41,6 +43,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -56,6 +60,9 @@ import soak_tally
 from soak_plan import CHECKPOINT_EVERY, EVAL_EVERY, STEPS, RunPlan, plans
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# A driver killed by a driver fault is restarted this long after its death, with its devices' resume command.
+RESTART_DELAY_S = 0.5
+WAITING_NOTE = "restart it with: "
 
 
 @dataclass
@@ -122,14 +129,14 @@ def run_one(plan: RunPlan, folder: str, timeout_s: float, heartbeat_timeout_s: f
         json.dump(spec, handle)
     bound_s = 60.0 + plan.size * timeout_s
     started = time.monotonic()
-    with open(os.path.join(output, "stderr.txt"), "w") as stderr:
-        # The run's driver and everything it started (stopped workers included) end with it.
-        code = harness.run_in_own_group(
-            [sys.executable, os.path.join(HERE, "soak_job.py"), spec_path],
-            bound_s,
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-        )
+    command = [sys.executable, os.path.join(HERE, "soak_job.py"), spec_path]
+    # Appended to: a restarted driver writes to the file its devices write to.
+    with open(os.path.join(output, "stderr.txt"), "a") as stderr:
+        if plan.driver_fault is None:
+            # The run's driver and everything it started (stopped workers included) end with it.
+            code = harness.run_in_own_group(command, bound_s, stdout=subprocess.DEVNULL, stderr=stderr)
+        else:
+            code = run_restarting_the_driver(command, bound_s, stderr)
     result = RunResult(plan.index, asdict(plan), time.monotonic() - started)
     text = open(os.path.join(output, "stderr.txt")).read()
     summary_path = os.path.join(output, "summary.json")
@@ -165,6 +172,46 @@ def run_one(plan: RunPlan, folder: str, timeout_s: float, heartbeat_timeout_s: f
             if noticed:
                 result.hung_detection_s.append(min(noticed) - fault["time"])
     return result
+
+
+def run_restarting_the_driver(command: list, bound_s: float, stderr) -> Optional[int]:
+    """Run `command` (a job whose driver gets kill -9) like `harness.run_in_own_group`, and each time its
+    driver dies by SIGKILL, run the resume command its devices print (`--resume`: a driver that re-adopts
+    them) RESTART_DELAY_S later, as Kubernetes or a SLURM requeue would; the last driver's exit status,
+    or None past `bound_s` (a hang). Every process started ends with it."""
+    deadline = time.monotonic() + bound_s
+    leaders, notes = [], 0
+    try:
+        while True:
+            process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+            leaders.append(process.pid)
+            try:
+                code = process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return None
+            if code != -signal.SIGKILL:
+                return code
+            stderr.flush()
+            resume, notes = _resume_command(stderr.name, notes, deadline)
+            if resume is None:  # no device holds a step to re-adopt: the run ends as killed
+                return code
+            time.sleep(RESTART_DELAY_S)
+            command = [sys.executable, "-m", "flexpar", *shlex.split(resume)[1:]]
+    finally:
+        for leader in leaders:  # the first driver's session holds its devices, waiting or re-adopted
+            harness.kill_group(leader)
+
+
+def _resume_command(path: str, seen: int, deadline: float) -> tuple:
+    """(the resume command, the count of waiting notes so far) once a device said after the last loss that
+    it waits ("... restart it with: CMD": more than `seen` notes); (None, seen) if none did within 60 s."""
+    give_up = min(deadline, time.monotonic() + 60.0)
+    while time.monotonic() < give_up:
+        said = [line.split(WAITING_NOTE, 1)[1] for line in open(path).read().splitlines() if WAITING_NOTE in line]
+        if len(said) > seen:
+            return said[-1], len(said)
+        time.sleep(0.05)
+    return None, seen
 
 
 def ending_problem(summary: dict) -> str:

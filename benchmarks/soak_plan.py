@@ -31,7 +31,11 @@ from typing import Callable, Optional
 VIRTUAL_WORKERS = 6
 SIGNAL_PHASES = ("forward", "backward", "sync", "transfer", "formation", "checkpoint", "eval")
 SIGNAL_NAMES = {"kill": "SIGKILL", "stop": "SIGSTOP", "term": "SIGTERM"}
-FAULT_KINDS = ("kill", "stop", "term", "join", "leave")
+FAULT_KINDS = ("kill", "stop", "term", "join", "leave", "driver")
+# Every DRIVER_EVERY-th run also gets a kill -9 of its driver at one of these phases (fired by rank 0, or
+# by the sender of a join's state); the soak restarts the driver with the devices' resume command.
+DRIVER_EVERY = 4
+DRIVER_PHASES = ("forward", "backward", "sync", "transfer")
 # Relative frequency of each kind of fault in a drawn run.
 KIND_WEIGHTS = {"kill": 4, "stop": 2, "term": 3, "join": 3, "leave": 2}
 FIRST_STEP, LAST_STEP = 2, 28
@@ -52,17 +56,21 @@ class RunPlan:
     devices: int
     schedule: list = field(default_factory=list)  # (step, +1 | -1)
     faults: list = field(default_factory=list)  # (step, device, phase, signal name)
+    driver_fault: Optional[tuple] = None  # (step, phase): kill -9 of the driver
 
     @property
     def size(self) -> int:
-        return len(self.schedule) + len(self.faults)
+        return len(self.schedule) + len(self.faults) + (self.driver_fault is not None)
 
     @property
     def joins(self) -> int:
         return sum(1 for _, delta in self.schedule if delta > 0)
 
     def fault_text(self) -> str:
-        return ",".join(f"{step}:{device}:{phase}:{kind}" for step, device, phase, kind in self.faults)
+        faults = [f"{step}:{device}:{phase}:{kind}" for step, device, phase, kind in self.faults]
+        if self.driver_fault is not None:
+            faults.append("{}:driver:{}".format(*self.driver_fault))
+        return ",".join(faults)
 
     def schedule_text(self) -> str:
         return ",".join(f"{step}:{delta:+d}" for step, delta in sorted(self.schedule))
@@ -204,11 +212,24 @@ class PhaseDeck:
         raise AssertionError("unreachable: a fresh deck holds every phase")
 
 
+def draw_driver_fault(rng: random.Random, plan: RunPlan) -> tuple:
+    """(step, phase) of a kill -9 of the run's driver; a transfer one has a join at or after its step."""
+    joins = [step for step, delta in plan.schedule if delta > 0]
+    phase = rng.choice([p for p in DRIVER_PHASES if p != "transfer" or joins])
+    last = max(joins) if phase == "transfer" else LAST_STEP
+    return rng.randint(FIRST_STEP, last), phase
+
+
 def plans(seed: int):
-    """The soak's runs for `seed`, endless."""
+    """The soak's runs for `seed`, endless. The driver faults are drawn from an rng of their own, so
+    every other draw of a seed stays what it was before the soak had them."""
     rng = random.Random(seed)
+    driver_rng = random.Random(f"driver-{seed}")
     deck = PhaseDeck(rng)
     index = 0
     while True:
-        yield draw_run(rng, index, deck)
+        plan = draw_run(rng, index, deck)
+        if index % DRIVER_EVERY == DRIVER_EVERY - 1:
+            plan.driver_fault = draw_driver_fault(driver_rng, plan)
+        yield plan
         index += 1

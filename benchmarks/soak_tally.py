@@ -38,7 +38,7 @@ _KIND_OF_SIGNAL = {name: kind for kind, name in SIGNAL_NAMES.items()}
 
 @dataclass(frozen=True)
 class Fired:
-    kind: str  # kill, stop, term, join, leave
+    kind: str  # kill, stop, term, join, leave, driver
     phase: str  # a signal's phase; "schedule" for joins and leaves
     step: int
     device: str = ""
@@ -61,7 +61,7 @@ class Tally:
 def fired_signals(stderr_text: str) -> list:
     """Fired of every fault line in a run's output, in order."""
     return [
-        Fired(_KIND_OF_SIGNAL[name], phase, int(step), device, float(at))
+        Fired("driver" if device == "driver" else _KIND_OF_SIGNAL[name], phase, int(step), device, float(at))
         for device, name, step, phase, at in FAULT_LINE.findall(stderr_text)
     ]
 
@@ -73,6 +73,9 @@ def tally(plan, stderr_text: str, schedule_outcomes: list, records: list) -> Tal
     for step, device, phase, kind in plan.faults:
         if not any(f.device == device and f.phase == phase for f in result.fired):
             result.not_fired.append((kind, phase, step, device))
+    if plan.driver_fault is not None and not any(f.kind == "driver" for f in result.fired):
+        step, phase = plan.driver_fault
+        result.not_fired.append(("driver", phase, step, "driver"))
     for outcome in schedule_outcomes or ():
         kind = "join" if outcome["delta"] > 0 else "leave"
         if outcome["status"] in ("on time", "late") or "warming up when" in outcome["detail"]:

@@ -92,6 +92,8 @@ class Fault:
     checkpoint (as rank 0 writes a checkpoint), eval (in the evaluation after `step`
     committed steps, before its all-reduce). Signals: kill (kill -9: a
     crash), term (SIGTERM: a preemption notice) and stop (SIGSTOP: a hung peer).
+    `device` "driver" (kill only): the device that is rank 0 there (the sender,
+    for transfer) kills the job's driver with kill -9, as an OOM killer would.
     """
 
     step: int
@@ -117,6 +119,8 @@ def _fault_entry(part: str) -> Fault:
             f"fault {part!r} is not STEP:DEVICE:PHASE[:SIGNAL] with PHASE one of "
             f"{', '.join(FAULT_PHASES)} and SIGNAL one of {', '.join(FAULT_SIGNALS)}"
         )
+    if pieces[1] == "driver" and pieces[3:] not in ([], ["kill"]):
+        raise ValueError(f"fault {part!r}: the driver can only be killed (STEP:driver:PHASE)")
     return Fault(int(pieces[0]), pieces[1], pieces[2], *pieces[3:])
 
 
@@ -157,6 +161,7 @@ class FitOptions:
     trackers: tuple = ()  # "tensorboard", "mlflow", "csv" (flexpar.observe.trackers)
     keep_checkpoints: Optional[int] = None  # keep only the newest K checkpoints
     checkpoint_frozen: bool = False  # checkpoints hold the frozen weights too (default: trainable state + digests)
+    driver_grace_s: float = 60.0  # devices that lost the driver wait this long for a restarted one (0: exit)
 
     def __post_init__(self):
         object.__setattr__(self, "schedule", parse_schedule(self.schedule))
@@ -186,6 +191,12 @@ class FitOptions:
             raise ValueError(f"preemption_grace_s={self.preemption_grace_s} must be positive (seconds)")
         if self.heartbeat_timeout_s <= 0:
             raise ValueError(f"heartbeat_timeout_s={self.heartbeat_timeout_s} must be positive (seconds)")
+        grace = self.driver_grace_s
+        if not isinstance(grace, (int, float)) or isinstance(grace, bool) or not 0 <= grace < math.inf:
+            raise ValueError(
+                f"driver_grace_s={grace!r} must be a number of seconds >= 0 (how long devices that lost the "
+                "driver wait for a restarted one; 0: they exit at once with the survivors' checkpoint)"
+            )
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"backend={self.backend!r}: choose 'auto', 'gloo' or 'nccl'")
         if self.checkpoint_every is not None and self.checkpoint_dir is None:

@@ -43,21 +43,28 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 class CommandLineJob:
-    """A `flexpar run` in its own process group; its banner gives the address and the secret file."""
+    """A `flexpar run` in its own process group; its banner gives the address and the secret file.
 
-    def __init__(self, tmp_path, flags, script_body, name="train.py"):
+    `arguments`: a whole command line after `flexpar` instead (a job's resume command, restarting
+    its driver); `outputs`: the name its stdout/stderr files take (stdout-NAME.txt), one per driver.
+    """
+
+    def __init__(self, tmp_path, flags, script_body, name="train.py", arguments=None, outputs=""):
         self.script = tmp_path / name
-        self.script.write_text(
-            textwrap.dedent(f"""
-            import sys
-            sys.path.insert(0, {TESTS!r})
-            import pieces
-        """)
-            + textwrap.dedent(script_body)
-        )
-        self.stdout_path, self.stderr_path = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+        if arguments is None:
+            self.script.write_text(
+                textwrap.dedent(f"""
+                import sys
+                sys.path.insert(0, {TESTS!r})
+                import pieces
+            """)
+                + textwrap.dedent(script_body)
+            )
+            arguments = ["run", *flags, str(self.script)]
+        suffix = f"-{outputs}" if outputs else ""
+        self.stdout_path, self.stderr_path = tmp_path / f"stdout{suffix}.txt", tmp_path / f"stderr{suffix}.txt"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "flexpar", "run", *flags, str(self.script)],
+            [sys.executable, "-m", "flexpar", *arguments],
             stdout=open(self.stdout_path, "w"),
             stderr=open(self.stderr_path, "w"),
             cwd=tmp_path,
@@ -68,10 +75,10 @@ class CommandLineJob:
     def wait_for_banner(self, timeout_s=60.0):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            match = re.search(r"job at (\S+?);.*secret in (\S+)", self.stdout_path.read_text())
+            match = re.search(r"job at (\S+?);.*secret( in (\S+)|: the one you gave)", self.stdout_path.read_text())
             if match:
                 self.address = match.group(1)
-                self.secret_file = os.path.join(self.stdout_path.parent, match.group(2))
+                self.secret_file = os.path.join(self.stdout_path.parent, match.group(3)) if match.group(3) else None
                 return self
             assert self.process.poll() is None, self.stderr_path.read_text()
             time.sleep(0.1)
@@ -105,11 +112,13 @@ def flexpar_command(*arguments, timeout_s=60.0, environment=None, cwd=None):
 
 @pytest.fixture
 def command_line_job(tmp_path):
-    """command_line_job(flags, script_body) -> CommandLineJob; every process it started is killed after."""
+    """command_line_job(flags, script_body) -> CommandLineJob; every process it started is killed after.
+
+    `arguments=[...]` runs that command line after `flexpar` instead (a job's resume command)."""
     jobs = []
 
-    def start(flags, script_body, name="train.py"):
-        job = CommandLineJob(tmp_path, list(flags), script_body, name)
+    def start(flags, script_body, name="train.py", arguments=None, outputs=""):
+        job = CommandLineJob(tmp_path, list(flags), script_body, name, arguments, outputs)
         jobs.append(job)
         return job
 

@@ -379,12 +379,12 @@ def test_the_secret_is_printed_only_off_loopback_and_its_file_is_the_owners_even
 
 
 def test_the_banner_says_how_far_the_job_can_grow(capsys):
-    launch._banner("h:1", 2, "cpu", 2, FitOptions(steps=1), "secret in x", None, cores=2)
+    launch._banner("h:1", 2, "cpu", 2, FitOptions(steps=1), "secret in x", cores=2)
     assert (
         "2 x cpu devices, cannot grow (--max-devices N, or fit(max_devices=N), allows more; more than this "
         "host's 2 cores also need --oversubscribe)"
     ) in capsys.readouterr().out
-    launch._banner("h:1", 1, "cpu", 3, FitOptions(steps=1, max_devices=3, oversubscribe=True), "s", None, cores=2)
+    launch._banner("h:1", 1, "cpu", 3, FitOptions(steps=1, max_devices=3, oversubscribe=True), "s", cores=2)
     assert "1 x cpu device, may grow to 3; s" in capsys.readouterr().out
 
 

@@ -11,6 +11,7 @@ import time
 
 from flexpar import demo
 from flexpar.cli.cluster_environment import job_address, secret_or_exit
+from flexpar.comm import waiting
 from flexpar.comm.channel import Channel
 from flexpar.comm.protocol import get_json, has, scale_proof
 from flexpar.comm.store import Unreachable, connect_client
@@ -88,7 +89,19 @@ def _ask_to_scale(store, host: str, port: int, request: dict, secret: str, timeo
 
 def command_status(arguments) -> int:
     host, port = job_address(arguments.address, "status")
-    store = connect_client(host, port, arguments.timeout)
+    try:
+        store = connect_client(host, port, arguments.timeout)
+    except Unreachable:
+        # No driver answers. Devices of this host that lost theirs and wait for a restarted one say so
+        # in files of their own (flexpar/comm/waiting.py); without any, the one line of Unreachable.
+        reports = waiting.read(port)
+        if not reports:
+            raise
+        if arguments.json:
+            print(json.dumps({"driver": False, "waiting": reports}))
+        else:
+            print(f"flexpar status: {waiting.describe(f'{host}:{port}', reports, time.time())}")
+        return 1
     with _answers(host, port):
         status = get_json(store, "status") if has(store, "status") else {}
     if arguments.json:

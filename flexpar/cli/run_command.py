@@ -83,6 +83,14 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="write the frozen weights into checkpoints too (default: the trainable state and their digests)",
     )
+    parser.add_argument(
+        "--driver-grace",
+        dest="driver_grace_s",
+        type=float,
+        help="seconds devices that lost the driver wait for a driver restarted at the same address "
+        "with --resume (the job's resume command) before they exit with the survivors' checkpoint "
+        "(default 60; 0: at once)",
+    )
 
 
 _RUN_FIELDS = (
@@ -110,6 +118,7 @@ _RUN_FIELDS = (
     "trackers",
     "keep_checkpoints",
     "checkpoint_frozen",
+    "driver_grace_s",
 )
 
 

@@ -151,6 +151,8 @@ class GradientSync:
         """
         self.armed = False
         if self.world_size == 1:
+            if before_wait is not None:  # the same point of the step as with peers (faults fire there)
+                before_wait()
             return stats
         carrier = self._stats_carrier()
         # Every bucket but the last was launched in order (by the hooks or here), then the

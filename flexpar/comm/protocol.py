@@ -14,6 +14,8 @@ each other outside the training collectives goes through it:
     heartbeat/<device> a counter each device bumps; a remote device that stops bumping is dead
     metrics/<k>        per-step and event records from rank 0, read by the driver
     result/...         the final training state (signed), written by rank 0
+    driver/instance    what the driver says about itself (pid, host, start, whether it re-adopts
+                       devices that outlived the driver before it: started with --resume)
     error, stop, status
 
 Values larger than the store's message limit travel as chunked blobs. Blobs
@@ -48,6 +50,17 @@ def scale_proof(secret: str, request) -> str:
 def join_proof(secret: str, device_id: str, salt: str) -> str:
     """What a joiner presents: proof that it knows the secret, bound to its id."""
     return sign(secret, b"join:", device_id.encode(), b":", salt.encode())
+
+
+def adopt_proof(secret: str, device_id: str, salt: str) -> str:
+    """What a device that outlived its driver presents to the restarted one (whose salt is new): proof
+    that it knows the secret, bound to its id; a join proof cannot be replayed as one."""
+    return sign(secret, b"adopt:", device_id.encode(), b":", salt.encode())
+
+
+# What a driver says about itself, written last when it starts (with `tell_devices`): its process,
+# and whether it re-adopts devices that outlived the driver before it (started with --resume).
+DRIVER_KEY = "driver/instance"
 
 
 def put_blob(store, key: str, data: bytes, secret: str) -> None:

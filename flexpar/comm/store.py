@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import os
 import queue
 import socket
@@ -44,6 +45,12 @@ def connect(host: str, port: int, timeout_s: float, server: bool = False) -> dis
         try:
             listener = socket.create_server((host, port), backlog=1024)
         except OSError as error:
+            if error.errno == errno.EADDRINUSE and port and _a_job_answers(host, port):
+                raise ValueError(
+                    f"a flexpar job is already running at {host}:{port} (its driver answers); a second driver "
+                    "there is refused. To continue a job whose driver died, run its resume command once that "
+                    "driver is gone"
+                ) from None
             raise ValueError(
                 f"cannot listen on {host}:{port} ({error.strerror}); choose another --port "
                 "(0 picks a free one) or --host"
@@ -58,6 +65,39 @@ def connect(host: str, port: int, timeout_s: float, server: bool = False) -> dis
         timeout=datetime.timedelta(seconds=timeout_s),
         master_listen_fd=listen_fd,
     )
+
+
+def _a_job_answers(host: str, port: int) -> bool:
+    """Whether a flexpar job's store answers at host:port (where a second driver finds the port taken).
+
+    A dead driver's port is free at once (its sockets linger in TIME-WAIT,
+    which SO_REUSEADDR, set by socket.create_server, binds over), so a port in
+    use means a live listener: a job's store, or another program.
+    """
+    reach = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
+    try:
+        return connect_client(reach, port, 2.0).check(["job/version"])
+    except (Unreachable, RuntimeError):
+        return False
+
+
+# A device that lost its driver connects to a restarted one (`reconnect`): a plain TCP connection
+# first, refused in 1-2 ms while nothing listens (a TCPStore constructor alone retries for about
+# twice its timeout, logging C++ errors); then the store's handshake, bounded by HANDSHAKE_S (a
+# server that dies during it would hold the constructor for its whole timeout; a live one answers
+# in milliseconds); then the job's timeout for every call.
+HANDSHAKE_S = 2.0
+
+
+def reconnect(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A store client, or RuntimeError at once when nothing (or nothing that answers) listens at host:port."""
+    try:
+        socket.create_connection((host, port), timeout=min(1.0, timeout_s)).close()
+    except OSError as error:
+        raise RuntimeError(f"nothing listens at {host}:{port} ({error.strerror or error})") from None
+    store = connect(host, port, min(HANDSHAKE_S, timeout_s))
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return store
 
 
 @contextlib.contextmanager

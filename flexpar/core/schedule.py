@@ -61,8 +61,11 @@ class Outcome:
 
 
 class ScheduleTracker:
-    def __init__(self, schedule) -> None:
-        self.outcomes = [Outcome(change.step, change.delta) for change in sorted(schedule, key=lambda c: c.step)]
+    def __init__(self, schedule, after_step: int = -1) -> None:
+        """`after_step`: a resumed job's committed steps; its earlier driver fired the entries at or
+        before it (they are not followed again)."""
+        ordered = sorted(schedule, key=lambda change: change.step)
+        self.outcomes = [Outcome(change.step, change.delta) for change in ordered if change.step > after_step]
         self._next = 0
 
     def due(self, committed: int) -> list:

@@ -4,19 +4,27 @@ It turns what devices send (flexpar/comm/channel.py), process exits and
 heartbeats into membership events, and carries out the decided actions in
 the store (flexpar/comm/protocol.py's keys). The device half is
 flexpar/worker/device_link.py.
+
+A driver restarted with `--resume` starts with the membership's adoption
+window open: the devices that outlived its predecessor report (`present`, then
+`adopt` messages), each checked like a joiner's `ready` (proof, model, version)
+and against this job's fingerprint (flexpar/core/adoption.py), and this host's
+re-adopted devices are taken over by pid (`adopt_local`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
 import queue
+import socket
 import time
 from typing import Callable, Iterable, Optional
 
 from flexpar.comm.channel import Channel
-from flexpar.comm.protocol import get_json, has, join_proof, scale_proof, tell_devices
-from flexpar.core import frozen
+from flexpar.comm.protocol import adopt_proof, get_json, has, join_proof, scale_proof, tell_devices
+from flexpar.core import adoption, frozen
 from flexpar.core import membership as ms
 
 # How often the coordinator reads the devices' heartbeats (they beat every 0.5 s).
@@ -30,6 +38,11 @@ class Coordinator:
     so it needs no threads or locks. `spawn_local(device_ids)` and
     `stop_local(device_id)` start and stop local worker processes;
     `local_exits()` returns the ids of local workers whose process has ended.
+    A restarted driver's: `adopt_local(device_id, pid, device)` takes over one
+    of this host's devices that its predecessor started; `fingerprint` is this
+    job's (`adoption.fingerprint`); `resume_from(action)` carries out a
+    `NothingToAdopt` (the checkpoint's settings, published before any device
+    starts; it raises when there is no checkpoint).
     """
 
     def __init__(
@@ -47,6 +60,10 @@ class Coordinator:
         clock: Callable[[], float] = time.monotonic,
         on_note: Callable[[str], None] = print,
         frozen_reference: Optional[Callable[[], dict]] = None,
+        adopt_local: Callable[[str, int, str], None] = lambda device_id, pid, device: None,
+        fingerprint: Optional[dict] = None,
+        resume_from: Callable[[ms.NothingToAdopt], None] = lambda action: None,
+        seen_waiting: Callable[[], Iterable[str]] = lambda: (),
     ):
         self.store = store
         self.secret = secret
@@ -72,6 +89,15 @@ class Coordinator:
         self.digest_times: dict = {}  # device_id -> its frozen digest's seconds (from "ready"): likewise
         self._heartbeats_read_at = float("-inf")
         self._finish_asked: queue.SimpleQueue = queue.SimpleQueue()  # by signal handlers (request_finish)
+        self.adopt_local = adopt_local
+        self.fingerprint = fingerprint or {}
+        self.resume_from = resume_from
+        # This host's devices waiting for a driver (their report files): an adoption window waits for them.
+        self.seen_waiting = seen_waiting
+        self._waiting_read_at = float("-inf")
+        self.reports: dict = {}  # device id -> its last present/adopt message (a restarted driver's)
+        self.declined: Optional[str] = None  # a device of another job reported: this driver stops
+        self.nothing_to_adopt: Optional[ms.NothingToAdopt] = None  # the window closed with no member back
 
     def request_finish(self, reason: str, note: bool = True) -> None:
         """`finish` from a signal handler: only recorded here, decided at the next `step()`.
@@ -123,6 +149,9 @@ class Coordinator:
         for device_id in exited:
             self._announce_death(device_id)
             self.apply(ms.Exited(device_id, now))
+        if self.state.adoption is not None and now - self._waiting_read_at >= HEARTBEATS_READ_S:
+            self._waiting_read_at = now
+            self.apply(ms.SeenWaiting(tuple(self.seen_waiting())))
         self.apply(ms.Tick(now))
 
     def _announce_death(self, device_id: str) -> None:
@@ -147,6 +176,8 @@ class Coordinator:
                 return None
             self._execute(ms.Refuse(device, reason))
             return None
+        if kind in ("present", "adopt"):
+            return self._report_of(message, now)
         if kind == "error":
             self.errors.append(message)
             return None
@@ -174,6 +205,62 @@ class Coordinator:
         if kind == "leave":
             return ms.LeaveRequested(device)
         return None
+
+    def _report_of(self, message: dict, now: float):
+        """A device that outlived its driver: its notice ("present") or report ("adopt") as an event."""
+        device = message.get("device_id", "")
+        proof_ok = hmac.compare_digest(adopt_proof(self.secret, device, self.salt), str(message.get("proof", "")))
+        final = message.get("type") == "adopt"
+        if not proof_ok and not final:
+            return None  # a notice proves nothing yet; its report will
+        problem = (
+            ""
+            if proof_ok
+            else (
+                "its proof does not match this job's secret: restart the driver with the job's secret "
+                "(--secret-file, FLEXPAR_SECRET or FLEXPAR_SECRET_FILE)"
+            )
+        )
+        if final and not problem:
+            problem = self._ready_problem(message) or adoption.fingerprint_problem(
+                self.fingerprint, message.get("fingerprint") or {}
+            )
+            if isinstance(message.get("warmup_s"), (int, float)):
+                self.warmups[device] = float(message["warmup_s"])
+        if final or device not in self.reports:
+            self.reports[device] = message
+        self.heartbeats.setdefault(device, (None, now))
+        report = adoption.DeviceReport(
+            device,
+            int(message.get("generation", 0)),
+            tuple(message.get("members", ())),
+            int(message.get("seen", 0)),
+            int(message.get("committed", -1)),
+            bool(message.get("warm", False)),
+            float(message.get("lost_at", 0.0)),
+            bool(message.get("abandoned", False)),
+            final,
+        )
+        return ms.Reported(report, now, problem)
+
+    def _adopt_locals(self, members) -> None:
+        """This host's devices among `members`, started by the old driver: taken over by pid."""
+        host = socket.gethostname()
+        for device in members:
+            message = self.reports.get(device) or {}
+            if device.startswith("local-") and message.get("host") == host and not message.get("remote"):
+                self.adopt_local(device, int(message["pid"]), str(message.get("device", "cpu")))
+
+    def _continue_remote_ids(self) -> None:
+        """Joiners number their ids from `remote/counter`: a new one must not take a reported one's."""
+        numbers = [
+            int(d.rsplit("-", 1)[1])
+            for d in self.reports
+            if not d.startswith("local-") and d.rsplit("-", 1)[-1].isdigit()
+        ]
+        missing = max(numbers, default=0) - self.store.add("remote/counter", 0)
+        if missing > 0:
+            self.store.add("remote/counter", missing)
 
     def _proof_ok(self, message: dict) -> bool:
         if message.get("type") == "scale":
@@ -210,7 +297,7 @@ class Coordinator:
     def _silent_devices(self, now: float) -> list:
         silent = []
         state = self.state
-        counted = set(state.members + state.waiting + state.starting) - state.dead
+        counted = state.watched
         for device, (last_value, changed_at) in list(self.heartbeats.items()):
             if device not in counted:  # gone already (left, exited, refused): nothing to watch
                 del self.heartbeats[device]
@@ -240,6 +327,11 @@ class Coordinator:
                     device: self.digest_times[device] for device in action.joined if device in self.digest_times
                 },
             }
+            if action.adopted is not None:  # the first generation of a re-adopted job
+                record["adopted"] = dataclasses.asdict(action.adopted)
+                record["restore"] = action.restore
+                self._adopt_locals(action.members)
+                self._continue_remote_ids()
             self.store.set(f"gen/{action.generation}", json.dumps(record))
             tell_devices(self.store, "gen/latest", str(action.generation))
             self.published.append(action)
@@ -263,6 +355,12 @@ class Coordinator:
                 self.store.set(f"answer/{action.request_id}", json.dumps(answer))
         elif isinstance(action, ms.Note):
             self.on_note(action.message)
+        elif isinstance(action, ms.Decline):
+            self.declined = action.reason
+        elif isinstance(action, ms.NothingToAdopt):
+            self.nothing_to_adopt = action
+            self._continue_remote_ids()
+            self.resume_from(action)
 
     def finish(self, reason: str, note: bool = True) -> None:
         """Ask the devices to stop after the step in flight (they agree on it in the step's statistics).

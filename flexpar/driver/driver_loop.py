@@ -24,7 +24,7 @@ from flexpar.core import membership
 from flexpar.core.schedule import ScheduleTracker
 from flexpar.errors import TrainingError
 from flexpar.observe.display import LiveDisplay
-from flexpar.observe.metrics import LOGGER_NAME, MetricsWriter
+from flexpar.observe.metrics import LOGGER_NAME, MetricsWriter, resume_point
 from flexpar.worker.settings import EXIT_MAIN_GUARD, MAIN_GUARD_MESSAGE
 
 # The loop runs when something was sent (DriverWaker, below), and at least this often for
@@ -46,7 +46,16 @@ class DriverLoop:
         metrics_path: str,
         exit_codes=lambda: {},
         callbacks: Dispatcher = None,
+        resumed_from: int = -1,
+        adopted: bool = False,
     ):
+        """`resumed_from`: the committed steps a resumed job (`--resume`: re-adopted devices or a
+        checkpoint) continues from; -1 for a new job. A resumed job appends to its metrics file and
+        ledger, counts `elapsed_s` from the job's first start, writes each step once (steps the file
+        holds are not written again), and does not fire its schedule's entries at or before it.
+        `adopted`: it re-adopted devices that outlived the earlier driver; those may have committed
+        steps that driver never saw, so the entries it did not fire are those after the last step its
+        metrics file holds (it fires an entry as it writes the step that makes it due)."""
         self.store = store
         self.coordinator = coordinator
         self.options = options
@@ -56,7 +65,7 @@ class DriverLoop:
         self.run_dir = run_dir
         self.exit_codes = exit_codes  # device id -> exit code of local workers that ended
         self.metrics = Channel(store, "metrics")
-        self.schedule = ScheduleTracker(options.schedule)
+        self.resumed = resumed_from >= 0
         self.pending_speeds = sorted(options.speed_changes, key=lambda change: change.step)
         self.started = time.time()
         self.steps: list = []
@@ -67,7 +76,17 @@ class DriverLoop:
         self.generation = 1
         self.done: dict = {}
         self.metrics_path = metrics_path
-        self.writer = MetricsWriter(metrics_path)
+        self.writer = MetricsWriter(metrics_path, append=self.resumed)
+        last_step = None
+        if self.resumed:  # the metrics file goes on where the job's earlier driver stopped
+            started, last_step = resume_point(metrics_path)
+            self.started = started if started is not None else self.started
+            if last_step is not None:
+                self.steps.append(last_step)
+                self.devices, self.generation = list(last_step["devices"]), last_step["generation"]
+        if adopted:
+            resumed_from = last_step["step"] + 1 if last_step is not None else -1
+        self.schedule = ScheduleTracker(options.schedule, after_step=resumed_from)
         self.ledger_file = None
         self.display = None
         if not options.quiet:
@@ -107,6 +126,8 @@ class DriverLoop:
                 self._check_errors()
                 if self.coordinator.stop_reason is not None:
                     raise TrainingError(self._stop_message(self.coordinator.stop_reason))
+                if self.coordinator.declined is not None:
+                    raise TrainingError(self.coordinator.declined)
                 if waker is None:
                     time.sleep(0.01)
                 else:
@@ -154,7 +175,10 @@ class DriverLoop:
         for record in self.metrics.receive(writers_done):
             if record["kind"] == "step":
                 if self.steps and record["step"] <= self.steps[-1]["step"]:
-                    continue  # re-sent by a new rank 0 after a change
+                    # Re-sent by a new rank 0 after a change, or a step a resumed job redid from its
+                    # checkpoint (the file holds it): written once. A schedule entry still fires at it.
+                    self._fire_schedule(record["step"] + 1)
+                    continue
                 record["elapsed_s"] = max(0.0, record["time"] - self.started)
                 self._write_ledger(record)
                 self.steps.append(record)
@@ -178,7 +202,7 @@ class DriverLoop:
                 self.events.append(record)
                 self._emit(record)
                 self._notify("on_event", record)
-                if record["event"] in ("join", "leave", "failure"):
+                if record["event"] in ("join", "leave", "failure", "adopt"):
                     self._report_schedule(self.schedule.observed(previous, record))
 
     def _relay_eval(self, record: dict) -> None:
@@ -207,7 +231,8 @@ class DriverLoop:
         if indices is None:
             return
         if self.ledger_file is None:
-            self.ledger_file = open(os.path.join(self.run_dir, "ledger.jsonl"), "w", encoding="utf-8")
+            path = os.path.join(self.run_dir, "ledger.jsonl")
+            self.ledger_file = open(path, "a" if self.resumed else "w", encoding="utf-8")
         sample_ledger.write_entry(self.ledger_file, record["step"], indices)
 
     def _emit(self, record: dict) -> None:

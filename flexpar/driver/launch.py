@@ -7,11 +7,19 @@ from the fork server, each running `flexpar.worker.process.main`), and runs
 the driver's loop (flexpar/driver/driver_loop.py) until the job ends; then it
 loads the trained model. `flexpar join` on another host is
 flexpar/driver/join.py.
+
+With `resume=True` (`flexpar run --resume`: the job's resume command), the
+driver first asks its address whether devices that outlived the job's earlier
+driver are waiting there (an adoption window: flexpar/driver/readopt.py): it
+re-adopts them and trains on from the step they hold, without reading a
+checkpoint; only when none comes back does it resume from the newest
+checkpoint with fresh devices.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import secrets
@@ -23,15 +31,17 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from flexpar import callbacks as callbacks_module
 from flexpar.comm import state_transfer as training_state
-from flexpar.comm.protocol import get_blob, put_blob, tell_devices
+from flexpar.comm import waiting
+from flexpar.comm.protocol import DRIVER_KEY, get_blob, put_blob, tell_devices
 from flexpar.comm.store import connect
-from flexpar.core import frozen, membership
+from flexpar.core import adoption, frozen, membership
+from flexpar.driver import readopt
 from flexpar.driver.coordinator import Coordinator
 from flexpar.driver.driver_loop import DriverLoop, DriverWaker
 from flexpar.driver.fork_server import worker_context
@@ -71,17 +81,19 @@ def run(job, options: FitOptions) -> tuple:
     digesting.shutdown(wait=False)
     payload = pickle_pieces(job)
     total_steps = options.steps or options.epochs * job.steps_per_epoch()
-    resume_path = None
-    if options.resume:
-        resume_path = checkpoints.latest_checkpoint(options.checkpoint_dir)
-        if resume_path is None:
-            raise ValueError(f"resume=True but {options.checkpoint_dir} holds no checkpoint (step-*.pt)")
-        _check_resumed_frozen_part(resume_path, reference.result())
+    # --resume: devices that outlived the job's driver first (an adoption window), else the newest checkpoint.
+    newest = checkpoints.latest_checkpoint(options.checkpoint_dir) if options.resume else None
+    if newest is not None:
+        _check_resumed_frozen_part(newest, reference.result())
     run_dir, metrics_path = run_paths(options)
     callbacks = callbacks_module.Dispatcher(
-        options.callbacks + tuple(trackers_module.create(options.trackers, run_dir))
+        options.callbacks + tuple(trackers_module.create(options.trackers, run_dir, resume=options.resume))
     )
     script = getattr(sys.modules.get("__main__"), "__file__", None) or ""
+    secret = options.secret or secrets.token_hex(16)
+    store = connect(options.host, options.port, options.timeout_s, server=True)  # a second driver stops here
+    address = f"{advertised_host(options.host)}:{store.port}"
+    pins = resume_pins(options, store.port, run_dir, metrics_path)
     settings = RunSettings(
         total_steps,
         backend,
@@ -89,11 +101,11 @@ def run(job, options: FitOptions) -> tuple:
         options.bucket_mb,
         options.checkpoint_every,
         options.checkpoint_dir,
-        resume_path,
+        None,
         tuple((f.step, f.device, f.phase, f.signal) for f in options.faults),
         rescue_dir=os.path.abspath(run_dir),
         script=os.path.abspath(script) if script else "",
-        resume_command=resume_command(os.path.abspath(options.checkpoint_dir or run_dir)),
+        resume_command=resume_command(os.path.abspath(options.checkpoint_dir or run_dir), pins=pins),
         preemption_grace_s=options.preemption_grace_s,
         sample_ledger=options.sample_ledger,
         eval_every=options.eval_every,
@@ -102,14 +114,14 @@ def run(job, options: FitOptions) -> tuple:
         keep_checkpoints=options.keep_checkpoints,
         checkpoint_frozen=options.checkpoint_frozen,
         model_factory=frozen.factory_reference(job.model),
+        driver_grace_s=options.driver_grace_s,
+        driver_pid=os.getpid(),
+        address=address,
     )
-    secret = options.secret or secrets.token_hex(16)
-    store = connect(options.host, options.port, options.timeout_s, server=True)
-    address = f"{advertised_host(options.host)}:{store.port}"
     _publish_job(store, payload, settings, secret, model_digest(model))
     secret_note = _keep_secret(options, secret, run_dir)
     if not options.quiet:
-        _banner(address, initial, kind, max_devices, options, secret_note, resume_path, cores=available)
+        _banner(address, initial, kind, max_devices, options, secret_note, cores=available)
     threads = max(1, available // max_devices) if kind == "cpu" else 0
     local = LocalDevices(context, options.host, store.port, secret, kind, threads, options.emulate_speeds)
     grace_s = options.timeout_s + 5.0
@@ -117,6 +129,21 @@ def run(job, options: FitOptions) -> tuple:
     state = membership.Membership(
         initial_devices=initial, max_devices=max_devices, grace_s=grace_s, local_capacity=local_capacity
     )
+    if options.resume:
+        state = readopt.open_window(state, newest, checkpoints.checkpoint_step(newest) if newest else -1)
+
+    def resume_from(action: membership.NothingToAdopt) -> None:
+        """No device came back: the newest checkpoint's settings, published before any device starts."""
+        if not action.checkpoint:
+            raise ValueError(
+                f"resume=True but {options.checkpoint_dir} holds no checkpoint (step-*.pt), and no device "
+                f"waits at {address} to be re-adopted"
+            )
+        store.set("job/settings", json.dumps(asdict(dataclasses.replace(settings, resume_path=action.checkpoint))))
+        if not options.quiet:
+            step = checkpoints.checkpoint_step(action.checkpoint)
+            print(f"flexpar: resuming from step {step} ({action.checkpoint})", flush=True)
+
     coordinator = Coordinator(
         store,
         secret,
@@ -130,30 +157,53 @@ def run(job, options: FitOptions) -> tuple:
         heartbeat_timeout_s=options.heartbeat_timeout_s,
         on_note=lambda message: print(f"flexpar: {message}", file=sys.stderr, flush=True),
         frozen_reference=reference.result,
+        adopt_local=local.adopt,
+        fingerprint=adoption.fingerprint(job, settings, __version__),
+        resume_from=resume_from,
+        seen_waiting=lambda: [report["device_id"] for report in waiting.read(store.port)],
     )
-    loop = DriverLoop(
-        store,
-        coordinator,
-        options,
-        total_steps,
-        job.global_batch,
-        address,
-        run_dir,
-        metrics_path,
-        exit_codes=lambda: dict(local.exit_codes),
-        callbacks=callbacks,
-    )
+    # Last: what this driver is, and whether it re-adopts devices that outlived the one before it.
+    instance = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "adopting": options.resume}
+    tell_devices(store, DRIVER_KEY, json.dumps(instance))
+    waker = DriverWaker(options.host, store.port, options.timeout_s, store)
+    loop = None
+    resumed_from, resumed_by = -1, None
     ended_well = False
     terminated = threading.Event()
     try:
         with _finish_on_sigterm(coordinator, terminated):
-            coordinator.apply(membership.Start(initial))
-            loop.run(DriverWaker(options.host, store.port, options.timeout_s, store))
+            if options.resume:
+                readopt.run_window(coordinator, waker)
+                if coordinator.nothing_to_adopt is None:
+                    resumed_by, resumed_from = "adoption", coordinator.published[-1].adopted.step
+                    if not options.quiet:
+                        print(f"flexpar: {readopt.adopted_summary(coordinator)}", flush=True)
+                else:
+                    resumed_by = "checkpoint"
+                    resumed_from = checkpoints.checkpoint_step(coordinator.nothing_to_adopt.checkpoint)
+            else:
+                coordinator.apply(membership.Start(initial))
+            loop = DriverLoop(
+                store,
+                coordinator,
+                options,
+                total_steps,
+                job.global_batch,
+                address,
+                run_dir,
+                metrics_path,
+                exit_codes=lambda: dict(local.exit_codes),
+                callbacks=callbacks,
+                resumed_from=resumed_from,
+                adopted=resumed_by == "adoption",
+            )
+            loop.run(waker)
         data = get_blob(store, "result", secret)
         result = training_state.from_bytes(data, torch.device("cpu"))
         _load_result(model, result["model"])
         summary = loop.summary(result["step"])
-        summary["resumed_from"] = checkpoints.checkpoint_step(resume_path) if resume_path else None
+        summary["resumed_from"] = resumed_from if resumed_by else None
+        summary["resumed_by"] = resumed_by
         callbacks.call("on_end", summary)
         ended_well = True
     except TrainingError:
@@ -170,7 +220,11 @@ def run(job, options: FitOptions) -> tuple:
         print(f"flexpar: {what}; the workers are stopped", file=sys.stderr, flush=True)
         raise SystemExit(code) from None
     finally:
-        if not store.check(["done"]):
+        if loop is None:
+            waker.close()
+        # Devices still in the adoption window, or waiting at an address where this driver declined them
+        # (another job's), are not this driver's to stop: they wait on for a driver of their own.
+        if not store.check(["done"]) and coordinator.declined is None and coordinator.state.adoption is None:
             tell_devices(store, "stop", "the driver stopped")
         local.shutdown()
         callbacks.close(failed=not ended_well)
@@ -209,18 +263,34 @@ def _load_result(model, model_state: dict) -> None:
     model.load_state_dict(model_state, strict=False)
 
 
-def resume_command(directory: str, argv: Optional[list] = None, script_argv: Optional[list] = None) -> str:
-    """The command that resumes this job from the checkpoints in `directory`, ready to paste.
+def resume_pins(options: FitOptions, port: int, run_dir: str, metrics_path: str) -> list:
+    """Flags the resume command adds so that a restarted driver is this job's: at its address (a port
+    that was picked free), with its secret (one made here), continuing its metrics file."""
+    pins = [] if options.port else ["--port", str(port)]
+    if not options.secret:
+        pins += ["--secret-file", os.path.join(os.path.abspath(run_dir), "secret")]
+    if not options.metrics:
+        pins += ["--metrics", os.path.abspath(metrics_path)]
+    return pins
+
+
+def resume_command(
+    directory: str, argv: Optional[list] = None, script_argv: Optional[list] = None, pins: Sequence[str] = ()
+) -> str:
+    """The command that resumes this job, ready to paste: it re-adopts the devices waiting at the job's
+    address, or resumes from the checkpoints in `directory` when none is.
 
     Under `flexpar run`, the same command line with `--resume --checkpoint-dir
-    DIRECTORY` added; for a plain `python train.py ARGS`, `flexpar run` with
-    those two flags on the same script and arguments (the script's own fit()
-    options stay in force). `argv` is the process's whole command line
-    (sys.orig_argv), `script_argv` the script's own (sys.argv).
+    DIRECTORY` and `pins` (`resume_pins`: the job's port, secret file and
+    metrics file where the job made them up) added; for a plain `python
+    train.py ARGS`, `flexpar run` with those flags on the same script and
+    arguments (the script's own fit() options stay in force). `argv` is the
+    process's whole command line (sys.orig_argv), `script_argv` the script's
+    own (sys.argv).
     """
     argv = list(getattr(sys, "orig_argv", None) or [sys.executable] + sys.argv) if argv is None else argv
     script_argv = list(sys.argv) if script_argv is None else script_argv
-    added = ["flexpar", "run", "--resume", "--checkpoint-dir", directory]
+    added = ["flexpar", "run", "--resume", "--checkpoint-dir", directory, *pins]
     typed = script_argv[0] if script_argv and script_argv[0].endswith(".py") else ""
     # Absolute: the devices that print it may run on other hosts or in other folders.
     script = os.path.abspath(typed) if typed else "SCRIPT"
@@ -228,20 +298,21 @@ def resume_command(directory: str, argv: Optional[list] = None, script_argv: Opt
         if os.path.basename(word) == "flexpar" and argv[index + 1] == "run":
             rest = argv[index + 2 :]
             position = rest.index(typed) if typed in rest else len(rest)
-            return shlex.join(added + _without_resume_flags(rest[:position]) + [script] + rest[position + 1 :])
+            kept = _without_flags(rest[:position], ("--checkpoint-dir", *pins[::2]))
+            return shlex.join(added + kept + [script] + rest[position + 1 :])
     rest = script_argv[1:] if typed else []
     return shlex.join(added + [script] + (["--"] + rest if rest else []))
 
 
-def _without_resume_flags(flags: list) -> list:
-    """`flags` less --resume and --checkpoint-dir (resume_command puts its own first)."""
+def _without_flags(flags: list, valued: Sequence[str]) -> list:
+    """`flags` less --resume and the `valued` flags with their values (resume_command puts its own first)."""
     kept, skip_value = [], False
     for flag in flags:
         if skip_value:
             skip_value = False
-        elif flag == "--checkpoint-dir":
+        elif flag in valued:
             skip_value = True
-        elif flag != "--resume" and not flag.startswith("--checkpoint-dir="):
+        elif flag != "--resume" and not any(flag.startswith(name + "=") for name in valued):
             kept.append(flag)
     return kept
 
@@ -281,7 +352,7 @@ def _keep_secret(options: FitOptions, secret: str, run_dir: str) -> str:
     return f"secret in {path}"
 
 
-def _banner(address, initial, kind, max_devices, options, secret_note, resume_path, cores=0) -> None:
+def _banner(address, initial, kind, max_devices, options, secret_note, cores=0) -> None:
     if max_devices > initial:
         growth = f"may grow to {max_devices}"
     else:
@@ -299,8 +370,6 @@ def _banner(address, initial, kind, max_devices, options, secret_note, resume_pa
         f"{growth}{how}; {secret_note}",
         flush=True,
     )
-    if resume_path:
-        print(f"flexpar: resuming from step {checkpoints.checkpoint_step(resume_path)} ({resume_path})", flush=True)
 
 
 class _SecondSigterm(BaseException):

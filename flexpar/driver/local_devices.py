@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from flexpar.driver.readopt import AdoptedProcess
 from flexpar.options import cpu_count
 from flexpar.worker.process import main as worker_main
 from flexpar.worker.settings import WorkerArgs
@@ -55,6 +56,12 @@ class LocalDevices:
             process = self.context.Process(target=worker_main, args=(args,), name=f"flexpar-{device_id}")
             process.start()
             self.processes[device_id] = process
+
+    def adopt(self, device_id: str, pid: int, device: str) -> None:
+        """Take over a device this host's earlier driver started (re-adoption): watched and stopped by pid."""
+        self.processes[device_id] = AdoptedProcess(pid)
+        if device.startswith("cuda:"):
+            self.gpus[device_id] = int(device.split(":", 1)[1])
 
     def stop(self, device_id: str) -> None:
         process = self.processes.get(device_id)

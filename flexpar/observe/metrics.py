@@ -3,7 +3,8 @@
 A training job reports what it does as plain dict records (JSON-serialisable):
 one *step record* per committed step, one *event record* per change of the
 job (start, join, leave, failure, rebalance, refused joiner, late or refused
-schedule entry, early stop, end) and one *eval record* per evaluation. The
+schedule entry, early stop, a restarted driver's re-adoption, end) and one
+*eval record* per evaluation. The
 schema is stated once, in ``metrics.schema.json`` beside this file (a JSON
 Schema), and documented for users in ``docs/metrics.md``;
 ``validate_record`` (record_schema.py) enforces it in the writer and the
@@ -41,15 +42,19 @@ EVENT_KEYS: tuple[str, ...] = required_keys("event")
 EVENT_KINDS: tuple[str, ...] = tuple(RECORD_SCHEMAS["event"]["properties"]["event"]["enum"])
 """The allowed values of an event record's ``event`` field."""
 
+ADOPT_KEYS: tuple[str, ...] = tuple(RECORD_SCHEMAS["event"]["then"]["required"])
+"""Keys an ``adopt`` event has, and no other event may: the seconds the job had no driver, and the
+steps in flight lost at the loss (0 or 1)."""
+
 EVAL_KEYS: tuple[str, ...] = required_keys("eval")
 """Every key of an eval record (one per evaluation of the model), in schema order; all are required."""
 
 # Events after which the device set differs from the one before: the plot marks
 # these with a vertical line, the display shows who came or went.
-DEVICE_SET_EVENTS: tuple[str, ...] = ("join", "leave", "failure")
+DEVICE_SET_EVENTS: tuple[str, ...] = ("join", "leave", "failure", "adopt")
 
 # Events that call for attention: logged at WARNING by the display.
-WARNING_EVENTS: tuple[str, ...] = ("failure", "refused", "schedule")
+WARNING_EVENTS: tuple[str, ...] = ("failure", "refused", "schedule", "adopt")
 
 LOGGER_NAME = "flexpar"
 
@@ -68,16 +73,22 @@ class MetricsWriter:
     """Appends validated records to a JSON-lines file, one record per line.
 
     The file is created (with its parent folders) and truncated on
-    construction. Each record is flushed as soon as it is written, so a crashed
-    job leaves every record up to the crash readable, and another process can
-    follow the file while the job runs. Safe to call from several threads.
+    construction, or appended to (`append=True`: a resumed job, whose earlier
+    driver wrote it). Each record is flushed as soon as it is written, so a
+    crashed job leaves every record up to the crash readable, and another
+    process can follow the file while the job runs. Safe to call from several
+    threads.
     """
 
-    def __init__(self, path):
+    def __init__(self, path, append: bool = False):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._file = open(self.path, "w", encoding="utf-8", newline="\n")
+        # A driver killed while it wrote may have left an unterminated last line: read_records drops
+        # it, but appended to it would become a bad line in the middle of the file.
+        if append and self.path.exists():
+            _drop_unterminated_line(self.path)
+        self._file = open(self.path, "a" if append else "w", encoding="utf-8", newline="\n")
 
     def write(self, record) -> None:
         """Validate `record` (ValueError if invalid; nothing is written then), append it and flush."""
@@ -105,6 +116,28 @@ class MetricsWriter:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def _drop_unterminated_line(path: Path) -> None:
+    with open(path, "rb+") as handle:
+        data = handle.read()
+        if data and not data.endswith(b"\n"):
+            handle.truncate(data.rfind(b"\n") + 1)
+
+
+def resume_point(path) -> tuple:
+    """(the job's start, its last step record) from a metrics file a resumed job appends to.
+
+    The start (unix seconds) is the first record's time less its `elapsed_s`
+    (None without one); the last step record is None when there is none.
+    """
+    if not Path(path).exists():
+        return None, None
+    records = read_records(path)
+    timed = [r for r in records if "elapsed_s" in r]
+    start = timed[0]["time"] - timed[0]["elapsed_s"] if timed else None
+    steps = [r for r in records if r["kind"] == "step"]
+    return start, (max(steps, key=lambda r: r["step"]) if steps else None)
 
 
 def read_records(path) -> list[dict]:

@@ -8,7 +8,9 @@ follow the schema, and `flexpar plot` (`read_records`) refuses a file with
 one, naming the line and the field. So `validate_record` reads the same
 schema file and applies the keywords it uses: type, const, enum, required,
 properties, additionalProperties, minimum, maximum, minLength, minItems,
-uniqueItems, items, minProperties, propertyNames and local `$ref`s. A
+uniqueItems, items, minProperties, propertyNames, local `$ref`s, and, on a
+record kind, `if`/`then`/`else` over its fields (an `adopt` event must have
+`no_driver_s` and `steps_lost`; other events must not: a `false` schema). A
 keyword it does not know is refused when the schema is loaded, so the file
 cannot say more than this check enforces.
 
@@ -39,7 +41,7 @@ SCHEMA_PATH = Path(__file__).with_name("metrics.schema.json")
 
 _KNOWN_KEYWORDS = frozenset(
     "$schema $id $ref $defs title description oneOf type const enum required properties additionalProperties "
-    "minimum maximum minLength minItems uniqueItems items minProperties propertyNames "
+    "minimum maximum minLength minItems uniqueItems items minProperties propertyNames if then else "
     "x-allow-non-finite x-aligned-with x-entry".split()
 )
 _TYPE_NAMES = {"object": "a dict", "array": "a list", "string": "a str", "integer": "an int", "number": "a float"}
@@ -65,7 +67,7 @@ def _check_keywords(node: Any, where: str) -> None:
     for key in ("properties", "$defs"):
         for name, child in node.get(key, {}).items():
             _check_keywords(child, f"{where}/{key}/{name}")
-    for key in ("items", "additionalProperties", "propertyNames", "oneOf"):
+    for key in ("items", "additionalProperties", "propertyNames", "oneOf", "if", "then", "else"):
         if key in node:
             _check_keywords(node[key], f"{where}/{key}")
 
@@ -210,8 +212,36 @@ def _check_fields(record: Mapping[str, Any], kind: str) -> None:
                 f"field {key!r} has {len(record[key])} entries but {other!r} has {len(record[other])}; "
                 "they must be aligned (one entry per device)"
             )
+    if "if" in schema:
+        _check_conditional(record, schema, kind)
     if "virtual_worker_sets" in record:
         _check_virtual_worker_sets(record)
+
+
+def _check_conditional(record: Mapping[str, Any], schema: Mapping[str, Any], kind: str) -> None:
+    """`if`/`then`/`else` over a record's fields: the branch's required fields, and its `false` fields (refused).
+
+    The condition is a set of fields' own schemas (e.g. `event` const `adopt`),
+    met when every one of them that the record has follows it.
+    """
+    condition = schema["if"]["properties"]
+    met = True
+    for name, rule in condition.items():
+        try:
+            if name in record:
+                _check(record[name], rule, name)
+        except ValueError:
+            met = False
+    described = " and ".join(f"{name} is {_resolve(rule).get('const')!r}" for name, rule in condition.items())
+    branch = schema.get("then" if met else "else") or {}
+    missing = [key for key in branch.get("required", ()) if key not in record]
+    if missing:
+        raise ValueError(f"{kind} record: field {', '.join(repr(key) for key in missing)} is missing ({described})")
+    refused = [key for key, rule in branch.get("properties", {}).items() if rule is False and key in record]
+    if refused:
+        raise ValueError(
+            f"{kind} record: {', '.join(repr(key) for key in refused)} only belong to a record where {described}"
+        )
 
 
 def _check_virtual_worker_sets(record: Mapping[str, Any]) -> None:

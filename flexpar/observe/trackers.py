@@ -78,10 +78,11 @@ def check_names(names) -> tuple:
     return tuple(checked)
 
 
-def create(names: Iterable[str], run_dir: str) -> list:
-    """One tracker callback per name, writing under `run_dir`."""
+def create(names: Iterable[str], run_dir: str, resume: bool = False) -> list:
+    """One tracker callback per name, writing under `run_dir`; `resume`: a resumed job (a restarted
+    driver) continues what its earlier driver wrote there (the CSV file, the MLflow run)."""
     makers = {"tensorboard": TensorBoardTracker, "mlflow": MLflowTracker, "csv": CSVTracker}
-    return [makers[name](run_dir) for name in check_names(tuple(names))]
+    return [makers[name](run_dir, resume=resume) for name in check_names(tuple(names))]
 
 
 def step_values(record: dict) -> dict:
@@ -112,8 +113,9 @@ class Tracker(Callback):
     never_stops = True
     name = ""
 
-    def __init__(self, run_dir: str):
+    def __init__(self, run_dir: str, resume: bool = False):
         self.run_dir = run_dir
+        self.resume = resume
 
     def on_step(self, record):
         self.log(step_values(record), record["step"] + 1, record["time"])
@@ -154,10 +156,15 @@ class CSVTracker(Tracker):
     COLUMNS = ("time", "kind", "step", "name", "value", "detail")
     FOLDER, FILE = "csv", "metrics.csv"
 
-    def __init__(self, run_dir: str):
-        super().__init__(run_dir)
+    def __init__(self, run_dir: str, resume: bool = False):
+        super().__init__(run_dir, resume)
         folder = os.path.join(run_dir, self.FOLDER)
         os.makedirs(folder, exist_ok=True)
+        if resume and os.path.exists(os.path.join(folder, self.FILE)):  # a resumed job continues its CSV
+            self.path = os.path.join(folder, self.FILE)
+            self._file = open(self.path, "a", encoding="utf-8", newline="")
+            self._writer = csv.writer(self._file)
+            return
         self.path = fresh_path(folder, self.FILE)
         if os.path.basename(self.path) != self.FILE:
             print(
@@ -205,9 +212,9 @@ class TensorBoardTracker(Tracker):
 
     name = "tensorboard"
 
-    def __init__(self, run_dir: str):
-        super().__init__(run_dir)
-        self.log_dir = os.path.join(run_dir, "tensorboard")
+    def __init__(self, run_dir: str, resume: bool = False):
+        super().__init__(run_dir, resume)
+        self.log_dir = os.path.join(run_dir, "tensorboard")  # a resumed job adds an event file beside
         self._writer = None
 
     def _open(self):
@@ -248,8 +255,8 @@ class MLflowTracker(Tracker):
     name = "mlflow"
     EXPERIMENT = "flexpar"
 
-    def __init__(self, run_dir: str, flush_s: float = 1.0):
-        super().__init__(run_dir)
+    def __init__(self, run_dir: str, flush_s: float = 1.0, resume: bool = False):
+        super().__init__(run_dir, resume)
         self.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or "file:" + os.path.abspath(
             os.path.join(run_dir, "mlruns")
         )
@@ -288,6 +295,14 @@ class MLflowTracker(Tracker):
         client = MlflowClient(tracking_uri=self.tracking_uri)
         experiment = client.get_experiment_by_name(self.EXPERIMENT)
         experiment_id = experiment.experiment_id if experiment else client.create_experiment(self.EXPERIMENT)
+        if self.resume:  # a resumed job continues the run its earlier driver left RUNNING
+            tag = os.path.abspath(self.run_dir).replace("'", "\\'")
+            found = client.search_runs(
+                [experiment_id], f"tags.`flexpar.run_dir` = '{tag}' and attributes.status = 'RUNNING'", max_results=1
+            )
+            if found:
+                self._client, self.run_id = client, found[0].info.run_id
+                return
         run = client.create_run(
             experiment_id,
             run_name=os.path.basename(os.path.abspath(self.run_dir)),

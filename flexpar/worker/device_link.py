@@ -2,6 +2,11 @@
 
 The device half of the control plane (the driver half is
 flexpar/driver/coordinator.py; the keys are flexpar/comm/protocol.py's).
+
+When the driver (and the store it hosts) goes, the follower thread looks for a
+restarted one at the same address for `driver_grace_s` (`_find_driver`); once
+one answers, the worker's main thread takes it over (`await_driver`, then
+`rejoin`): flexpar/worker/orphan.py.
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ from typing import Optional
 import torch.distributed as dist
 
 from flexpar.comm.channel import Channel
-from flexpar.comm.protocol import NOTICE_KEY, get_json, has, meet
-from flexpar.comm.store import connect
+from flexpar.comm.protocol import DRIVER_KEY, NOTICE_KEY, adopt_proof, get_json, has, meet
+from flexpar.comm.store import connect, reconnect
 
 
 class JobStopped(Exception):
@@ -32,7 +37,16 @@ class Evicted(Exception):
 
 
 class DriverLost(Exception):
-    """The job's driver (and the store it hosts) is gone."""
+    """The job's driver (and the store it hosts) is gone.
+
+    `agreed`: the members stopped together in a step (every one of them holds
+    it); `let_go`: the device was asked to stop (SIGTERM) while it waited for a
+    driver, and exits as one let go.
+    """
+
+    def __init__(self, message: str = "", agreed: bool = False, let_go: bool = False):
+        super().__init__(message)
+        self.agreed, self.let_go = agreed, let_go
 
 
 # How often a device's follower thread reads the store, and how often a device
@@ -40,6 +54,11 @@ class DriverLost(Exception):
 DEVICE_POLL_S = 0.02
 # A follower reads every followed key at least this often (protocol.NOTICE_KEY says when to read sooner).
 FOLLOW_ALL_S = 0.5
+# How a device that lost its driver looks for a restarted one at the same address: a connection
+# attempt (`store.reconnect`), then a pause growing from FIRST_RETRY_S to LAST_RETRY_S. A restarted
+# driver is found within LAST_RETRY_S of its listen (0.13-0.20 s measured), for a few milliseconds
+# of CPU a second while nothing listens.
+FIRST_RETRY_S, LAST_RETRY_S = 0.05, 0.25
 
 
 class DeviceLink:
@@ -51,9 +70,12 @@ class DeviceLink:
     between steps.
     """
 
-    def __init__(self, host: str, port: int, device_id: str, timeout_s: float, poll_s: float = DEVICE_POLL_S):
+    def __init__(
+        self, host: str, port: int, device_id: str, timeout_s: float, poll_s: float = DEVICE_POLL_S, secret: str = ""
+    ):
         self.host, self.port, self.timeout_s = host, port, timeout_s
         self.device_id = device_id
+        self.secret = secret  # for the notice this device gives a restarted driver (adopt_proof)
         self.store = connect(host, port, timeout_s)
         self.events = Channel(self.store, "events")
         self._outbox: queue.Queue = queue.Queue()
@@ -63,50 +85,65 @@ class DeviceLink:
         self.speed: Optional[float] = None  # emulated speed set by the driver, if any
         self.dead_members: frozenset = frozenset()  # peers of the latest generation known dead
         self.finish_reason: Optional[str] = None  # the driver asked to stop after the step in flight
-        self.driver_lost = False  # the store (and so the driver) is gone
+        self.driver_lost = False  # the store (and so the driver) is gone, until `rejoin`
+        self.lost_at: Optional[float] = None  # wall clock: when this device noticed it
+        self.driver_grace_s = 0.0  # how long to look for a restarted driver (`configure`)
+        self.driver: Optional[dict] = None  # the restarted driver's DRIVER_KEY, once one answered
+        self.report_head: tuple = (0, ())  # (generation, members) the worker last trained in
         self.leave_requested_at: Optional[float] = None  # SIGTERM: leave at the next boundary
         self._leave_proof = ""
         self._leave_grace_s = 30.0
         self._poll_s = poll_s
         self._follower_store: Optional[dist.TCPStore] = None
+        # Each loss, and each driver found after it, counts up: `await_driver` hands the main thread a
+        # driver found after its last `rejoin` only (never the one it has just lost again).
+        self._losses = 0
+        self._answered = 0
+        self._rejoined = 0
+        self._search_over = threading.Event()  # no driver came back within the grace (the follower ended)
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._follow, name="flexpar-link", daemon=True)
         self._thread.start()
 
-    def set_timeout(self, timeout_s: float) -> None:
-        """Use the job's `timeout_s` for every store call from here on (the process starts with a default).
+    def configure(self, timeout_s: float, driver_grace_s: float = 0.0) -> None:
+        """Use the job's `timeout_s` for every store call from here on (the process starts with a default),
+        and look for a restarted driver for `driver_grace_s` after losing one.
 
-        It bounds how long a store call can wait for an answer: a driver whose
-        host vanished (no connection reset) is noticed within it.
+        The timeout bounds how long a store call can wait for an answer: a
+        driver whose host vanished (no connection reset) is noticed within it.
         """
-        self.timeout_s = timeout_s
+        self.timeout_s, self.driver_grace_s = timeout_s, driver_grace_s
         for store in (self.store, self._follower_store):
             if store is not None:
                 store.set_timeout(datetime.timedelta(seconds=timeout_s))
 
     def _follow(self) -> None:
-        store = connect(self.host, self.port, self.timeout_s)
-        self._follower_store = store
-        store.set_timeout(datetime.timedelta(seconds=self.timeout_s))  # set_timeout may have run meanwhile
-        metrics = Channel(store, "metrics")
+        store = metrics = None
         beats = 0
         last_beat = 0.0
         notice = None  # NOTICE_KEY at the last reading of the followed keys
         read_all_at = 0.0
         while not self._closing.is_set():
             try:
-                seen = store.add(NOTICE_KEY, 0)  # first: a key told after this is read next time
-                if seen != notice or time.monotonic() - read_all_at >= FOLLOW_ALL_S:
-                    notice, read_all_at = seen, time.monotonic()
-                    self._read_followed(store)
-                if self.leave_requested_at is not None and self._leave_proof:
-                    Channel(store, "events").send(
-                        {"type": "leave", "device_id": self.device_id, "proof": self._leave_proof}
-                    )
-                    self._leave_proof = ""  # sent once
-                while not self._outbox.empty():
-                    metrics.send(self._outbox.get())
-                    self._outbox.task_done()
+                if store is None:  # the first connection: its failure is a loss like any later one
+                    store = connect(self.host, self.port, self.timeout_s)
+                    store.set_timeout(datetime.timedelta(seconds=self.timeout_s))  # configure may have run
+                    self._follower_store, metrics = store, Channel(store, "metrics")
+                if self.driver_lost and self._rejoined < self._losses:
+                    self._between_drivers(store)  # the main thread has not rejoined a driver yet
+                else:
+                    seen = store.add(NOTICE_KEY, 0)  # first: a key told after this is read next time
+                    if seen != notice or time.monotonic() - read_all_at >= FOLLOW_ALL_S:
+                        notice, read_all_at = seen, time.monotonic()
+                        self._read_followed(store)
+                    if self.leave_requested_at is not None and self._leave_proof:
+                        Channel(store, "events").send(
+                            {"type": "leave", "device_id": self.device_id, "proof": self._leave_proof}
+                        )
+                        self._leave_proof = ""  # sent once
+                    while not self._outbox.empty():
+                        metrics.send(self._outbox.get())
+                        self._outbox.task_done()
                 now = time.monotonic()
                 self._enforce_leave_grace(now)
                 if now - last_beat > 0.5:
@@ -114,15 +151,97 @@ class DeviceLink:
                     store.set(f"heartbeat/{self.device_id}", str(beats))
                     last_beat = now
             except Exception:  # the store, hosted by the driver, is gone
-                self.driver_lost = True
-                self._wait_out_leave_grace()
-                return
+                store = self._find_driver()
+                if store is None:
+                    return
+                self._follower_store, metrics, notice = store, Channel(store, "metrics"), None
+                continue
             self._closing.wait(self._poll_s)
         try:
             while not self._outbox.empty():
                 metrics.send(self._outbox.get())
         except Exception:
             pass
+
+    def _find_driver(self) -> Optional[dist.TCPStore]:
+        """The driver is gone: look for a restarted one at the same address for `driver_grace_s`.
+
+        Returns a client of the store that answered, or None when the grace ran
+        out (or the link closes). Records queued for the old driver stay
+        queued: they go to the new one once the main thread has rejoined it.
+        """
+        self._losses += 1
+        self.note_lost()
+        deadline = time.monotonic() + self.driver_grace_s
+        delay = FIRST_RETRY_S
+        while not self._closing.is_set() and time.monotonic() < deadline:
+            self._enforce_leave_grace(time.monotonic())
+            try:
+                return reconnect(self.host, self.port, self.timeout_s)
+            except RuntimeError:
+                pass
+            self._closing.wait(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(LAST_RETRY_S, 2 * delay)
+        self._search_over.set()
+        self._wait_out_leave_grace()
+        return None
+
+    def _between_drivers(self, store) -> None:
+        """Connected to a store at the address, not rejoined yet: read what its driver says about itself,
+        give a re-adopting one this device's notice (it is there, still finishing its step maybe), and
+        read this device's reply (a refusal)."""
+        if self._answered < self._losses and has(store, DRIVER_KEY):
+            self.driver = get_json(store, DRIVER_KEY)
+            if self.driver.get("adopting") and self.secret:
+                generation, members = self.report_head
+                proof = adopt_proof(self.secret, self.device_id, store.get("job/salt").decode())
+                notice = {"type": "present", "device_id": self.device_id, "generation": generation}
+                notice.update(members=list(members), seen=self.latest_generation, proof=proof)
+                Channel(store, "events").send(notice)
+            self._answered = self._losses
+        if has(store, f"reply/{self.device_id}"):
+            self.reply = store.get(f"reply/{self.device_id}").decode()
+
+    def await_driver(self) -> Optional[dict]:
+        """(Main thread, after a loss) Block until a driver answers at the address: what it says about
+        itself (DRIVER_KEY). None when none came within the grace, this device was asked to leave
+        (SIGTERM), or the link is closing."""
+        self.note_lost()
+        give_up_at = self.lost_at + self.driver_grace_s  # also when only this thread's call failed
+        while True:
+            if self._answered > self._rejoined and self._answered == self._losses:
+                return self.driver
+            if (
+                self._search_over.is_set()
+                or self._closing.is_set()
+                or not self._thread.is_alive()
+                or self.leave_requested_at is not None
+                or time.time() > give_up_at
+            ):
+                return None
+            time.sleep(self._poll_s)
+
+    def note_lost(self) -> None:
+        """Note that the driver is gone (either thread may notice first)."""
+        self.driver_lost = True
+        if self.lost_at is None:
+            self.lost_at = time.time()
+
+    def rejoin(self) -> None:
+        """(Main thread) Use the restarted driver's store from here on, as this device's driver.
+
+        What the old driver had said (finish, dead peers) no longer holds; the
+        follower reads the new driver's keys from now on.
+        """
+        answered = self._answered
+        try:
+            store = reconnect(self.host, self.port, self.timeout_s)
+        except RuntimeError as error:
+            raise DriverLost(f"the restarted driver went again ({error})") from None
+        self.store, self.events = store, Channel(store, "events")
+        self.finish_reason, self.dead_members = None, frozenset()
+        self.driver_lost, self.lost_at = False, None
+        self._rejoined = answered
 
     def _read_followed(self, store) -> None:
         """Read the keys this device follows (written with `tell_devices`)."""
@@ -178,9 +297,12 @@ class DeviceLink:
         self._outbox.put(record)
 
     def flush(self) -> None:
-        """Wait until every queued record has been sent."""
-        if self._thread.is_alive():
-            self._outbox.join()
+        """Wait until every queued record has been sent (DriverLost when the driver goes meanwhile: a
+        restarted one gets them)."""
+        while self._outbox.unfinished_tasks and self._thread.is_alive():
+            if self.driver_lost:
+                raise DriverLost("the job's driver is gone (records still to send)")
+            time.sleep(0.005)
 
     def check(self, driver_loss_handled: bool = False) -> None:
         """Raise if the coordinator stopped the job or refused this device, or the driver is gone.
@@ -196,27 +318,27 @@ class DeviceLink:
             raise DriverLost("the connection to the job's driver was lost")
 
     def send(self, message_type: str, **fields) -> None:
-        with self._driver_needed():
+        with self.driver_needed():
             self.events.send({"type": message_type, "device_id": self.device_id, **fields})
 
     def generation(self, generation: int) -> dict:
-        with self._driver_needed():
+        with self.driver_needed():
             return get_json(self.store, f"gen/{generation}")
 
     @contextlib.contextmanager
-    def _driver_needed(self):
+    def driver_needed(self):
         """A store call that fails because the driver is gone raises DriverLost, not c10d's error."""
         try:
             yield
         except RuntimeError as error:
-            self.driver_lost = True
+            self.note_lost()
             raise DriverLost(
                 f"the job's driver is gone ({str(error).splitlines()[0] if str(error) else error})"
             ) from None
 
     def read_finish_reason(self) -> Optional[str]:
         """Why the job is asked to finish, read from the store now (the follower may lag)."""
-        with self._driver_needed():
+        with self.driver_needed():
             if has(self.store, "finish"):
                 self.finish_reason = self.store.get("finish").decode()
         return self.finish_reason
@@ -235,7 +357,7 @@ class DeviceLink:
             lost = self.dead_members & set(members) if self.latest_generation == generation else set()
             return f"peer {min(lost)} died before generation {generation} formed" if lost else ""
 
-        with self._driver_needed():
+        with self.driver_needed():
             return meet(self.store, f"gen/{generation}/arrived", len(members), problem, poll_s)
 
     def wait_for_generation(self, after: int, joining: bool) -> tuple:

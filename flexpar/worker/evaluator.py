@@ -189,7 +189,7 @@ class WorkerEvaluation:
                 time.sleep(0.002)
             return self.link.store.get(key).decode()
         except RuntimeError as error:  # the store, hosted by the driver, is gone
-            self.link.driver_lost = True
+            self.link.note_lost()
             raise DriverLost(
                 f"the job's driver is gone ({str(error).splitlines()[0] if str(error) else error})"
             ) from None

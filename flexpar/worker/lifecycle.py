@@ -1,6 +1,6 @@
 """One device's training from start to exit: its lifecycle, and the boundaries between generations.
 
-Lifecycle (`Phase`), with its transitions:
+Lifecycle (`Phase`, flexpar/worker/phase.py), with its transitions:
 
     WARMING    -> WAITING     built the model, ran one forward/backward, told the coordinator
     WAITING    -> FORMING     a published generation includes this device
@@ -14,20 +14,30 @@ Lifecycle (`Phase`), with its transitions:
     RECOVERING -> FORMING     the coordinator published the survivors' generation
     RECOVERING -> LEAVING     ... without this device
     ACTIVE     -> STOPPING    all members agreed to stop after this step: the driver asked
-                              (SIGTERM to it) or is gone; rank 0 writes a checkpoint
+                              (SIGTERM to it, a callback); rank 0 writes a checkpoint
     STOPPING   -> DONE
+    ACTIVE     -> ORPHANED    the driver is gone: the members committed the step in flight
+                              together (agreed in its statistics), or it broke off (abandoned)
+    WARMING, WAITING, FORMING, RECOVERING -> ORPHANED    the driver is gone (a warming
+                              device finishes its warm-up first: that needs no driver)
+    ORPHANED   -> FORMING     a driver restarted with --resume re-adopted it: the state it
+                              holds is kept, a generation above every one seen holds it
+                              (a device the old driver had not let in yet stays a joiner)
+    ORPHANED   -> DONE        no driver came back within driver_grace_s, a driver that does
+                              not re-adopt answered, SIGTERM, or it was refused (a device of an
+                              older generation): it exits, its last committed step on disk
     any        -> DONE        the last step committed, or the job was stopped
     any        -> LEAVING     SIGTERM to this device: it asks to leave at the next boundary
                               (preemption); a second SIGTERM or the grace period kills it
 
 The step itself, from the VWs to the optimizer update, is flexpar/worker/step_loop.py
-(`StepLoop.train`, which `Worker._run` calls once the device is active).
+(`StepLoop.train`, which `Worker.run` calls once the device is active); waiting for a
+restarted driver (ORPHANED) is flexpar/worker/orphan.py.
 """
 
 from __future__ import annotations
 
 import collections
-import enum
 import json
 import os
 import pickle
@@ -55,22 +65,13 @@ from flexpar.worker.evaluator import WorkerEvaluation
 from flexpar.worker.frozen_part import FrozenPart
 from flexpar.worker.loader import VirtualWorkerLoader, load_batch
 from flexpar.worker.loader import to_device as _to_device
+from flexpar.worker.orphan import WorkerOrphan
+from flexpar.worker.phase import Phase
 from flexpar.worker.records import RECORDS_KEPT, WorkerRecords
 from flexpar.worker.settings import RunSettings, WorkerArgs
 from flexpar.worker.state_keeping import WorkerCheckpoints
 from flexpar.worker.step_loop import StepLoop, StopEarly
 from flexpar.worker.user_code import build_model, build_optimizer, loss_terms, model_digest
-
-
-class Phase(enum.Enum):
-    WARMING = "warming"
-    WAITING = "waiting"
-    FORMING = "forming"
-    ACTIVE = "active"
-    RECOVERING = "recovering"
-    LEAVING = "leaving"
-    STOPPING = "stopping"
-    DONE = "done"
 
 
 def _yield_cores() -> None:
@@ -85,12 +86,13 @@ def _yield_cores() -> None:
         pass
 
 
-class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
+class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords, WorkerOrphan):
     """One device's training: its lifecycle (`Phase`), the step loop, the boundaries between generations.
 
-    State capture and checkpoints, evaluation, and step records live in the
-    mixins named for them (flexpar/worker/state_keeping.py, evaluator.py,
-    records.py); the step itself, from `train` to the optimizer, is step_loop.py's `StepLoop`.
+    State capture and checkpoints, evaluation, step records and the wait for a
+    restarted driver live in the mixins named for them (flexpar/worker/state_keeping.py,
+    evaluator.py, records.py, orphan.py); the step itself, from `train` to the
+    optimizer, is step_loop.py's `StepLoop`.
     """
 
     def __init__(self, args: WorkerArgs, link: DeviceLink):
@@ -102,7 +104,8 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
             torch.cuda.set_device(self.device)
         self.job = pickle.loads(get_blob(link.store, "job/payload", args.secret))
         self.settings = RunSettings(**get_json(link.store, "job/settings"))
-        link.set_timeout(self.settings.timeout_s)  # a vanished driver is noticed within the job's timeout
+        # A vanished driver is noticed within the job's timeout; a lost one is waited for driver_grace_s.
+        link.configure(self.settings.timeout_s, self.settings.driver_grace_s)
         model = build_model(self.job)
         # The frozen part's digests, on the CPU as built, before this device announces itself:
         # a joiner's hashing delays its own admission only, never the running devices.
@@ -144,6 +147,10 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
             for step, device, phase in [fault[:3]]
             if device == args.device_id
         }
+        # Faults aimed at the driver (STEP:driver:PHASE): fired by the device that is rank 0 there.
+        self.driver_faults = {(int(fault[0]), fault[2]) for fault in self.settings.faults if fault[1] == "driver"}
+        self._step_in_flight: Optional[int] = None  # the step this device computes, until it commits
+        self._warmup_s: Optional[float] = None  # set once warm
 
     def _peer_lost(self) -> Optional[str]:
         """A member of this generation that the coordinator knows is dead, if any."""
@@ -179,72 +186,84 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
                 flush=True,
             )
             os.kill(os.getpid(), number)
+        # The driver's: the rank 0 of the generation it trains in fires them (at a transfer: the sender).
+        if self.driver_faults and (self.members[:1] == (self.args.device_id,) or phase == "transfer"):
+            self._kill_driver_if_due(phase, step, self._BOUNDARY_PHASES)
 
     # ------------------------------------------------------------ lifecycle
 
     def run(self) -> None:
-        try:
-            self._run()
-        except DriverLost:
-            if self.phase is Phase.STOPPING:
-                raise  # the members stopped together and said where the state is
-            # Lost outside a healthy step (waiting, forming, or a collective failed with it):
-            # no peer can be asked who is alive, so every member writes what it committed.
-            if self.committed >= 0 and self.members:
-                self._rescue(self.committed, agreed=False)
-            else:
-                self._say("the job's driver is gone; this device held no committed state")
-            raise
+        """The device's whole life (`Phase`); returns when it is done or leaves, raises to end the process."""
+        generation, record = self._admitted()
+        while True:
+            try:
+                try:
+                    self.phase = Phase.FORMING
+                    self.enter(generation, record)
+                    self.phase = Phase.ACTIVE
+                    upcoming = self.train()
+                    if upcoming is None:
+                        self.finish()
+                        return
+                    if isinstance(upcoming, StopEarly):
+                        if self.link.driver_lost:  # the members stopped together: the step in flight committed
+                            raise DriverLost("the job's driver is gone", agreed=True)
+                        self.stop_early()
+                        return
+                    generation, record = upcoming
+                    if self.args.device_id not in record["members"]:
+                        self.phase = Phase.LEAVING
+                        _yield_cores()
+                        return
+                    continue
+                except PeerFailure as failure:
+                    self.phase = Phase.RECOVERING
+                    self.recovering = True
+                    self.optimizer.zero_grad(set_to_none=True)
+                    self.link.send("failure", generation=generation, step=self.committed, error=str(failure)[:500])
+                # Outside the except block, whose traceback holds the broken group's works.
+                self.reaper.retire(self.sync.release_works())()
+                generation, record = self.link.wait_for_generation(generation, joining=False)
+            except DriverLost as lost:
+                generation, record = self._orphaned(agreed=lost.agreed)
 
-    def _run(self) -> None:
-        proof = self.proof
-        self.link.send("announce", proof=proof, remote=self.args.remote)
-        warmup_s = self.warm_up()
-        self.link.send(
-            "ready",
-            proof=proof,
-            digest=model_digest(self.model),
-            version=__version__,
-            warmup_s=warmup_s,
-            frozen_digest=self.frozen.combined,
-            frozen_digests=self.frozen.digests,
-            # The digest's time is news only where something is frozen (a fine-tuning job); a
-            # fully trainable model's join event keeps its plain "(warm-up X s)" detail.
-            digest_s=self.frozen.digest_s if self.frozen.layout.frozen else None,
-        )
-        self.phase = Phase.WAITING
-        generation, record = self.link.wait_for_generation(0, joining=True)
+    def _admitted(self) -> tuple:
+        """Announce, warm up, say ready, and wait to be let in: the first generation that holds this device.
+
+        A driver lost meanwhile is waited for (ORPHANED) like a member's: the
+        warm-up needs no driver, and a restarted one lets this joiner in.
+        """
+        try:
+            self.link.send("announce", proof=self.proof, remote=self.args.remote)
+        except DriverLost:
+            pass  # it reports to a restarted driver instead, once warm
+        self._warmup_s = self.warm_up()
+        try:
+            self.link.send("ready", proof=self.proof, **self._identity())
+            self.phase = Phase.WAITING
+            generation, record = self.link.wait_for_generation(0, joining=True)
+        except DriverLost:
+            return self._orphaned(agreed=False)
         # Devices of generation 1 built the same model from the same seed: step 0 is
         # committed everywhere. Later joiners hold nothing yet and receive the state.
         self.committed = 0 if generation == 1 else -1
         if generation == 1 and self.settings.resume_path and record["members"][0] == self.args.device_id:
             self._restore(checkpoints.read_checkpoint(self.settings.resume_path, self.device))
-        while True:
-            try:
-                self.phase = Phase.FORMING
-                self.enter(generation, record)
-                self.phase = Phase.ACTIVE
-                upcoming = self.train()
-                if upcoming is None:
-                    self.finish()
-                    return
-                if isinstance(upcoming, StopEarly):
-                    self.stop_early()
-                    return
-                generation, record = upcoming
-                if self.args.device_id not in record["members"]:
-                    self.phase = Phase.LEAVING
-                    _yield_cores()
-                    return
-                continue
-            except PeerFailure as failure:
-                self.phase = Phase.RECOVERING
-                self.recovering = True
-                self.optimizer.zero_grad(set_to_none=True)
-                self.link.send("failure", generation=generation, step=self.committed, error=str(failure)[:500])
-            # Outside the except block, whose traceback holds the broken group's works.
-            self.reaper.retire(self.sync.release_works())()
-            generation, record = self.link.wait_for_generation(generation, joining=False)
+        return generation, record
+
+    def _identity(self) -> dict:
+        """What says this device runs this job's model: checked by the coordinator for joiners and for
+        devices a restarted driver re-adopts alike."""
+        return {
+            "digest": model_digest(self.model),
+            "version": __version__,
+            "warmup_s": self._warmup_s,
+            "frozen_digest": self.frozen.combined,
+            "frozen_digests": self.frozen.digests,
+            # The digest's time is news only where something is frozen (a fine-tuning job); a
+            # fully trainable model's join event keeps its plain "(warm-up X s)" detail.
+            "digest_s": self.frozen.digest_s if self.frozen.layout.frozen else None,
+        }
 
     def warm_up(self) -> float:
         """One forward and backward of one VW, no update: pays start-up costs off the critical path."""
@@ -292,6 +311,8 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
         problem = self.link.gather(generation, members)
         if problem:
             raise PeerFailure(problem)
+        if record.get("restore") and rank == 0:  # a re-adopted job whose checkpoint is newer than any device
+            self._restore(checkpoints.read_checkpoint(record["restore"], self.device))
         with fresh_group(
             self.reaper.retire(self.sync.release_works()),
             self.settings.backend,
@@ -309,6 +330,8 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
                 self._level(stock, rank, len(members))
         previous_members = self.members
         self.generation, self.members, self.rank = generation, members, rank
+        self.link.report_head = (generation, members)  # what it tells a restarted driver, should this one go
+        self._step_in_flight = None  # a step broken off before this boundary is redone from here
         self.sync.start_generation(len(members))
         if rank == 0:
             # The previous rank 0 may have died with records unsent, or this device may
@@ -339,20 +362,15 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
         self._checkpoint_writer_now().wait()  # the checkpoint "done" names exists before the job ends
         if self.rank == 0:
             data = training_state.to_bytes({"model": self._model_state_for_transfer(), "step": self.committed})
-            put_blob(self.link.store, "result", data, self.args.secret)
-            self.link.flush()
-            tell_driver(
-                self.link.store,
-                "done",
-                json.dumps({"step": self.committed, "stopped": stopped, "checkpoint": checkpoint}),
-            )
+            with self.link.driver_needed():  # a driver lost now: a restarted one gets the result
+                put_blob(self.link.store, "result", data, self.args.secret)
+                self.link.flush()
+                done = {"step": self.committed, "stopped": stopped, "checkpoint": checkpoint}
+                tell_driver(self.link.store, "done", json.dumps(done))
 
     def stop_early(self) -> None:
-        """Every member committed the same step and stops: the driver asked, or is gone."""
+        """Every member committed the same step and stops: the driver asked (SIGTERM to it, a callback)."""
         self.phase = Phase.STOPPING
-        if self.link.driver_lost:
-            self._rescue(self.committed, agreed=True)
-            raise DriverLost("the job's driver is gone")
         # Another member may have seen the request first: ask the store for its words,
         # so that every member agrees on the reason (a callback's stop evaluates once more).
         reason = (
@@ -375,7 +393,10 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords):
         self.finish(stopped=reason, checkpoint=checkpoint)
 
     def _say(self, message: str) -> None:
-        print(f"flexpar: device {self.args.device_id}: {message}", file=sys.stderr, flush=True)
+        try:
+            print(f"flexpar: device {self.args.device_id}: {message}", file=sys.stderr, flush=True)
+        except OSError:  # a dead driver's stderr may be a pipe nobody reads any more
+            pass
 
 
 _SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}

@@ -35,7 +35,7 @@ def main(args: WorkerArgs) -> None:
         torch.set_num_threads(args.threads)
     keep_freed_memory()
     # 60 s until the Worker has read the job's settings, then the job's timeout_s (Worker.__init__).
-    link = DeviceLink(args.host, args.port, args.device_id, timeout_s=60.0)
+    link = DeviceLink(args.host, args.port, args.device_id, timeout_s=60.0, secret=args.secret)
     worker = None
     try:
         try:
@@ -49,13 +49,14 @@ def main(args: WorkerArgs) -> None:
         code = 0
     except JobStopped:
         code = 0
-    except DriverLost:
-        code = EXIT_DRIVER_LOST  # Worker.run said what happened and where the state is
+    except DriverLost as lost:
+        # Worker.run said what happened and where the state is; SIGTERM while it waited for a driver: let go.
+        code = 0 if lost.let_go else EXIT_DRIVER_LOST
     except Evicted as refusal:
         if link.leave_requested_at is not None:
             code = 0  # asked to stop before it was admitted: it was let go
         else:
-            print(f"flexpar: device {args.device_id}: {refusal}", file=sys.stderr)
+            _say(f"flexpar: device {args.device_id}: {refusal}")
             code = EXIT_EVICTED
     except Exception as error:  # the user's code (or ours) raised: stop the job, say why once
         try:
@@ -77,8 +78,11 @@ def main(args: WorkerArgs) -> None:
         link.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except OSError:  # a dead driver's pipe (this device outlived it): nothing to keep
+            pass
     os._exit(code)  # skip interpreter teardown: DataLoader / gloo threads must not hang the exit
 
 
@@ -148,6 +152,14 @@ def _leave_on_sigterm(worker: "Worker") -> None:
         link.request_leave(worker.proof, grace_s)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _say(line: str) -> None:
+    """A line on stderr, which may be a dead driver's pipe by now (a device outlives its driver)."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass
 
 
 def _describe(error: Exception) -> str:

@@ -57,6 +57,9 @@ class WorkerRecords:
     def _publish_generation_event(self, record: dict, previous_members: tuple, stall: float) -> None:
         recovered, self.recovering = self.recovering, False
         sent = getattr(self, "boundary_bytes", 0)  # the state this boundary sent, all senders
+        if record.get("adopted"):  # the first generation of a restarted driver: one record says what came back
+            self._publish_adoption(record, stall)
+            record = dict(record, failed=[])
         if record["failed"]:
             self._publish_event("failure", "failed: " + ", ".join(record["failed"]), stall, sent)
         if record["left"] and recovered and not record["failed"]:
@@ -79,3 +82,33 @@ class WorkerRecords:
                     for device in joined
                 ]
             self._publish_event(kind, "joined: " + ", ".join(joined), 0.0 if kind == "start" else stall, sent)
+
+    def _publish_adoption(self, record: dict, stall: float) -> None:
+        """The `adopt` event (flexpar.observe.metrics): how long the job had no driver and what it lost."""
+        adopted = record["adopted"]
+        no_driver_s = max(0.0, time.time() - adopted["lost_at"])
+        back = [d for d in self.members if d not in record["joined"]]
+        lost = adopted["steps_lost"]
+        detail = (
+            f"re-adopted by a restarted driver: {', '.join(back)} (generation {adopted['from_generation']} -> "
+            f"{self.generation}); no driver for {no_driver_s:.2f} s; {lost} step{'s' if lost != 1 else ''} "
+            "in flight lost"
+        )
+        if adopted["not_back"]:
+            detail += "; not back: " + ", ".join(adopted["not_back"])
+        if record["joined"]:
+            detail += "; joined: " + ", ".join(record["joined"])
+        self.link.publish(
+            {
+                "kind": "event",
+                "event": "adopt",
+                "step": self.committed,
+                "time": time.time(),
+                "generation": self.generation,
+                "devices": list(self.members),
+                "stall_s": stall,
+                "detail": detail,
+                "no_driver_s": no_driver_s,
+                "steps_lost": int(lost),
+            }
+        )

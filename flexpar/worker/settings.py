@@ -62,3 +62,6 @@ class RunSettings:
     keep_checkpoints: Optional[int] = None  # keep only the newest K checkpoints
     checkpoint_frozen: bool = False  # checkpoints hold the frozen weights too
     model_factory: Optional[dict] = None  # flexpar.core.frozen.factory_reference(job.model): export rebuilds by it
+    driver_grace_s: float = 60.0  # after losing the driver, how long to wait for a restarted one
+    driver_pid: int = 0  # the driver's process (tests' and the soak's driver faults: STEP:driver:PHASE)
+    address: str = ""  # where the job listens (HOST:PORT, as the devices reach it)

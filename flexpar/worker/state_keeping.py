@@ -5,7 +5,7 @@ them (balancing, fp16 loss scale, cost rates, the last step records); a
 checkpoint is written by a background thread (flexpar.worker.checkpoints) so the
 step loop pays only for an in-memory copy. When the driver is lost, the
 device that was rank 0 writes the last committed step, or every survivor
-does where rank 0 may have gone too (`_rescue`)."""
+does where rank 0 may have gone too (`_write_rescue`)."""
 
 from __future__ import annotations
 
@@ -120,28 +120,30 @@ class WorkerCheckpoints:
         except RuntimeError as error:
             self._say(str(error))
 
-    def _rescue(self, step: int, agreed: bool) -> None:
-        """The driver is gone: write the last committed step somewhere a resume finds it; say where.
+    def _write_rescue(self, agreed: bool) -> str:
+        """The driver is gone: write the last committed step where a resume finds it; returns where it is.
 
         `agreed`: the members stopped together in a step (every one of them is
-        alive and holds step `step`), so rank 0 alone writes. Otherwise a
-        collective failed as well (rank 0 may have gone with the driver, as
-        when the driver's host dies), and with the store gone no survivor can
-        learn which others are alive: each one writes what it committed. On a
-        shared folder that is one file per step (each writer renames its own
+        alive and holds it), so rank 0 alone writes. Otherwise a collective
+        failed as well (rank 0 may have gone with the driver, as when the
+        driver's host dies), and with the store gone no survivor can learn
+        which others are alive: each one writes what it committed. On a shared
+        folder that is one file per step (each writer renames its own
         temporary file into place); on separate hosts each keeps its own copy.
+        Written at once, not when the wait for a restarted driver ends: should
+        every device die meanwhile, the step is on disk.
         """
         directory = self.settings.checkpoint_dir or self.settings.rescue_dir
         if self.rank == 0 or not agreed:
             path = self._write_checkpoint(directory)
             self.wait_for_checkpoint()
-        else:
-            path = checkpoints.checkpoint_path(directory, step)
-            path += f" (written by {self.members[0]})" if self.members else ""
-        command = self.settings.resume_command or (
+            return path
+        path = checkpoints.checkpoint_path(directory, self.committed)
+        return path + (f" (written by {self.members[0]})" if self.members else "")
+
+    def _resume_command(self) -> str:
+        """The command that resumes this job (the driver's, with its pins; flexpar.driver.launch.resume_command)."""
+        directory = self.settings.checkpoint_dir or self.settings.rescue_dir
+        return self.settings.resume_command or (
             f"flexpar run --resume --checkpoint-dir {directory} {self.settings.script or 'SCRIPT'}"
-        )
-        self._say(
-            f"the job's driver is gone (its store stopped answering); the last committed step, "
-            f"{step}, is in {path}. Resume with: {command}"
         )

@@ -74,6 +74,7 @@ class StepLoop:
                 mine = batching.virtual_workers_of(assignment, self.rank)
             self.assignment = assignment
             step = self.committed
+            self._step_in_flight = step  # abandoned if a collective breaks off (flexpar/worker/orphan.py)
             summed = self.run_step(step, mine)
             self.frozen.check_flags(step)  # user code changed requires_grad: stop before applying anything
             world = len(self.members)
@@ -105,6 +106,7 @@ class StepLoop:
                     self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.committed += 1
+            self._step_in_flight = None
             now = time.time()
             step_time, self.committed_wall = now - self.committed_wall, now
             self.balance_state = balance.observe(self.balance_state, self.members, assignment, busy)

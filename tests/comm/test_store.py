@@ -115,3 +115,13 @@ def test_a_message_written_after_its_index_was_skipped_still_arrives():
     store.set(f"events/{index}", '{"type": "late"}')
     assert reader.receive() == [{"type": "late"}]
     assert reader.receive() == [] and f"events/{index}" not in store.values
+
+
+def test_a_second_driver_at_a_live_jobs_address_is_refused_with_one_line():
+    store = connect("127.0.0.1", 0, 5.0, server=True)
+    store.set("job/version", "x")  # what every flexpar job publishes first
+    with pytest.raises(ValueError) as raised:
+        connect("127.0.0.1", store.port, 5.0, server=True)
+    message = str(raised.value)
+    assert f"a flexpar job is already running at 127.0.0.1:{store.port} (its driver answers)" in message
+    assert "a second driver there is refused" in message and "\n" not in message

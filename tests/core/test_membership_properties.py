@@ -20,11 +20,22 @@ every event it checks the rules of flexpar/core/membership/decide.py's module do
 - a scale request is answered once, carried out whole or refused whole, and
   at least one device always stays;
 - once stopped, nothing happens any more.
+
+A drawn start may be a restarted driver's (`--resume`): it opens an adoption
+window with the reports of devices that outlived the old driver (members of
+its newest generation, some gone; a device of an older generation; joiners),
+and the same rules hold around it: nothing forms while it is open; the
+re-adopted generation numbers above every generation any device saw, holds
+only reporting members of the newest one (in their old rank order) and warm
+joiners, never a device of an older generation.
 """
+
+import dataclasses
 
 from hypothesis import settings, strategies
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from flexpar.core import adoption
 from flexpar.core import membership as ms
 
 LOCALS = tuple(f"local-{i}" for i in range(10))
@@ -41,14 +52,45 @@ def _starts_a_failure(state: ms.Membership, event) -> bool:
     return False
 
 
+@strategies.composite
+def reports_of_a_lost_driver(draw, max_devices: int, local_capacity):
+    """What the devices that outlived a driver report: members of its newest generation (each at its
+    last committed step, or the one before after a split commit; some never report), one device of an
+    older generation, joiners. As many as the old driver may have run (max_devices, local_capacity)."""
+    generation = draw(strategies.integers(1, 6))
+    ids = list(draw(strategies.permutations(LOCALS[:4] + REMOTES)))
+    locals_left = local_capacity if local_capacity is not None else len(ids)
+    chosen = []
+    for device in ids:
+        if len(chosen) < max_devices and (not device.startswith("local-") or locals_left > 0):
+            chosen.append(device)
+            locals_left -= device.startswith("local-")
+    members = tuple(chosen[: draw(strategies.integers(1, len(chosen)))])
+    others = chosen[len(members) :]
+    step = draw(strategies.integers(1, 40))
+    reports = [
+        adoption.DeviceReport(device, generation, members, generation, step - draw(strategies.integers(0, 1)), True)
+        for device in members
+        if draw(strategies.booleans())
+    ]
+    for position, device in enumerate(others):
+        if position == 0 and generation > 1 and draw(strategies.booleans()):  # left out while it was away
+            reports.append(adoption.DeviceReport(device, generation - 1, (device,), generation - 1, step - 3, True))
+        else:  # a joiner of the old driver, warm or not
+            reports.append(adoption.DeviceReport(device, 0, (), generation, -1, draw(strategies.booleans())))
+    return tuple(draw(strategies.permutations(reports)))
+
+
 class MembershipRules(RuleBasedStateMachine):
     @initialize(
         initial=strategies.integers(1, 3),
         room=strategies.integers(0, 3),
         capacity=strategies.none() | strategies.integers(0, 4),
         grace=strategies.sampled_from((0.5, 5.0)),
+        restarted=strategies.booleans(),
+        data=strategies.data(),
     )
-    def start(self, initial, room, capacity, grace):
+    def start(self, initial, room, capacity, grace, restarted, data):
         self.now = 0.0
         self.state = ms.Membership(
             initial_devices=initial,
@@ -57,7 +99,15 @@ class MembershipRules(RuleBasedStateMachine):
             local_capacity=None if capacity is None else initial + capacity,
         )
         self.refused: set = set()
-        self.apply(ms.Start(initial))
+        if not restarted:
+            self.apply(ms.Start(initial))
+            return
+        # A driver restarted with --resume: the window opens with what the waiting devices report.
+        reports = data.draw(reports_of_a_lost_driver(self.state.max_devices, self.state.local_capacity))
+        window = adoption.Adoption(deadline=2.0, checkpoint_step=5, checkpoint_path="step-00000005.pt")
+        self.state = dataclasses.replace(self.state, adoption=window)
+        for report in reports:
+            self.apply(ms.Reported(report, self.now))
 
     # ------------------------------------------------------------ events
 
@@ -159,8 +209,17 @@ def _check(before: ms.Membership, event, after: ms.Membership, actions: tuple) -
         return
     assert before.dead <= after.dead, "death is for good"
     published = [a for a in actions if isinstance(a, ms.Publish)]
-    assert len(published) <= 1 and after.generation == before.generation + len(published)
-    for generation in published:
+    assert len(published) <= 1
+    if before.adoption is not None:
+        assert not published or after.adoption is None, "nothing forms while the adoption window is open"
+        for generation in published:
+            if any(isinstance(action, ms.NothingToAdopt) for action in actions):  # a start from the checkpoint
+                assert generation.adopted is None and generation.generation == after.generation == 1
+            else:
+                _check_adoption(before, generation, after)
+    else:
+        assert after.generation == before.generation + len(published)
+    for generation in published if before.adoption is None else ():
         members = generation.members
         assert generation.generation == before.generation + 1 and members == after.members
         assert members and len(set(members)) == len(members) <= before.max_devices
@@ -194,6 +253,26 @@ def _check(before: ms.Membership, event, after: ms.Membership, actions: tuple) -
             ), "refused whole"
     else:
         assert not answers
+
+
+def _check_adoption(before: ms.Membership, generation, after: ms.Membership) -> None:
+    """The generation that closes a restarted driver's adoption window."""
+    assert generation.adopted is not None
+    window = before.adoption
+    reports = window.by_device()
+    seen = max(max(r.seen, r.generation) for r in window.reports)
+    assert generation.generation > seen, "fencing: above every generation any device saw"
+    newest = max(r.generation for r in window.reports)
+    old_members = next(r.members for r in window.reports if r.generation == newest)
+    back = [d for d in generation.members if d in reports and reports[d].generation > 0]
+    assert generation.members[: len(back)] == tuple(d for d in old_members if d in back), "in their old rank order"
+    assert all(reports[d].generation == newest for d in back), "no device of an older generation"
+    # Joiners: the old driver's warm ones, then devices that warmed up while the window was open.
+    assert all(reports[d].generation == 0 and reports[d].warm for d in generation.joined if d in reports)
+    assert all(d in before.waiting for d in generation.joined if d not in reports)
+    assert set(generation.members) == set(back) | set(generation.joined)
+    assert generation.adopted.step == max(reports[d].committed for d in back), "the newest committed step"
+    assert not set(generation.members) & after.dead and after.generation == generation.generation
 
 
 TestMembershipRules = MembershipRules.TestCase

@@ -78,6 +78,31 @@ def test_a_soaks_deck_deals_every_phase_early(seed):
     assert set(dealt) == set(soak_plan.SIGNAL_PHASES)
 
 
+@given(strategies.integers(min_value=0, max_value=2**32 - 1))
+@settings(max_examples=30, deadline=None)
+def test_every_fourth_run_also_kills_its_driver_where_that_can_fire(seed):
+    runs = soak_plan.plans(seed)
+    for index in range(2 * soak_plan.DRIVER_EVERY):
+        plan = next(runs)
+        _check_fireable(plan)
+        if index % soak_plan.DRIVER_EVERY != soak_plan.DRIVER_EVERY - 1:
+            assert plan.driver_fault is None
+            continue
+        step, phase = plan.driver_fault
+        assert soak_plan.FIRST_STEP <= step <= soak_plan.LAST_STEP and phase in soak_plan.DRIVER_PHASES
+        if phase == "transfer":
+            assert any(at >= step for at, delta in plan.schedule if delta > 0), "a join to send the state to"
+        assert f"{step}:driver:{phase}" in plan.fault_text().split(",")
+
+
+def test_a_driver_fault_is_tallied_as_the_driver_kind():
+    plan = RunPlan(0, 2, [], [], driver_fault=(7, "sync"))
+    line = "flexpar: fault: driver gets SIGKILL at step 7 (sync) at 100.000000 (pid 12, from local-0)\n"
+    fired = soak_tally.tally(plan, line, [], []).fired
+    assert [(f.kind, f.phase, f.step) for f in fired] == [("driver", "sync", 7)]
+    assert soak_tally.tally(plan, "", [], []).not_fired == [("driver", "sync", 7, "driver")]
+
+
 def test_the_phase_deck_keeps_an_excluded_phase_for_later():
     deck = soak_plan.PhaseDeck(random.Random(1))
     first = [deck() for _ in soak_plan.SIGNAL_PHASES]
@@ -126,7 +151,7 @@ def test_the_tally_counts_what_fired_by_kind_and_phase_and_what_did_not():
     assert tally.not_fired == [("term", "checkpoint", 12, "local-0"), ("join", "schedule", 9, "")]
     assert (tally.simultaneous, tally.signal_with_change, tally.during_recovery) == (1, 0, 1)
     counts = soak_tally.counts([tally, tally])
-    assert counts["fired_by_kind"] == {"kill": 4, "stop": 0, "term": 0, "join": 2, "leave": 2}
+    assert counts["fired_by_kind"] == {"kill": 4, "stop": 0, "term": 0, "join": 2, "leave": 2, "driver": 0}
     assert counts["fired_by_phase"]["forward"] == counts["fired_by_phase"]["formation"] == 2
     assert counts["not_fired"] == 4 and counts["not_fired_by_phase"]["checkpoint"] == 2
     assert counts["during_recovery"] == 2 and counts["simultaneous"] == 2

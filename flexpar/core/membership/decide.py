@@ -29,6 +29,9 @@ Rules, in one place:
   at its warm-up could be counted again by a late announcement, after its
   place on this host had gone to another: this host's devices then exceeded
   local_capacity (tests/core/test_membership.py pins that sequence).
+- A restarted driver (`--resume`) starts with an adoption window open: nothing
+  forms until it closes; then the devices that outlived the old driver are
+  re-adopted, fenced off or kept as joiners (readoption.py states those rules).
 - Once the job is finishing (SIGTERM to the driver, a callback, its last
   device preempted: every member stops after the step in flight), nothing
   changes the device set any more: leave requests are moot (the devices stop
@@ -41,9 +44,8 @@ Rules, in one place:
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Optional
 
+from flexpar.core.membership import readoption
 from flexpar.core.membership.events import (
     Announced,
     Answer,
@@ -56,53 +58,15 @@ from flexpar.core.membership.events import (
     Formed,
     LeaveRequested,
     Note,
-    Publish,
     Ready,
     Refuse,
+    Reported,
     ScaleBy,
-    SpawnLocal,
+    SeenWaiting,
     Start,
-    StopJob,
     Tick,
 )
-
-
-@dataclass(frozen=True)
-class Membership:
-    """What the coordinator knows about the job's devices."""
-
-    initial_devices: int
-    max_devices: int
-    grace_s: float
-    generation: int = 0
-    members: tuple = ()
-    formed: frozenset = frozenset()
-    starting: tuple = ()  # spawned or announced, not yet warm
-    waiting: tuple = ()  # warm and accepted, waiting for the next generation
-    leaving: tuple = ()  # members to drop at the next generation
-    survivors: tuple = ()  # members that reported the current generation failed
-    dead: frozenset = frozenset()
-    failure_since: Optional[float] = None
-    next_local: int = 0  # counter for local device ids
-    stopped: bool = False
-    finishing: bool = False  # every member stops after the step in flight (FinishRequested)
-    local_capacity: Optional[int] = None  # devices this host may run (cores or GPUs); None: no limit
-
-    @property
-    def local_count(self) -> int:
-        """Devices of this host (ids 'local-N') counted against `local_capacity`."""
-        on_their_way = self.members + self.waiting + self.starting
-        return sum(1 for d in on_their_way if d.startswith("local-") and d not in self.leaving)
-
-    @property
-    def is_formed(self) -> bool:
-        return self.generation > 0 and set(self.members) <= self.formed
-
-    @property
-    def device_count(self) -> int:
-        """Devices counted against --max-devices: members and those on their way."""
-        return len(self.members) + len(self.waiting) + len(self.starting) - len(self.leaving)
-
+from flexpar.core.membership.state import Membership, id_order, known, publish, spawn, stop
 
 # --------------------------------------------------------------- decisions
 
@@ -118,18 +82,16 @@ def decide(state: Membership, event: Event) -> tuple:
 
 
 def _on_start(state, event):
-    return _spawn(state, event.local_devices)
-
-
-def _spawn(state, count):
-    ids = tuple(f"local-{state.next_local + i}" for i in range(count))
-    state = dataclasses.replace(state, next_local=state.next_local + count, starting=state.starting + ids)
-    return state, [SpawnLocal(ids)]
+    return spawn(state, event.local_devices)
 
 
 def _on_announced(state, event):
-    if event.device_id in state.starting or _known(state, event.device_id):
+    if event.device_id in state.starting or known(state, event.device_id):
         return state, []
+    if event.device_id.startswith("local-"):
+        # This host's ids are named by its driver, which counted each one against the host when it
+        # spawned it; one it did not start here (a replayed or stale message) is not let in uncounted.
+        return _refused(state, event.device_id, "it is not a device this host's driver started")
     if state.device_count >= state.max_devices:
         reason = (
             f"the job already has {state.device_count} devices, its maximum "
@@ -144,10 +106,6 @@ def _refused(state, device_id, reason):
     return dataclasses.replace(state, dead=state.dead | {device_id}), [Refuse(device_id, reason)]
 
 
-def _known(state, device_id):
-    return device_id in state.members or device_id in state.waiting or device_id in state.dead
-
-
 def _on_ready(state, event):
     if event.device_id not in state.starting:
         # Only a device on its way is admitted: one refused when it announced itself (over
@@ -158,7 +116,7 @@ def _on_ready(state, event):
     state = dataclasses.replace(state, starting=starting)
     if event.problem:
         return _refused(state, event.device_id, event.problem)
-    if _known(state, event.device_id):
+    if known(state, event.device_id):
         return state, []
     return dataclasses.replace(state, waiting=state.waiting + (event.device_id,)), []
 
@@ -198,6 +156,8 @@ def _on_exited(state, event):
 
 
 def _on_scale(state, event):
+    if state.adoption is not None:
+        return _refusal(state, event, readoption.SCALING_REFUSAL)
     if state.finishing:
         return _refusal(state, event, "the job is stopping after the step in flight")
     if event.delta == 0:
@@ -249,7 +209,7 @@ def _grow(state, event):
                 "to run more CPU processes than cores, or add devices from other hosts with `flexpar join`"
             ),
         )
-    state, actions = _spawn(state, event.delta)
+    state, actions = spawn(state, event.delta)
     started = actions[0].device_ids
     target = state.device_count
     answer = Answer(
@@ -310,6 +270,8 @@ def _drop(state, leavers, cancelled):
 
 def _on_leave_requested(state, event):
     device = event.device_id
+    if state.adoption is not None and device in state.adoption.by_device():
+        return readoption.leave_requested(state, device)
     if state.finishing:
         return state, [Note(f"{device} got SIGTERM; the job stops at the next step boundary anyway")]
     if device in state.waiting or device in state.starting:
@@ -335,7 +297,10 @@ def _on_finish_requested(state, event):
 
 
 def _on_tick(state, event):
-    """Members silent for longer than the grace period after a failure count as dead."""
+    """Members silent for longer than the grace period after a failure count as dead; an open
+    adoption window closes when it may (readoption.py)."""
+    if state.adoption is not None:
+        return readoption.on_tick(state, event.now)
     if state.failure_since is None or event.now - state.failure_since < state.grace_s:
         return state, []
     silent = [m for m in state.members if m not in state.survivors and m not in state.dead]
@@ -354,20 +319,24 @@ _HANDLERS = {
     LeaveRequested: _on_leave_requested,
     FinishRequested: _on_finish_requested,
     Tick: _on_tick,
+    Reported: readoption.on_reported,
+    SeenWaiting: readoption.on_seen_waiting,
 }
 
 
 def _advance(state: Membership):
     """Publish the next generation when the rules allow it."""
+    if state.adoption is not None:  # nothing forms before a restarted driver's adoption window closed
+        return state, ()
     if state.generation == 0:
         if state.finishing:  # asked to stop before anything trained: nothing to finish
-            return _stop(state, STOPPED_BEFORE_START)
+            return stop(state, STOPPED_BEFORE_START)
         if len(state.waiting) >= state.initial_devices or (state.waiting and not state.starting):
             # The first device set in id order, whoever warmed up first: ranks are predictable.
-            members = tuple(sorted(state.waiting, key=_id_order))
-            return _publish(state, members=members, joined=members, left=(), failed=())
+            members = tuple(sorted(state.waiting, key=id_order))
+            return publish(state, members=members, joined=members, left=(), failed=())
         if not state.waiting and not state.starting and state.dead:
-            return _stop(
+            return stop(
                 state,
                 "no device could start; see the messages above (a script whose fit() call is not under "
                 '`if __name__ == "__main__":` stops its workers this way)',
@@ -379,17 +348,11 @@ def _advance(state: Membership):
         return state, ()
     if state.waiting or state.leaving:
         members = tuple(m for m in state.members if m not in state.leaving) + state.waiting
-        return _publish(state, members=members, joined=state.waiting, left=state.leaving, failed=())
+        return publish(state, members=members, joined=state.waiting, left=state.leaving, failed=())
     return state, ()
 
 
 STOPPED_BEFORE_START = "it was asked to stop before training started"
-
-
-def _id_order(device_id: str):
-    """'local-10' after 'local-9': the name, then its number."""
-    name, _, number = device_id.rpartition("-")
-    return (name, int(number)) if number.isdigit() else (device_id, -1)
 
 
 def _recover(state: Membership):
@@ -403,23 +366,5 @@ def _recover(state: Membership):
     failed = tuple(m for m in state.members if m not in alive and m not in state.leaving)
     members = members + state.waiting
     if not members:
-        return _stop(state, f"every device failed ({', '.join(failed)}); no worker is left")
-    return _publish(state, members=members, joined=state.waiting, left=state.leaving, failed=failed)
-
-
-def _publish(state, members, joined, left, failed):
-    state = dataclasses.replace(
-        state,
-        generation=state.generation + 1,
-        members=tuple(members),
-        formed=frozenset(),
-        waiting=(),
-        leaving=(),
-        survivors=(),
-        failure_since=None,
-    )
-    return state, (Publish(state.generation, state.members, tuple(joined), tuple(left), tuple(failed)),)
-
-
-def _stop(state, reason):
-    return dataclasses.replace(state, stopped=True), (StopJob(reason),)
+        return stop(state, f"every device failed ({', '.join(failed)}); no worker is left")
+    return publish(state, members=members, joined=state.waiting, left=state.leaving, failed=failed)

@@ -9,7 +9,9 @@ the actions out.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
+
+from flexpar.core.adoption import Adopted, DeviceReport
 
 # ----------------------------------------------------------------- events
 
@@ -89,7 +91,38 @@ class Tick:
     now: float
 
 
-Event = Union[Start, Announced, Ready, Formed, FailureReported, Exited, ScaleBy, LeaveRequested, FinishRequested, Tick]
+@dataclass(frozen=True)
+class SeenWaiting:
+    """A restarted driver's look at its own host: these devices are alive and wait to be re-adopted
+    (their report files, flexpar/comm/waiting.py); its adoption window waits for them."""
+
+    device_ids: tuple
+
+
+@dataclass(frozen=True)
+class Reported:
+    """A device that outlived its driver reported to the restarted one (or is still finishing its
+    step: `report.final` False); `problem`: why it is not of this job (proof, model, settings)."""
+
+    report: DeviceReport
+    now: float
+    problem: str = ""
+
+
+Event = Union[
+    Start,
+    Announced,
+    Ready,
+    Formed,
+    FailureReported,
+    Exited,
+    ScaleBy,
+    LeaveRequested,
+    FinishRequested,
+    Tick,
+    Reported,
+    SeenWaiting,
+]
 
 
 # ---------------------------------------------------------------- actions
@@ -102,11 +135,17 @@ class SpawnLocal:
 
 @dataclass(frozen=True)
 class Publish:
+    """A new generation. `adopted`: the first one of a re-adopted job (flexpar/core/adoption.py);
+    `restore`: a checkpoint its rank 0 reads before the state is levelled (newer than what the
+    re-adopted devices hold)."""
+
     generation: int
     members: tuple
     joined: tuple
     left: tuple
     failed: tuple
+    adopted: Optional[Adopted] = None
+    restore: str = ""
 
 
 @dataclass(frozen=True)
@@ -156,13 +195,32 @@ class Note:
     message: str
 
 
-Action = Union[SpawnLocal, Publish, Refuse, Evict, StopJob, FinishJob, Answer, Note]
+@dataclass(frozen=True)
+class Decline:
+    """The restarted driver stops with `reason` (a device of another job reported); the waiting
+    devices are told nothing: they wait on for a driver of their own job."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class NothingToAdopt:
+    """No member of the job came back within the adoption window: the job resumes from `checkpoint`,
+    its newest ("" when there is none: the driver stops with an error), before the initial devices
+    (the `SpawnLocal` that follows) read its settings."""
+
+    reason: str
+    checkpoint: str = ""
+
+
+Action = Union[SpawnLocal, Publish, Refuse, Evict, StopJob, FinishJob, Answer, Note, Decline, NothingToAdopt]
 
 
 __all__ = [
     "Action",
     "Announced",
     "Answer",
+    "Decline",
     "Event",
     "Evict",
     "Exited",
@@ -172,10 +230,13 @@ __all__ = [
     "Formed",
     "LeaveRequested",
     "Note",
+    "NothingToAdopt",
     "Publish",
     "Ready",
     "Refuse",
+    "Reported",
     "ScaleBy",
+    "SeenWaiting",
     "SpawnLocal",
     "Start",
     "StopJob",
