@@ -224,7 +224,7 @@ class StepLoop:
                 first_kind = (virtual_worker, vw_count is not None)
             elif first_kind[1] != (vw_count is not None):
                 raise UserCodeError(mixed_loss_message(step, first_kind, virtual_worker))
-            if (step, "backward") in self.faults and loss.requires_grad:
+            if ((step, "backward") in self.faults or (step, "backward") in self.driver_faults) and loss.requires_grad:
                 loss.register_hook(lambda grad: self._fault_point("backward", step))
             if not math.isfinite(value) and not first_bad:
                 first_bad = virtual_worker + 1
