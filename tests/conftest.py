@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -96,6 +97,23 @@ class CommandLineJob:
         except ProcessLookupError:
             pass
         self.process.wait(timeout=30)
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback now (a job's coordinator binds it next)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_for(predicate, what, timeout_s=90.0, poll_s=0.05):
+    """Poll `predicate` until it holds; AssertionError naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 def flexpar_command(*arguments, timeout_s=60.0, environment=None, cwd=None):

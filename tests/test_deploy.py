@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 try:
     import yaml
@@ -188,12 +189,6 @@ class FakeCluster:
 
     def called(self, task="x") -> bool:
         return (self.records / f"flexpar.{task}.argv").exists()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def flag_value(argv: list, flag: str):

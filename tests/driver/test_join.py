@@ -4,7 +4,6 @@ and a joiner on another (emulated) host in its own network namespace."""
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,14 +13,9 @@ import uuid
 
 import pieces
 import pytest
+from conftest import free_port
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where pieces.py is
-
-
-def _free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _flexpar(*arguments, env=None, timeout=120, prefix=()):
@@ -91,7 +85,7 @@ def _start_flexpar(*arguments, env=None):
 
 @pytest.mark.timeout(400)
 def test_refusals_scale_and_status(tmp_path):
-    port, secret = _free_port(), uuid.uuid4().hex
+    port, secret = free_port(), uuid.uuid4().hex
     metrics = tmp_path / "metrics.jsonl"
     job = pieces.make_job(virtual_workers=6, delay_s=0.02)
     background = BackgroundJob(
@@ -170,7 +164,7 @@ def namespace():
 
 @pytest.mark.timeout(400)
 def test_joiner_on_another_host(tmp_path, namespace):
-    port, secret = _free_port(), uuid.uuid4().hex
+    port, secret = free_port(), uuid.uuid4().hex
     metrics, output = tmp_path / "metrics.jsonl", tmp_path / "model.pt"
     script = tmp_path / "driver.py"
     script.write_text(

@@ -13,7 +13,7 @@ import time
 import pieces
 import pytest
 import torch
-from conftest import flexpar_command
+from conftest import flexpar_command, wait_for
 
 LONG_RUN_ATOL = 1e-6  # as in test_elastic: 60+ SGD-momentum steps in another summation order
 
@@ -60,15 +60,6 @@ if __name__ == "__main__":
 """
 
 
-def _wait_for(predicate, what, timeout_s=90.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _events(metrics, kind):
     return [r for r in _records(metrics) if r["kind"] == "event" and r["event"] == kind] if metrics.exists() else []
 
@@ -93,7 +84,7 @@ def test_joiner_from_the_environment_and_sigterm_to_flexpar_join(tmp_path, comma
         start_new_session=True,
     )
     try:
-        _wait_for(lambda: _events(metrics, "join"), "the joiner to join")
+        wait_for(lambda: _events(metrics, "join"), "the joiner to join")
         (joined,) = _events(metrics, "join")
         remote = [d for d in joined["devices"] if not d.startswith("local-")]
         assert len(remote) == 1
@@ -105,7 +96,7 @@ def test_joiner_from_the_environment_and_sigterm_to_flexpar_join(tmp_path, comma
         said = joiner.stderr.read()
         assert f"flexpar join: started 1 cpu device ({remote[0]})" in said, said
         assert f"flexpar join: this host's devices have ended ({remote[0]} exit 0;" in said, said
-        _wait_for(lambda: _events(metrics, "leave"), "the joiner to leave")
+        wait_for(lambda: _events(metrics, "leave"), "the joiner to leave")
         (left,) = _events(metrics, "leave")
         assert left["detail"] == f"left: {remote[0]}" and not _events(metrics, "failure")
     finally:
@@ -170,12 +161,12 @@ def test_kill_9_of_the_driver_leaves_a_checkpoint_that_resumes(tmp_path, command
     flags = ["--oversubscribe", "--no-display", "--timeout", str(timeout_s), "--metrics", str(metrics)]
     flags += ["--driver-grace", "1"]
     job = command_line_job(flags, SAVING_JOB).wait_for_banner()
-    _wait_for(lambda: metrics.exists() and sum(r["kind"] == "step" for r in _records(metrics)) >= 10, "ten steps")
+    wait_for(lambda: metrics.exists() and sum(r["kind"] == "step" for r in _records(metrics)) >= 10, "ten steps")
     workers = _descendants(job.process.pid)
     assert workers
     os.kill(job.process.pid, signal.SIGKILL)
     killed = time.monotonic()
-    _wait_for(lambda: not any(_alive(pid) for pid in workers), "the workers to exit", timeout_s=timeout_s + 10)
+    wait_for(lambda: not any(_alive(pid) for pid in workers), "the workers to exit", timeout_s=timeout_s + 10)
     print(f"workers exited {time.monotonic() - killed:.2f} s after the driver's death")
     _, err = job.output()
     run_dir = str(tmp_path)
@@ -240,7 +231,7 @@ def test_the_driver_and_rank_0_killed_together_leave_the_survivors_checkpoint(tm
     flags = ["--oversubscribe", "--no-display", "--timeout", str(timeout_s), "--metrics", str(metrics)]
     flags += ["--driver-grace", "0"]  # the present behaviour: exit at once
     job = command_line_job(flags, PID_RECORDING_JOB).wait_for_banner()
-    _wait_for(
+    wait_for(
         lambda: (
             metrics.exists()
             and sum(r["kind"] == "step" for r in _records(metrics)) >= 10
@@ -253,7 +244,7 @@ def test_the_driver_and_rank_0_killed_together_leave_the_survivors_checkpoint(tm
     assert rank_0 in workers
     os.kill(job.process.pid, signal.SIGKILL)
     os.kill(rank_0, signal.SIGKILL)
-    _wait_for(lambda: not any(_alive(pid) for pid in workers), "the workers to exit", timeout_s=timeout_s + 10)
+    wait_for(lambda: not any(_alive(pid) for pid in workers), "the workers to exit", timeout_s=timeout_s + 10)
     _, err = job.output()
     notes = [line for line in err.splitlines() if "the job's driver is gone" in line]
     assert sorted(note.split(":")[1].strip() for note in notes) == ["device local-1", "device local-2"], err

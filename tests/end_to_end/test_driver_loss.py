@@ -9,13 +9,11 @@ receiving the state stays a joiner and joins; the metrics file continues.
 import json
 import re
 import shlex
-import socket
-import time
 
 import pieces
 import pytest
 import torch
-from conftest import flexpar_command
+from conftest import flexpar_command, free_port, wait_for
 
 LONG_RUN_ATOL = 1e-6  # as in test_elastic: SGD-momentum steps in another summation order
 STEPS = 26
@@ -49,21 +47,6 @@ def _records(path):
     return [json.loads(line) for line in open(path)] if path.exists() else []
 
 
-def _free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _wait_for(predicate, what, timeout_s=90.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _waiting_notes(drivers):
     """What the devices said when they lost a driver (each device writes to the output of the driver that
     started it)."""
@@ -78,16 +61,16 @@ def test_a_killed_driver_restarted_with_resume_re_adopts_the_devices(tmp_path, c
     restarted, the joiner joins, no checkpoint read, the metrics file continues; during the first gap
     `flexpar status` says who waits."""
     metrics = tmp_path / "m.jsonl"
-    port = _free_port()
+    port = free_port()
     monkeypatch.setenv("TEST_PORT", str(port))
     flags = ["--oversubscribe", "--no-display", "--timeout", "20", "--metrics", str(metrics)]
     first = command_line_job(flags, RE_ADOPTED_JOB.format(steps=STEPS)).wait_for_banner()
     drivers = [first]
     notes = 0
     for kill in range(KILLS):
-        _wait_for(lambda: drivers[-1].process.poll() is not None, f"the driver's death {kill + 1}")
+        wait_for(lambda: drivers[-1].process.poll() is not None, f"the driver's death {kill + 1}")
         # Every device holding a committed step says once that it waits (the joiner, once it does).
-        _wait_for(
+        wait_for(
             lambda seen=notes: len(_waiting_notes(drivers)) >= seen + 2, f"the devices to say they wait ({kill + 1})"
         )
         notes = len(_waiting_notes(drivers))

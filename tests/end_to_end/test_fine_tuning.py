@@ -12,7 +12,6 @@ import dataclasses
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import uuid
@@ -21,7 +20,7 @@ import frozen_pieces
 import pieces
 import pytest
 import torch
-from conftest import TESTS
+from conftest import TESTS, free_port
 
 import flexpar
 from flexpar.worker import checkpoints
@@ -32,12 +31,6 @@ ATOL = 1e-6  # summation order over dozens of SGD-momentum steps (test_elastic's
 
 _records = pieces.metrics_records
 _device_counts = pieces.device_counts
-
-
-def _free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _schedule(delay_s: float, virtual_workers: int):
@@ -101,7 +94,7 @@ def test_frozen_trunk_elastic_run_refusal_checkpoint_and_resume(train, metrics_f
         max_grad_norm=0.05,
     )
     faults, schedule, steps = _schedule(0.03, 6)
-    port, secret = _free_port(), uuid.uuid4().hex
+    port, secret = free_port(), uuid.uuid4().hex
     joiner = StartJoiner(
         steps,
         [f"127.0.0.1:{port}", "--script", _other_trunk_script(tmp_path / "other")],

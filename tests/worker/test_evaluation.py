@@ -8,12 +8,12 @@ join, or with a failure during the evaluation, each sample counted once.
 import json
 import multiprocessing
 import os
-import socket
 import time
 
 import evaluation_pieces as ep
 import pieces
 import pytest
+from conftest import free_port
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -223,12 +223,6 @@ class EvaluateUntilTheDeviceSetChanges(ep.Evaluate):
         self._past = True
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _held_job(folder, port, **extra):
     """ep.make_job's job whose evaluation waits for generation 2 (EvaluateUntilTheDeviceSetChanges)."""
     return pieces.make_job(
@@ -244,7 +238,7 @@ def test_a_join_ready_during_an_evaluation_changes_nothing(train, metrics_file, 
     """The join is asked after step 0 and its device becomes ready while both devices are inside the
     evaluation of step 1 (which waits for it); it joins at the next step boundary. The evaluations on
     two devices and on three equal the single-process evaluation."""
-    port = _free_port()
+    port = free_port()
     job = _held_job(str(tmp_path), port, virtual_workers=6, eval_batch=12)
     model, summary = train(job, steps=8, devices=2, max_devices=3, eval_every=1, schedule="1:+1", port=port)
     assert _waited(tmp_path) == ["waited-flexpar-local-0", "waited-flexpar-local-1"], (
@@ -263,7 +257,7 @@ def test_a_scheduled_leave_landing_during_an_evaluation_waits_for_the_next_step_
     """schedule "2:-1": the leave is accepted while all three devices evaluate step 2 (which waits for
     it); that evaluation completes on three devices, the leaver goes at the next step boundary, and
     nothing is redone or counted twice."""
-    port = _free_port()
+    port = free_port()
     job = _held_job(str(tmp_path), port, virtual_workers=6, eval_batch=20)
     model, summary = train(job, steps=6, devices=3, eval_every=2, schedule="2:-1", port=port)
     # The driver asks for the leave when it reads step 2's record, which rank 0 sends as it starts
