@@ -52,9 +52,10 @@ import torch.distributed as dist
 from flexpar import recipes
 from flexpar.callbacks import CALLBACK_STOP
 from flexpar.comm import state_transfer as training_state
-from flexpar.comm.collectives import GroupReaper, PeerFailure, collective, fresh_group
+from flexpar.comm.collectives import GroupReaper, PeerFailure, collective, fresh_group, wait_for_collective
 from flexpar.comm.gradient_sync import GradientSync
 from flexpar.comm.protocol import get_blob, get_json, join_proof, put_blob, tell_driver
+from flexpar.comm.sparse_sync import sparse_parameters
 from flexpar.core import balance, batching
 from flexpar.errors import UserCodeError
 from flexpar.version import __version__
@@ -69,6 +70,8 @@ from flexpar.worker.orphan import WorkerOrphan
 from flexpar.worker.phase import Phase
 from flexpar.worker.records import RECORDS_KEPT, WorkerRecords
 from flexpar.worker.settings import RunSettings, WorkerArgs
+from flexpar.worker.shard_levelling import ShardLevelling
+from flexpar.worker.shards import ShardedOptimizer, sharding_by
 from flexpar.worker.state_keeping import WorkerCheckpoints
 from flexpar.worker.step_loop import StepLoop, StopEarly
 from flexpar.worker.user_code import build_model, build_optimizer, loss_terms, model_digest
@@ -86,7 +89,7 @@ def _yield_cores() -> None:
         pass
 
 
-class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords, WorkerOrphan):
+class Worker(StepLoop, ShardLevelling, WorkerCheckpoints, WorkerEvaluation, WorkerRecords, WorkerOrphan):
     """One device's training: its lifecycle (`Phase`), the step loop, the boundaries between generations.
 
     State capture and checkpoints, evaluation, step records and the wait for a
@@ -112,6 +115,13 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords, Worke
         self.frozen = FrozenPart(model, torch.get_num_threads())
         self.model = model.to(self.device)
         self.optimizer, self.scheduler = build_optimizer(self.job, self.model)
+        # Job(shard_optimizer=...): this device holds and steps its chunks of the optimizer state only
+        # (flexpar/worker/shards.py); the boundaries move them (flexpar/worker/shard_levelling.py).
+        self.shards = (
+            ShardedOptimizer(self.model, self.optimizer, sparse_parameters(self.model), sharding_by(self.job))
+            if self.job.shard_optimizer
+            else None
+        )
         self.sync = GradientSync(self.model, self.device, self.settings.bucket_mb, peer_lost=self._peer_lost)
         # Recipes (flexpar/recipes.py): checked for this device's type before anything runs;
         # the VWs' forward calls `forward_model` (compiled, or the model itself).
@@ -198,8 +208,13 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords, Worke
         while True:
             try:
                 try:
-                    self.phase = Phase.FORMING
+                    departing = self.args.device_id not in record["members"]
+                    self.phase = Phase.LEAVING if departing else Phase.FORMING
                     self.enter(generation, record)
+                    if departing:  # a planned leaver of a sharded job: its state is handed over
+                        self.link.send("handed_off", generation=generation)
+                        _yield_cores()
+                        return
                     self.phase = Phase.ACTIVE
                     upcoming = self.train()
                     if upcoming is None:
@@ -211,7 +226,7 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords, Worke
                         self.stop_early()
                         return
                     generation, record = upcoming
-                    if self.args.device_id not in record["members"]:
+                    if self.args.device_id not in record["members"] + record.get("departing", []):
                         self.phase = Phase.LEAVING
                         _yield_cores()
                         return
@@ -219,7 +234,8 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords, Worke
                 except PeerFailure as failure:
                     self.phase = Phase.RECOVERING
                     self.recovering = True
-                    self.optimizer.zero_grad(set_to_none=True)
+                    # Sharded: a step whose gradient every member holds may still be finished (shard_levelling.py).
+                    self._zero_grad(keep_gradient=self.pending_commit is not None)
                     self.link.send("failure", generation=generation, step=self.committed, error=str(failure)[:500])
                 # Outside the except block, whose traceback holds the broken group's works.
                 self.reaper.retire(self.sync.release_works())()
@@ -247,8 +263,11 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords, Worke
         # Devices of generation 1 built the same model from the same seed: step 0 is
         # committed everywhere. Later joiners hold nothing yet and receive the state.
         self.committed = 0 if generation == 1 else -1
-        if generation == 1 and self.settings.resume_path and record["members"][0] == self.args.device_id:
-            self._restore(checkpoints.read_checkpoint(self.settings.resume_path, self.device))
+        if generation == 1 and self.settings.resume_path:
+            if self.shards is not None:  # every member reads its own chunks
+                self._resume_sharded(tuple(record["members"]))
+            elif record["members"][0] == self.args.device_id:
+                self._restore(checkpoints.read_checkpoint(self.settings.resume_path, self.device))
         return generation, record
 
     def _identity(self) -> dict:
@@ -289,7 +308,7 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords, Worke
                     "compile=True, or try compile_options={'backend': 'aot_eager'}"
                 ) from error
             raise
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         # Buffers the forward moved (BatchNorm statistics, a frozen trunk's included) always travel.
         self.frozen.note_warm_up(
             name for (name, saved), buffer in zip(buffers, self.model.buffers()) if not torch.equal(buffer, saved)
@@ -300,34 +319,65 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords, Worke
         return time.perf_counter() - started
 
     def enter(self, generation: int, record: dict) -> None:
-        """Form the generation's process group and bring every member to the same state."""
+        """Form the generation's process group and bring every member to the same state.
+
+        A sharded job's planned leavers (`record["departing"]`) first hand
+        their state over: members and departing devices form a hand-off group
+        for the levelling only, then the departing devices return (and exit)
+        and the members form the training group.
+        """
         self.link.check()
         members = tuple(record["members"])
-        rank = members.index(self.args.device_id)
+        departing = tuple(record.get("departing", ())) if self.shards is not None else ()
+        group = members + departing
+        rank = group.index(self.args.device_id)
         self._fault_point("formation", self.committed)
         # Forming a gloo group waits for every member inside C++, where a member's
         # death is only seen at the timeout. Meet in the store first, where it is
         # seen at once (the coordinator's death notices), then form in milliseconds.
-        problem = self.link.gather(generation, members)
+        problem = self.link.gather(generation, group)
         if problem:
             raise PeerFailure(problem)
         if record.get("restore") and rank == 0:  # a re-adopted job whose checkpoint is newer than any device
             self._restore(checkpoints.read_checkpoint(record["restore"], self.device))
+
+        def peer_lost():
+            lost = self.link.dead_members & set(group) if self.link.latest_generation == generation else set()
+            return min(lost) if lost else None
+
         with fresh_group(
             self.reaper.retire(self.sync.release_works()),
             self.settings.backend,
-            dist.PrefixStore(f"gen/{generation}/pg", self.link.store),
+            dist.PrefixStore(f"gen/{generation}/{'handoff' if departing else 'pg'}", self.link.store),
             rank,
-            len(members),
+            len(group),
             self.settings.timeout_s,
         ):
-            self.link.send("formed", generation=generation)
-            self.boundary_bytes = 0
+            if not departing:
+                self.link.send("formed", generation=generation)
             stock = collective(
-                lambda: training_state.take_stock(self.committed, self.committed_wall, rank, len(members), self.device)
+                lambda: training_state.take_stock(self.committed, self.committed_wall, rank, len(group), self.device)
             )
-            if stock.receivers:
-                self._level(stock, rank, len(members))
+            if self.shards is not None:
+                sent = self._level_sharded(stock, rank, group, len(members), record, peer_lost)
+            else:
+                sent = self._level(stock, rank, len(members)) if stock.receivers else 0.0
+            self.boundary_bytes = int(sent)  # the state this boundary sent, all senders (the event's)
+        if rank >= len(members):
+            return  # departing: handed over
+        if departing:  # the training group, without the departing devices
+            problem = self.link.gather(generation, members, label="training")
+            if problem:
+                raise PeerFailure(problem)
+            with fresh_group(
+                self.reaper.retire([]),
+                self.settings.backend,
+                dist.PrefixStore(f"gen/{generation}/pg", self.link.store),
+                rank,
+                len(members),
+                self.settings.timeout_s,
+            ):
+                self.link.send("formed", generation=generation)
         previous_members = self.members
         self.generation, self.members, self.rank = generation, members, rank
         self.link.report_head = (generation, members)  # what it tells a restarted driver, should this one go
@@ -339,10 +389,11 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords, Worke
             # (the driver drops steps it already has).
             for kept in self.recent_records:
                 self.link.publish(kept)
-            self._publish_generation_event(record, previous_members, max(0.0, time.time() - stock.last_commit_wall))
+            stall = max(0.0, time.time() - stock.last_commit_wall)
+            self._publish_generation_event(record, previous_members, stall)
 
-    def _level(self, stock: training_state.Stock, rank: int, world_size: int) -> None:
-        """Send the latest state from the source to the members behind it."""
+    def _level(self, stock: training_state.Stock, rank: int, world_size: int) -> float:
+        """Send the latest state from the source to the members behind it; returns the bytes sent."""
         sent = 0
         if rank == stock.source:
             state = self._capture()
@@ -355,11 +406,15 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords, Worke
             own = self.model.state_dict() if self.committed < 0 else None
             self._restore(collective(lambda: training_state.receive_state(stock.source, self.device, own)))
         # The stall ends when the slowest receiver has restored; the sum says what the boundary sent.
-        self.boundary_bytes = int(collective(lambda: training_state.all_level(world_size, self.device, sent)))
+        return collective(lambda: training_state.all_level(world_size, self.device, sent))
 
     def finish(self, stopped: str = "", checkpoint: str = "") -> None:
         self.phase = Phase.DONE
         self._checkpoint_writer_now().wait()  # the checkpoint "done" names exists before the job ends
+        if self.shards is not None and len(self.members) > 1:
+            # Sharded: every member writes its own part; the job ends once all are written.
+            flag = torch.zeros(1, device=self.device)
+            wait_for_collective(collective(lambda: dist.all_reduce(flag, async_op=True)), self._peer_lost)
         if self.rank == 0:
             data = training_state.to_bytes({"model": self._model_state_for_transfer(), "step": self.committed})
             with self.link.driver_needed():  # a driver lost now: a restarted one gets the result
@@ -382,8 +437,10 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords, Worke
         if reason.startswith(CALLBACK_STOP) and self._evaluation_due(final=True):
             self.evaluate(ask_driver=False)  # a callback's stop ends as the last step does
         checkpoint = ""
+        if self.shards is not None and self.settings.checkpoint_dir:  # sharded: every member writes its part
+            checkpoint = self._write_checkpoint(self.settings.checkpoint_dir)
         if self.rank == 0:
-            if self.settings.checkpoint_dir:
+            if self.settings.checkpoint_dir and self.shards is None:
                 checkpoint = self._write_checkpoint(self.settings.checkpoint_dir)
             self._publish_event(
                 "stop",
