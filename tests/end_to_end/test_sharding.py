@@ -54,3 +54,15 @@ def test_optimizer_that_is_not_element_wise_is_refused(train):
     job = pieces.make_job(optimizer=_lbfgs, virtual_workers=2, shard_optimizer=True)
     with pytest.raises(flexpar.UserCodeError, match="LBFGS.*shard_optimizer=False"):
         train(job, steps=2, devices=2)
+
+
+def test_checkpoints_resume_across_device_counts_sharded_and_not(train, tmp_path):
+    """Sharded on 3 -> resumed unsharded on 2 -> resumed sharded on 3: the uninterrupted result."""
+    directory = str(tmp_path / "checkpoints")
+    sharded = pieces.make_job(optimizer=pieces.adamw, virtual_workers=6, shard_optimizer=True)
+    unsharded = pieces.make_job(optimizer=pieces.adamw, virtual_workers=6)
+    train(sharded, steps=3, devices=3, checkpoint_every=3, checkpoint_dir=directory)
+    train(unsharded, steps=6, devices=2, checkpoint_every=3, checkpoint_dir=directory, resume=True)
+    model, summary = train(sharded, steps=9, devices=3, checkpoint_dir=directory, resume=True)
+    assert summary["steps"] == 9
+    pieces.assert_same_parameters(model, pieces.reference(sharded, 9))
