@@ -16,8 +16,10 @@ and after every step:
 - `broadcast_chunks`: after a step, each chunk's primary broadcasts its
   updated parameter values in place, one broadcast per chunk.
 
-Every wait goes through `wait_for_collective`, so a peer the coordinator
-reports dead fails the transfer at once (`PeerFailure`).
+Every wait goes through `wait_for_collective` (broadcasts) or
+`wait_for_transfers` (sends and receives, whose gloo works never report
+themselves completed before `wait()`), so a peer the coordinator reports
+dead fails the transfer at once (`PeerFailure`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from flexpar.comm.collectives import collective, wait_for_collective
+from flexpar.comm.collectives import collective, wait_for_collective, wait_for_transfers
 from flexpar.comm.state_transfer import _as_bytes, _dtype_named, _tensor_layout, join_tensors, split_tensors
 
 
@@ -54,14 +56,9 @@ def gather_reports(numbers: Sequence[int], intervals: Sequence[tuple], world_siz
     return result
 
 
-def _wait_all(works, peer_lost) -> None:
-    for work in works or ():
-        wait_for_collective(work, peer_lost)
-
-
 def _post(operations: list, peer_lost) -> None:
     if operations:
-        _wait_all(collective(lambda: dist.batch_isend_irecv(operations)), peer_lost)
+        wait_for_transfers(collective(lambda: dist.batch_isend_irecv(operations)), peer_lost)
 
 
 def exchange(
@@ -153,4 +150,5 @@ def broadcast_chunks(flat: Sequence[torch.Tensor], chunks: Sequence, peer_lost=l
         for chunk in chunks
         if chunk.size
     ]
-    _wait_all(works, peer_lost)
+    for work in works:
+        wait_for_collective(work, peer_lost)
