@@ -35,19 +35,21 @@ from flexpar.comm.collectives import collective, wait_for_collective, wait_for_t
 from flexpar.comm.state_transfer import _as_bytes, _dtype_named, _tensor_layout, join_tensors, split_tensors
 
 
-def gather_reports(numbers: Sequence[int], intervals: Sequence[tuple], world_size: int, device) -> list:
+def gather_reports(
+    numbers: Sequence[int], intervals: Sequence[tuple], world_size: int, device, peer_lost=lambda: None
+) -> list:
     """Every member's (numbers, intervals); `numbers` has the same length on every member."""
     header = torch.tensor([len(intervals), *numbers], dtype=torch.int64, device=device)
     if world_size == 1:
         return [(list(numbers), [tuple(interval) for interval in intervals])]
     headers = [torch.empty_like(header) for _ in range(world_size)]
-    collective(lambda: dist.all_gather(headers, header))
+    wait_for_collective(collective(lambda: dist.all_gather(headers, header, async_op=True)), peer_lost)
     longest = max(int(row[0]) for row in headers)
     padded = torch.zeros(max(1, longest) * 3, dtype=torch.int64, device=device)
     if intervals:
         padded[: 3 * len(intervals)] = torch.tensor(intervals, dtype=torch.int64).reshape(-1)
     rows = [torch.empty_like(padded) for _ in range(world_size)]
-    collective(lambda: dist.all_gather(rows, padded))
+    wait_for_collective(collective(lambda: dist.all_gather(rows, padded, async_op=True)), peer_lost)
     result = []
     for row, flat in zip(headers, rows):
         count = int(row[0])

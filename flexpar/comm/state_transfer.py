@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from flexpar.comm.collectives import wait_for_collective
+
 
 def capture(model, optimizer, scheduler, step: int, extra: dict, model_state: Optional[dict] = None) -> dict:
     """The training state after `step` committed steps.
@@ -109,14 +111,21 @@ def stock_of(slots: list, own_wall: float) -> Stock:
     )
 
 
-def all_level(world_size: int, device, sent_bytes: float = 0.0) -> float:
+def all_level(world_size: int, device, sent_bytes: float = 0.0, peer_lost=None) -> float:
     """Returns once every member has passed its part of the state transfer (receivers: restored).
 
     Returns the bytes of state the members sent, all senders together (`sent_bytes`: this member's).
+    With `peer_lost` (flexpar/comm/collectives.py's `wait_for_collective`), a
+    peer the coordinator reports dead ends the wait at once: a gloo all-reduce
+    with a peer killed in the middle of a transfer can otherwise wait for the
+    group's timeout.
     """
     total = torch.tensor([float(sent_bytes)], dtype=torch.float64, device=device)
     if world_size > 1:
-        dist.all_reduce(total)
+        if peer_lost is None:
+            dist.all_reduce(total)
+        else:
+            wait_for_collective(dist.all_reduce(total, async_op=True), peer_lost)
     return float(total.item())
 
 

@@ -97,7 +97,7 @@ class ShardLevelling:
             self._zero_grad()
         holdings = () if self.committed < 0 else (shards.everything() if shards.pristine else shards.holdings())
         numbers = [self.committed, int(self.parameters_complete), int(rank < training)]
-        rows = gather_reports(numbers, holdings, len(group), self.device)
+        rows = gather_reports(numbers, holdings, len(group), self.device, peer_lost)
         reports = [Report(row[0], bool(row[1]), tuple(intervals), bool(row[2])) for row, intervals in rows]
         target = self._target_partition(training)
         plan = plan_levelling(reports, target, [space.element_bytes for space in shards.spaces])
@@ -135,7 +135,7 @@ class ShardLevelling:
         shards.add((tuple(segment), state) for message in messages.values() for segment, state in message["pieces"])
         if receives_values:
             self.parameters_complete = True
-        total = collective(lambda: training_state.all_level(len(group), self.device, sent))
+        total = collective(lambda: training_state.all_level(len(group), self.device, sent, peer_lost))
         # Every member holds what it needs: each keeps its chunks of the new partition only.
         shards.install(target if rank < training else None, rank)
         self.shard_partition = target if rank < training else None
