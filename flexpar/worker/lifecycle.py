@@ -1,4 +1,4 @@
-"""One device's training from start to exit: its lifecycle, and the boundaries between generations.
+"""One device's training from start to exit: its lifecycle.
 
 Lifecycle (`Phase`, flexpar/worker/phase.py), with its transitions:
 
@@ -8,7 +8,10 @@ Lifecycle (`Phase`, flexpar/worker/phase.py), with its transitions:
     ACTIVE     -> FORMING     at a step boundary, all members agreed on a newer generation
     ACTIVE     -> LEAVING     ... that leaves this device out (planned scale-in: it skips
                               that step's update, which every survivor commits, and exits
-                              at the lowest CPU priority)
+                              at the lowest CPU priority). A sharded job's leaver commits
+                              it, hands its chunks over in the new generation's boundary
+                              (LEAVING while it does), then exits; after a failure in that
+                              hand-off it is departing again in the recovery generation
     ACTIVE     -> RECOVERING  a collective failed (a peer died or hung)
     FORMING    -> RECOVERING  forming or levelling the state failed
     RECOVERING -> FORMING     the coordinator published the survivors' generation
@@ -31,8 +34,11 @@ Lifecycle (`Phase`, flexpar/worker/phase.py), with its transitions:
                               (preemption); a second SIGTERM or the grace period kills it
 
 The step itself, from the VWs to the optimizer update, is flexpar/worker/step_loop.py
-(`StepLoop.train`, which `Worker.run` calls once the device is active); waiting for a
-restarted driver (ORPHANED) is flexpar/worker/orphan.py.
+(`StepLoop.train`, which `Worker.run` calls once the device is active); the
+boundary between generations (`enter`: FORMING -> ACTIVE) is
+flexpar/worker/boundaries.py, a sharded job's part of it shard_levelling.py;
+waiting for a restarted driver (ORPHANED) is flexpar/worker/orphan.py; the
+scheduled faults, fault_injection.py.
 """
 
 from __future__ import annotations
@@ -41,7 +47,6 @@ import collections
 import json
 import os
 import pickle
-import signal
 import sys
 import time
 from typing import Optional
@@ -52,7 +57,7 @@ import torch.distributed as dist
 from flexpar import recipes
 from flexpar.callbacks import CALLBACK_STOP
 from flexpar.comm import state_transfer as training_state
-from flexpar.comm.collectives import GroupReaper, PeerFailure, collective, fresh_group, wait_for_collective
+from flexpar.comm.collectives import GroupReaper, PeerFailure, collective, wait_for_collective
 from flexpar.comm.gradient_sync import GradientSync
 from flexpar.comm.protocol import get_blob, get_json, join_proof, put_blob, tell_driver
 from flexpar.comm.sparse_sync import sparse_parameters
@@ -60,9 +65,11 @@ from flexpar.core import balance, batching
 from flexpar.errors import UserCodeError
 from flexpar.version import __version__
 from flexpar.worker import checkpoints
+from flexpar.worker.boundaries import Boundaries
 from flexpar.worker.cost_planner import CostPlanner
 from flexpar.worker.device_link import DeviceLink, DriverLost
 from flexpar.worker.evaluator import WorkerEvaluation
+from flexpar.worker.fault_injection import FaultInjection, faults_of
 from flexpar.worker.frozen_part import FrozenPart
 from flexpar.worker.loader import VirtualWorkerLoader, load_batch
 from flexpar.worker.loader import to_device as _to_device
@@ -89,13 +96,24 @@ def _yield_cores() -> None:
         pass
 
 
-class Worker(StepLoop, ShardLevelling, WorkerCheckpoints, WorkerEvaluation, WorkerRecords, WorkerOrphan):
+class Worker(
+    StepLoop,
+    Boundaries,
+    ShardLevelling,
+    FaultInjection,
+    WorkerCheckpoints,
+    WorkerEvaluation,
+    WorkerRecords,
+    WorkerOrphan,
+):
     """One device's training: its lifecycle (`Phase`), the step loop, the boundaries between generations.
 
-    State capture and checkpoints, evaluation, step records and the wait for a
-    restarted driver live in the mixins named for them (flexpar/worker/state_keeping.py,
-    evaluator.py, records.py, orphan.py); the step itself, from `train` to the
-    optimizer, is step_loop.py's `StepLoop`.
+    The boundaries, state capture and checkpoints, evaluation, fault
+    injection, step records and the wait for a restarted driver live in the
+    mixins named for them (flexpar/worker/boundaries.py, shard_levelling.py,
+    state_keeping.py, evaluator.py, fault_injection.py, records.py,
+    orphan.py); the step itself, from `train` to the optimizer, is
+    step_loop.py's `StepLoop`.
     """
 
     def __init__(self, args: WorkerArgs, link: DeviceLink):
@@ -151,12 +169,7 @@ class Worker(StepLoop, ShardLevelling, WorkerCheckpoints, WorkerEvaluation, Work
         # them; rank 0 publishes). A rank 0 that dies may take queued records with it.
         self.recent_records: collections.deque = collections.deque(maxlen=RECORDS_KEPT)
         self.recovering = False  # the next generation follows a failed collective
-        self.faults = {
-            (int(step), phase): _SIGNALS[fault[3] if len(fault) > 3 else "kill"]
-            for fault in self.settings.faults
-            for step, device, phase in [fault[:3]]
-            if device == args.device_id
-        }
+        self.faults = faults_of(args.device_id, self.settings.faults)
         # Faults aimed at the driver (STEP:driver:PHASE): fired by the device that is rank 0 there.
         self.driver_faults = {(int(fault[0]), fault[2]) for fault in self.settings.faults if fault[1] == "driver"}
         self._step_in_flight: Optional[int] = None  # the step this device computes, until it commits
@@ -168,37 +181,6 @@ class Worker(StepLoop, ShardLevelling, WorkerCheckpoints, WorkerEvaluation, Work
             return None
         lost = self.link.dead_members & set(self.members)
         return min(lost) if lost else None
-
-    def _transfer_fault(self) -> None:
-        self._fault_point("transfer", self.committed)
-
-    # Boundary phases happen at some steps only: their faults fire at the first
-    # such phase at or after their step.
-    _BOUNDARY_PHASES = ("transfer", "formation", "checkpoint")
-
-    def _fault_point(self, phase: str, step: int) -> None:
-        """Fault injection by schedule: kill -9 (or SIGTERM) this device here, if the schedule says so.
-
-        Each fault fires once: a step redone after a failure does not fire it again.
-        """
-        due = [
-            key
-            for key in self.faults
-            if key[1] == phase and (key[0] == step or (phase in self._BOUNDARY_PHASES and key[0] <= step))
-        ]
-        for key in due:
-            number = self.faults.pop(key)
-            # Said first, with the time: the fault soak measures detection from it.
-            print(
-                f"flexpar: fault: {self.args.device_id} gets {signal.Signals(number).name} at step {step} "
-                f"({phase}) at {time.time():.6f}",
-                file=sys.stderr,
-                flush=True,
-            )
-            os.kill(os.getpid(), number)
-        # The driver's: the rank 0 of the generation it trains in fires them (at a transfer: the sender).
-        if self.driver_faults and (self.members[:1] == (self.args.device_id,) or phase == "transfer"):
-            self._kill_driver_if_due(phase, step, self._BOUNDARY_PHASES)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -318,96 +300,6 @@ class Worker(StepLoop, ShardLevelling, WorkerCheckpoints, WorkerEvaluation, Work
                 buffer.copy_(saved)
         return time.perf_counter() - started
 
-    def enter(self, generation: int, record: dict) -> None:
-        """Form the generation's process group and bring every member to the same state.
-
-        A sharded job's planned leavers (`record["departing"]`) first hand
-        their state over: members and departing devices form a hand-off group
-        for the levelling only, then the departing devices return (and exit)
-        and the members form the training group.
-        """
-        self.link.check()
-        members = tuple(record["members"])
-        departing = tuple(record.get("departing", ())) if self.shards is not None else ()
-        group = members + departing
-        rank = group.index(self.args.device_id)
-        self._fault_point("formation", self.committed)
-        # Forming a gloo group waits for every member inside C++, where a member's
-        # death is only seen at the timeout. Meet in the store first, where it is
-        # seen at once (the coordinator's death notices), then form in milliseconds.
-        problem = self.link.gather(generation, group)
-        if problem:
-            raise PeerFailure(problem)
-        if record.get("restore") and rank == 0:  # a re-adopted job whose checkpoint is newer than any device
-            self._restore(checkpoints.read_checkpoint(record["restore"], self.device))
-
-        def peer_lost():
-            lost = self.link.dead_members & set(group) if self.link.latest_generation == generation else set()
-            return min(lost) if lost else None
-
-        with fresh_group(
-            self.reaper.retire(self.sync.release_works()),
-            self.settings.backend,
-            dist.PrefixStore(f"gen/{generation}/{'handoff' if departing else 'pg'}", self.link.store),
-            rank,
-            len(group),
-            self.settings.timeout_s,
-        ):
-            if not departing:
-                self.link.send("formed", generation=generation)
-            stock = collective(
-                lambda: training_state.take_stock(self.committed, self.committed_wall, rank, len(group), self.device)
-            )
-            if self.shards is not None:
-                sent = self._level_sharded(stock, rank, group, len(members), record, peer_lost)
-            else:
-                sent = self._level(stock, rank, len(members)) if stock.receivers else 0.0
-            self.boundary_bytes = int(sent)  # the state this boundary sent, all senders (the event's)
-        if rank >= len(members):
-            return  # departing: handed over
-        if departing:  # the training group, without the departing devices
-            problem = self.link.gather(generation, members, label="training")
-            if problem:
-                raise PeerFailure(problem)
-            with fresh_group(
-                self.reaper.retire([]),
-                self.settings.backend,
-                dist.PrefixStore(f"gen/{generation}/pg", self.link.store),
-                rank,
-                len(members),
-                self.settings.timeout_s,
-            ):
-                self.link.send("formed", generation=generation)
-        previous_members = self.members
-        self.generation, self.members, self.rank = generation, members, rank
-        self.link.report_head = (generation, members)  # what it tells a restarted driver, should this one go
-        self._step_in_flight = None  # a step broken off before this boundary is redone from here
-        self.sync.start_generation(len(members))
-        if rank == 0:
-            # The previous rank 0 may have died with records unsent, or this device may
-            # have been brought level without committing the last ones: send them again
-            # (the driver drops steps it already has).
-            for kept in self.recent_records:
-                self.link.publish(kept)
-            stall = max(0.0, time.time() - stock.last_commit_wall)
-            self._publish_generation_event(record, previous_members, stall)
-
-    def _level(self, stock: training_state.Stock, rank: int, world_size: int) -> float:
-        """Send the latest state from the source to the members behind it; returns the bytes sent."""
-        sent = 0
-        if rank == stock.source:
-            state = self._capture()
-            sent = collective(
-                lambda: training_state.send_state(state, stock.receivers, self.device, after_size=self._transfer_fault)
-            )
-        elif rank in stock.receivers:
-            # A joiner holds nothing committed: it receives the model in place. A member
-            # that is only behind keeps its own state intact until the new one is whole.
-            own = self.model.state_dict() if self.committed < 0 else None
-            self._restore(collective(lambda: training_state.receive_state(stock.source, self.device, own)))
-        # The stall ends when the slowest receiver has restored; the sum says what the boundary sent.
-        return collective(lambda: training_state.all_level(world_size, self.device, sent))
-
     def finish(self, stopped: str = "", checkpoint: str = "") -> None:
         self.phase = Phase.DONE
         self._checkpoint_writer_now().wait()  # the checkpoint "done" names exists before the job ends
@@ -454,6 +346,3 @@ class Worker(StepLoop, ShardLevelling, WorkerCheckpoints, WorkerEvaluation, Work
             print(f"flexpar: device {self.args.device_id}: {message}", file=sys.stderr, flush=True)
         except OSError:  # a dead driver's stderr may be a pipe nobody reads any more
             pass
-
-
-_SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}
