@@ -53,8 +53,12 @@ class Boundaries:
         problem = self.link.gather(generation, group)
         if problem:
             raise PeerFailure(problem)
-        if record.get("restore") and rank == 0:  # a re-adopted job whose checkpoint is newer than any device
-            self._restore(checkpoints.read_checkpoint(record["restore"], self.device))
+        if record.get("restore"):  # a re-adopted job whose checkpoint is newer than any device
+            if self.shards is not None:  # sharded: every member reads its own chunks
+                if rank < len(members):
+                    self._resume_sharded(members, record["restore"])
+            elif rank == 0:
+                self._restore(checkpoints.read_checkpoint(record["restore"], self.device))
 
         def peer_lost():
             lost = self.link.dead_members & set(group) if self.link.latest_generation == generation else set()

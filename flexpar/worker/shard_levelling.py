@@ -173,9 +173,13 @@ class ShardLevelling:
             self.scheduler.load_state_dict(state["scheduler"])
         self._restore_extra(state)
 
-    def _resume_sharded(self, members: tuple) -> None:
-        """Generation 1 of a resumed sharded job: read the common state and this member's chunks."""
-        reader = checkpoints.CheckpointReader(self.settings.resume_path)
+    def _resume_sharded(self, members: tuple, path: str = "") -> None:
+        """Read the common state and this member's chunks of checkpoint `path` (default: the job's resume path).
+
+        Generation 1 of a resumed job, or the first generation of a re-adopted
+        one whose checkpoint is newer than any device (`record["restore"]`).
+        """
+        reader = checkpoints.CheckpointReader(path or self.settings.resume_path)
         rank = members.index(self.args.device_id)
         common = reader.common
         self.model.load_state_dict(common["model"])  # in place: the sharded parameters stay views
