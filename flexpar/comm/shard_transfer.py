@@ -25,14 +25,13 @@ dead fails the transfer at once (`PeerFailure`).
 from __future__ import annotations
 
 import io
-import warnings
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from flexpar.comm.collectives import collective, wait_for_collective, wait_for_transfers
-from flexpar.comm.state_transfer import _as_bytes, _dtype_named, _tensor_layout, join_tensors, split_tensors
+from flexpar.comm.state_transfer import _as_bytes, _dtype_named, encode_state, join_tensors
 
 
 def gather_reports(
@@ -81,14 +80,7 @@ def exchange(
     prepared = {}
     sent = 0
     for peer, message in sorted(outgoing.items()):
-        tensors: list = []
-        skeleton = split_tensors(message, tensors)
-        buffer = io.BytesIO()
-        torch.save({"skeleton": skeleton, "tensors": [_tensor_layout(tensor) for tensor in tensors]}, buffer)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "the given buffer is not writable"
-            header = torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8).to(device)
-        payloads = [_as_bytes(tensor, device) for tensor in tensors]
+        header, payloads = encode_state(message, device)
         payloads += [_as_bytes(tensor, device) for tensor in raw_out.get(peer, ())]
         prepared[peer] = (header, payloads)
         sent += 8 + header.numel() + sum(payload.numel() for payload in payloads)

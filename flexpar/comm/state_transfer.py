@@ -204,11 +204,9 @@ def _as_bytes(tensor: torch.Tensor, device) -> torch.Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8).to(device)
 
 
-def send_state(state: dict, receivers: list, device, after_size=None) -> int:
-    """Send the training state to each receiver: skeleton size, skeleton, then each tensor's bytes.
-
-    Returns the bytes sent, all receivers together.
-    """
+def encode_state(state: dict, device) -> tuple:
+    """(header, payloads) of a state to send: the skeleton and the tensors' layouts as one uint8 tensor
+    (torch.save, read back with weights_only), and each tensor's bytes, in the skeleton's order."""
     tensors: list = []
     skeleton = split_tensors(state, tensors)
     buffer = io.BytesIO()
@@ -217,8 +215,16 @@ def send_state(state: dict, receivers: list, device, after_size=None) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "the given buffer is not writable"
         header = torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8).to(device)
+    return header, [_as_bytes(tensor, device) for tensor in tensors]
+
+
+def send_state(state: dict, receivers: list, device, after_size=None) -> int:
+    """Send the training state to each receiver: skeleton size, skeleton, then each tensor's bytes.
+
+    Returns the bytes sent, all receivers together.
+    """
+    header, payloads = encode_state(state, device)
     size = torch.tensor([header.numel()], dtype=torch.int64, device=device)
-    payloads = [_as_bytes(tensor, device) for tensor in tensors]
     for receiver in receivers:
         dist.send(size, receiver)
         if after_size is not None:
