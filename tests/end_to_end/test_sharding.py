@@ -10,6 +10,7 @@ loses a sender; another loses both holders of a chunk at once and must stop.
 
 import json
 import math
+import re
 
 import pieces
 import pytest
@@ -17,6 +18,7 @@ import torch
 
 import flexpar
 from flexpar.core.shard_partition import partition, spaces_of, total
+from flexpar.worker import checkpoints
 
 
 def _adam(parameters):
@@ -157,9 +159,16 @@ def test_both_holders_of_a_chunk_failing_together_stop_naming_the_checkpoint(tra
             metrics=str(metrics),
         )
     message = str(raised.value)
-    latest = directory / "step-00000004.pt"
     assert "\n" not in message.strip()
     assert "optimizer state lost" in message and "local-0, local-1 failed together" in message
-    assert f"the latest checkpoint is {latest}; resume with: flexpar run --resume" in message
-    assert latest.exists() and (directory / "step-00000004.optimizer").is_dir()
-    assert [r["step"] for r in pieces.metrics_records(metrics) if r["kind"] == "step"] == list(range(5))
+    named = re.search(r"the latest checkpoint is (\S+); resume with: flexpar run --resume ", message)
+    assert named, message
+    # Step 4's, unless a killed device's background write of its part had not finished (then step 2's):
+    # the newest complete one, every part of it on disk.
+    assert named.group(1) in (checkpoints.checkpoint_path(str(directory), step) for step in (2, 4))
+    assert named.group(1) == checkpoints.latest_checkpoint(str(directory))
+    assert checkpoints.complete_parts(named.group(1))
+    # Nothing trained on: no step after the one the kills broke (a dying rank 0 may take its last queued
+    # record with it, and the job stops before a new rank 0 would send it again).
+    steps = [r["step"] for r in pieces.metrics_records(metrics) if r["kind"] == "step"]
+    assert steps == list(range(len(steps))) and len(steps) <= 5, steps
