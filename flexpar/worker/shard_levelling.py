@@ -152,10 +152,11 @@ class ShardLevelling:
             where = f"the latest checkpoint is {latest}; resume with: {self.settings.resume_command}"
         else:
             where = "no checkpoint was written (pass checkpoint_every= and checkpoint_dir=), so the job cannot continue"
+        together = " together" if len(gone) > 1 else ""
+        failed = f"{', '.join(gone)} failed{together}" if gone else "its holders are gone"
         return (
             f"optimizer state lost: {what} had no copy left on the devices still running "
-            f"({', '.join(gone) or 'its holders'} failed together; shard_redundancy="
-            f"{'default (2)' if redundancy is None else redundancy}); {where}"
+            f"({failed}; shard_redundancy={'default (2)' if redundancy is None else redundancy}); {where}"
         )
 
     def _capture_replicated(self) -> dict:
