@@ -73,7 +73,7 @@ class Stock:
     last_commit_wall: float
 
 
-def take_stock(committed_step: int, committed_wall: float, rank: int, world_size: int, device) -> Stock:
+def take_stock(committed_step: int, committed_wall: float, rank: int, world_size: int, device, peer_lost=None) -> Stock:
     """Who holds the latest state, who must receive it, and when the last member committed.
 
     Every member puts its committed step (a joiner has none: -1) and its
@@ -85,14 +85,23 @@ def take_stock(committed_step: int, committed_wall: float, rank: int, world_size
     member spent waiting for the last one is rank skew, which an ordinary step
     absorbs in its all-reduce too. Members on different hosts compare wall
     clocks, so their offset (milliseconds under NTP) adds to it.
-    Steps travel as float64, exact below 2**53.
+    Steps travel as float64, exact below 2**53. `peer_lost`: as in `all_level`.
     """
     slots = torch.zeros(2 * world_size, dtype=torch.float64, device=device)
     slots[rank] = committed_step + 1
     slots[world_size + rank] = committed_wall if committed_step >= 0 else 0.0
-    if world_size > 1:
-        dist.all_reduce(slots)
+    _sum(slots, world_size, peer_lost)
     return stock_of(slots.tolist(), committed_wall)
+
+
+def _sum(tensor: torch.Tensor, world_size: int, peer_lost) -> None:
+    """All-reduce `tensor` in place; with `peer_lost`, a peer the coordinator reports dead ends the wait."""
+    if world_size == 1:
+        return
+    if peer_lost is None:
+        dist.all_reduce(tensor)
+    else:
+        wait_for_collective(dist.all_reduce(tensor, async_op=True), peer_lost)
 
 
 def stock_of(slots: list, own_wall: float) -> Stock:
@@ -117,15 +126,11 @@ def all_level(world_size: int, device, sent_bytes: float = 0.0, peer_lost=None) 
     Returns the bytes of state the members sent, all senders together (`sent_bytes`: this member's).
     With `peer_lost` (flexpar/comm/collectives.py's `wait_for_collective`), a
     peer the coordinator reports dead ends the wait at once: a gloo all-reduce
-    with a peer killed in the middle of a transfer can otherwise wait for the
-    group's timeout.
+    with a peer killed or stopped in the middle of a boundary can otherwise
+    wait for the group's timeout.
     """
     total = torch.tensor([float(sent_bytes)], dtype=torch.float64, device=device)
-    if world_size > 1:
-        if peer_lost is None:
-            dist.all_reduce(total)
-        else:
-            wait_for_collective(dist.all_reduce(total, async_op=True), peer_lost)
+    _sum(total, world_size, peer_lost)
     return float(total.item())
 
 

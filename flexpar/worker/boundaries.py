@@ -74,8 +74,11 @@ class Boundaries:
         ):
             if not departing:
                 self.link.send("formed", generation=generation)
+            # Every wait of a boundary watches for a peer the coordinator reports dead (killed or hung).
             stock = collective(
-                lambda: training_state.take_stock(self.committed, self.committed_wall, rank, len(group), self.device)
+                lambda: training_state.take_stock(
+                    self.committed, self.committed_wall, rank, len(group), self.device, peer_lost
+                )
             )
             if self.shards is not None:
                 sent = self._level_sharded(stock, rank, group, len(members), record, peer_lost)
