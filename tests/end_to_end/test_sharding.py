@@ -18,6 +18,7 @@ import torch
 
 import flexpar
 from flexpar.core.shard_partition import partition, spaces_of, total
+from flexpar.core.shard_state import state_nbytes
 from flexpar.worker import checkpoints
 
 
@@ -51,9 +52,22 @@ def test_sharded_matches_single_process_reference(train, metrics_file, optimizer
     pieces.assert_same_parameters(model, pieces.reference(job, 6))
     steps = [json.loads(line) for line in open(metrics_file) if '"kind":"step"' in line]
     assert [record["step"] for record in steps] == list(range(6))
-    # Each device reports its own optimizer-state bytes; once the state exists, none is empty.
+    # Each device reports its own optimizer-state bytes (to the KiB): a part of the whole state,
+    # every element held by two of the three devices (redundancy 2).
     assert all(len(record["optimizer_bytes"]) == 3 for record in steps)
-    assert all(value > 0 for value in steps[-1]["optimizer_bytes"])
+    whole = _unsharded_state_bytes(job, optimizer)
+    held = steps[-1]["optimizer_bytes"]
+    assert all(0 < value < 0.75 * whole for value in held), (held, whole)
+    assert 2 * whole - 3 * 1024 <= sum(held) <= 2.1 * whole, (held, whole)
+
+
+def _unsharded_state_bytes(job, optimizer) -> int:
+    """The optimizer-state bytes of the plain, unsharded optimizer after one update."""
+    model = job.model()
+    plain = optimizer(model.parameters())
+    sum(parameter.sum() for parameter in model.parameters()).backward()
+    plain.step()
+    return state_nbytes(plain.state.values())
 
 
 def test_optimizer_that_is_not_element_wise_is_refused(train):
