@@ -140,7 +140,7 @@ def fixed_set_errors(models: dict, rounds: int) -> dict:
 # ----------------------------------------------------------------- elastic
 
 
-def run_watched(command: list, metrics: str, idle_s: float, bound_s: float, stderr) -> str:
+def run_watched(command: list, metrics: str, idle_s: float, bound_s: float, stderr, poll_s: float = 0.5) -> str:
     """Run `command` in a session of its own: "finished", "failed (exit N)", "hung" or "past the bound".
 
     "hung": `metrics` did not change for `idle_s` seconds after the fit wrote
@@ -163,7 +163,7 @@ def run_watched(command: list, metrics: str, idle_s: float, bound_s: float, stde
                 return "hung"
             if now - started > bound_s:
                 return "past the bound"
-            time.sleep(0.5)
+            time.sleep(poll_s)
     finally:
         harness.kill_group(process.pid)
         process.wait()

@@ -112,16 +112,16 @@ def test_figures_are_ratios_of_the_sides_medians_and_a_missing_input_leaves_a_re
 def test_the_watch_tells_a_hung_fit_from_a_failed_and_a_finished_one(tmp_path):
     metrics = str(tmp_path / "metrics.jsonl")
 
-    def watch(code: str, idle_s: float = 1.0, bound_s: float = 30.0) -> str:
+    def watch(code: str, idle_s: float = 0.5, bound_s: float = 30.0) -> str:
         with open(tmp_path / "stderr.txt", "w") as stderr:
-            return sharding.run_watched([sys.executable, "-c", code], metrics, idle_s, bound_s, stderr)
+            return sharding.run_watched([sys.executable, "-c", code], metrics, idle_s, bound_s, stderr, poll_s=0.1)
 
     write = f"open({metrics!r}, 'a').write('{{}}\\n'); "
     assert watch(write + "import time; time.sleep(60)") == "hung"
     assert watch(write + "raise SystemExit(3)") == "failed (exit 3)"
-    # Records every 0.3 s for 1.8 s: longer than idle_s in all, never idle that long.
-    slow = f"import time; [time.sleep(0.3) or open({metrics!r}, 'a').write('x') for _ in range(6)]"
+    # Records every 0.2 s for 1.2 s: longer than idle_s in all, never idle that long.
+    slow = f"import time; [time.sleep(0.2) or open({metrics!r}, 'a').write('x') for _ in range(6)]"
     assert watch(write + slow) == "finished"
     os.remove(metrics)
     # Nothing written yet (a fit still starting) is not a hang; the bound still ends it.
-    assert watch("import time; time.sleep(60)", idle_s=0.5, bound_s=2.0) == "past the bound"
+    assert watch("import time; time.sleep(60)", idle_s=0.5, bound_s=1.0) == "past the bound"
