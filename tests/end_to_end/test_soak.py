@@ -176,6 +176,27 @@ def test_recovery_ends_at_the_next_generation_or_step_whichever_shows_first():
     assert (tally.during_recovery, tally.simultaneous, tally.signal_with_change) == (0, 1, 1)
 
 
+def test_a_sharded_soak_deals_the_update_phase_and_allows_a_lost_state_stop_only_after_two_failures_at_once():
+    plans = soak_plan.plans(5, soak_plan.SHARDED_PHASES)
+    dealt = set()
+    while len(dealt) < len(soak_plan.SHARDED_PHASES):
+        plan = next(plans)
+        _check_fireable(plan)
+        dealt |= {phase for _, _, phase, _ in plan.faults}
+    assert dealt == set(soak_plan.SHARDED_PHASES)
+    named = (
+        "flexpar: optimizer state lost: elements 0-63 of 0.weight had no copy left on the devices still running "
+        "(local-1, local-2 failed together; shard_redundancy=default (2)); the latest checkpoint is "
+        "/tmp/c/step-00000010.pt; resume with: flexpar run --resume train.py\n"
+    )
+    assert soak_tally.lost_state_stop_allowed("noise\n" + named, simultaneous=1, during_recovery=0)
+    assert soak_tally.lost_state_stop_allowed(named, simultaneous=0, during_recovery=1)
+    assert not soak_tally.lost_state_stop_allowed(named, simultaneous=0, during_recovery=0), "one failure loses nothing"
+    nameless = named.replace("the latest checkpoint is /tmp/c/step-00000010.pt; resume with: flexpar run --resume", "")
+    assert not soak_tally.lost_state_stop_allowed(nameless, simultaneous=1, during_recovery=0)
+    assert not soak_tally.lost_state_stop_allowed("Traceback: a hang\n", simultaneous=1, during_recovery=1)
+
+
 def test_a_run_that_ends_before_its_last_step_is_a_failure():
     assert soak.ending_problem({"steps": soak_plan.STEPS, "stopped": ""}) == ""
     assert soak.ending_problem({"steps": 20, "stopped": ""}) == f"ended after 20 of {soak_plan.STEPS} steps"
