@@ -23,19 +23,26 @@ Fixed device set (alternating rounds unsharded, r2, r1; medians over rounds):
 - `max_rel_err_fixed`: the largest difference of a sharded round's trained
   parameters from the unsharded round's (same steps).
 
-Elastic (one fit per side, each in a process of its own under a watch that
-kills it when no record comes for a while: a hang is reported, never waited
-for): 4 devices, schedule "+1" (4 -> 5), "-1" (5 -> 4), then a kill -9 of
-local-1 (3 devices): sharded at redundancy 2 in the phase "update" (after its
-update of its own part, before it broadcast the result: the part's new values
-exist on no other device yet), unsharded in "backward" (it has no update phase).
-- `join_stall_ratio`, `join_bytes_ratio`: the join event's `stall_s` and
-  `state_bytes_sent`, sharded / unsharded.
-- `failure_lost_steps`: committed steps the kill cost the sharded job (the last
-  step recorded before the failure event + 1 - the event's step; goal 0);
-  `failure_resume_s`: the failure event's stall.
-- `max_rel_err`: max over parameters of max|a - b| / max|b| between the sharded
-  and the unsharded fit after the schedule (goal <= 1e-5).
+Device changes (each fit in a process of its own under a watch that kills it
+when no record comes for a while: a hang is reported, never waited for):
+- the schedule, unsharded and sharded r2: 4 devices, "+1" (4 -> 5), "-1"
+  (5 -> 4), then a kill -9 of local-1 during backward (3 devices);
+  `join_stall_ratio`, `join_bytes_ratio`: the join event's `stall_s` and
+  `state_bytes_sent`, sharded / unsharded; `max_rel_err`: max over parameters
+  of max|a - b| / max|b| between the two fits' trained parameters (goal <= 1e-5).
+  AdamW turns float summation-order differences in near-zero gradient sums
+  into lr-sized updates, and the order follows the VW split, which the
+  balancer sets from measured (noisy) speeds: `assignments_match` says whether
+  both fits ran the same split at every step, and `max_rel_err_unsharded_floor`
+  is the same figure between the unsharded fit with the schedule and one
+  without any change (what a changed order does to the unsharded job alone).
+- a kill -9 of local-1 in the "update" phase of a sharded r2 fit (after its
+  update of its own part, before its broadcast of it: those values exist
+  nowhere else), halfway through the fixed rounds' steps: `failure_resume_s`
+  (its failure event's stall) and `max_rel_err_kill_update` (against the
+  unsharded fixed round 0). `failure_lost_steps`: committed steps a kill cost
+  (the last step recorded before the failure event + 1 - the event's step),
+  the larger of this kill's and the schedule's (goal 0).
 
 A figure that could not be measured is null in the JSON and its reason is in
 `unmeasured`; the table prints it as "-" and the reasons below it.
@@ -65,8 +72,8 @@ DEVICES = 4
 # The elastic fits' collective timeout: a peer that neither finishes nor dies is given up on
 # after it; the watch (Settings.idle_s) calls a fit hung only when it recorded nothing for longer.
 ELASTIC_TIMEOUT_S = 30.0
-# Fixed-set rounds are repeated while time allows (the elastic fits, 2-4 minutes, come after).
-ROUNDS_BUDGET_S = 240.0
+# Fixed-set rounds are repeated while time allows (the fits with changes, about 3 minutes, come after).
+ROUNDS_BUDGET_S = 200.0
 
 
 @dataclass(frozen=True)
@@ -94,8 +101,8 @@ class Settings:
     def schedule(self) -> str:
         return f"{self.join_at}:+1,{self.leave_at}:-1"
 
-    def fault(self, sharded: bool) -> str:
-        return f"{self.kill_at}:local-1:{'update' if sharded else 'backward'}"
+    def fault(self) -> str:
+        return f"{self.kill_at}:local-1:backward"
 
 
 # ----------------------------------------------------------------- fixed device set
@@ -196,7 +203,11 @@ def elastic_fit(settings: Settings, workdir: str, name: str, changes: dict) -> d
             stderr=stderr,
         )
     records = harness.json_lines(metrics)
-    result = {"outcome": outcome, "device_counts": sharding_figures.device_counts(records)}
+    result = {
+        "outcome": outcome,
+        "device_counts": sharding_figures.device_counts(records),
+        "assignments": [record["assignment"] for record in sharding_figures.steps_of(records)],
+    }
     result.update(join_figures(records))
     result.update(failure_figures(records))
     model_path = os.path.join(output, "model.pt")
@@ -207,7 +218,7 @@ def elastic_fit(settings: Settings, workdir: str, name: str, changes: dict) -> d
         result["steps_recorded_once"] = sharding_figures.steps_recorded_once(records, spec["steps"])
     else:
         result["why"] = _what_went_wrong(name, spec, outcome, records, os.path.join(output, "stderr.txt"))
-    shown = {key: value for key, value in result.items() if key != "model"}
+    shown = {key: value for key, value in result.items() if key not in ("model", "assignments")}
     harness.progress("sharding")(f"{name}: {json.dumps(shown, default=str)}")
     return result
 
@@ -224,68 +235,57 @@ def _what_went_wrong(name: str, spec: dict, outcome: str, records: list, stderr_
 
 
 def measure_elastic(settings: Settings, workdir: str, models: dict, unmeasured: dict) -> dict:
-    """Both elastic fits; the sharded one's max_rel_err against the unsharded one. Reasons into `unmeasured`.
+    """The fits with device changes, each in its own watched process; reasons for what failed into `unmeasured`.
 
-    When the sharded fit with the whole schedule did not finish, a sharded fit
-    with the kill only (the fixed rounds' steps, the kill halfway) measures
-    the failure figures, and its parameters are compared with the unsharded
-    fixed round 0 (`max_rel_err_kill_only`); `failure_measured_in` says which fit.
+    - "unsharded" and "sharded" (r2): +1, -1, then a kill -9 of local-1 during
+      backward (the same phase on both sides, so both redo the killed step on
+      3 devices): the join figures, and the sharded fit's `max_rel_err`
+      against the unsharded one. Adam turns float summation-order differences
+      in near-zero gradient sums into lr-sized updates, and the balancer's
+      split (from measured, noisy speeds) decides that order: `assignments_match`
+      says whether both fits ran the same split at every step, and
+      "unsharded_fixed" (4 devices, no change) gives the unsharded job's own
+      figure for a changed order (`max_rel_err_unsharded_floor`).
+    - "kill_update": sharded, a kill -9 of local-1 in the "update" phase (after its
+      update of its own part, before it broadcast it) halfway through the
+      fixed rounds' steps: `failure_resume_s`, and its parameters against the
+      unsharded fixed round 0 (`max_rel_err_kill_update`). `failure_lost_steps`
+      is the larger of this kill's and the schedule's.
     """
-    results = {
-        side: elastic_fit(
-            settings,
-            workdir,
-            f"elastic-{side}",
-            {
-                "shard_redundancy": 2 if side == "sharded" else None,
-                "steps": settings.elastic_steps,
-                "schedule": settings.schedule(),
-                "faults": settings.fault(sharded=side == "sharded"),
-            },
-        )
-        for side in ("unsharded", "sharded")
+    schedule = {"steps": settings.elastic_steps, "schedule": settings.schedule(), "faults": settings.fault()}
+    kill_at = settings.round_steps // 2
+    fits = {
+        "unsharded": {"shard_redundancy": None, **schedule},
+        "sharded": {"shard_redundancy": 2, **schedule},
+        "kill_update": {"shard_redundancy": 2, "steps": settings.round_steps, "faults": f"{kill_at}:local-1:update"},
+        "unsharded_fixed": {"shard_redundancy": None, "steps": settings.elastic_steps},
     }
-    sharded, unsharded = results["sharded"], results["unsharded"]
-    for result in results.values():
-        if "why" in result:
-            for key in ("join_stall_ratio", "join_bytes_ratio"):
-                unmeasured.setdefault(key, result["why"])
-    if "why" in sharded:
-        unmeasured["max_rel_err"] = sharded["why"]
-    elif "why" in unsharded:
-        unmeasured["max_rel_err"] = unsharded["why"]
+    results = {name: elastic_fit(settings, workdir, name, changes) for name, changes in fits.items()}
+    sharded, unsharded, kill, fixed = (results[name] for name in fits)
+    for name in ("unsharded", "sharded"):
+        if "why" in results[name]:
+            for key in ("join_stall_ratio", "join_bytes_ratio", "max_rel_err"):
+                unmeasured.setdefault(key, results[name]["why"])
     if "model" in sharded and "model" in unsharded:
         sharded["max_rel_err"] = max_relative_error(sharded["model"], unsharded["model"])
-    sharded["failure_measured_in"] = "the sharded fit with the whole schedule"
-    if "why" in sharded:
-        _measure_failure_alone(settings, workdir, models, results, unmeasured)
+        sharded["assignments_match"] = sharded["assignments"] == unsharded["assignments"]
+    if "model" in unsharded and "model" in fixed:
+        unsharded["max_rel_err_unsharded_floor"] = max_relative_error(unsharded["model"], fixed["model"])
+    if "model" in kill and ("unsharded", 0) in models:
+        kill["max_rel_err_kill_update"] = max_relative_error(kill["model"], models[("unsharded", 0)])
+    lost = [result["failure_lost_steps"] for result in (sharded, kill) if result["failure_lost_steps"] is not None]
+    sharded["failure_lost_steps"] = max(lost) if len(lost) == 2 else None
+    sharded["failure_resume_s"] = kill["failure_resume_s"]
+    if sharded["failure_lost_steps"] is None:
+        unmeasured["failure_lost_steps"] = "; ".join(r["why"] for r in (sharded, kill) if "why" in r) or (
+            "a kill -9 was not recorded as a failure"
+        )
+    if kill["failure_resume_s"] is None:
+        unmeasured["failure_resume_s"] = kill.get("why", "the kill -9 in the update phase was not recorded")
     for result in results.values():
         result.pop("model", None)
+        result.pop("assignments", None)
     return results
-
-
-def _measure_failure_alone(settings: Settings, workdir: str, models: dict, results: dict, unmeasured: dict) -> None:
-    kill_at = settings.round_steps // 2
-    alone = elastic_fit(
-        settings,
-        workdir,
-        "kill-only-sharded",
-        {"shard_redundancy": 2, "steps": settings.round_steps, "faults": f"{kill_at}:local-1:update"},
-    )
-    results["kill_only_sharded"] = alone
-    sharded = results["sharded"]
-    if "why" in alone:
-        for key in ("failure_lost_steps", "failure_resume_s"):
-            unmeasured[key] = f"{sharded['why']}; and {alone['why']}"
-        return
-    sharded["failure_measured_in"] = (
-        f"a sharded fit with the kill only (4 devices, kill -9 of local-1 at step {kill_at}, update phase): "
-        "the fit with the whole schedule did not finish"
-    )
-    for key in ("failure_lost_steps", "failure_resume_s", "failure_detail"):
-        sharded[key] = alone[key]
-    if ("unsharded", 0) in models:
-        alone["max_rel_err_kill_only"] = max_relative_error(alone["model"], models[("unsharded", 0)])
 
 
 # ----------------------------------------------------------------- main
@@ -321,8 +321,9 @@ def main() -> int:
         {
             "max_rel_err_fixed": max((value for value in errors.values() if value is not None), default=None),
             "max_rel_err_fixed_by_side": errors,
-            "max_rel_err_kill_only": elastic.get("kill_only_sharded", {}).get("max_rel_err_kill_only"),
-            "failure_measured_in": elastic["sharded"]["failure_measured_in"],
+            "max_rel_err_kill_update": elastic["kill_update"].get("max_rel_err_kill_update"),
+            "max_rel_err_unsharded_floor": elastic["unsharded"].get("max_rel_err_unsharded_floor"),
+            "assignments_match": elastic["sharded"].get("assignments_match"),
             "parameters": parameters,
             "devices": DEVICES,
             "rounds": len(rounds["unsharded"]),
@@ -345,12 +346,19 @@ def report(result: dict) -> None:
         title="fixed device set, medians per side",
     )
     print()
-    keys = [*sharding_figures.FIGURES, "max_rel_err_fixed", "max_rel_err_kill_only", "parameters", "wall_s"]
+    keys = [
+        *sharding_figures.FIGURES,
+        "assignments_match",
+        "max_rel_err_unsharded_floor",
+        "max_rel_err_fixed",
+        "max_rel_err_kill_update",
+        "parameters",
+        "wall_s",
+    ]
     harness.print_table(
         [{"figure": key, "value": result[key], "goal": result["goals"].get(key, "")} for key in keys],
         ["figure", "value", "goal"],
     )
-    print(f"failure figures measured in {result['failure_measured_in']}")
     for key, why in result["unmeasured"].items():
         print(f"not measured: {key}: {why}")
 
