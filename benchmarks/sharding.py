@@ -261,7 +261,7 @@ def measure_elastic(settings: Settings, workdir: str, models: dict, unmeasured: 
         "unsharded_fixed": {"shard_redundancy": None, "steps": settings.elastic_steps},
     }
     results = {name: elastic_fit(settings, workdir, name, changes) for name, changes in fits.items()}
-    sharded, unsharded, kill, fixed = (results[name] for name in fits)
+    unsharded, sharded, kill, fixed = (results[name] for name in fits)
     for name in ("unsharded", "sharded"):
         if "why" in results[name]:
             for key in ("join_stall_ratio", "join_bytes_ratio", "max_rel_err"):
