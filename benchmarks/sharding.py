@@ -273,15 +273,9 @@ def measure_elastic(settings: Settings, workdir: str, models: dict, unmeasured: 
         unsharded["max_rel_err_unsharded_floor"] = max_relative_error(unsharded["model"], fixed["model"])
     if "model" in kill and ("unsharded", 0) in models:
         kill["max_rel_err_kill_update"] = max_relative_error(kill["model"], models[("unsharded", 0)])
-    lost = [result["failure_lost_steps"] for result in (sharded, kill) if result["failure_lost_steps"] is not None]
-    sharded["failure_lost_steps"] = max(lost) if len(lost) == 2 else None
-    sharded["failure_resume_s"] = kill["failure_resume_s"]
-    if sharded["failure_lost_steps"] is None:
-        unmeasured["failure_lost_steps"] = "; ".join(r["why"] for r in (sharded, kill) if "why" in r) or (
-            "a kill -9 was not recorded as a failure"
-        )
-    if kill["failure_resume_s"] is None:
-        unmeasured["failure_resume_s"] = kill.get("why", "the kill -9 in the update phase was not recorded")
+    for key, fit in (("failure_lost_steps", sharded), ("failure_lost_steps", kill), ("failure_resume_s", kill)):
+        if fit.get(key) is None:
+            unmeasured.setdefault(key, fit.get("why", f"{fit['outcome']}, but no failure event was recorded"))
     for result in results.values():
         result.pop("model", None)
         result.pop("assignments", None)

@@ -36,6 +36,8 @@ FIGURES = (
     "join_bytes_ratio",
     "failure_lost_steps",
     "failure_resume_s",
+    "failure_resume_s_backward",
+    "failure_resume_s_backward_unsharded",
     "max_rel_err",
 )
 
@@ -121,15 +123,21 @@ def figures(rounds: Mapping[str, Sequence[Mapping]], elastic: Mapping[str, Mappi
     """The benchmark's JSON keys from its fits.
 
     `rounds`: side ("unsharded", "r2", "r1") -> per-round dicts with
-    `optimizer_bytes`, `peak_rss_bytes`, `step_s`. `elastic`: side
-    ("unsharded", "sharded") -> the elastic fit's figures (`join_figures`,
-    `failure_figures`), and for "sharded" `max_rel_err` (None when not
-    measured). `unmeasured` (figure -> why) is extended with every figure
-    that comes out None and has no reason yet.
+    `optimizer_bytes`, `peak_rss_bytes`, `step_s`. `elastic`: fit ->
+    its figures (`join_figures`, `failure_figures`): "unsharded" and
+    "sharded" with the schedule (the latter with `max_rel_err`, None when
+    not measured) and "kill_update" (the sharded fit killed in the update
+    phase). `failure_lost_steps` is the larger of the sharded fits' (None
+    unless both measured it); `failure_resume_s` is the update-phase kill's,
+    `failure_resume_s_backward` the schedule's (sharded, and unsharded beside
+    it). `unmeasured` (figure -> why) is extended with every figure that
+    comes out None and has no reason yet.
     """
     medians = {side: {key: median_of(runs, key) for key in runs[0]} for side, runs in rounds.items() if runs}
     unsharded, r2, r1 = (medians.get(side, {}) for side in ("unsharded", "r2", "r1"))
     sharded_elastic, unsharded_elastic = elastic.get("sharded", {}), elastic.get("unsharded", {})
+    kill = elastic.get("kill_update", {})
+    lost = [fit.get("failure_lost_steps") for fit in (sharded_elastic, kill)]
     result = {
         "optimizer_bytes_ratio_r2": ratio(r2.get("optimizer_bytes"), unsharded.get("optimizer_bytes")),
         "optimizer_bytes_ratio_r1": ratio(r1.get("optimizer_bytes"), unsharded.get("optimizer_bytes")),
@@ -139,8 +147,10 @@ def figures(rounds: Mapping[str, Sequence[Mapping]], elastic: Mapping[str, Mappi
         "step_time_ratio_r1": ratio(unsharded.get("step_s"), r1.get("step_s")),
         "join_stall_ratio": ratio(sharded_elastic.get("join_stall_s"), unsharded_elastic.get("join_stall_s")),
         "join_bytes_ratio": ratio(sharded_elastic.get("join_bytes"), unsharded_elastic.get("join_bytes")),
-        "failure_lost_steps": sharded_elastic.get("failure_lost_steps"),
-        "failure_resume_s": sharded_elastic.get("failure_resume_s"),
+        "failure_lost_steps": None if None in lost else max(lost),
+        "failure_resume_s": kill.get("failure_resume_s"),
+        "failure_resume_s_backward": sharded_elastic.get("failure_resume_s"),
+        "failure_resume_s_backward_unsharded": unsharded_elastic.get("failure_resume_s"),
         "max_rel_err": sharded_elastic.get("max_rel_err"),
     }
     # The issue's headline figure is the default redundancy's (2).

@@ -86,8 +86,9 @@ def test_figures_are_ratios_of_the_sides_medians_and_a_missing_input_leaves_a_re
         "r1": [_round(100, 800, 1.0), _round(100, 800, 1.0), _round(100, 800, 1.0)],
     }
     elastic = {
-        "unsharded": {"join_stall_s": 0.5, "join_bytes": 300},
+        "unsharded": {"join_stall_s": 0.5, "join_bytes": 300, "failure_resume_s": 0.6},
         "sharded": {"join_stall_s": 0.4, "join_bytes": 270, "failure_lost_steps": 0, "failure_resume_s": 0.2},
+        "kill_update": {"failure_lost_steps": 1, "failure_resume_s": 0.3},
     }
     unmeasured = {"max_rel_err": "the sharded fit hung"}
     result = sharding_figures.figures(rounds, elastic, unmeasured)
@@ -96,11 +97,15 @@ def test_figures_are_ratios_of_the_sides_medians_and_a_missing_input_leaves_a_re
     assert result["peak_rss_ratio"] == pytest.approx(800 / 1100)
     assert result["step_time_ratio"] == pytest.approx(1.2 / 1.1)
     assert result["join_stall_ratio"] == pytest.approx(0.8) and result["join_bytes_ratio"] == pytest.approx(0.9)
-    assert result["failure_lost_steps"] == 0 and result["max_rel_err"] is None
+    assert result["failure_lost_steps"] == 1, "the larger of the two kills'"
+    assert result["failure_resume_s"] == 0.3 and result["failure_resume_s_backward"] == 0.2
+    assert result["failure_resume_s_backward_unsharded"] == 0.6
+    assert result["max_rel_err"] is None
     assert result["unmeasured"] == {"max_rel_err": "the sharded fit hung"}
     assert result["goals"]["optimizer_bytes_ratio_r1"] == "<= 0.3: met"
     assert result["goals"]["step_time_ratio"] == ">= 0.9: met"
     assert result["goals"]["max_rel_err"] == "<= 1e-05: not measured"
+    assert result["goals"]["failure_lost_steps"] == "<= 0: missed"
     # Without the elastic fits, every figure they give is None, each with a reason.
     result = sharding_figures.figures({**rounds, "r1": [_round(None, 800, 1.0)]}, {}, {})
     assert result["optimizer_bytes_ratio_r1"] is None and "optimizer_bytes_ratio_r1" in result["unmeasured"]
