@@ -37,17 +37,10 @@ scheduled), during_recovery (signals that fired while the job recovered from
 another device's kill or SIGSTOP); what was drawn and did not fire:
 not_fired, not_fired_by_kind, not_fired_by_phase; and per-run details.
 
-With `--shard` the job's optimizer state is sharded (`Job(shard_optimizer=True)`,
-default redundancy: each part on 2 devices, on every device with 2), and the
-signals are dealt one more phase, "update" (after a device's update of its
-own part, before it broadcast the new values). The checks are the same: the
-plain loop's parameters, every sample once. One thing is allowed that is not
-otherwise: where two devices failed at once (signals at one step, or one in
-the recovery from the other), both holders of some part may be gone; such a
-run must stop with flexpar's one-line "optimizer state lost" error naming
-the latest checkpoint (or saying none was written), and is counted in
-`lost_state_stops`, not as a failure. The same line after a single failure
-is a failed run.
+With `--shard` the job's optimizer state is sharded (`Job(shard_optimizer=True)`)
+and the signals are dealt one more phase, "update"; the checks are the same,
+but for one stop allowed after two failures at once (`lost_state_stops`,
+soak_checks.lost_state_stop_allowed).
 
     python benchmarks/soak.py --faults 100 --seed 0 --json soak.json
     python benchmarks/soak.py --shard --faults 100 --seed 0 --json soak-shard.json
@@ -70,6 +63,7 @@ from typing import Optional
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness
+import soak_checks
 import soak_tally
 from soak_plan import CHECKPOINT_EVERY, EVAL_EVERY, SHARDED_PHASES, SIGNAL_PHASES, STEPS, RunPlan, plans
 
@@ -167,7 +161,7 @@ def run_one(
     if code is None:
         result.hang = True
         return result
-    if code != 0 and shard and soak_tally.lost_state_stop_allowed(text, result.simultaneous, result.during_recovery):
+    if code != 0 and shard and soak_checks.lost_state_stop_allowed(text, result.simultaneous, result.during_recovery):
         result.lost_state_stop = True
         return result
     if code != 0 or summary is None:
@@ -186,7 +180,7 @@ def run_one(
     audit = ledger.audit(ledger.read(summary["sample_ledger"]), job.seed, len(job.dataset), job.global_batch, STEPS)
     result.samples_lost = audit.samples_lost + audit.steps_missing * job.global_batch
     result.samples_repeated = audit.samples_repeated
-    _check_evaluations(result, [r for r in records if r["kind"] == "eval"], references["evaluations"])
+    soak_checks.check_evaluations(result, [r for r in records if r["kind"] == "eval"], references["evaluations"])
     failures = [e for e in events if e["event"] == "failure"]
     for fault in result.fired:
         if fault["kind"] == "stop":
@@ -252,30 +246,6 @@ def _record_tally(result: RunResult, tally: "soak_tally.Tally") -> None:
     result.injected = len(tally.fired)
     result.simultaneous, result.signal_with_change = tally.simultaneous, tally.signal_with_change
     result.during_recovery = tally.during_recovery
-
-
-def _check_evaluations(result: RunResult, records: list, expected: dict) -> None:
-    """One record per evaluation step, each sample evaluated once, metrics as the failure-free run's."""
-    import soak_job
-
-    by_step = {}
-    for record in records:
-        by_step.setdefault(record["step"], record["metrics"])  # the driver keeps one per step
-    for step, reference in expected.items():
-        metrics = by_step.get(step)
-        if metrics is None:
-            result.eval_missing += 1
-            continue
-        for index in range(soak_job.EVAL_SAMPLES):
-            seen = metrics[soak_job.sample_key(index)]
-            result.eval_samples_lost += max(0, 1 - seen)
-            result.eval_samples_repeated += max(0, seen - 1)
-        if metrics["count"] != reference["count"] or abs(
-            metrics["loss_sum"] - reference["loss_sum"]
-        ) > 1e-6 + 1e-5 * abs(reference["loss_sum"]):
-            result.eval_divergent += 1
-    # An evaluation at a step the failure-free run has none at differs from it.
-    result.eval_divergent += sum(1 for step in by_step if step not in expected)
 
 
 # The figures that must be 0, in the order the table shows them.

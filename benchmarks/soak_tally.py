@@ -22,9 +22,6 @@ Two kinds of combined faults are counted where they really happened:
   the new generation and its first step is part of the recovery.
 A kill with a formation fault in its recovery is both when the two name the
 same step.
-
-And a sharded soak's one permitted stop (`lost_state_stop_allowed`): the
-state-lost line, only where two signals fired at once.
 """
 
 from __future__ import annotations
@@ -110,25 +107,6 @@ def _in_recovery(fault: Fired, signals: list, recovered_marks: list) -> bool:
         if fault.time < recovered:
             return True
     return False
-
-
-STATE_LOST = "optimizer state lost: "
-
-
-def lost_state_stop_allowed(stderr: str, simultaneous: int, during_recovery: int) -> bool:
-    """Whether a sharded run's stop is the state-lost line that two failures at once may cause.
-
-    The line must name the latest checkpoint and the command that resumes it
-    (or say that none was written), and two signals must have fired at one
-    step (`simultaneous`) or one in the recovery from the other
-    (`during_recovery`): after a single failure every part still has a copy
-    (redundancy 2), and the run must go on.
-    """
-    lines = [line for line in stderr.splitlines() if STATE_LOST in line]
-    if not lines or not (simultaneous or during_recovery):
-        return False
-    line = lines[-1]
-    return ("the latest checkpoint is" in line and "resume with:" in line) or "no checkpoint was written" in line
 
 
 def counts(tallies: list, phases: tuple = SIGNAL_PHASES) -> dict:

@@ -14,6 +14,7 @@ sys.path.insert(
 )
 
 import soak  # noqa: E402
+import soak_checks  # noqa: E402
 import soak_plan  # noqa: E402
 import soak_tally  # noqa: E402
 from soak_plan import RunPlan  # noqa: E402
@@ -189,12 +190,12 @@ def test_a_sharded_soak_deals_the_update_phase_and_allows_a_lost_state_stop_only
         "(local-1, local-2 failed together; shard_redundancy=default (2)); the latest checkpoint is "
         "/tmp/c/step-00000010.pt; resume with: flexpar run --resume train.py\n"
     )
-    assert soak_tally.lost_state_stop_allowed("noise\n" + named, simultaneous=1, during_recovery=0)
-    assert soak_tally.lost_state_stop_allowed(named, simultaneous=0, during_recovery=1)
-    assert not soak_tally.lost_state_stop_allowed(named, simultaneous=0, during_recovery=0), "one failure loses nothing"
+    assert soak_checks.lost_state_stop_allowed("noise\n" + named, simultaneous=1, during_recovery=0)
+    assert soak_checks.lost_state_stop_allowed(named, simultaneous=0, during_recovery=1)
+    assert not soak_checks.lost_state_stop_allowed(named, simultaneous=0, during_recovery=0), "one loses nothing"
     nameless = named.replace("the latest checkpoint is /tmp/c/step-00000010.pt; resume with: flexpar run --resume", "")
-    assert not soak_tally.lost_state_stop_allowed(nameless, simultaneous=1, during_recovery=0)
-    assert not soak_tally.lost_state_stop_allowed("Traceback: a hang\n", simultaneous=1, during_recovery=1)
+    assert not soak_checks.lost_state_stop_allowed(nameless, simultaneous=1, during_recovery=0)
+    assert not soak_checks.lost_state_stop_allowed("Traceback: a hang\n", simultaneous=1, during_recovery=1)
 
 
 def test_a_run_that_ends_before_its_last_step_is_a_failure():
