@@ -35,7 +35,8 @@ when no record comes for a while: a hang is reported, never waited for):
   balancer sets from measured (noisy) speeds: `assignments_match` says whether
   both fits ran the same split at every step, and `max_rel_err_unsharded_floor`
   is the same figure between the unsharded fit with the schedule and one
-  without any change (what a changed order does to the unsharded job alone).
+  without any change (what a changed order does to the unsharded job alone);
+  `max_rel_err_vs_fixed`: the sharded fit against that unchanged one.
 - a kill -9 of local-1 in the "update" phase of a sharded r2 fit (after its
   update of its own part, before its broadcast of it: those values exist
   nowhere else), halfway through the fixed rounds' steps: `failure_resume_s`
@@ -271,6 +272,8 @@ def measure_elastic(settings: Settings, workdir: str, models: dict, unmeasured: 
         sharded["assignments_match"] = sharded["assignments"] == unsharded["assignments"]
     if "model" in unsharded and "model" in fixed:
         unsharded["max_rel_err_unsharded_floor"] = max_relative_error(unsharded["model"], fixed["model"])
+    if "model" in sharded and "model" in fixed:
+        sharded["max_rel_err_vs_fixed"] = max_relative_error(sharded["model"], fixed["model"])
     if "model" in kill and ("unsharded", 0) in models:
         kill["max_rel_err_kill_update"] = max_relative_error(kill["model"], models[("unsharded", 0)])
     for key, fit in (("failure_lost_steps", sharded), ("failure_lost_steps", kill), ("failure_resume_s", kill)):
@@ -317,6 +320,7 @@ def main() -> int:
             "max_rel_err_fixed_by_side": errors,
             "max_rel_err_kill_update": elastic["kill_update"].get("max_rel_err_kill_update"),
             "max_rel_err_unsharded_floor": elastic["unsharded"].get("max_rel_err_unsharded_floor"),
+            "max_rel_err_vs_fixed": elastic["sharded"].get("max_rel_err_vs_fixed"),
             "assignments_match": elastic["sharded"].get("assignments_match"),
             "parameters": parameters,
             "devices": DEVICES,
@@ -344,6 +348,7 @@ def report(result: dict) -> None:
         *sharding_figures.FIGURES,
         "assignments_match",
         "max_rel_err_unsharded_floor",
+        "max_rel_err_vs_fixed",
         "max_rel_err_fixed",
         "max_rel_err_kill_update",
         "parameters",
