@@ -215,6 +215,19 @@ def test_a_real_run_cut_short_counts_as_failed_not_as_a_shorter_match(tmp_path):
     assert result.bad
 
 
+@pytest.mark.timeout(240)
+def test_a_sharded_run_through_a_join_a_leave_and_a_kill_after_the_update_is_the_failure_free_run(tmp_path):
+    # soak.py --shard's check on one run: the optimizer state sharded (3 devices, each part on 2),
+    # a device killed after its own update of its part and before its broadcast of it.
+    plan = RunPlan(0, 3, [(4, +1), (14, -1)], [(18, "local-1", "update", "kill")])
+    result = soak.run_one(
+        plan, str(tmp_path), timeout_s=10.0, heartbeat_timeout_s=3.0, references=_REFERENCES, shard=True
+    )
+    assert not result.bad and not result.lost_state_stop, soak.describe(plan, result)
+    assert result.steps == soak_plan.STEPS
+    assert ("kill", "update", 18) in [(f["kind"], f["phase"], f["step"]) for f in result.fired], result.fired
+
+
 # ------------------------------------------------------------ the soak itself
 
 
