@@ -36,7 +36,9 @@ when no record comes for a while: a hang is reported, never waited for):
   both fits ran the same split at every step, and `max_rel_err_unsharded_floor`
   is the same figure between the unsharded fit with the schedule and one
   without any change (what a changed order does to the unsharded job alone);
-  `max_rel_err_vs_fixed`: the sharded fit against that unchanged one.
+  `max_rel_err_vs_fixed`: the sharded fit against that unchanged one. Beside
+  each: the tensor it is in (`_where`) and how many elements differ by more
+  than 1e-5 of their tensor's largest value (`_elements`).
 - a kill -9 of local-1 in the "update" phase of a sharded r2 fit (after its
   update of its own part, before its broadcast of it: those values exist
   nowhere else), halfway through the fixed rounds' steps: `failure_resume_s`
@@ -65,7 +67,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness
 import sharding_figures
 import sharding_job
-from sharding_figures import failure_figures, join_figures, max_relative_error
+from sharding_figures import failure_figures, join_figures, max_relative_error, worst_tensor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXED_SIDES = {"unsharded": None, "r2": 2, "r1": 1}  # side -> shard_redundancy
@@ -269,9 +271,13 @@ def measure_elastic(settings: Settings, workdir: str, models: dict, unmeasured: 
                 unmeasured.setdefault(key, results[name]["why"])
     if "model" in sharded and "model" in unsharded:
         sharded["max_rel_err"] = max_relative_error(sharded["model"], unsharded["model"])
+        sharded["max_rel_err_where"] = worst_tensor(sharded["model"], unsharded["model"])
+        sharded["elements_beyond_1e-5"] = sharding_figures.elements_beyond(sharded["model"], unsharded["model"])
         sharded["assignments_match"] = sharded["assignments"] == unsharded["assignments"]
     if "model" in unsharded and "model" in fixed:
         unsharded["max_rel_err_unsharded_floor"] = max_relative_error(unsharded["model"], fixed["model"])
+        unsharded["max_rel_err_unsharded_floor_where"] = worst_tensor(unsharded["model"], fixed["model"])
+        unsharded["elements_beyond_1e-5"] = sharding_figures.elements_beyond(unsharded["model"], fixed["model"])
     if "model" in sharded and "model" in fixed:
         sharded["max_rel_err_vs_fixed"] = max_relative_error(sharded["model"], fixed["model"])
     if "model" in kill and ("unsharded", 0) in models:
@@ -322,6 +328,10 @@ def main() -> int:
             "max_rel_err_unsharded_floor": elastic["unsharded"].get("max_rel_err_unsharded_floor"),
             "max_rel_err_vs_fixed": elastic["sharded"].get("max_rel_err_vs_fixed"),
             "assignments_match": elastic["sharded"].get("assignments_match"),
+            "max_rel_err_where": elastic["sharded"].get("max_rel_err_where"),
+            "max_rel_err_elements": elastic["sharded"].get("elements_beyond_1e-5"),
+            "max_rel_err_unsharded_floor_elements": elastic["unsharded"].get("elements_beyond_1e-5"),
+            "max_rel_err_unsharded_floor_where": elastic["unsharded"].get("max_rel_err_unsharded_floor_where"),
             "parameters": parameters,
             "devices": DEVICES,
             "rounds": len(rounds["unsharded"]),
@@ -347,7 +357,11 @@ def report(result: dict) -> None:
     keys = [
         *sharding_figures.FIGURES,
         "assignments_match",
+        "max_rel_err_where",
+        "max_rel_err_elements",
         "max_rel_err_unsharded_floor",
+        "max_rel_err_unsharded_floor_where",
+        "max_rel_err_unsharded_floor_elements",
         "max_rel_err_vs_fixed",
         "max_rel_err_fixed",
         "max_rel_err_kill_update",

@@ -108,15 +108,39 @@ def device_counts(records: Sequence[Mapping]) -> list:
     return counts
 
 
-def max_relative_error(parameters: Mapping, reference: Mapping) -> float:
-    """max over tensors of max|a - b| / max|b| (a tensor of zeros in `reference`: the absolute difference)."""
-    worst = 0.0
+def relative_errors(parameters: Mapping, reference: Mapping) -> dict:
+    """name -> max|a - b| / max|b| of each tensor (a tensor of zeros in `reference`: the absolute difference)."""
+    errors = {}
     for name, expected in reference.items():
         actual = parameters[name]
         scale = float(expected.abs().max()) if expected.numel() else 0.0
         difference = float((actual.double() - expected.double()).abs().max()) if expected.numel() else 0.0
-        worst = max(worst, difference / scale if scale > 0 else difference)
-    return worst
+        errors[name] = difference / scale if scale > 0 else difference
+    return errors
+
+
+def max_relative_error(parameters: Mapping, reference: Mapping) -> float:
+    """max over tensors of max|a - b| / max|b| (`relative_errors`)."""
+    return max(relative_errors(parameters, reference).values(), default=0.0)
+
+
+def worst_tensor(parameters: Mapping, reference: Mapping) -> str:
+    """The tensor with the largest relative error, and its error: "2.weight 3.0e-03" (which part of the
+    model a difference is in says more than its size)."""
+    errors = relative_errors(parameters, reference)
+    name = max(errors, key=errors.get)
+    return f"{name} {errors[name]:.1e}"
+
+
+def elements_beyond(parameters: Mapping, reference: Mapping, tolerance: float = 1e-5) -> int:
+    """How many elements differ by more than `tolerance` x their tensor's max|b|: a few elements
+    (updates of near-zero gradients that went the other way) or the whole model."""
+    count = 0
+    for name, expected in reference.items():
+        scale = float(expected.abs().max()) if expected.numel() else 0.0
+        difference = (parameters[name].double() - expected.double()).abs()
+        count += int((difference > tolerance * scale).sum())
+    return count
 
 
 def figures(rounds: Mapping[str, Sequence[Mapping]], elastic: Mapping[str, Mapping], unmeasured: dict) -> dict:

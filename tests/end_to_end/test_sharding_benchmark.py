@@ -71,6 +71,9 @@ def test_max_relative_error_is_the_worst_tensor_relative_to_its_own_scale():
     assert sharding_figures.max_relative_error(same, reference) == 0.0
     off = {**same, "b": torch.tensor([0.5, 0.55])}
     assert sharding_figures.max_relative_error(off, reference) == pytest.approx(0.1)
+    assert sharding_figures.worst_tensor(off, reference) == "b 1.0e-01"
+    assert sharding_figures.elements_beyond(off, reference) == 1
+    assert sharding_figures.elements_beyond(same, reference) == 0
     off_zero = {**same, "zeros": torch.tensor([0.0, 1e-3])}
     assert sharding_figures.max_relative_error(off_zero, reference) == pytest.approx(1e-3)
 
