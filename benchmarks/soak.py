@@ -28,6 +28,7 @@ error, or ended before its last step), divergent_runs, samples_lost,
 samples_repeated, eval_missing (evaluations not recorded), eval_samples_lost /
 eval_samples_repeated (evaluation samples an evaluation skipped / saw twice),
 eval_divergent (evaluations whose metrics differ from the failure-free run's),
+lost_state_stops (--shard: runs stopped as allowed below), shard,
 hung_peer_detection_s (median seconds from a SIGSTOP to the survivors' next
 generation, level: the failure event's time); what fired: fired_by_kind,
 fired_by_phase, simultaneous (steps at which two or more signals fired),
@@ -36,7 +37,13 @@ scheduled), during_recovery (signals that fired while the job recovered from
 another device's kill or SIGSTOP); what was drawn and did not fire:
 not_fired, not_fired_by_kind, not_fired_by_phase; and per-run details.
 
+With `--shard` the job's optimizer state is sharded (`Job(shard_optimizer=True)`)
+and the signals are dealt one more phase, "update"; the checks are the same,
+but for one stop allowed after two failures at once (`lost_state_stops`,
+soak_checks.lost_state_stop_allowed).
+
     python benchmarks/soak.py --faults 100 --seed 0 --json soak.json
+    python benchmarks/soak.py --shard --faults 100 --seed 0 --json soak-shard.json
 """
 
 from __future__ import annotations
@@ -56,8 +63,9 @@ from typing import Optional
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness
+import soak_checks
 import soak_tally
-from soak_plan import CHECKPOINT_EVERY, EVAL_EVERY, STEPS, RunPlan, plans
+from soak_plan import CHECKPOINT_EVERY, EVAL_EVERY, SHARDED_PHASES, SIGNAL_PHASES, STEPS, RunPlan, plans
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # A driver killed by a driver fault is restarted this long after its death, with its devices' resume command.
@@ -87,6 +95,7 @@ class RunResult:
     simultaneous: int = 0
     signal_with_change: int = 0
     during_recovery: int = 0
+    lost_state_stop: bool = False  # sharded: stopped with the state-lost line after two failures at once
 
     @property
     def bad(self) -> bool:
@@ -103,8 +112,11 @@ class RunResult:
         )
 
 
-def run_one(plan: RunPlan, folder: str, timeout_s: float, heartbeat_timeout_s: float, references: dict) -> RunResult:
-    """Run `plan`'s job and check it; `references` caches the failure-free run (filled on first use)."""
+def run_one(
+    plan: RunPlan, folder: str, timeout_s: float, heartbeat_timeout_s: float, references: dict, shard: bool = False
+) -> RunResult:
+    """Run `plan`'s job (sharded with `shard`) and check it; `references` caches the failure-free run
+    (filled on first use)."""
     import soak_job
     import torch
 
@@ -123,6 +135,7 @@ def run_one(plan: RunPlan, folder: str, timeout_s: float, heartbeat_timeout_s: f
         "heartbeat_timeout_s": heartbeat_timeout_s,
         "checkpoint_every": CHECKPOINT_EVERY,
         "eval_every": EVAL_EVERY,
+        "shard": shard,
     }
     spec_path = os.path.join(output, "spec.json")
     with open(spec_path, "w") as handle:
@@ -148,6 +161,9 @@ def run_one(plan: RunPlan, folder: str, timeout_s: float, heartbeat_timeout_s: f
     if code is None:
         result.hang = True
         return result
+    if code != 0 and shard and soak_checks.lost_state_stop_allowed(text, result.simultaneous, result.during_recovery):
+        result.lost_state_stop = True
+        return result
     if code != 0 or summary is None:
         result.failed = (text.strip().splitlines() or ["(no output)"])[-1][:300] if code else "no summary.json"
         return result
@@ -164,7 +180,7 @@ def run_one(plan: RunPlan, folder: str, timeout_s: float, heartbeat_timeout_s: f
     audit = ledger.audit(ledger.read(summary["sample_ledger"]), job.seed, len(job.dataset), job.global_batch, STEPS)
     result.samples_lost = audit.samples_lost + audit.steps_missing * job.global_batch
     result.samples_repeated = audit.samples_repeated
-    _check_evaluations(result, [r for r in records if r["kind"] == "eval"], references["evaluations"])
+    soak_checks.check_evaluations(result, [r for r in records if r["kind"] == "eval"], references["evaluations"])
     failures = [e for e in events if e["event"] == "failure"]
     for fault in result.fired:
         if fault["kind"] == "stop":
@@ -232,30 +248,6 @@ def _record_tally(result: RunResult, tally: "soak_tally.Tally") -> None:
     result.during_recovery = tally.during_recovery
 
 
-def _check_evaluations(result: RunResult, records: list, expected: dict) -> None:
-    """One record per evaluation step, each sample evaluated once, metrics as the failure-free run's."""
-    import soak_job
-
-    by_step = {}
-    for record in records:
-        by_step.setdefault(record["step"], record["metrics"])  # the driver keeps one per step
-    for step, reference in expected.items():
-        metrics = by_step.get(step)
-        if metrics is None:
-            result.eval_missing += 1
-            continue
-        for index in range(soak_job.EVAL_SAMPLES):
-            seen = metrics[soak_job.sample_key(index)]
-            result.eval_samples_lost += max(0, 1 - seen)
-            result.eval_samples_repeated += max(0, seen - 1)
-        if metrics["count"] != reference["count"] or abs(
-            metrics["loss_sum"] - reference["loss_sum"]
-        ) > 1e-6 + 1e-5 * abs(reference["loss_sum"]):
-            result.eval_divergent += 1
-    # An evaluation at a step the failure-free run has none at differs from it.
-    result.eval_divergent += sum(1 for step in by_step if step not in expected)
-
-
 # The figures that must be 0, in the order the table shows them.
 PROBLEMS = (
     "hangs",
@@ -278,22 +270,24 @@ def run_soak(
     heartbeat_timeout_s: float = 5.0,
     progress=print,
     references: Optional[dict] = None,
+    shard: bool = False,
 ) -> dict:
     """Runs drawn from `seed` until `faults` have fired; the report (see the module doc).
-    `references`: the failure-free run's cache (run_one), shared by callers that run more."""
+    `references`: the failure-free run's cache (run_one), shared by callers that run more;
+    `shard`: the job's optimizer state sharded (its runs dealt the "update" phase too)."""
     folder = folder or tempfile.mkdtemp(prefix="flexpar-soak-")
     started = time.monotonic()
     references = {} if references is None else references
     results = []
     injected = 0
-    for plan in plans(seed):
+    for plan in plans(seed, SHARDED_PHASES if shard else SIGNAL_PHASES):
         if injected >= faults:
             break
-        result = run_one(plan, folder, timeout_s, heartbeat_timeout_s, references)
+        result = run_one(plan, folder, timeout_s, heartbeat_timeout_s, references, shard)
         results.append(result)
         injected += result.injected
         progress(describe(plan, result))
-    return report(results, seed, timeout_s, heartbeat_timeout_s, folder, time.monotonic() - started)
+    return report(results, seed, timeout_s, heartbeat_timeout_s, folder, time.monotonic() - started, shard)
 
 
 def describe(plan: RunPlan, result: RunResult) -> str:
@@ -308,6 +302,7 @@ def describe(plan: RunPlan, result: RunResult) -> str:
         (f"evaluation samples lost {result.eval_samples_lost}", result.eval_samples_lost),
         (f"evaluation samples repeated {result.eval_samples_repeated}", result.eval_samples_repeated),
         (f"evaluations divergent {result.eval_divergent}", result.eval_divergent),
+        ("stopped: optimizer state lost (two failures at once)", result.lost_state_stop),
     ]
     missed = f", not fired: {result.not_fired}" if result.not_fired else ""
     return (
@@ -317,7 +312,15 @@ def describe(plan: RunPlan, result: RunResult) -> str:
     )
 
 
-def report(results: list, seed: int, timeout_s: float, heartbeat_timeout_s: float, folder: str, wall_s: float) -> dict:
+def report(
+    results: list,
+    seed: int,
+    timeout_s: float,
+    heartbeat_timeout_s: float,
+    folder: str,
+    wall_s: float,
+    shard: bool = False,
+) -> dict:
     """The soak's JSON (see the module doc)."""
     detections = [value for result in results for value in result.hung_detection_s]
     tallies = [
@@ -344,7 +347,9 @@ def report(results: list, seed: int, timeout_s: float, heartbeat_timeout_s: floa
         "eval_divergent": sum(result.eval_divergent for result in results),
         "hung_peer_detection_s": statistics.median(detections) if detections else None,
         "hung_peers": len(detections),
-        **soak_tally.counts(tallies),
+        "lost_state_stops": sum(result.lost_state_stop for result in results),
+        **soak_tally.counts(tallies, SHARDED_PHASES if shard else SIGNAL_PHASES),
+        "shard": shard,
         "timeout_s": timeout_s,
         "heartbeat_timeout_s": heartbeat_timeout_s,
         "seed": seed,
@@ -362,10 +367,15 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=30.0, help="the jobs' collective timeout (s)")
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0, help="the jobs' heartbeat timeout (s)")
+    parser.add_argument("--shard", action="store_true", help="shard the job's optimizer state (issue 27)")
     arguments = parser.parse_args()
     faults = 12 if arguments.quick else arguments.faults
     result = run_soak(
-        faults, arguments.seed, timeout_s=arguments.timeout, heartbeat_timeout_s=arguments.heartbeat_timeout
+        faults,
+        arguments.seed,
+        timeout_s=arguments.timeout,
+        heartbeat_timeout_s=arguments.heartbeat_timeout,
+        shard=arguments.shard,
     )
     keys = (
         ("faults_injected", "runs")
@@ -373,6 +383,7 @@ def main() -> int:
         + (
             "hung_peer_detection_s",
             "hung_peers",
+            "lost_state_stops",
             "simultaneous",
             "signal_with_change",
             "during_recovery",

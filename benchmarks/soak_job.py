@@ -2,7 +2,8 @@
 
 `python benchmarks/soak_job.py SPEC.json` trains the job as the spec says (devices,
 schedule, faults, steps, timeouts, evaluations) with the sample ledger on, and
-writes `model.pt` and `summary.json` into the spec's output folder. Worker
+writes `model.pt` and `summary.json` into the spec's output folder; with the spec's
+`shard`, the job's optimizer state is sharded (soak.py --shard). Worker
 processes import this file for its pieces, so everything they need is at module
 level. `reference(steps, eval_every)` is the plain single-process loop the soak
 compares with, and its evaluations.
@@ -79,7 +80,9 @@ def loss(model, batch):
     return nn.functional.cross_entropy(model(inputs), labels)
 
 
-def make_job():
+def make_job(shard: bool = False):
+    """The soak's job; `shard`: its optimizer state sharded (Job(shard_optimizer=True), the default
+    redundancy: 2 copies of each part, every device holding everything on 2 devices)."""
     return flexpar.Job(
         model=make_model,
         optimizer=make_optimizer,
@@ -91,6 +94,7 @@ def make_job():
         eval_dataset=make_eval_dataset(),
         evaluate=evaluate,
         eval_batch=EVAL_BATCH,
+        shard_optimizer=shard,
     )
 
 
@@ -134,7 +138,7 @@ def _reference(steps: int, eval_every: int):
 if __name__ == "__main__":
     spec = json.load(open(sys.argv[1]))
     output = spec["output"]
-    model, summary = make_job().fit(
+    model, summary = make_job(spec.get("shard", False)).fit(
         steps=spec["steps"],
         devices=spec["devices"],
         max_devices=spec["max_devices"],

@@ -30,6 +30,9 @@ from typing import Callable, Optional
 
 VIRTUAL_WORKERS = 6
 SIGNAL_PHASES = ("forward", "backward", "sync", "transfer", "formation", "checkpoint", "eval")
+# A sharded soak (soak.py --shard) deals one more: a device's death after its own update of its
+# part of the optimizer state, before its broadcast of the new values (only it has them then).
+SHARDED_PHASES = SIGNAL_PHASES + ("update",)
 SIGNAL_NAMES = {"kill": "SIGKILL", "stop": "SIGSTOP", "term": "SIGTERM"}
 FAULT_KINDS = ("kill", "stop", "term", "join", "leave", "driver")
 # Every DRIVER_EVERY-th run also gets a kill -9 of its driver at one of these phases (fired by rank 0, or
@@ -44,7 +47,7 @@ CHECKPOINT_EVERY = 5
 EVAL_EVERY = 6
 EVALUATION_STEPS = tuple(range(EVAL_EVERY, STEPS + 1, EVAL_EVERY)) + (() if STEPS % EVAL_EVERY == 0 else (STEPS,))
 # Phases a fault fires in at its own step (the others, at the first such boundary at or after it).
-IN_STEP_PHASES = ("forward", "backward", "sync", "eval")
+IN_STEP_PHASES = ("forward", "backward", "sync", "update", "eval")
 RANK_ZERO_PHASES = ("checkpoint", "transfer")
 
 
@@ -195,15 +198,17 @@ class PhaseDeck:
 
     A phase a run cannot take (`excluded`) stays in the deck for a later run;
     with every phase left excluded, the card comes from a new shuffle.
+    `phases`: the deck's cards (SHARDED_PHASES for a sharded soak).
     """
 
-    def __init__(self, rng: random.Random):
+    def __init__(self, rng: random.Random, phases: tuple = SIGNAL_PHASES):
         self.rng = rng
+        self.phases = phases
         self.cards: list = []
 
     def __call__(self, excluded: tuple = ()) -> str:
         if not any(card not in excluded for card in self.cards):
-            fresh = list(SIGNAL_PHASES)
+            fresh = list(self.phases)
             self.rng.shuffle(fresh)
             self.cards = fresh + self.cards  # cards are dealt from the end: the old ones first
         for position in range(len(self.cards) - 1, -1, -1):
@@ -220,12 +225,13 @@ def draw_driver_fault(rng: random.Random, plan: RunPlan) -> tuple:
     return rng.randint(FIRST_STEP, last), phase
 
 
-def plans(seed: int):
-    """The soak's runs for `seed`, endless. The driver faults are drawn from an rng of their own, so
-    every other draw of a seed stays what it was before the soak had them."""
+def plans(seed: int, phases: tuple = SIGNAL_PHASES):
+    """The soak's runs for `seed`, endless; their signals' phases dealt from `phases`. The driver
+    faults are drawn from an rng of their own, so every other draw of a seed stays what it was
+    before the soak had them."""
     rng = random.Random(seed)
     driver_rng = random.Random(f"driver-{seed}")
-    deck = PhaseDeck(rng)
+    deck = PhaseDeck(rng, phases)
     index = 0
     while True:
         plan = draw_run(rng, index, deck)

@@ -109,16 +109,16 @@ def _in_recovery(fault: Fired, signals: list, recovered_marks: list) -> bool:
     return False
 
 
-def counts(tallies: list) -> dict:
-    """The soak's JSON figures over runs' tallies: fired by kind and phase, not fired, combined."""
+def counts(tallies: list, phases: tuple = SIGNAL_PHASES) -> dict:
+    """The soak's JSON figures over runs' tallies: fired by kind and by each of `phases`, not fired, combined."""
     fired = [f for t in tallies for f in t.fired]
     missed = [entry for t in tallies for entry in t.not_fired]
     return {
         "fired_by_kind": {kind: sum(1 for f in fired if f.kind == kind) for kind in FAULT_KINDS},
-        "fired_by_phase": {phase: sum(1 for f in fired if f.phase == phase) for phase in SIGNAL_PHASES},
+        "fired_by_phase": {phase: sum(1 for f in fired if f.phase == phase) for phase in phases},
         "not_fired": len(missed),
         "not_fired_by_kind": {kind: sum(1 for m in missed if m[0] == kind) for kind in FAULT_KINDS},
-        "not_fired_by_phase": {phase: sum(1 for m in missed if m[1] == phase) for phase in SIGNAL_PHASES},
+        "not_fired_by_phase": {phase: sum(1 for m in missed if m[1] == phase) for phase in phases},
         "simultaneous": sum(t.simultaneous for t in tallies),
         "signal_with_change": sum(t.signal_with_change for t in tallies),
         "during_recovery": sum(t.during_recovery for t in tallies),

@@ -12,3 +12,11 @@ class UserCodeError(Exception):
 
 class TrainingError(RuntimeError):
     """The job stopped: a worker's error, or no device left. The message says which."""
+
+
+class ShardStateLost(RuntimeError):
+    """Every copy of some part of a sharded optimizer's state is gone (Job(shard_optimizer=True)).
+
+    The job stops: its message names what was lost, the latest checkpoint and
+    the command that resumes from it. It never goes on with a partial state.
+    """

@@ -138,7 +138,7 @@ def export_with_adapter(
     if not os.path.isfile(checkpoint):
         raise ValueError(f"no such checkpoint: {checkpoint}")
     try:
-        state = checkpoints.read_checkpoint(checkpoint, torch.device("cpu"))
+        state = checkpoints.read_checkpoint(checkpoint, torch.device("cpu"), with_optimizer=False)
     except Exception as error:  # not a torch file, or not one weights_only can read
         raise ValueError(
             f"{checkpoint} is not a readable flexpar checkpoint ({type(error).__name__}: "

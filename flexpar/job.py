@@ -15,7 +15,7 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 from torch import nn
@@ -63,6 +63,14 @@ class Job:
     sample_cost:    optional sample_cost(index) -> number >= 0, e.g. the token count of sample
                     `index` (cheap: called in the workers for every sample of every step); VWs are
                     then assigned to devices by predicted cost, not count (flexpar/core/cost_balance/)
+    shard_optimizer: False, True (= "elements") or "parameters": partition the optimizer state
+                    across the current devices, each stepping its part, resharded live at every
+                    change of the device set (flexpar/worker/shards.py). "elements" cuts anywhere
+                    and needs an element-wise optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, ...);
+                    "parameters" keeps each parameter's state whole (any per-parameter optimizer)
+    shard_redundancy: copies of each part of the sharded state (default: 2, at most one per
+                    device, so one failure loses nothing); 1 saves the most memory, and a failure
+                    then stops the job, naming the latest checkpoint
     """
 
     model: Callable[[], nn.Module]
@@ -85,6 +93,8 @@ class Job:
     compile: bool = False
     compile_options: Optional[dict] = None
     sample_cost: Optional[Callable[[int], float]] = None
+    shard_optimizer: Union[bool, str] = False
+    shard_redundancy: Optional[int] = None
 
     def __post_init__(self):
         for name in ("model", "optimizer", "loss"):
@@ -111,6 +121,27 @@ class Job:
             raise ValueError(f"num_workers={self.num_workers} must be >= 0")
         self._check_evaluation()
         self._check_recipe()
+        self._check_sharding()
+
+    def _check_sharding(self) -> None:
+        """shard_optimizer and shard_redundancy (the optimizer itself is checked by the driver)."""
+        if self.shard_optimizer not in (False, True, "elements", "parameters") or not isinstance(
+            self.shard_optimizer, (bool, str)
+        ):
+            raise ValueError(
+                f'shard_optimizer={self.shard_optimizer!r} must be False, True (= "elements": the state cut '
+                'anywhere, for element-wise optimizers) or "parameters" (each parameter\'s state kept whole)'
+            )
+        redundancy = self.shard_redundancy
+        if redundancy is None:
+            return
+        if not self.shard_optimizer:
+            raise ValueError("shard_redundancy= needs shard_optimizer=True (without sharding every device holds all)")
+        if isinstance(redundancy, bool) or not isinstance(redundancy, int) or redundancy < 1:
+            raise ValueError(
+                f"shard_redundancy={redundancy!r} must be a whole number >= 1: the copies of each part of the "
+                "optimizer state (2, the default, survives any one failure)"
+            )
 
     def _check_recipe(self) -> None:
         """mixed_precision, grad_scaler, max_grad_norm, compile and compile_options (flexpar/recipes.py)."""

@@ -78,7 +78,7 @@ def _speed_entry(part: str) -> SpeedChange:
     return change
 
 
-FAULT_PHASES = ("forward", "backward", "sync", "transfer", "formation", "checkpoint", "eval")
+FAULT_PHASES = ("forward", "backward", "sync", "update", "transfer", "formation", "checkpoint", "eval")
 FAULT_SIGNALS = ("kill", "term", "stop")
 
 
@@ -86,8 +86,10 @@ FAULT_SIGNALS = ("kill", "term", "stop")
 class Fault:
     """Fault injection for tests: at `step` during `phase`, `device` gets `signal`.
 
-    Phases: forward, backward, sync (with gradient buckets in flight), transfer
-    (while this device sends the training state to a joiner), formation (as a
+    Phases: forward, backward, sync (with gradient buckets in flight), update
+    (after this device's optimizer update of step `step`, before a sharded job's
+    parameter broadcast), transfer (while this device sends the training state
+    to a joiner, or hands a sharded job's state over), formation (as a
     new generation's group forms; `step` is the device's committed step),
     checkpoint (as rank 0 writes a checkpoint), eval (in the evaluation after `step`
     committed steps, before its all-reduce). Signals: kill (kill -9: a

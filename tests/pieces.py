@@ -57,6 +57,11 @@ def make_wider_model():
     return nn.Sequential(nn.Linear(FEATURES, 64), nn.Tanh(), nn.Linear(64, CLASSES))
 
 
+def make_broad_model():
+    """About 19k parameters (make_model has 1.6k): enough that a transfer's bytes are mostly tensors."""
+    return nn.Sequential(nn.Linear(FEATURES, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, CLASSES))
+
+
 def sgd(parameters):
     return torch.optim.SGD(parameters, lr=0.1, momentum=0.9)
 

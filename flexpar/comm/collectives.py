@@ -51,6 +51,42 @@ def wait_for_collective(work, peer_lost=lambda: None) -> None:
         raise PeerFailure(str(error)) from error
 
 
+def wait_for_transfers(works, peer_lost=lambda: None) -> None:
+    """Wait for point-to-point works (`isend`/`irecv`); give up early when a peer is reported dead.
+
+    Unlike a collective's, a gloo send or receive work reports itself
+    completed only inside its own `wait()` (torch 2.13: `is_completed()`
+    stays False however long ago the bytes arrived), so
+    `wait_for_collective`'s polling would wait forever. Here one thread
+    waits for the works in order, blocked in C++ without the GIL, while the
+    caller watches for a dead peer. A peer that dies makes the waits fail
+    (closed connection) or, at worst, time out with the group; the thread
+    then ends on its own, after the caller has moved on.
+    """
+    works = [work for work in works or () if work is not None]
+    if not works:
+        return
+    finished = threading.Event()
+    errors: list = []
+
+    def wait_all() -> None:
+        try:
+            for work in works:
+                work.wait()
+        except RuntimeError as error:
+            errors.append(error)
+        finally:
+            finished.set()
+
+    threading.Thread(target=wait_all, name="flexpar-transfer-wait", daemon=True).start()
+    while not finished.wait(0.002):  # returns as soon as the works are done
+        lost = peer_lost()
+        if lost:
+            raise PeerFailure(f"peer {lost} is gone (reported by the coordinator)")
+    if errors:
+        raise PeerFailure(str(errors[0])) from errors[0]
+
+
 class GroupReaper:
     """Retires process groups at boundaries; one long-lived thread tears them down later.
 

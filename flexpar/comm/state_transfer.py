@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from flexpar.comm.collectives import wait_for_collective
+
 
 def capture(model, optimizer, scheduler, step: int, extra: dict, model_state: Optional[dict] = None) -> dict:
     """The training state after `step` committed steps.
@@ -71,7 +73,7 @@ class Stock:
     last_commit_wall: float
 
 
-def take_stock(committed_step: int, committed_wall: float, rank: int, world_size: int, device) -> Stock:
+def take_stock(committed_step: int, committed_wall: float, rank: int, world_size: int, device, peer_lost=None) -> Stock:
     """Who holds the latest state, who must receive it, and when the last member committed.
 
     Every member puts its committed step (a joiner has none: -1) and its
@@ -83,14 +85,23 @@ def take_stock(committed_step: int, committed_wall: float, rank: int, world_size
     member spent waiting for the last one is rank skew, which an ordinary step
     absorbs in its all-reduce too. Members on different hosts compare wall
     clocks, so their offset (milliseconds under NTP) adds to it.
-    Steps travel as float64, exact below 2**53.
+    Steps travel as float64, exact below 2**53. `peer_lost`: as in `all_level`.
     """
     slots = torch.zeros(2 * world_size, dtype=torch.float64, device=device)
     slots[rank] = committed_step + 1
     slots[world_size + rank] = committed_wall if committed_step >= 0 else 0.0
-    if world_size > 1:
-        dist.all_reduce(slots)
+    _sum(slots, world_size, peer_lost)
     return stock_of(slots.tolist(), committed_wall)
+
+
+def _sum(tensor: torch.Tensor, world_size: int, peer_lost) -> None:
+    """All-reduce `tensor` in place; with `peer_lost`, a peer the coordinator reports dead ends the wait."""
+    if world_size == 1:
+        return
+    if peer_lost is None:
+        dist.all_reduce(tensor)
+    else:
+        wait_for_collective(dist.all_reduce(tensor, async_op=True), peer_lost)
 
 
 def stock_of(slots: list, own_wall: float) -> Stock:
@@ -109,14 +120,17 @@ def stock_of(slots: list, own_wall: float) -> Stock:
     )
 
 
-def all_level(world_size: int, device, sent_bytes: float = 0.0) -> float:
+def all_level(world_size: int, device, sent_bytes: float = 0.0, peer_lost=None) -> float:
     """Returns once every member has passed its part of the state transfer (receivers: restored).
 
     Returns the bytes of state the members sent, all senders together (`sent_bytes`: this member's).
+    With `peer_lost` (flexpar/comm/collectives.py's `wait_for_collective`), a
+    peer the coordinator reports dead ends the wait at once: a gloo all-reduce
+    with a peer killed or stopped in the middle of a boundary can otherwise
+    wait for the group's timeout.
     """
     total = torch.tensor([float(sent_bytes)], dtype=torch.float64, device=device)
-    if world_size > 1:
-        dist.all_reduce(total)
+    _sum(total, world_size, peer_lost)
     return float(total.item())
 
 
@@ -195,11 +209,9 @@ def _as_bytes(tensor: torch.Tensor, device) -> torch.Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8).to(device)
 
 
-def send_state(state: dict, receivers: list, device, after_size=None) -> int:
-    """Send the training state to each receiver: skeleton size, skeleton, then each tensor's bytes.
-
-    Returns the bytes sent, all receivers together.
-    """
+def encode_state(state: dict, device) -> tuple:
+    """(header, payloads) of a state to send: the skeleton and the tensors' layouts as one uint8 tensor
+    (torch.save, read back with weights_only), and each tensor's bytes, in the skeleton's order."""
     tensors: list = []
     skeleton = split_tensors(state, tensors)
     buffer = io.BytesIO()
@@ -208,8 +220,16 @@ def send_state(state: dict, receivers: list, device, after_size=None) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "the given buffer is not writable"
         header = torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8).to(device)
+    return header, [_as_bytes(tensor, device) for tensor in tensors]
+
+
+def send_state(state: dict, receivers: list, device, after_size=None) -> int:
+    """Send the training state to each receiver: skeleton size, skeleton, then each tensor's bytes.
+
+    Returns the bytes sent, all receivers together.
+    """
+    header, payloads = encode_state(state, device)
     size = torch.tensor([header.numel()], dtype=torch.int64, device=device)
-    payloads = [_as_bytes(tensor, device) for tensor in tensors]
     for receiver in receivers:
         dist.send(size, receiver)
         if after_size is not None:

@@ -18,7 +18,8 @@ class StatsLayout:
     stop, or is gone: any device's 1 stops all); the recipes' figures (the sum
     of the counts of (loss_sum, count) losses, how many VWs returned such a
     pair, and - fp16 - how many devices' own gradients overflowed: any makes
-    every device skip the step); then the BatchNorm buffers.
+    every device skip the step); each device's optimizer-state KiB, one slot
+    per rank (for the step record); then the BatchNorm buffers.
     """
 
     def __init__(self, world: int):
@@ -30,7 +31,8 @@ class StatsLayout:
         self.count = 3 * world + 2
         self.pairs = 3 * world + 3
         self.overflow = 3 * world + 4
-        self.size = 3 * world + 5
+        self.optimizer = slice(3 * world + 5, 4 * world + 5)
+        self.size = 4 * world + 5
         self.buffers = slice(self.size, None)
 
 

@@ -157,7 +157,7 @@ class Coordinator:
     def _announce_death(self, device_id: str) -> None:
         """Tell the members at once that a peer is gone, so nobody waits out a timeout."""
         state = self.state
-        if device_id in state.members and device_id not in state.leaving:
+        if (device_id in state.members and device_id not in state.leaving) or device_id in state.departing:
             key = f"gen/{state.generation}/dead"
             dead = set(get_json(self.store, key)) if has(self.store, key) else set()
             tell_devices(self.store, key, json.dumps(sorted(dead | {device_id})))
@@ -196,6 +196,8 @@ class Coordinator:
             return ms.Formed(device, int(message["generation"]))
         if kind == "failure":
             return ms.FailureReported(device, int(message["generation"]), now)
+        if kind == "handed_off":
+            return ms.HandedOff(device, int(message["generation"]))
         if kind == "bye":
             self.heartbeats.pop(device, None)
             return ms.Exited(device, now)
@@ -320,6 +322,8 @@ class Coordinator:
                 "joined": list(action.joined),
                 "left": list(action.left),
                 "failed": list(action.failed),
+                # A sharded job's planned leavers: they hand their state over to the members, then exit.
+                "departing": list(action.departing),
                 # What each joiner's warm-up took (its start-up costs and, with compile=True, the
                 # compilation): paid before this generation, the join event's detail says it.
                 "warmup_s": {device: self.warmups[device] for device in action.joined if device in self.warmups},

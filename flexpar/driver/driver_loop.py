@@ -163,6 +163,8 @@ class DriverLoop:
     def _device_error(self, message: dict) -> str:
         """The device's message once; its traceback in the run directory (and here with --verbose)."""
         detail = message.get("traceback", "").strip()
+        if not detail:  # an error said in full in its message (a sharded job's lost state)
+            return f"device {message['device_id']}: {message['message']}"
         path = os.path.join(self.run_dir, "error.log")
         with open(path, "a", encoding="utf-8") as handle:
             handle.write(f"device {message['device_id']}: {message['message']}\n\n{detail}\n\n")

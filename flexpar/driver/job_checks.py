@@ -3,7 +3,8 @@
 `pickle_pieces` names a piece that cannot travel to the workers;
 `first_batch_check` runs the loss on VW 0 of step 0 (under the job's
 autocast where the driver's CPU supports it) and checks `sample_cost` on a
-few indices. `job` is a `flexpar.Job`.
+few indices; `check_sharding` refuses an optimizer that cannot be sharded
+the way the job asks. `job` is a `flexpar.Job`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from flexpar import recipes
 from flexpar.core import batching
+from flexpar.core.shard_state import ELEMENTWISE, UNSHARDABLE
 from flexpar.errors import UserCodeError
 from flexpar.worker.cost_planner import sample_costs
 from flexpar.worker.loader import load_batch
@@ -82,3 +84,38 @@ def check_sample_cost(job, indices) -> None:
     worker starts; the workers check every value they use too.
     """
     sample_costs(job, list(indices)[:8] + [len(job.dataset) - 1])
+
+
+def check_sharding(job, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """With shard_optimizer: an optimizer whose step can be split the way the job asks, on the model's parameters.
+
+    "elements" cuts a parameter's state anywhere, which only an optimizer that
+    updates each element on its own can step: the element-wise classes of
+    torch.optim (flexpar/core/shard_state.py's ELEMENTWISE, by exact class, so a
+    subclass that changes the update is not taken on trust). "parameters" keeps
+    each parameter's state whole: any optimizer whose step treats each parameter
+    on its own. LBFGS (a line search over all parameters at once) neither.
+    """
+    if not job.shard_optimizer:
+        return
+    kind = type(optimizer)
+    name = kind.__name__
+    known = kind.__module__.startswith("torch.optim") and name in ELEMENTWISE
+    if name in UNSHARDABLE and kind.__module__.startswith("torch.optim"):
+        raise UserCodeError(
+            f"shard_optimizer={job.shard_optimizer!r}: torch.optim.{name}'s step is a line search over all "
+            "parameters at once, so its state cannot be split across devices; use shard_optimizer=False"
+        )
+    if job.shard_optimizer != "parameters" and not known:
+        raise UserCodeError(
+            f"shard_optimizer=True splits parameters into element ranges, which only an optimizer that updates "
+            f"each element on its own can step; {kind.__module__}.{name} is not one flexpar knows (it knows "
+            f'{", ".join(ELEMENTWISE)} of torch.optim). Use shard_optimizer="parameters" (each parameter\'s '
+            "state whole, on its devices) if its step treats each parameter on its own, or shard_optimizer=False"
+        )
+    own = {id(parameter) for parameter in model.parameters()}
+    if any(id(p) not in own for group in optimizer.param_groups for p in group["params"]):
+        raise UserCodeError(
+            "shard_optimizer: the optimizer steps tensors that are not the model's parameters; build it on "
+            "model.parameters() (or a subset of them)"
+        )

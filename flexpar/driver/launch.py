@@ -45,7 +45,7 @@ from flexpar.driver import readopt
 from flexpar.driver.coordinator import Coordinator
 from flexpar.driver.driver_loop import DriverLoop, DriverWaker
 from flexpar.driver.fork_server import worker_context
-from flexpar.driver.job_checks import first_batch_check, pickle_pieces
+from flexpar.driver.job_checks import check_sharding, first_batch_check, pickle_pieces
 from flexpar.driver.local_devices import LocalDevices, detect_devices
 from flexpar.errors import TrainingError
 from flexpar.observe import trackers as trackers_module
@@ -66,7 +66,8 @@ def run(job, options: FitOptions) -> tuple:
     initial = options.devices or (available if kind == "cuda" else 1)
     max_devices = options.validate_devices(initial, available, kind, job.virtual_workers)
     model = build_model(job)
-    build_optimizer(job, model)
+    optimizer, _ = build_optimizer(job, model)
+    check_sharding(job, model, optimizer)
     first_batch_check(job, model)
     if options.eval_every and job.evaluate is None:
         raise ValueError(
@@ -127,7 +128,11 @@ def run(job, options: FitOptions) -> tuple:
     grace_s = options.timeout_s + 5.0
     local_capacity = None if (kind == "cpu" and options.oversubscribe) else available
     state = membership.Membership(
-        initial_devices=initial, max_devices=max_devices, grace_s=grace_s, local_capacity=local_capacity
+        initial_devices=initial,
+        max_devices=max_devices,
+        grace_s=grace_s,
+        local_capacity=local_capacity,
+        hand_off=bool(job.shard_optimizer),  # a sharded job's leavers hold state: they hand it over first
     )
     if options.resume:
         state = readopt.open_window(state, newest, checkpoints.checkpoint_step(newest) if newest else -1)

@@ -22,6 +22,7 @@ from flexpar.observe.log_lines import (
     estimate_remaining_s,
     format_eval_line,
     format_event_line,
+    format_megabytes,
     format_rebalance_line,
     format_rebalance_summary,
     format_step_line,
@@ -70,8 +71,9 @@ class LiveDisplay:
 
     On a terminal (or with ``force_terminal=True``) and with ``rich``
     installed, a panel shows a progress bar (step / total, ETA), throughput,
-    loss, generation, the device set with each device's VW count and busy time
-    as bars, the imbalance, the latest evaluation, one summary line of the
+    loss, generation, the device set with each device's VW count, busy time
+    as bars and optimizer-state size (MB; a sharded job's devices hold parts),
+    the imbalance, the latest evaluation, one summary line of the
     rebalances (``rebalances: 7 (last at step 812: 8,8 -> 9,7)``) and the most
     recent other events (joins, leaves, failures, ...; rebalances never enter
     that table). It is redrawn by rich's refresh thread a few times a second;
@@ -300,9 +302,16 @@ class LiveDisplay:
         table.add_column("VWs", justify="right")
         table.add_column("busy", justify="right")
         table.add_column("", width=30)
+        # Each device's optimizer-state bytes (a sharded job's devices hold parts of it).
+        optimizer = step.get("optimizer_bytes")
+        if optimizer is not None:
+            table.add_column("optimizer", justify="right")
         longest = max(step["busy_s"]) or 1.0
-        for device_id, count, busy in zip(step["devices"], step["assignment"], step["busy_s"]):
-            table.add_row(device_id, str(count), f"{busy:.3f} s", bar_class(longest, 0.0, busy, width=30, color="cyan"))
+        for rank, (device_id, count, busy) in enumerate(zip(step["devices"], step["assignment"], step["busy_s"])):
+            cells = [device_id, str(count), f"{busy:.3f} s", bar_class(longest, 0.0, busy, width=30, color="cyan")]
+            if optimizer is not None:
+                cells.append(format_megabytes(optimizer[rank]))
+            table.add_row(*cells)
         return table
 
     # -- life cycle -----------------------------------------------------------

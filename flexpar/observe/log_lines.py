@@ -46,15 +46,35 @@ def format_assignment(devices: Sequence[str], assignment: Sequence[int], limit: 
     return " ".join(f"{device_id}:{count}" for device_id, count in zip(devices, assignment))
 
 
+def format_megabytes(count: int) -> str:
+    """Bytes as decimal megabytes for people, e.g. "201.3 MB" (the unit of the display's optimizer column)."""
+    return f"{count / 1e6:.1f} MB"
+
+
+def format_optimizer_bytes(values: Sequence[int]) -> str:
+    """The devices' optimizer-state bytes in one phrase: "optimizer 201.3 MB per device" when every
+    device holds the same, else the range, "optimizer 100.7-134.2 MB per device" (a sharded job)."""
+    low, high = min(values), max(values)
+    if low == high:
+        return f"optimizer {format_megabytes(high)} per device"
+    return f"optimizer {low / 1e6:.1f}-{format_megabytes(high)} per device"
+
+
 def format_step_line(record: Mapping[str, Any], total_steps: int, remaining_s: Optional[float]) -> str:
-    """The plain log line of a step record (used without a terminal)."""
+    """The plain log line of a step record (used without a terminal).
+
+    With the record's `optimizer_bytes` (every job's workers report it), the line
+    ends with the devices' optimizer-state sizes (`format_optimizer_bytes`).
+    """
     done = record["step"] + 1
     percent = 100.0 * done / total_steps if total_steps else 0.0
+    optimizer = record.get("optimizer_bytes")
     return (
         f"step {done}/{total_steps} ({percent:.0f}%) loss {record['loss']:.4g} | "
         f"{record['samples_per_s']:.1f} samples/s | step {record['step_time_s']:.3f} s | "
         f"generation {record['generation']}, VWs {format_assignment(record['devices'], record['assignment'])} | "
         f"imbalance {100.0 * record['imbalance']:.1f}% | ETA {format_duration(remaining_s)}"
+        + (f" | {format_optimizer_bytes(optimizer)}" if optimizer else "")
     )
 
 

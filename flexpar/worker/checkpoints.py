@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import threading
 from typing import Optional
 
 import torch
 
 from flexpar.comm import state_transfer as training_state
+from flexpar.core.shard_state import join_states, shaped, slice_state
 
 _CHECKPOINT = re.compile(r"^step-(\d+)\.pt$")
+_FOLDER = re.compile(r"^step-(\d+)\.optimizer$")
+_PART = re.compile(r"^part-(\d+)-of-(\d+)\.pt$")
 
 
 def checkpoint_path(directory: str, step: int) -> str:
@@ -53,16 +57,145 @@ def write_checkpoint(directory: str, state_bytes: bytes, step: int) -> str:
     return path
 
 
+def parts_folder(path: str) -> str:
+    """Where a sharded job's checkpoint keeps its optimizer-state parts: step-N.pt -> step-N.optimizer/."""
+    return path[: -len(".pt")] + ".optimizer"
+
+
+def part_path(directory: str, step: int, part: int, parts: int) -> str:
+    """Part `part` of `parts` (one per chunk of the partition; written by its primary)."""
+    return os.path.join(parts_folder(checkpoint_path(directory, step)), f"part-{part}-of-{parts}.pt")
+
+
+def complete_parts(path: str) -> Optional[list]:
+    """The part files of checkpoint `path` when they are all there ([] for an unsharded one), else None.
+
+    A sharded checkpoint is complete when `step-N.pt` and, for some K, all K
+    parts of one partition exist (each written by its own device: one may be
+    missing while it is still written, or if its writer died).
+    """
+    if not os.path.isfile(path):
+        return None
+    folder = parts_folder(path)
+    if not os.path.isdir(folder):
+        return []  # an unsharded job's (a sharded job writes its part before step-N.pt)
+    by_count: dict = {}
+    for name in os.listdir(folder):
+        match = _PART.match(name)
+        if match:
+            by_count.setdefault(int(match.group(2)), set()).add(int(match.group(1)))
+    for count, found in sorted(by_count.items()):
+        if found >= set(range(count)):
+            return [os.path.join(folder, f"part-{index}-of-{count}.pt") for index in range(count)]
+    return None
+
+
+def _steps(directory: str) -> list:
+    """The steps with a checkpoint file or a parts folder in `directory`, ascending."""
+    steps = set()
+    for name in os.listdir(directory):
+        match = _CHECKPOINT.match(name) or _FOLDER.match(name)
+        if match:
+            steps.add(int(match.group(1)))
+    return sorted(steps)
+
+
 def latest_checkpoint(directory: str) -> Optional[str]:
+    """The newest complete checkpoint of `directory` (see `complete_parts`), or None."""
     if not os.path.isdir(directory):
         return None
-    found = sorted((int(match.group(1)), name) for name in os.listdir(directory) if (match := _CHECKPOINT.match(name)))
-    return os.path.join(directory, found[-1][1]) if found else None
+    for step in reversed(_steps(directory)):
+        path = checkpoint_path(directory, step)
+        if complete_parts(path) is not None:
+            return path
+    return None
 
 
-def read_checkpoint(path: str, device) -> dict:
+def read_checkpoint(path: str, device, with_optimizer: bool = True) -> dict:
+    """A checkpoint's state; a sharded job's has its optimizer state assembled into torch.optim's format.
+
+    `with_optimizer=False` (export): the parts are not read.
+    """
     with open(path, "rb") as handle:
-        return training_state.from_bytes(handle.read(), device)
+        state = training_state.from_bytes(handle.read(), device)
+    optimizer = state.get("optimizer")
+    if with_optimizer and isinstance(optimizer, dict) and optimizer.get("sharded"):
+        state["optimizer"] = CheckpointReader(path).plain_optimizer_state(device)
+    return state
+
+
+class CheckpointReader:
+    """Reads any range of any parameter's optimizer state from a checkpoint, sharded or not.
+
+    The files are opened with `mmap=True`: a device reads the pages of its own
+    ranges only, so a sharded job resumes on any device count, each device
+    reading what its new chunks need, and an unsharded job's checkpoint
+    resumes sharded the same way.
+    """
+
+    def __init__(self, path: str):
+        parts = complete_parts(path)
+        if parts is None:
+            raise ValueError(f"{path} is not a complete checkpoint (a part of its optimizer state is missing)")
+        self.common = _load(path)
+        optimizer = self.common["optimizer"]
+        self.sharded = bool(optimizer.get("sharded"))
+        self.segments: dict = {}  # parameter number -> [(start, stop, state)], ascending
+        for part in parts if self.sharded else ():
+            for segment in _load(part)["segments"]:
+                self.segments.setdefault(segment["parameter"], []).append(
+                    (segment["start"], segment["stop"], segment["state"])
+                )
+        for found in self.segments.values():
+            found.sort(key=lambda item: item[0])
+
+    def plain_param_groups_and_replicated(self) -> dict:
+        """{"param_groups", "state"}: every parameter's state of an unsharded checkpoint, the
+        replicated parameters' of a sharded one."""
+        optimizer = self.common["optimizer"]
+        return {"param_groups": optimizer["param_groups"], "state": optimizer.get("state", {})}
+
+    def segment_state(self, number: int, start: int, stop: int, numel: int) -> dict:
+        """The optimizer state of elements [start, stop) of parameter `number` (torch.optim's numbering)."""
+        if not self.sharded:
+            whole = self.common["optimizer"]["state"].get(number, {})
+            return slice_state(whole, start, stop, numel) if whole else {}
+        parts, lengths, cursor = [], [], start
+        for low, high, state in self.segments.get(number, ()):
+            if high <= cursor or low >= stop:
+                continue
+            if low > cursor:
+                break
+            end = min(stop, high)
+            parts.append(slice_state(state, cursor - low, end - low, high - low))
+            lengths.append(end - cursor)
+            cursor = end
+        if cursor < stop:
+            raise ValueError(
+                f"the checkpoint holds no optimizer state for elements {cursor}-{stop} of parameter {number}"
+            )
+        return join_states(parts, lengths)
+
+    def plain_optimizer_state(self, device) -> dict:
+        """The whole optimizer state in torch.optim's format (an unsharded job resuming a sharded one)."""
+        optimizer = self.common["optimizer"]
+        state = dict(optimizer.get("state", {}))
+        shapes = optimizer["sharded"]["shapes"]
+        for number, shape in shapes.items():
+            size = torch.Size(shape)
+            joined = self.segment_state(int(number), 0, size.numel(), size.numel())
+            if joined:
+                state[int(number)] = shaped(joined, size)
+        moved = {number: {key: _on(value, device) for key, value in entry.items()} for number, entry in state.items()}
+        return {"state": moved, "param_groups": optimizer["param_groups"]}
+
+
+def _load(path: str):
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def _on(value, device):
+    return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
 def cpu_copy(state):
@@ -78,8 +211,12 @@ def cpu_copy(state):
 
 def write(directory: str, step: int, state) -> str:
     """Write `state` as the checkpoint of `step`, atomically (temporary file, then rename)."""
-    os.makedirs(directory, exist_ok=True)
-    path = checkpoint_path(directory, step)
+    return write_file(checkpoint_path(directory, step), state)
+
+
+def write_file(path: str, state) -> str:
+    """torch.save `state` to `path` atomically (a temporary file of this writer's own, then rename)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     temporary = temporary_path(path)
     with open(temporary, "wb") as handle:
         torch.save(state, handle)
@@ -88,18 +225,31 @@ def write(directory: str, step: int, state) -> str:
 
 
 def prune(directory: str, keep: Optional[int]) -> list:
-    """Delete all but the newest `keep` checkpoints (step-*.pt) of `directory`; returns what went."""
+    """Delete the checkpoints older than the newest `keep` complete ones; returns what went.
+
+    A checkpoint still being written (newer than those kept, some part
+    missing) is never deleted; a sharded one goes with its parts folder.
+    """
     if not keep or not os.path.isdir(directory):
         return []
-    found = sorted((checkpoint_step(name), name) for name in os.listdir(directory) if _CHECKPOINT.match(name))
+    steps = _steps(directory)
+    complete = [step for step in steps if complete_parts(checkpoint_path(directory, step)) is not None]
+    if len(complete) <= keep:
+        return []
+    oldest_kept = complete[-keep]
     removed = []
-    for _, name in found[: max(0, len(found) - keep)]:
-        path = os.path.join(directory, name)
+    for step in steps:
+        if step >= oldest_kept:
+            break
+        path = checkpoint_path(directory, step)
         try:
             os.remove(path)
             removed.append(path)
         except FileNotFoundError:
             pass
+        if os.path.isdir(parts_folder(path)):
+            shutil.rmtree(parts_folder(path), ignore_errors=True)
+            removed.append(parts_folder(path))
     return removed
 
 
@@ -136,6 +286,14 @@ class CheckpointWriter:
 
     def submit(self, directory: str, step: int, state) -> str:
         """Start writing `state` (already a private copy: `cpu_copy`) as step `step`; returns its path."""
+        return self.submit_files(directory, step, [(checkpoint_path(directory, step), state)])
+
+    def submit_files(self, directory: str, step: int, files: list) -> str:
+        """Start writing [(path, state)] in order (private copies), the checkpoint of `step`; returns its path.
+
+        A sharded job's device writes its part first and (rank 0) `step-N.pt`
+        last, so that `step-N.pt` implies its parts folder exists.
+        """
         self.wait()
         path = checkpoint_path(directory, step)
         self.pending = path
@@ -143,7 +301,8 @@ class CheckpointWriter:
         def run():
             _lowest_priority()
             try:
-                write(directory, step, state)
+                for file_path, state in files:
+                    write_file(file_path, state)
                 prune(directory, self.keep)
             except BaseException as error:  # reported in the step loop, at the next submit or wait
                 self._error = error

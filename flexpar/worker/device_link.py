@@ -343,11 +343,13 @@ class DeviceLink:
                 self.finish_reason = self.store.get("finish").decode()
         return self.finish_reason
 
-    def gather(self, generation: int, members: tuple, poll_s: float = 0.0005) -> str:
+    def gather(self, generation: int, members: tuple, poll_s: float = 0.0005, label: str = "arrived") -> str:
         """Meet the other members of `generation` in the store before forming its group.
 
         Returns "" once every member has arrived, or why the generation cannot
         form: a member the coordinator knows is dead, or a newer generation.
+        `label` names the meeting (a sharded job's hand-off meets first, then
+        its training group).
         """
 
         def problem() -> str:
@@ -358,20 +360,23 @@ class DeviceLink:
             return f"peer {min(lost)} died before generation {generation} formed" if lost else ""
 
         with self.driver_needed():
-            return meet(self.store, f"gen/{generation}/arrived", len(members), problem, poll_s)
+            return meet(self.store, f"gen/{generation}/{label}", len(members), problem, poll_s)
 
     def wait_for_generation(self, after: int, joining: bool) -> tuple:
         """The first published generation > `after` that holds this device, with its record.
 
         A joiner skips generations formed without it (it was not admitted yet);
-        a member that a newer generation leaves out is out: Evicted.
+        a member that a newer generation leaves out is out: Evicted. A sharded
+        job's planned leaver is in a generation that lists it as departing.
         """
         while True:
             self.check()
             latest = self.latest_generation
             if latest > after:
                 record = self.generation(latest)
-                if self.device_id in record["members"]:
+                if self.device_id in record["members"] or (
+                    not joining and self.device_id in record.get("departing", ())
+                ):
                     return latest, record
                 if not joining:
                     raise Evicted(f"generation {latest} does not include {self.device_id}")

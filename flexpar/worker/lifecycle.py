@@ -1,4 +1,4 @@
-"""One device's training from start to exit: its lifecycle, and the boundaries between generations.
+"""One device's training from start to exit: its lifecycle.
 
 Lifecycle (`Phase`, flexpar/worker/phase.py), with its transitions:
 
@@ -8,7 +8,10 @@ Lifecycle (`Phase`, flexpar/worker/phase.py), with its transitions:
     ACTIVE     -> FORMING     at a step boundary, all members agreed on a newer generation
     ACTIVE     -> LEAVING     ... that leaves this device out (planned scale-in: it skips
                               that step's update, which every survivor commits, and exits
-                              at the lowest CPU priority)
+                              at the lowest CPU priority). A sharded job's leaver commits
+                              it, hands its chunks over in the new generation's boundary
+                              (LEAVING while it does), then exits; after a failure in that
+                              hand-off it is departing again in the recovery generation
     ACTIVE     -> RECOVERING  a collective failed (a peer died or hung)
     FORMING    -> RECOVERING  forming or levelling the state failed
     RECOVERING -> FORMING     the coordinator published the survivors' generation
@@ -31,8 +34,11 @@ Lifecycle (`Phase`, flexpar/worker/phase.py), with its transitions:
                               (preemption); a second SIGTERM or the grace period kills it
 
 The step itself, from the VWs to the optimizer update, is flexpar/worker/step_loop.py
-(`StepLoop.train`, which `Worker.run` calls once the device is active); waiting for a
-restarted driver (ORPHANED) is flexpar/worker/orphan.py.
+(`StepLoop.train`, which `Worker.run` calls once the device is active); the
+boundary between generations (`enter`: FORMING -> ACTIVE) is
+flexpar/worker/boundaries.py, a sharded job's part of it shard_levelling.py;
+waiting for a restarted driver (ORPHANED) is flexpar/worker/orphan.py; the
+scheduled faults, fault_injection.py.
 """
 
 from __future__ import annotations
@@ -41,7 +47,6 @@ import collections
 import json
 import os
 import pickle
-import signal
 import sys
 import time
 from typing import Optional
@@ -52,16 +57,19 @@ import torch.distributed as dist
 from flexpar import recipes
 from flexpar.callbacks import CALLBACK_STOP
 from flexpar.comm import state_transfer as training_state
-from flexpar.comm.collectives import GroupReaper, PeerFailure, collective, fresh_group
+from flexpar.comm.collectives import GroupReaper, PeerFailure, collective, wait_for_collective
 from flexpar.comm.gradient_sync import GradientSync
 from flexpar.comm.protocol import get_blob, get_json, join_proof, put_blob, tell_driver
+from flexpar.comm.sparse_sync import sparse_parameters
 from flexpar.core import balance, batching
 from flexpar.errors import UserCodeError
 from flexpar.version import __version__
 from flexpar.worker import checkpoints
+from flexpar.worker.boundaries import Boundaries
 from flexpar.worker.cost_planner import CostPlanner
 from flexpar.worker.device_link import DeviceLink, DriverLost
 from flexpar.worker.evaluator import WorkerEvaluation
+from flexpar.worker.fault_injection import FaultInjection, faults_of
 from flexpar.worker.frozen_part import FrozenPart
 from flexpar.worker.loader import VirtualWorkerLoader, load_batch
 from flexpar.worker.loader import to_device as _to_device
@@ -69,6 +77,8 @@ from flexpar.worker.orphan import WorkerOrphan
 from flexpar.worker.phase import Phase
 from flexpar.worker.records import RECORDS_KEPT, WorkerRecords
 from flexpar.worker.settings import RunSettings, WorkerArgs
+from flexpar.worker.shard_levelling import ShardLevelling
+from flexpar.worker.shards import ShardedOptimizer, sharding_by
 from flexpar.worker.state_keeping import WorkerCheckpoints
 from flexpar.worker.step_loop import StepLoop, StopEarly
 from flexpar.worker.user_code import build_model, build_optimizer, loss_terms, model_digest
@@ -86,13 +96,24 @@ def _yield_cores() -> None:
         pass
 
 
-class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords, WorkerOrphan):
+class Worker(
+    StepLoop,
+    Boundaries,
+    ShardLevelling,
+    FaultInjection,
+    WorkerCheckpoints,
+    WorkerEvaluation,
+    WorkerRecords,
+    WorkerOrphan,
+):
     """One device's training: its lifecycle (`Phase`), the step loop, the boundaries between generations.
 
-    State capture and checkpoints, evaluation, step records and the wait for a
-    restarted driver live in the mixins named for them (flexpar/worker/state_keeping.py,
-    evaluator.py, records.py, orphan.py); the step itself, from `train` to the
-    optimizer, is step_loop.py's `StepLoop`.
+    The boundaries, state capture and checkpoints, evaluation, fault
+    injection, step records and the wait for a restarted driver live in the
+    mixins named for them (flexpar/worker/boundaries.py, shard_levelling.py,
+    state_keeping.py, evaluator.py, fault_injection.py, records.py,
+    orphan.py); the step itself, from `train` to the optimizer, is
+    step_loop.py's `StepLoop`.
     """
 
     def __init__(self, args: WorkerArgs, link: DeviceLink):
@@ -112,6 +133,13 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords, Worke
         self.frozen = FrozenPart(model, torch.get_num_threads())
         self.model = model.to(self.device)
         self.optimizer, self.scheduler = build_optimizer(self.job, self.model)
+        # Job(shard_optimizer=...): this device holds and steps its chunks of the optimizer state only
+        # (flexpar/worker/shards.py); the boundaries move them (flexpar/worker/shard_levelling.py).
+        self.shards = (
+            ShardedOptimizer(self.model, self.optimizer, sparse_parameters(self.model), sharding_by(self.job))
+            if self.job.shard_optimizer
+            else None
+        )
         self.sync = GradientSync(self.model, self.device, self.settings.bucket_mb, peer_lost=self._peer_lost)
         # Recipes (flexpar/recipes.py): checked for this device's type before anything runs;
         # the VWs' forward calls `forward_model` (compiled, or the model itself).
@@ -141,12 +169,7 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords, Worke
         # them; rank 0 publishes). A rank 0 that dies may take queued records with it.
         self.recent_records: collections.deque = collections.deque(maxlen=RECORDS_KEPT)
         self.recovering = False  # the next generation follows a failed collective
-        self.faults = {
-            (int(step), phase): _SIGNALS[fault[3] if len(fault) > 3 else "kill"]
-            for fault in self.settings.faults
-            for step, device, phase in [fault[:3]]
-            if device == args.device_id
-        }
+        self.faults = faults_of(args.device_id, self.settings.faults)
         # Faults aimed at the driver (STEP:driver:PHASE): fired by the device that is rank 0 there.
         self.driver_faults = {(int(fault[0]), fault[2]) for fault in self.settings.faults if fault[1] == "driver"}
         self._step_in_flight: Optional[int] = None  # the step this device computes, until it commits
@@ -159,37 +182,6 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords, Worke
         lost = self.link.dead_members & set(self.members)
         return min(lost) if lost else None
 
-    def _transfer_fault(self) -> None:
-        self._fault_point("transfer", self.committed)
-
-    # Boundary phases happen at some steps only: their faults fire at the first
-    # such phase at or after their step.
-    _BOUNDARY_PHASES = ("transfer", "formation", "checkpoint")
-
-    def _fault_point(self, phase: str, step: int) -> None:
-        """Fault injection by schedule: kill -9 (or SIGTERM) this device here, if the schedule says so.
-
-        Each fault fires once: a step redone after a failure does not fire it again.
-        """
-        due = [
-            key
-            for key in self.faults
-            if key[1] == phase and (key[0] == step or (phase in self._BOUNDARY_PHASES and key[0] <= step))
-        ]
-        for key in due:
-            number = self.faults.pop(key)
-            # Said first, with the time: the fault soak measures detection from it.
-            print(
-                f"flexpar: fault: {self.args.device_id} gets {signal.Signals(number).name} at step {step} "
-                f"({phase}) at {time.time():.6f}",
-                file=sys.stderr,
-                flush=True,
-            )
-            os.kill(os.getpid(), number)
-        # The driver's: the rank 0 of the generation it trains in fires them (at a transfer: the sender).
-        if self.driver_faults and (self.members[:1] == (self.args.device_id,) or phase == "transfer"):
-            self._kill_driver_if_due(phase, step, self._BOUNDARY_PHASES)
-
     # ------------------------------------------------------------ lifecycle
 
     def run(self) -> None:
@@ -198,8 +190,13 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords, Worke
         while True:
             try:
                 try:
-                    self.phase = Phase.FORMING
+                    departing = self.args.device_id not in record["members"]
+                    self.phase = Phase.LEAVING if departing else Phase.FORMING
                     self.enter(generation, record)
+                    if departing:  # a planned leaver of a sharded job: its state is handed over
+                        self.link.send("handed_off", generation=generation)
+                        _yield_cores()
+                        return
                     self.phase = Phase.ACTIVE
                     upcoming = self.train()
                     if upcoming is None:
@@ -211,7 +208,7 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords, Worke
                         self.stop_early()
                         return
                     generation, record = upcoming
-                    if self.args.device_id not in record["members"]:
+                    if self.args.device_id not in record["members"] + record.get("departing", []):
                         self.phase = Phase.LEAVING
                         _yield_cores()
                         return
@@ -219,7 +216,8 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords, Worke
                 except PeerFailure as failure:
                     self.phase = Phase.RECOVERING
                     self.recovering = True
-                    self.optimizer.zero_grad(set_to_none=True)
+                    # Sharded: a step whose gradient every member holds may still be finished (shard_levelling.py).
+                    self._zero_grad(keep_gradient=self.pending_commit is not None)
                     self.link.send("failure", generation=generation, step=self.committed, error=str(failure)[:500])
                 # Outside the except block, whose traceback holds the broken group's works.
                 self.reaper.retire(self.sync.release_works())()
@@ -247,8 +245,11 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords, Worke
         # Devices of generation 1 built the same model from the same seed: step 0 is
         # committed everywhere. Later joiners hold nothing yet and receive the state.
         self.committed = 0 if generation == 1 else -1
-        if generation == 1 and self.settings.resume_path and record["members"][0] == self.args.device_id:
-            self._restore(checkpoints.read_checkpoint(self.settings.resume_path, self.device))
+        if generation == 1 and self.settings.resume_path:
+            if self.shards is not None:  # every member reads its own chunks
+                self._resume_sharded(tuple(record["members"]))
+            elif record["members"][0] == self.args.device_id:
+                self._restore(checkpoints.read_checkpoint(self.settings.resume_path, self.device))
         return generation, record
 
     def _identity(self) -> dict:
@@ -289,7 +290,7 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords, Worke
                     "compile=True, or try compile_options={'backend': 'aot_eager'}"
                 ) from error
             raise
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         # Buffers the forward moved (BatchNorm statistics, a frozen trunk's included) always travel.
         self.frozen.note_warm_up(
             name for (name, saved), buffer in zip(buffers, self.model.buffers()) if not torch.equal(buffer, saved)
@@ -299,67 +300,13 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords, Worke
                 buffer.copy_(saved)
         return time.perf_counter() - started
 
-    def enter(self, generation: int, record: dict) -> None:
-        """Form the generation's process group and bring every member to the same state."""
-        self.link.check()
-        members = tuple(record["members"])
-        rank = members.index(self.args.device_id)
-        self._fault_point("formation", self.committed)
-        # Forming a gloo group waits for every member inside C++, where a member's
-        # death is only seen at the timeout. Meet in the store first, where it is
-        # seen at once (the coordinator's death notices), then form in milliseconds.
-        problem = self.link.gather(generation, members)
-        if problem:
-            raise PeerFailure(problem)
-        if record.get("restore") and rank == 0:  # a re-adopted job whose checkpoint is newer than any device
-            self._restore(checkpoints.read_checkpoint(record["restore"], self.device))
-        with fresh_group(
-            self.reaper.retire(self.sync.release_works()),
-            self.settings.backend,
-            dist.PrefixStore(f"gen/{generation}/pg", self.link.store),
-            rank,
-            len(members),
-            self.settings.timeout_s,
-        ):
-            self.link.send("formed", generation=generation)
-            self.boundary_bytes = 0
-            stock = collective(
-                lambda: training_state.take_stock(self.committed, self.committed_wall, rank, len(members), self.device)
-            )
-            if stock.receivers:
-                self._level(stock, rank, len(members))
-        previous_members = self.members
-        self.generation, self.members, self.rank = generation, members, rank
-        self.link.report_head = (generation, members)  # what it tells a restarted driver, should this one go
-        self._step_in_flight = None  # a step broken off before this boundary is redone from here
-        self.sync.start_generation(len(members))
-        if rank == 0:
-            # The previous rank 0 may have died with records unsent, or this device may
-            # have been brought level without committing the last ones: send them again
-            # (the driver drops steps it already has).
-            for kept in self.recent_records:
-                self.link.publish(kept)
-            self._publish_generation_event(record, previous_members, max(0.0, time.time() - stock.last_commit_wall))
-
-    def _level(self, stock: training_state.Stock, rank: int, world_size: int) -> None:
-        """Send the latest state from the source to the members behind it."""
-        sent = 0
-        if rank == stock.source:
-            state = self._capture()
-            sent = collective(
-                lambda: training_state.send_state(state, stock.receivers, self.device, after_size=self._transfer_fault)
-            )
-        elif rank in stock.receivers:
-            # A joiner holds nothing committed: it receives the model in place. A member
-            # that is only behind keeps its own state intact until the new one is whole.
-            own = self.model.state_dict() if self.committed < 0 else None
-            self._restore(collective(lambda: training_state.receive_state(stock.source, self.device, own)))
-        # The stall ends when the slowest receiver has restored; the sum says what the boundary sent.
-        self.boundary_bytes = int(collective(lambda: training_state.all_level(world_size, self.device, sent)))
-
     def finish(self, stopped: str = "", checkpoint: str = "") -> None:
         self.phase = Phase.DONE
         self._checkpoint_writer_now().wait()  # the checkpoint "done" names exists before the job ends
+        if self.shards is not None and len(self.members) > 1:
+            # Sharded: every member writes its own part; the job ends once all are written.
+            flag = torch.zeros(1, device=self.device)
+            wait_for_collective(collective(lambda: dist.all_reduce(flag, async_op=True)), self._peer_lost)
         if self.rank == 0:
             data = training_state.to_bytes({"model": self._model_state_for_transfer(), "step": self.committed})
             with self.link.driver_needed():  # a driver lost now: a restarted one gets the result
@@ -382,8 +329,10 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords, Worke
         if reason.startswith(CALLBACK_STOP) and self._evaluation_due(final=True):
             self.evaluate(ask_driver=False)  # a callback's stop ends as the last step does
         checkpoint = ""
+        if self.shards is not None and self.settings.checkpoint_dir:  # sharded: every member writes its part
+            checkpoint = self._write_checkpoint(self.settings.checkpoint_dir)
         if self.rank == 0:
-            if self.settings.checkpoint_dir:
+            if self.settings.checkpoint_dir and self.shards is None:
                 checkpoint = self._write_checkpoint(self.settings.checkpoint_dir)
             self._publish_event(
                 "stop",
@@ -397,6 +346,3 @@ class Worker(StepLoop, WorkerCheckpoints, WorkerEvaluation, WorkerRecords, Worke
             print(f"flexpar: device {self.args.device_id}: {message}", file=sys.stderr, flush=True)
         except OSError:  # a dead driver's stderr may be a pipe nobody reads any more
             pass
-
-
-_SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}

@@ -45,7 +45,8 @@ class WorkerOrphan:
         self.phase = Phase.ORPHANED
         abandoned = self._step_in_flight is not None
         self._step_in_flight = None
-        self.optimizer.zero_grad(set_to_none=True)
+        # Sharded: a step whose summed gradient every member holds may still be finished (shard_levelling.py).
+        self._zero_grad(keep_gradient=self.pending_commit is not None)
         seen = self.link.latest_generation
         lost_at = self.link.lost_at or time.time()
         holds = self.committed >= 0 and bool(self.members)

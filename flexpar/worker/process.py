@@ -18,7 +18,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from flexpar.errors import UserCodeError
+from flexpar.errors import ShardStateLost, UserCodeError
 from flexpar.worker.device_link import DeviceLink, DriverLost, Evicted, JobStopped
 from flexpar.worker.lifecycle import Worker
 from flexpar.worker.settings import EXIT_DRIVER_LOST, EXIT_EVICTED, WorkerArgs
@@ -65,7 +65,8 @@ def main(args: WorkerArgs) -> None:
                     "type": "error",
                     "device_id": args.device_id,
                     "message": _describe(error),
-                    "traceback": traceback.format_exc(),
+                    # A sharded job's lost state is no bug: its one line says all (no traceback to read).
+                    "traceback": "" if isinstance(error, ShardStateLost) else traceback.format_exc(),
                 }
             )
         except Exception:  # no driver to tell: say it here
@@ -163,6 +164,6 @@ def _say(line: str) -> None:
 
 
 def _describe(error: Exception) -> str:
-    if isinstance(error, UserCodeError):
+    if isinstance(error, (UserCodeError, ShardStateLost)):
         return str(error)
     return f"{type(error).__name__}: {error}"

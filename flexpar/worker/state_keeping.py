@@ -32,6 +32,13 @@ class WorkerCheckpoints:
     # ------------------------------------------------------------ state
 
     def _capture(self, for_checkpoint: bool = False) -> dict:
+        extra = self._capture_extra(for_checkpoint)
+        # checkpoint_frozen: `_write_checkpoint` adds the frozen parameters after the copy.
+        model_state = self._model_state_for_transfer()
+        return training_state.capture(self.model, self.optimizer, self.scheduler, self.committed, extra, model_state)
+
+    def _capture_extra(self, for_checkpoint: bool = False) -> dict:
+        """What travels with the model and optimizer: balancing, commit time, records, loss scale, rates."""
         extra = {
             "balance": balance.state_to_dict(self.balance_state),
             "committed_wall": self.committed_wall,
@@ -48,9 +55,7 @@ class WorkerCheckpoints:
                 self.job.seed,
                 is_peft(self.model),
             )
-        # checkpoint_frozen: `_write_checkpoint` adds the frozen parameters after the copy.
-        model_state = self._model_state_for_transfer()
-        return training_state.capture(self.model, self.optimizer, self.scheduler, self.committed, extra, model_state)
+        return extra
 
     def _model_state_for_transfer(self) -> dict:
         """The model part of every state this device hands on (joiner, checkpoint, result): no frozen weights.
@@ -67,6 +72,11 @@ class WorkerCheckpoints:
             if problem:
                 raise UserCodeError(f"{problem}; resume with the same model factory and pretrained files")
         training_state.restore(self.model, self.optimizer, self.scheduler, state, load_model=self.frozen.load)
+        self._restore_extra(state)
+
+    def _restore_extra(self, state: dict) -> None:
+        """The committed step and what `_capture_extra` captured."""
+        extra = state.get("extra") or {}
         self.committed = int(state["step"])
         if "balance" in extra:
             self.balance_state = balance.state_from_dict(extra["balance"])
@@ -83,7 +93,7 @@ class WorkerCheckpoints:
         if every and (self.committed % every == 0 or self.committed == self.settings.total_steps):
             self._write_checkpoint(self.settings.checkpoint_dir)
 
-    def _write_checkpoint(self, directory: str) -> str:
+    def _write_checkpoint(self, directory: str, parts=None, common=None) -> str:
         """Start writing the committed state to `directory`; returns the file's path.
 
         The step loop pays for a CPU copy of the state only; a background
@@ -95,6 +105,12 @@ class WorkerCheckpoints:
         path = checkpoints.checkpoint_path(directory, self.committed)
         self._fault_point("checkpoint", self.committed)
         writer = self._checkpoint_writer_now()
+        if self.shards is not None:
+            if self._sharded_written != (directory, self.committed):  # the last step may be written already
+                files = self._sharded_checkpoint_files(directory, parts, common)
+                writer.submit_files(directory, self.committed, checkpoints.cpu_copy(files))
+                self._sharded_written = (directory, self.committed)
+            return path
         if not os.path.exists(path) and writer.pending != path:  # the last step may be written already
             state = checkpoints.cpu_copy(self._capture(for_checkpoint=True))
             if self.settings.checkpoint_frozen:
@@ -103,6 +119,48 @@ class WorkerCheckpoints:
                 state["model"] = self.frozen.complete(self.model, state["model"])
             writer.submit(directory, self.committed, state)
         return path
+
+    _sharded_written: tuple = ()
+
+    def _sharded_checkpoint_files(self, directory: str, parts=None, common=None) -> list:
+        """[(path, state)] of a sharded job's checkpoint that this device writes.
+
+        By default each device writes the part of the chunks it is primary of
+        (`step-N.optimizer/part-I-of-K.pt`: per chunk, its parameters' ranges
+        and their state, by torch.optim's parameter numbers), and rank 0 also
+        the common file `step-N.pt` (the whole model, the param groups, the
+        replicated parameters' optimizer state, the scheduler, step and extras):
+        no device ever holds the whole optimizer state, and any partition reads
+        any other (flexpar/worker/checkpoints.py's `CheckpointReader`).
+        """
+        shards, step = self.shards, self.committed
+        layout = self.shard_partition
+        parts = (self.rank,) if parts is None else parts
+        files = []
+        for index in sorted(parts):
+            segments = [
+                {"parameter": shards.number_of(k), "start": start, "stop": stop, "state": state}
+                for chunk in layout.chunks
+                if chunk.index == index
+                for (k, start, stop), state in shards.pieces_of([(chunk.space, chunk.start, chunk.stop)], False)
+            ]
+            record = {"step": step, "part": index, "parts": layout.world_size, "segments": segments}
+            files.append((checkpoints.part_path(directory, step, index, layout.world_size), record))
+        if self.rank == 0 if common is None else common:
+            replicated = shards.replicated_state()["optimizer"]
+            shapes = {
+                shards.number_of(k): list(shards.parameters[index].shape) for k, index in enumerate(shards.sharded)
+            }
+            optimizer = {**replicated, "sharded": {"by": shards.by, "shapes": shapes}}
+            scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
+            common_state = {"model": self._model_state_for_transfer(), "optimizer": optimizer, "scheduler": scheduler}
+            files.append(
+                (
+                    checkpoints.checkpoint_path(directory, step),
+                    {**common_state, "step": step, "extra": self._capture_extra(for_checkpoint=True)},
+                )
+            )
+        return files
 
     _checkpoint_writer: Optional[checkpoints.CheckpointWriter] = None
 
@@ -134,7 +192,17 @@ class WorkerCheckpoints:
         every device die meanwhile, the step is on disk.
         """
         directory = self.settings.checkpoint_dir or self.settings.rescue_dir
-        if self.rank == 0 or not agreed:
+        if self.shards is not None and self.shard_partition is not None:
+            # Sharded: agreed, every member writes its part (rank 0 the common file too); otherwise
+            # every survivor writes every part it holds, and the common file if its parameters are whole.
+            held = {chunk.index for chunk in self.shard_partition.held_by(self.rank)}
+            path = self._write_checkpoint(
+                directory,
+                parts=None if agreed else held,
+                common=None if agreed else self.parameters_complete,
+            )
+            self.wait_for_checkpoint()
+        elif self.rank == 0 or not agreed:
             path = self._write_checkpoint(directory)
             self.wait_for_checkpoint()
             return path

@@ -77,47 +77,32 @@ class StepLoop:
             self._step_in_flight = step  # abandoned if a collective breaks off (flexpar/worker/orphan.py)
             summed = self.run_step(step, mine)
             self.frozen.check_flags(step)  # user code changed requires_grad: stop before applying anything
-            world = len(self.members)
-            slots = StatsLayout(world)
-            busy = summed[slots.busy].tolist()
-            seen = summed[slots.seen].tolist()
-            loss = float(summed[slots.loss])
+            slots = StatsLayout(len(self.members))
             bad = [int(value) for value in summed[slots.bad].tolist() if value > 0]
             if bad:
                 raise UserCodeError(nonfinite_message(step, min(bad) - 1))
-            pairs, count = round(float(summed[slots.pairs])), float(summed[slots.count])
+            pairs = round(float(summed[slots.pairs]))
             if 0 < pairs < self.job.virtual_workers:  # each device ran one kind; they differ
                 raise UserCodeError(mixed_loss_message(step))
-            if pairs:
-                loss /= count  # the token mean of the whole global batch
             # Stopping early (asked by the driver, or it is gone) wins over a new
             # generation: every member commits this step, then stops.
             stopping = float(summed[slots.stop]) > 0
-            target = int(max(seen))
+            target = int(max(summed[slots.seen].tolist()))
             upcoming = (target, self.link.generation(target)) if target > self.generation and not stopping else None
             if upcoming is not None and self._skips_last_update(upcoming[1]):
                 return upcoming
-            if world > 1:
-                self._set_buffers(summed[slots.buffers] / world)
-            grad_norm, skip = self._verdict_on_gradient(summed, slots, step)
-            if not skip:
-                self.optimizer.step()
-                if self.scheduler is not None:
-                    self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.committed += 1
-            self._step_in_flight = None
-            now = time.time()
-            step_time, self.committed_wall = now - self.committed_wall, now
-            self.balance_state = balance.observe(self.balance_state, self.members, assignment, busy)
-            self.recent_records.append(self._step_record(step, loss, step_time, busy, assignment, grad_norm))
-            if self.settings.sample_ledger:
-                self.recent_records[-1]["ledger"] = self._step_samples
-            moved = self._observe_costs(step, sets, busy) if self.cost_planner is not None else ""
+            pending = (step, summed, assignment, sets if self.cost_planner is not None else None)
+            if self.shards is not None:  # sharded: every member holds this gradient before any applies it
+                self._confirm_gradient(pending)
+            moved = self._commit_step(*pending)
+            if self.shards is not None:
+                self._broadcast_parameters(step)
+            self._zero_grad()
             if self.rank == 0:
                 self.link.publish(self.recent_records[-1])
                 if moved:  # a planned rate moved past the noise: the plans of later steps change
                     self._publish_event("rebalance", moved, 0.0)
+            if self.rank == 0 or self.shards is not None:  # sharded: every member writes its part
                 self._maybe_checkpoint()
             if stopping:
                 return StopEarly()
@@ -126,6 +111,44 @@ class StepLoop:
         if self._evaluation_due():  # after the last step
             self.evaluate(ask_driver=False)
         return None
+
+    def _commit_step(self, step: int, summed: torch.Tensor, assignment: tuple, sets) -> str:
+        """Apply step `step` from its summed gradient (in `.grad`) and statistics, and commit it.
+
+        Everything here is a function of what every member holds alike after
+        the gradient all-reduce, so a member that failed before it (sharded:
+        flexpar/worker/shard_levelling.py) can apply it later with the same
+        result. Returns the cost balancer's rebalance detail ("" if none).
+        """
+        self.pending_commit = None
+        world = len(self.members)
+        slots = StatsLayout(world)
+        busy = summed[slots.busy].tolist()
+        loss = float(summed[slots.loss])
+        if round(float(summed[slots.pairs])):
+            loss /= float(summed[slots.count])  # the token mean of the whole global batch
+        if world > 1:
+            self._set_buffers(summed[slots.buffers] / world)
+        grad_norm, skip = self._verdict_on_gradient(summed, slots, step)
+        if not skip:
+            if self.shards is not None:  # the chunks this device holds; the others arrive by broadcast
+                self.shards.step()
+                self.parameters_complete = self.shard_partition.everyone_holds_everything
+            else:
+                self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+        self.committed += 1
+        self._step_in_flight = None
+        now = time.time()
+        step_time, self.committed_wall = now - self.committed_wall, now
+        self.balance_state = balance.observe(self.balance_state, self.members, assignment, busy)
+        record = self._step_record(step, loss, step_time, busy, assignment, grad_norm)
+        record["optimizer_bytes"] = [int(round(value)) * 1024 for value in summed[slots.optimizer].tolist()]
+        self.recent_records.append(record)
+        if self.settings.sample_ledger:
+            record["ledger"] = self._step_samples
+        return self._observe_costs(step, sets, busy) if self.cost_planner is not None else ""
 
     def _observe_costs(self, step: int, sets: tuple, busy: list) -> str:
         """By cost: the step's costs and VW sets go into its record, its busy times into the rates.
@@ -184,12 +207,13 @@ class StepLoop:
         """Whether this device leaves at this boundary and need not apply this step.
 
         Every survivor commits the step, so a planned leaver's own copy of it
-        is never needed; skipping the update (100 ms for a 25M-parameter Adam
+        is never needed (unless the job shards its optimizer state: then it
+        holds chunks it hands over at the boundary); skipping the update (100 ms for a 25M-parameter Adam
         step on a contended CPU) leaves the host's cores to the survivors,
         whose next generation forms meanwhile. Rank 0 still commits: it
         publishes the step's record and writes checkpoints.
         """
-        return self.rank != 0 and self.args.device_id not in upcoming_record["members"]
+        return self.rank != 0 and self.shards is None and self.args.device_id not in upcoming_record["members"]
 
     def run_step(self, step: int, virtual_workers: Sequence[int]) -> torch.Tensor:
         """Run this device's VWs of `step` and sum gradients and statistics across devices."""
@@ -258,6 +282,8 @@ class StepLoop:
         stats[slots.stop] = 1.0 if (self.link.finish_reason is not None or self.link.driver_lost) else 0.0
         stats[slots.count] = count
         stats[slots.pairs] = pairs
+        # This device's optimizer-state bytes (KiB: exact in a float32 carrier up to 16 GiB), for the record.
+        stats[slots.optimizer.start + self.rank] = self.optimizer_bytes() // 1024
         if self.scaler is not None:  # fp16: this device's own gradient overflowed (all skip the step)
             stats[slots.overflow] = float(recipes.has_nonfinite(self.sync.dense, self.sync.sparse))
         summed = self.sync.finish(

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from flexpar.comm import state_transfer as training_state
-from flexpar.comm.collectives import GroupReaper, PeerFailure, fresh_group
+from flexpar.comm.collectives import GroupReaper, PeerFailure, fresh_group, wait_for_transfers
 
 
 class _DropWitness:
@@ -163,3 +163,48 @@ def test_exact_statistics_are_summed_in_float64_across_devices(tmp_path):
     assert ranks[0][False][2] == 12.0, "small whole numbers (VW counts, flags) are exact either way"
     # The gradients are summed alike on both paths: only where the statistics travel changed.
     assert ranks[0]["grad True"] == ranks[0]["grad False"] == ranks[1]["grad True"] == [[3.0] * 3] * 2
+
+
+class _PointToPointWork:
+    """Like a gloo send/receive work: completed only once `wait()` returned, never before."""
+
+    def __init__(self, finished: threading.Event, error: str = ""):
+        self.finished, self.error, self.waited = finished, error, False
+
+    def is_completed(self):
+        return self.waited
+
+    def wait(self):
+        self.finished.wait()
+        if self.error:
+            raise RuntimeError(self.error)
+        self.waited = True
+        return True
+
+
+def test_wait_for_transfers_returns_when_the_works_finish():
+    finished = threading.Event()
+    works = [_PointToPointWork(finished), _PointToPointWork(finished)]
+    threading.Timer(0.05, finished.set).start()
+    wait_for_transfers(works, peer_lost=lambda: None)
+    assert all(work.waited for work in works)
+
+
+def test_wait_for_transfers_gives_up_when_a_peer_is_reported_dead():
+    finished = threading.Event()
+    calls = []
+
+    def peer_lost():
+        calls.append(1)
+        return "local-2" if len(calls) > 3 else None
+
+    with pytest.raises(PeerFailure, match="local-2 is gone"):
+        wait_for_transfers([_PointToPointWork(finished)], peer_lost)
+    finished.set()  # lets the waiting thread end
+
+
+def test_wait_for_transfers_turns_a_transport_error_into_a_peer_failure():
+    finished = threading.Event()
+    finished.set()
+    with pytest.raises(PeerFailure, match="Connection closed by peer"):
+        wait_for_transfers([_PointToPointWork(finished, error="Connection closed by peer")])

@@ -14,6 +14,7 @@ sys.path.insert(
 )
 
 import soak  # noqa: E402
+import soak_checks  # noqa: E402
 import soak_plan  # noqa: E402
 import soak_tally  # noqa: E402
 from soak_plan import RunPlan  # noqa: E402
@@ -176,6 +177,27 @@ def test_recovery_ends_at_the_next_generation_or_step_whichever_shows_first():
     assert (tally.during_recovery, tally.simultaneous, tally.signal_with_change) == (0, 1, 1)
 
 
+def test_a_sharded_soak_deals_the_update_phase_and_allows_a_lost_state_stop_only_after_two_failures_at_once():
+    plans = soak_plan.plans(5, soak_plan.SHARDED_PHASES)
+    dealt = set()
+    while len(dealt) < len(soak_plan.SHARDED_PHASES):
+        plan = next(plans)
+        _check_fireable(plan)
+        dealt |= {phase for _, _, phase, _ in plan.faults}
+    assert dealt == set(soak_plan.SHARDED_PHASES)
+    named = (
+        "flexpar: optimizer state lost: elements 0-63 of 0.weight had no copy left on the devices still running "
+        "(local-1, local-2 failed together; shard_redundancy=default (2)); the latest checkpoint is "
+        "/tmp/c/step-00000010.pt; resume with: flexpar run --resume train.py\n"
+    )
+    assert soak_checks.lost_state_stop_allowed("noise\n" + named, simultaneous=1, during_recovery=0)
+    assert soak_checks.lost_state_stop_allowed(named, simultaneous=0, during_recovery=1)
+    assert not soak_checks.lost_state_stop_allowed(named, simultaneous=0, during_recovery=0), "one loses nothing"
+    nameless = named.replace("the latest checkpoint is /tmp/c/step-00000010.pt; resume with: flexpar run --resume", "")
+    assert not soak_checks.lost_state_stop_allowed(nameless, simultaneous=1, during_recovery=0)
+    assert not soak_checks.lost_state_stop_allowed("Traceback: a hang\n", simultaneous=1, during_recovery=1)
+
+
 def test_a_run_that_ends_before_its_last_step_is_a_failure():
     assert soak.ending_problem({"steps": soak_plan.STEPS, "stopped": ""}) == ""
     assert soak.ending_problem({"steps": 20, "stopped": ""}) == f"ended after 20 of {soak_plan.STEPS} steps"
@@ -191,6 +213,19 @@ def test_a_real_run_cut_short_counts_as_failed_not_as_a_shorter_match(tmp_path):
     assert not result.hang and result.steps < soak_plan.STEPS
     assert result.failed.startswith(f"ended after {result.steps} of {soak_plan.STEPS} steps"), result.failed
     assert result.bad
+
+
+@pytest.mark.timeout(240)
+def test_a_sharded_run_through_a_join_a_leave_and_a_kill_after_the_update_is_the_failure_free_run(tmp_path):
+    # soak.py --shard's check on one run: the optimizer state sharded (3 devices, each part on 2),
+    # a device killed after its own update of its part and before its broadcast of it.
+    plan = RunPlan(0, 3, [(4, +1), (14, -1)], [(18, "local-1", "update", "kill")])
+    result = soak.run_one(
+        plan, str(tmp_path), timeout_s=10.0, heartbeat_timeout_s=3.0, references=_REFERENCES, shard=True
+    )
+    assert not result.bad and not result.lost_state_stop, soak.describe(plan, result)
+    assert result.steps == soak_plan.STEPS
+    assert ("kill", "update", 18) in [(f["kind"], f["phase"], f["step"]) for f in result.fired], result.fired
 
 
 # ------------------------------------------------------------ the soak itself

@@ -13,8 +13,10 @@ from flexpar.observe.display import LiveDisplay
 from flexpar.observe.log_lines import (
     estimate_remaining_s,
     format_duration,
+    format_optimizer_bytes,
     format_rebalance_line,
     format_rebalance_summary,
+    format_step_line,
 )
 
 
@@ -207,6 +209,26 @@ def test_rich_panel_sums_up_rebalances_in_one_line(records):
     assert "rebalance" not in recent
     assert "+hostB-1" in recent and "schedule" in recent and "failure" in recent and "leave" in recent
     assert "rebalances: 5" in buffer.getvalue()  # the panel's final state, as drawn
+
+
+def test_each_devices_optimizer_bytes_in_the_log_line_and_the_panels_device_table(records):
+    from rich.console import Console
+
+    assert format_optimizer_bytes([201_326_592] * 2) == "optimizer 201.3 MB per device"
+    assert format_optimizer_bytes([134_217_728, 100_663_296, 134_217_728]) == "optimizer 100.7-134.2 MB per device"
+    step = [record for record in records if record["kind"] == "step"][-1]
+    assert "optimizer" not in format_step_line(step, TOTAL_STEPS, 1.0)  # a record without the key
+    sharded = {**step, "optimizer_bytes": [3_145_728 * (rank + 1) for rank in range(len(step["devices"]))]}
+    line = format_step_line(sharded, TOTAL_STEPS, 1.0)
+    assert line.endswith(f" | optimizer 3.1-{3.145728 * len(step['devices']):.1f} MB per device"), line
+    display = LiveDisplay(TOTAL_STEPS, console=Console(file=io.StringIO(), width=120), force_terminal=True)
+    display.update(sharded)
+    table = rendered_text(display).split("recent events")[0]
+    display.close()
+    assert "optimizer" in table
+    for rank, device_id in enumerate(sharded["devices"]):
+        row = next(row for row in table.splitlines() if row.lstrip().startswith(device_id))
+        assert row.rstrip().endswith(f"{3.145728 * (rank + 1):.1f} MB"), row
 
 
 def test_rich_panel_without_rebalances_shows_no_rebalance_line(records):

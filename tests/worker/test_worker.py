@@ -11,13 +11,19 @@ from types import SimpleNamespace
 from flexpar.worker.lifecycle import Worker
 
 
-def _device(device_id: str, rank: int):
-    return SimpleNamespace(rank=rank, args=SimpleNamespace(device_id=device_id))
+def _device(device_id: str, rank: int, shards=None):
+    return SimpleNamespace(rank=rank, args=SimpleNamespace(device_id=device_id), shards=shards)
 
 
 def test_a_leaver_that_is_not_rank_0_skips_its_last_update():
     upcoming = {"members": ["local-0", "local-1"]}
     assert Worker._skips_last_update(_device("local-2", rank=2), upcoming)
+
+
+def test_a_sharded_leaver_commits_its_last_update():
+    # It holds parts of the optimizer state that it hands over at the boundary.
+    upcoming = {"members": ["local-0", "local-1"]}
+    assert not Worker._skips_last_update(_device("local-2", rank=2, shards=object()), upcoming)
 
 
 def test_rank_0_commits_even_when_it_leaves():

@@ -32,6 +32,14 @@ Rules, in one place:
 - A restarted driver (`--resume`) starts with an adoption window open: nothing
   forms until it closes; then the devices that outlived the old driver are
   re-adopted, fenced off or kept as joiners (readoption.py states those rules).
+- Hand-off (`hand_off=True`: a job that shards its optimizer state, where a
+  leaver holds state no one else may hold): planned leavers are not simply
+  dropped, they are `departing` in the generation that drops them: they meet
+  its members once to hand their state over, then exit. A departing device
+  that reports a failure (the hand-off broke off) is departing again in the
+  recovery generation, and a recovery waits for departing devices as for
+  members (reported, dead, or silent past the grace), so a failure during a
+  hand-off loses nothing a surviving copy holds.
 - Once the job is finishing (SIGTERM to the driver, a callback, its last
   device preempted: every member stops after the step in flight), nothing
   changes the device set any more: leave requests are moot (the devices stop
@@ -56,6 +64,7 @@ from flexpar.core.membership.events import (
     FinishJob,
     FinishRequested,
     Formed,
+    HandedOff,
     LeaveRequested,
     Note,
     Ready,
@@ -128,7 +137,7 @@ def _on_formed(state, event):
 
 
 def _on_failure(state, event):
-    if event.generation != state.generation or event.device_id not in state.members:
+    if event.generation != state.generation or event.device_id not in state.members + state.departing:
         return state, []
     if event.device_id in state.survivors:
         return state, []
@@ -139,6 +148,12 @@ def _on_failure(state, event):
     )
 
 
+def _on_handed_off(state, event):
+    if event.generation != state.generation or event.device_id not in state.departing:
+        return state, []
+    return dataclasses.replace(state, departing=tuple(d for d in state.departing if d != event.device_id)), []
+
+
 def _on_exited(state, event):
     device = event.device_id
     state = dataclasses.replace(
@@ -147,9 +162,10 @@ def _on_exited(state, event):
         starting=tuple(d for d in state.starting if d != device),
         waiting=tuple(d for d in state.waiting if d != device),
     )
-    if device in state.members and device not in state.leaving:
-        # A member died: the others will see it in their next collective. Start the
-        # grace clock now so a member that hangs instead of failing is not waited for.
+    if (device in state.members and device not in state.leaving) or device in state.departing:
+        # A member died (or a departing device before it handed its state over): the others
+        # will see it in their next collective. Start the grace clock now so a member that
+        # hangs instead of failing is not waited for.
         since = state.failure_since if state.failure_since is not None else event.now
         state = dataclasses.replace(state, failure_since=since)
     return state, []
@@ -303,7 +319,7 @@ def _on_tick(state, event):
         return readoption.on_tick(state, event.now)
     if state.failure_since is None or event.now - state.failure_since < state.grace_s:
         return state, []
-    silent = [m for m in state.members if m not in state.survivors and m not in state.dead]
+    silent = [m for m in state.members + state.departing if m not in state.survivors and m not in state.dead]
     state = dataclasses.replace(state, dead=state.dead | set(silent))
     return state, [Evict(m) for m in silent]
 
@@ -314,6 +330,7 @@ _HANDLERS = {
     Ready: _on_ready,
     Formed: _on_formed,
     FailureReported: _on_failure,
+    HandedOff: _on_handed_off,
     Exited: _on_exited,
     ScaleBy: _on_scale,
     LeaveRequested: _on_leave_requested,
@@ -348,7 +365,8 @@ def _advance(state: Membership):
         return state, ()
     if state.waiting or state.leaving:
         members = tuple(m for m in state.members if m not in state.leaving) + state.waiting
-        return publish(state, members=members, joined=state.waiting, left=state.leaving, failed=())
+        departing = state.leaving if state.hand_off else ()
+        return publish(state, members=members, joined=state.waiting, left=state.leaving, failed=(), departing=departing)
     return state, ()
 
 
@@ -356,15 +374,21 @@ STOPPED_BEFORE_START = "it was asked to stop before training started"
 
 
 def _recover(state: Membership):
-    """Rebuild the generation from the survivors once every member is accounted for."""
-    accounted = set(state.survivors) | state.dead | set(state.leaving)
-    if not set(state.members) <= accounted:
+    """Rebuild the generation from the survivors once every member is accounted for.
+
+    With `hand_off`, leavers and departing devices hold state: the recovery
+    waits for them too, and those alive are departing in the new generation.
+    """
+    accounted = set(state.survivors) | state.dead | (set() if state.hand_off else set(state.leaving))
+    if not set(state.members + state.departing) <= accounted:
         return state, ()
     # A survivor that died before the new generation was published (reported, then exited) failed too.
     alive = set(state.survivors) - state.dead
     members = tuple(m for m in state.members if m in alive and m not in state.leaving)
     failed = tuple(m for m in state.members if m not in alive and m not in state.leaving)
+    failed += tuple(d for d in state.departing if d not in alive)  # died handing over
+    departing = tuple(d for d in state.departing + state.leaving if d in alive) if state.hand_off else ()
     members = members + state.waiting
     if not members:
         return stop(state, f"every device failed ({', '.join(failed)}); no worker is left")
-    return publish(state, members=members, joined=state.waiting, left=state.leaving, failed=failed)
+    return publish(state, members=members, joined=state.waiting, left=state.leaving, failed=failed, departing=departing)

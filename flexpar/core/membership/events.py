@@ -52,6 +52,14 @@ class FailureReported:
 
 
 @dataclass(frozen=True)
+class HandedOff:
+    """A departing device (hand_off) handed its state over in `generation` and exits."""
+
+    device_id: str
+    generation: int
+
+
+@dataclass(frozen=True)
 class Exited:
     """A device's process is gone (exit, crash or lost heartbeat)."""
 
@@ -115,6 +123,7 @@ Event = Union[
     Ready,
     Formed,
     FailureReported,
+    HandedOff,
     Exited,
     ScaleBy,
     LeaveRequested,
@@ -146,6 +155,7 @@ class Publish:
     failed: tuple
     adopted: Optional[Adopted] = None
     restore: str = ""
+    departing: tuple = ()  # a sharded job's leavers: they hand their state over, then exit
 
 
 @dataclass(frozen=True)
@@ -228,6 +238,7 @@ __all__ = [
     "FinishJob",
     "FinishRequested",
     "Formed",
+    "HandedOff",
     "LeaveRequested",
     "Note",
     "NothingToAdopt",

@@ -29,6 +29,7 @@ class Membership:
     starting: tuple = ()  # spawned or announced, not yet warm
     waiting: tuple = ()  # warm and accepted, waiting for the next generation
     leaving: tuple = ()  # members to drop at the next generation
+    departing: tuple = ()  # hand_off: leavers of the current generation handing their state over
     survivors: tuple = ()  # members that reported the current generation failed
     dead: frozenset = frozenset()
     failure_since: Optional[float] = None
@@ -38,6 +39,7 @@ class Membership:
     local_capacity: Optional[int] = None  # devices this host may run (cores or GPUs); None: no limit
     adoption: Optional[Adoption] = None  # a restarted driver's open adoption window (readoption.py)
     adopted_from: int = 0  # the generation the job was re-adopted from (0: not re-adopted)
+    hand_off: bool = False  # planned leavers hand their state over first (a sharded optimizer)
 
     @property
     def local_count(self) -> int:
@@ -56,9 +58,11 @@ class Membership:
 
     @property
     def watched(self) -> set:
-        """Devices whose heartbeats count: members, those on their way, and an open window's reporters."""
+        """Devices whose heartbeats count: members, those on their way, departing devices handing their
+        state over, and an open window's reporters."""
         reporters = {r.device_id for r in self.adoption.reports} if self.adoption is not None else set()
-        return (set(self.members) | set(self.waiting) | set(self.starting) | reporters) - self.dead
+        on_their_way = set(self.waiting) | set(self.starting)
+        return (set(self.members) | on_their_way | set(self.departing) | reporters) - self.dead
 
 
 def known(state: Membership, device_id: str) -> bool:
@@ -75,8 +79,11 @@ def spawn(state: Membership, count: int) -> tuple:
     return state, [SpawnLocal(ids)]
 
 
-def publish(state: Membership, members, joined, left, failed) -> tuple:
-    """The next generation: `members` in rank order; who joined, left and failed since the last one."""
+def publish(state: Membership, members, joined, left, failed, departing=()) -> tuple:
+    """The next generation: `members` in rank order; who joined, left and failed since the last one.
+
+    `departing` (hand_off only): leavers that hand their state over to `members` first, then exit.
+    """
     state = dataclasses.replace(
         state,
         generation=state.generation + 1,
@@ -84,10 +91,12 @@ def publish(state: Membership, members, joined, left, failed) -> tuple:
         formed=frozenset(),
         waiting=(),
         leaving=(),
+        departing=tuple(departing),
         survivors=(),
         failure_since=None,
     )
-    return state, (Publish(state.generation, state.members, tuple(joined), tuple(left), tuple(failed)),)
+    action = Publish(state.generation, state.members, tuple(joined), tuple(left), tuple(failed))
+    return state, (dataclasses.replace(action, departing=state.departing),)
 
 
 def stop(state: Membership, reason: str) -> tuple:

@@ -1,0 +1,131 @@
+"""The boundary between two generations: form the new process group, bring every member level.
+
+Part of `flexpar.worker.lifecycle.Worker` (its attributes are the worker's
+own). `Worker._run` calls `enter` for every generation that includes the
+device (or lists it as departing): the members meet in the store, form the
+generation's gloo/NCCL group (flexpar/comm/collectives.py `fresh_group`),
+take stock of who holds the latest committed step, and level:
+
+- unsharded (`_level`): the lowest-ranked member at the latest step sends
+  the whole training state to the members behind it
+  (flexpar/comm/state_transfer.py);
+- sharded (`Job(shard_optimizer=True)`): the plan of
+  flexpar/worker/shard_levelling.py moves chunks of optimizer state and
+  parameter values; planned leavers (`record["departing"]`) take part in a
+  hand-off group first, then leave, and the members form the training group.
+
+Rank 0 then publishes the generation's event (with the bytes the boundary
+sent and its stall). The generation's head is what the device would tell a
+restarted driver (flexpar/worker/orphan.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch.distributed as dist
+
+from flexpar.comm import state_transfer as training_state
+from flexpar.comm.collectives import PeerFailure, collective, fresh_group
+from flexpar.worker import checkpoints
+
+
+class Boundaries:
+    """Part of `flexpar.worker.lifecycle.Worker`: `enter` a generation."""
+
+    def enter(self, generation: int, record: dict) -> None:
+        """Form the generation's process group and bring every member to the same state.
+
+        A sharded job's planned leavers (`record["departing"]`) first hand
+        their state over: members and departing devices form a hand-off group
+        for the levelling only, then the departing devices return (and exit)
+        and the members form the training group.
+        """
+        self.link.check()
+        members = tuple(record["members"])
+        departing = tuple(record.get("departing", ())) if self.shards is not None else ()
+        group = members + departing
+        rank = group.index(self.args.device_id)
+        self._fault_point("formation", self.committed)
+        # Forming a gloo group waits for every member inside C++, where a member's
+        # death is only seen at the timeout. Meet in the store first, where it is
+        # seen at once (the coordinator's death notices), then form in milliseconds.
+        problem = self.link.gather(generation, group)
+        if problem:
+            raise PeerFailure(problem)
+        if record.get("restore"):  # a re-adopted job whose checkpoint is newer than any device
+            if self.shards is not None:  # sharded: every member reads its own chunks
+                if rank < len(members):
+                    self._resume_sharded(members, record["restore"])
+            elif rank == 0:
+                self._restore(checkpoints.read_checkpoint(record["restore"], self.device))
+
+        def peer_lost():
+            lost = self.link.dead_members & set(group) if self.link.latest_generation == generation else set()
+            return min(lost) if lost else None
+
+        with fresh_group(
+            self.reaper.retire(self.sync.release_works()),
+            self.settings.backend,
+            dist.PrefixStore(f"gen/{generation}/{'handoff' if departing else 'pg'}", self.link.store),
+            rank,
+            len(group),
+            self.settings.timeout_s,
+        ):
+            if not departing:
+                self.link.send("formed", generation=generation)
+            # Every wait of a boundary watches for a peer the coordinator reports dead (killed or hung).
+            stock = collective(
+                lambda: training_state.take_stock(
+                    self.committed, self.committed_wall, rank, len(group), self.device, peer_lost
+                )
+            )
+            if self.shards is not None:
+                sent = self._level_sharded(stock, rank, group, len(members), record, peer_lost)
+            else:
+                sent = self._level(stock, rank, len(members)) if stock.receivers else 0.0
+            self.boundary_bytes = int(sent)  # the state this boundary sent, all senders (the event's)
+        if rank >= len(members):
+            return  # departing: handed over
+        if departing:  # the training group, without the departing devices
+            problem = self.link.gather(generation, members, label="training")
+            if problem:
+                raise PeerFailure(problem)
+            with fresh_group(
+                self.reaper.retire([]),
+                self.settings.backend,
+                dist.PrefixStore(f"gen/{generation}/pg", self.link.store),
+                rank,
+                len(members),
+                self.settings.timeout_s,
+            ):
+                self.link.send("formed", generation=generation)
+        previous_members = self.members
+        self.generation, self.members, self.rank = generation, members, rank
+        self.link.report_head = (generation, members)  # what it tells a restarted driver, should this one go
+        self._step_in_flight = None  # a step broken off before this boundary is redone from here
+        self.sync.start_generation(len(members))
+        if rank == 0:
+            # The previous rank 0 may have died with records unsent, or this device may
+            # have been brought level without committing the last ones: send them again
+            # (the driver drops steps it already has).
+            for kept in self.recent_records:
+                self.link.publish(kept)
+            stall = max(0.0, time.time() - stock.last_commit_wall)
+            self._publish_generation_event(record, previous_members, stall)
+
+    def _level(self, stock: training_state.Stock, rank: int, world_size: int) -> float:
+        """Send the latest state from the source to the members behind it; returns the bytes sent."""
+        sent = 0
+        if rank == stock.source:
+            state = self._capture()
+            sent = collective(
+                lambda: training_state.send_state(state, stock.receivers, self.device, after_size=self._transfer_fault)
+            )
+        elif rank in stock.receivers:
+            # A joiner holds nothing committed: it receives the model in place. A member
+            # that is only behind keeps its own state intact until the new one is whole.
+            own = self.model.state_dict() if self.committed < 0 else None
+            self._restore(collective(lambda: training_state.receive_state(stock.source, self.device, own)))
+        # The stall ends when the slowest receiver has restored; the sum says what the boundary sent.
+        return collective(lambda: training_state.all_level(world_size, self.device, sent))

@@ -1,0 +1,69 @@
+"""Fault injection by schedule: "kill -9 device local-1 at step 7 during backward".
+
+Part of `flexpar.worker.lifecycle.Worker` (its attributes are the worker's
+own). The driver passes the job's faults (`RunSettings.faults`: step, device,
+phase and optionally the signal) to every device; each keeps its own and
+fires them at the named points of the step loop and the boundaries, where
+the code calls `_fault_point(phase, step)`. Faults aimed at the driver
+(STEP:driver:PHASE) are fired by the device that is rank 0 at that point (at a
+transfer: the sender), through flexpar/worker/orphan.py. Tests, the soak and
+the benchmarks use this to prove that a failure at any phase loses nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}
+
+# Boundary phases happen at some steps only: their faults fire at the first
+# such phase at or after their step.
+BOUNDARY_PHASES = ("transfer", "formation", "checkpoint")
+
+
+def faults_of(device_id: str, faults) -> dict:
+    """{(step, phase): signal number} of the faults scheduled for `device_id` (default signal: kill)."""
+    return {
+        (int(step), phase): SIGNALS[fault[3] if len(fault) > 3 else "kill"]
+        for fault in faults
+        for step, device, phase in [fault[:3]]
+        if device == device_id
+    }
+
+
+class FaultInjection:
+    """Part of `flexpar.worker.lifecycle.Worker`: `self.faults` is `faults_of(...)` for this device,
+    `self.driver_faults` the {(step, phase)} of the driver's."""
+
+    faults: dict = {}
+    driver_faults: set = set()
+
+    def _transfer_fault(self) -> None:
+        self._fault_point("transfer", self.committed)
+
+    def _fault_point(self, phase: str, step: int) -> None:
+        """Kill -9 (or SIGTERM, SIGSTOP) this device here, if the schedule says so.
+
+        Each fault fires once: a step redone after a failure does not fire it again.
+        """
+        due = [
+            key
+            for key in self.faults
+            if key[1] == phase and (key[0] == step or (phase in BOUNDARY_PHASES and key[0] <= step))
+        ]
+        for key in due:
+            number = self.faults.pop(key)
+            # Said first, with the time: the fault soak measures detection from it.
+            print(
+                f"flexpar: fault: {self.args.device_id} gets {signal.Signals(number).name} at step {step} "
+                f"({phase}) at {time.time():.6f}",
+                file=sys.stderr,
+                flush=True,
+            )
+            os.kill(os.getpid(), number)
+        # The driver's: the rank 0 of the generation it trains in fires them (at a transfer: the sender).
+        if self.driver_faults and (self.members[:1] == (self.args.device_id,) or phase == "transfer"):
+            self._kill_driver_if_due(phase, step, BOUNDARY_PHASES)

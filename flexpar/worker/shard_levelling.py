@@ -1,0 +1,207 @@
+"""A sharded job's worker at its boundaries and around its update (Job(shard_optimizer=True)).
+
+Part of `flexpar.worker.lifecycle.Worker` (its attributes are the worker's
+own). The pieces, in the order a step meets them:
+
+- `_confirm_gradient`: after the gradient all-reduce and before anything
+  changes, one more tiny all-reduce. A member that completes it knows every
+  member holds the step's summed gradient and statistics. A member that fails
+  in it keeps that gradient (`pending_commit`): if another member committed
+  the step (`take_stock` at the next boundary says so), it finishes the step
+  itself, bit-identical to the others, instead of needing its chunks sent.
+  This is how a failure that split a commit (the all-reduce completed on some
+  members and not on others) loses nothing even where every surviving copy of
+  a chunk is on a member that did not commit it.
+- `_broadcast_parameters`: after the update, each chunk's primary sends its
+  updated parameter values to every member (flexpar/comm/shard_transfer.py);
+  until then the member's `parameters_complete` is False.
+- `_level_sharded`: at a boundary, every member reports what it holds, the
+  pure plan (flexpar/core/shard_plan.py) says who sends what, one
+  many-to-many exchange moves it, and once every member has passed, each keeps
+  exactly its chunks of the new partition. Until then a member holds what it
+  had and what it received together, so a failure in the middle of a
+  boundary leaves every piece on the members that held it or received it.
+- `_resume_sharded`: a resumed job's first generation reads each member's own
+  chunks from the checkpoint (flexpar/worker/checkpoints.py).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from flexpar.comm import state_transfer as training_state
+from flexpar.comm.collectives import collective, wait_for_collective
+from flexpar.comm.shard_transfer import broadcast_chunks, exchange, gather_reports
+from flexpar.core.shard_partition import Partition, partition
+from flexpar.core.shard_plan import Report, lost_description, plan_levelling
+from flexpar.core.shard_state import state_nbytes
+from flexpar.errors import ShardStateLost
+from flexpar.worker import checkpoints
+
+
+class ShardLevelling:
+    """Part of `flexpar.worker.lifecycle.Worker` for sharded jobs (`self.shards` is not None)."""
+
+    shards = None  # flexpar.worker.shards.ShardedOptimizer, or None (an unsharded job)
+    shard_partition: Optional[Partition] = None  # the partition of the current generation
+    pending_commit: Optional[tuple] = None  # a step whose gradient this device holds but did not apply
+    parameters_complete = True  # every sharded parameter value is at `self.committed`
+
+    def _zero_grad(self, keep_gradient: bool = False) -> None:
+        if self.shards is None:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.shards.zero_grad(keep_gradient)
+
+    def optimizer_bytes(self) -> int:
+        """Bytes of the optimizer state this device holds (sharded or not)."""
+        if self.shards is not None:
+            return self.shards.state_bytes()
+        return state_nbytes(self.optimizer.state.values())
+
+    def _target_partition(self, world_size: int) -> Partition:
+        return partition(self.shards.spaces, world_size, self.job.shard_redundancy, by=self.shards.by)
+
+    # ------------------------------------------------------------ around the update
+
+    def _confirm_gradient(self, pending: tuple) -> None:
+        """Agree that every member holds the step's summed gradient before any member applies it."""
+        self.pending_commit = pending
+        if len(self.members) > 1:
+            flag = torch.zeros(1, device=self.device)
+            work = collective(lambda: dist.all_reduce(flag, async_op=True))
+            wait_for_collective(work, self._peer_lost)
+
+    def _broadcast_parameters(self, step: int) -> None:
+        """Every member gets the updated values of the chunks others stepped (their primaries send)."""
+        self._fault_point("update", step)
+        if not self.parameters_complete:
+            broadcast_chunks(self.shards.flat, self.shard_partition.chunks, self._peer_lost)
+            self.parameters_complete = True
+
+    # ------------------------------------------------------------ boundaries
+
+    def _level_sharded(self, stock, rank: int, group: tuple, training: int, record: dict, peer_lost) -> float:
+        """Bring the group's members level onto the partition of its first `training` members.
+
+        Returns the bytes the group sent (summed over its members).
+        """
+        shards = self.shards
+        if self.pending_commit is not None:
+            pending, self.pending_commit = self.pending_commit, None
+            if stock.latest_step == self.committed + 1:  # another member committed it: finish it here
+                self._commit_step(*pending)
+            self._zero_grad()
+        holdings = () if self.committed < 0 else (shards.everything() if shards.pristine else shards.holdings())
+        numbers = [self.committed, int(self.parameters_complete), int(rank < training)]
+        rows = gather_reports(numbers, holdings, len(group), self.device, peer_lost)
+        reports = [Report(row[0], bool(row[1]), tuple(intervals), bool(row[2])) for row, intervals in rows]
+        target = self._target_partition(training)
+        plan = plan_levelling(reports, target, [space.element_bytes for space in shards.spaces])
+        if plan.lost:
+            raise ShardStateLost(self._lost_message(plan.lost, record))
+        outgoing: dict = {}
+        raw_out: dict = {}
+        for transfer in plan.sent_by(rank):
+            interval = (transfer.space, transfer.start, transfer.stop)
+            message = outgoing.setdefault(transfer.destination, {"pieces": []})
+            if transfer.state:
+                message["pieces"] += [[list(segment), state] for segment, state in shards.pieces_of([interval], False)]
+            if not transfer.state or transfer.destination in plan.parameter_receivers:
+                raw_out.setdefault(transfer.destination, []).append(shards.values(*interval))
+        if rank == plan.state_source:
+            replicated = self._capture_replicated()
+            for receiver in plan.state_receivers:
+                outgoing.setdefault(receiver, {"pieces": []})["replicated"] = replicated
+        receives_values = rank in plan.parameter_receivers
+        incoming = {transfer.source for transfer in plan.received_by(rank)}
+        if rank in plan.state_receivers:
+            incoming.add(plan.state_source)
+        raw_in: dict = {}
+        for transfer in plan.received_by(rank):
+            if not transfer.state or receives_values:
+                raw_in.setdefault(transfer.source, []).append(
+                    shards.values(transfer.space, transfer.start, transfer.stop)
+                )
+        if outgoing:
+            self._fault_point("transfer", self.committed)
+        messages, sent = exchange(outgoing, sorted(incoming), self.device, raw_out, raw_in, peer_lost)
+        if rank in plan.state_receivers:  # a joiner, or a member whose state is of an older step
+            shards.drop()
+            self._restore_replicated(messages[plan.state_source]["replicated"])
+        shards.add((tuple(segment), state) for message in messages.values() for segment, state in message["pieces"])
+        if receives_values:
+            self.parameters_complete = True
+        total = collective(lambda: training_state.all_level(len(group), self.device, sent, peer_lost))
+        # Every member holds what it needs: each keeps its chunks of the new partition only.
+        shards.install(target if rank < training else None, rank)
+        self.shard_partition = target if rank < training else None
+        return total
+
+    def _lost_message(self, lost: tuple, record: dict) -> str:
+        """The one line a job stops with when every copy of some state is gone."""
+        what = lost_description(lost, self.shards.spaces, self.shards.names)
+        gone = list(record.get("failed", ())) + list(record.get("left", ()))
+        redundancy = self.job.shard_redundancy
+        directory = self.settings.checkpoint_dir
+        latest = checkpoints.latest_checkpoint(directory) if directory else None
+        if latest:
+            where = f"the latest checkpoint is {latest}; resume with: {self.settings.resume_command}"
+        else:
+            where = "no checkpoint was written (pass checkpoint_every= and checkpoint_dir=), so the job cannot continue"
+        together = " together" if len(gone) > 1 else ""
+        failed = f"{', '.join(gone)} failed{together}" if gone else "its holders are gone"
+        return (
+            f"optimizer state lost: {what} had no copy left on the devices still running "
+            f"({failed}; shard_redundancy={'default (2)' if redundancy is None else redundancy}); {where}"
+        )
+
+    def _capture_replicated(self) -> dict:
+        """What a joiner needs besides the sharded parameters and their state."""
+        return {
+            "replicated": self.shards.replicated_state(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "step": self.committed,
+            "extra": self._capture_extra(),
+        }
+
+    def _restore_replicated(self, state: dict) -> None:
+        self.shards.load_replicated(state["replicated"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self._restore_extra(state)
+
+    def _resume_sharded(self, members: tuple, path: str = "") -> None:
+        """Read the common state and this member's chunks of checkpoint `path` (default: the job's resume path).
+
+        Generation 1 of a resumed job, or the first generation of a re-adopted
+        one whose checkpoint is newer than any device (`record["restore"]`).
+        """
+        reader = checkpoints.CheckpointReader(path or self.settings.resume_path)
+        rank = members.index(self.args.device_id)
+        common = reader.common
+        self.model.load_state_dict(common["model"])  # in place: the sharded parameters stay views
+        self.shards.load_optimizer_plain(reader.plain_param_groups_and_replicated())
+        if self.scheduler is not None and common.get("scheduler") is not None:
+            self.scheduler.load_state_dict(common["scheduler"])
+        self._restore_extra(common)
+        target = self._target_partition(len(members))
+        shards = self.shards
+        pieces = []
+        for k, start, stop in shards.segments(target.holdings(rank)):
+            number = shards.number_of(k)
+            state = reader.segment_state(number, start, stop, shards.parameters[shards.sharded[k]].numel())
+            pieces.append(((k, start, stop), {key: _to(value, self.device) for key, value in state.items()}))
+        shards.pristine = False
+        shards.drop()
+        shards.add(pieces)
+        shards.install(target, rank)
+        self.shard_partition = target
+        self.parameters_complete = True
+
+
+def _to(value, device):
+    return value.to(device) if isinstance(value, torch.Tensor) else value
