@@ -223,7 +223,9 @@ def _resume_command(path: str, seen: int, deadline: float) -> tuple:
     it waits ("... restart it with: CMD": more than `seen` notes); (None, seen) if none did within 60 s."""
     give_up = min(deadline, time.monotonic() + 60.0)
     while time.monotonic() < give_up:
-        said = [line.split(WAITING_NOTE, 1)[1] for line in open(path).read().splitlines() if WAITING_NOTE in line]
+        # Whole lines only: a device may be writing its note right now.
+        lines = open(path).read().split("\n")[:-1]
+        said = [line.split(WAITING_NOTE, 1)[1] for line in lines if WAITING_NOTE in line]
         if len(said) > seen:
             return said[-1], len(said)
         time.sleep(0.05)
