@@ -96,6 +96,17 @@ def _yield_cores() -> None:
         pass
 
 
+def say(line: str) -> None:
+    """A line on stderr, written whole in one call: the devices of a host share their driver's stderr,
+    and print's separate write of the newline let two devices' lines run into one. The stream may be
+    a dead driver's pipe by now (a device outlives its driver)."""
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except OSError:
+        pass
+
+
 class Worker(
     StepLoop,
     Boundaries,
@@ -342,7 +353,4 @@ class Worker(
         self.finish(stopped=reason, checkpoint=checkpoint)
 
     def _say(self, message: str) -> None:
-        try:
-            print(f"flexpar: device {self.args.device_id}: {message}", file=sys.stderr, flush=True)
-        except OSError:  # a dead driver's stderr may be a pipe nobody reads any more
-            pass
+        say(f"flexpar: device {self.args.device_id}: {message}")

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from flexpar.errors import ShardStateLost, UserCodeError
 from flexpar.worker.device_link import DeviceLink, DriverLost, Evicted, JobStopped
-from flexpar.worker.lifecycle import Worker
+from flexpar.worker.lifecycle import Worker, say
 from flexpar.worker.settings import EXIT_DRIVER_LOST, EXIT_EVICTED, WorkerArgs
 
 
@@ -56,7 +56,7 @@ def main(args: WorkerArgs) -> None:
         if link.leave_requested_at is not None:
             code = 0  # asked to stop before it was admitted: it was let go
         else:
-            _say(f"flexpar: device {args.device_id}: {refusal}")
+            say(f"flexpar: device {args.device_id}: {refusal}")
             code = EXIT_EVICTED
     except Exception as error:  # the user's code (or ours) raised: stop the job, say why once
         try:
@@ -153,14 +153,6 @@ def _leave_on_sigterm(worker: "Worker") -> None:
         link.request_leave(worker.proof, grace_s)
 
     signal.signal(signal.SIGTERM, on_sigterm)
-
-
-def _say(line: str) -> None:
-    """A line on stderr, which may be a dead driver's pipe by now (a device outlives its driver)."""
-    try:
-        print(line, file=sys.stderr, flush=True)
-    except OSError:
-        pass
 
 
 def _describe(error: Exception) -> str:
