@@ -89,12 +89,11 @@ def run_once(folder, steps, path=None, kill_at=None):
             killed = time.time()
             first.wait()
             committed_at_kill = max(r["step"] for r in _steps(metrics)) + 1
-            note = NOTE[path]
-            lines = _wait(
-                lambda: [line for line in _read(os.path.join(folder, "driver-1.err")).splitlines() if note in line],
+            said = _wait(
+                lambda: processes.commands_said(os.path.join(folder, "driver-1.err"), NOTE[path]),
                 "the devices' resume command",
             )
-            command = shlex.split(lines[-1].split(note, 1)[1])
+            command = shlex.split(said[-1])
             time.sleep(max(0.0, killed + RESTART_DELAY_S - time.time()))
             started = time.time()
             second = _flexpar(command[1:], folder, "driver-2", environment)

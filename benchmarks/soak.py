@@ -223,9 +223,7 @@ def _resume_command(path: str, seen: int, deadline: float) -> tuple:
     it waits ("... restart it with: CMD": more than `seen` notes); (None, seen) if none did within 60 s."""
     give_up = min(deadline, time.monotonic() + 60.0)
     while time.monotonic() < give_up:
-        # Whole lines only: a device may be writing its note right now.
-        lines = open(path).read().split("\n")[:-1]
-        said = [line.split(WAITING_NOTE, 1)[1] for line in lines if WAITING_NOTE in line]
+        said = harness.commands_said(path, WAITING_NOTE)
         if len(said) > seen:
             return said[-1], len(said)
         time.sleep(0.05)

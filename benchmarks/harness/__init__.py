@@ -29,6 +29,7 @@ from .memory import PeakMemoryWatcher, peak_rss_bytes
 from .output import fmt, print_table, progress, write_json
 from .processes import (
     command_line,
+    commands_said,
     cpu_count,
     descendants,
     end_descendants,
@@ -56,6 +57,7 @@ __all__ = [
     "alternate",
     "base_parser",
     "command_line",
+    "commands_said",
     "cpu_count",
     "ddp_training_rank",
     "descendants",

@@ -153,3 +153,10 @@ def run_in_own_group(command: Sequence[str], timeout_s: float, stdout, stderr) -
     finally:
         kill_group(process.pid)
         process.wait()
+
+
+def commands_said(path: str, marker: str) -> List[str]:
+    """The commands that a job's output file gives after `marker` ("restart it with: CMD"), one per
+    whole line, in order; a last line still being written is left out (its command may be cut)."""
+    text = open(path).read() if os.path.exists(path) else ""
+    return [line.split(marker, 1)[1] for line in text.split("\n")[:-1] if marker in line]

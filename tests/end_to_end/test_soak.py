@@ -104,6 +104,13 @@ def test_a_driver_fault_is_tallied_as_the_driver_kind():
     assert soak_tally.tally(plan, "", [], []).not_fired == [("driver", "sync", 7, "driver")]
 
 
+def test_a_restart_command_is_read_from_whole_lines_only(tmp_path):
+    output = tmp_path / "stderr.txt"
+    note = soak.WAITING_NOTE
+    output.write_text(f"x: waits; {note}flexpar run --resume a.py\nnoise\ny: waits; {note}flexpar run --resu")
+    assert soak.harness.commands_said(str(output), note) == ["flexpar run --resume a.py"]
+
+
 def test_the_phase_deck_keeps_an_excluded_phase_for_later():
     deck = soak_plan.PhaseDeck(random.Random(1))
     first = [deck() for _ in soak_plan.SIGNAL_PHASES]
