@@ -94,7 +94,6 @@ class Coordinator:
         self.resume_from = resume_from
         # This host's devices waiting for a driver (their report files): an adoption window waits for them.
         self.seen_waiting = seen_waiting
-        self._waiting_read_at = float("-inf")
         self.reports: dict = {}  # device id -> its last present/adopt message (a restarted driver's)
         self.declined: Optional[str] = None  # a device of another job reported: this driver stops
         self.nothing_to_adopt: Optional[ms.NothingToAdopt] = None  # the window closed with no member back
@@ -134,10 +133,12 @@ class Coordinator:
         # Heartbeats move every 0.5 s and count after seconds: reading them (two store
         # round trips per device) at every one of the driver's 100 polls a second only
         # woke threads on cores that compute (see NOTICE_KEY).
-        silent = []
+        silent, waiting = [], None
         if now - self._heartbeats_read_at >= HEARTBEATS_READ_S:
             self._heartbeats_read_at = now
             silent = self._silent_devices(now)
+            if self.state.adoption is not None:  # as often: files of this host's waiting devices
+                waiting = tuple(self.seen_waiting())
         for device_id in silent:
             self.on_note(
                 f"device {device_id} stopped answering (no heartbeat for {self.heartbeat_timeout_s:g} s): "
@@ -149,9 +150,8 @@ class Coordinator:
         for device_id in exited:
             self._announce_death(device_id)
             self.apply(ms.Exited(device_id, now))
-        if self.state.adoption is not None and now - self._waiting_read_at >= HEARTBEATS_READ_S:
-            self._waiting_read_at = now
-            self.apply(ms.SeenWaiting(tuple(self.seen_waiting())))
+        if waiting is not None and self.state.adoption is not None:
+            self.apply(ms.SeenWaiting(waiting))
         self.apply(ms.Tick(now))
 
     def _announce_death(self, device_id: str) -> None:

@@ -24,7 +24,7 @@ from flexpar.core import membership
 from flexpar.core.schedule import ScheduleTracker
 from flexpar.errors import TrainingError
 from flexpar.observe.display import LiveDisplay
-from flexpar.observe.metrics import LOGGER_NAME, MetricsWriter, resume_point
+from flexpar.observe.metrics import DEVICE_SET_EVENTS, LOGGER_NAME, MetricsWriter, resume_point
 from flexpar.worker.settings import EXIT_MAIN_GUARD, MAIN_GUARD_MESSAGE
 
 # The loop runs when something was sent (DriverWaker, below), and at least this often for
@@ -204,7 +204,7 @@ class DriverLoop:
                 self.events.append(record)
                 self._emit(record)
                 self._notify("on_event", record)
-                if record["event"] in ("join", "leave", "failure", "adopt"):
+                if record["event"] in DEVICE_SET_EVENTS:
                     self._report_schedule(self.schedule.observed(previous, record))
 
     def _relay_eval(self, record: dict) -> None:
