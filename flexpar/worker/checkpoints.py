@@ -48,11 +48,15 @@ def temporary_path(path: str) -> str:
 
 def write_checkpoint(directory: str, state_bytes: bytes, step: int) -> str:
     """Write atomically (temporary file, then rename): a crash never leaves half a file."""
-    os.makedirs(directory, exist_ok=True)
-    path = checkpoint_path(directory, step)
+    return _write_atomically(checkpoint_path(directory, step), lambda handle: handle.write(state_bytes))
+
+
+def _write_atomically(path: str, fill) -> str:
+    """`fill(handle)` writes a temporary file of this writer's own, renamed to `path` once whole."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     temporary = temporary_path(path)
     with open(temporary, "wb") as handle:
-        handle.write(state_bytes)
+        fill(handle)
     os.replace(temporary, path)
     return path
 
@@ -216,12 +220,7 @@ def write(directory: str, step: int, state) -> str:
 
 def write_file(path: str, state) -> str:
     """torch.save `state` to `path` atomically (a temporary file of this writer's own, then rename)."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    temporary = temporary_path(path)
-    with open(temporary, "wb") as handle:
-        torch.save(state, handle)
-    os.replace(temporary, path)
-    return path
+    return _write_atomically(path, lambda handle: torch.save(state, handle))
 
 
 def prune(directory: str, keep: Optional[int]) -> list:
