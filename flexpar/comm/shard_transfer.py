@@ -24,14 +24,13 @@ dead fails the transfer at once (`PeerFailure`).
 
 from __future__ import annotations
 
-import io
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from flexpar.comm.collectives import collective, wait_for_collective, wait_for_transfers
-from flexpar.comm.state_transfer import _as_bytes, _dtype_named, encode_state, join_tensors
+from flexpar.comm.state_transfer import as_bytes, assemble_state, decode_header, dtype_named, encode_state
 
 
 def gather_reports(
@@ -81,7 +80,7 @@ def exchange(
     sent = 0
     for peer, message in sorted(outgoing.items()):
         header, payloads = encode_state(message, device)
-        payloads += [_as_bytes(tensor, device) for tensor in raw_out.get(peer, ())]
+        payloads += [as_bytes(tensor, device) for tensor in raw_out.get(peer, ())]
         prepared[peer] = (header, payloads)
         sent += 8 + header.numel() + sum(payload.numel() for payload in payloads)
     peers_in = sorted(incoming)
@@ -100,11 +99,9 @@ def exchange(
         + [dist.P2POp(dist.irecv, headers[peer], peer) for peer in peers_in],
         peer_lost,
     )
-    described = {
-        peer: torch.load(io.BytesIO(headers[peer].cpu().numpy().tobytes()), weights_only=True) for peer in peers_in
-    }
+    described = {peer: decode_header(headers[peer]) for peer in peers_in}
     received = {
-        peer: [torch.empty(shape, dtype=_dtype_named(dtype), device=device) for dtype, shape, _ in entry["tensors"]]
+        peer: [torch.empty(shape, dtype=dtype_named(dtype), device=device) for dtype, shape, _ in entry["tensors"]]
         for peer, entry in described.items()
     }
     operations = [
@@ -118,11 +115,7 @@ def exchange(
             if tensor.numel():
                 operations.append(dist.P2POp(dist.irecv, _receivable(tensor), peer))
     _post(operations, peer_lost)
-    messages = {}
-    for peer in peers_in:
-        layouts = described[peer]["tensors"]
-        tensors = [tensor if on_device else tensor.cpu() for tensor, (_, _, on_device) in zip(received[peer], layouts)]
-        messages[peer] = join_tensors(described[peer]["skeleton"], tensors)
+    messages = {peer: assemble_state(described[peer], received[peer]) for peer in peers_in}
     return messages, sent
 
 

@@ -197,16 +197,27 @@ def _tensor_layout(tensor: torch.Tensor) -> list:
     return [str(tensor.dtype).removeprefix("torch."), list(tensor.shape), tensor.device.type != "cpu"]
 
 
-def _dtype_named(name: str) -> torch.dtype:
+def dtype_named(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"state transfer: {name!r} is not a torch dtype (a peer sent a corrupt state)")
     return dtype
 
 
-def _as_bytes(tensor: torch.Tensor, device) -> torch.Tensor:
+def as_bytes(tensor: torch.Tensor, device) -> torch.Tensor:
     """The tensor's elements as a flat uint8 tensor on the transfer device (no copy where it can be avoided)."""
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8).to(device)
+
+
+def decode_header(header: torch.Tensor) -> dict:
+    """What `encode_state` put in a header: {"skeleton", "tensors": each tensor's layout}."""
+    return torch.load(io.BytesIO(header.cpu().numpy().tobytes()), weights_only=True)
+
+
+def assemble_state(described: dict, tensors: list):
+    """The state a decoded header describes, from its received tensors (CPU tensors back on the CPU)."""
+    placed = [tensor if on_device else tensor.cpu() for tensor, (_, _, on_device) in zip(tensors, described["tensors"])]
+    return join_tensors(described["skeleton"], placed)
 
 
 def encode_state(state: dict, device) -> tuple:
@@ -220,7 +231,7 @@ def encode_state(state: dict, device) -> tuple:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "the given buffer is not writable"
         header = torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8).to(device)
-    return header, [_as_bytes(tensor, device) for tensor in tensors]
+    return header, [as_bytes(tensor, device) for tensor in tensors]
 
 
 def send_state(state: dict, receivers: list, device, after_size=None) -> int:
@@ -256,18 +267,18 @@ def receive_state(source: int, device, own_model_state: Optional[dict] = None) -
     dist.recv(size, source)
     header = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.recv(header, source)
-    described = torch.load(io.BytesIO(header.cpu().numpy().tobytes()), weights_only=True)
+    described = decode_header(header)
     reusable = _reusable_tensors(described["skeleton"], own_model_state or {})
     tensors = []
     for index, (dtype_name, shape, on_device) in enumerate(described["tensors"]):
-        dtype = _dtype_named(dtype_name)
+        dtype = dtype_named(dtype_name)
         tensor = reusable.get(index)
         if not _fits(tensor, dtype, shape, on_device, torch.device(device)):
             tensor = torch.empty(shape, dtype=dtype, device=device)
         if tensor.numel():
             dist.recv(tensor.reshape(-1).view(torch.uint8), source)  # contiguous: a view, not a copy
-        tensors.append(tensor if on_device else tensor.cpu())
-    return join_tensors(described["skeleton"], tensors)
+        tensors.append(tensor)
+    return assemble_state(described, tensors)
 
 
 def _fits(

@@ -150,7 +150,7 @@ def test_each_receiver_gets_its_own_copy(wire):
 
 def test_a_corrupt_dtype_name_is_refused():
     with pytest.raises(ValueError, match="'Tensor' is not a torch dtype"):
-        training_state._dtype_named("Tensor")
+        training_state.dtype_named("Tensor")
 
 
 def test_split_and_join_are_inverse_and_leave_other_values_alone():
