@@ -61,8 +61,7 @@ class Boundaries:
                 self._restore(checkpoints.read_checkpoint(record["restore"], self.device))
 
         def peer_lost():
-            lost = self.link.dead_members & set(group) if self.link.latest_generation == generation else set()
-            return min(lost) if lost else None
+            return self.link.lost_among(generation, group)
 
         with fresh_group(
             self.reaper.retire(self.sync.release_works()),

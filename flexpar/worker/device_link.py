@@ -343,6 +343,13 @@ class DeviceLink:
                 self.finish_reason = self.store.get("finish").decode()
         return self.finish_reason
 
+    def lost_among(self, generation: int, devices) -> Optional[str]:
+        """One of `devices` that the coordinator says died in `generation` (the newest it published), if any."""
+        if self.latest_generation != generation:
+            return None
+        lost = self.dead_members & set(devices)
+        return min(lost) if lost else None
+
     def gather(self, generation: int, members: tuple, poll_s: float = 0.0005, label: str = "arrived") -> str:
         """Meet the other members of `generation` in the store before forming its group.
 
@@ -356,8 +363,8 @@ class DeviceLink:
             self.check()
             if self.latest_generation > generation:
                 return f"generation {generation} was superseded by {self.latest_generation} before it formed"
-            lost = self.dead_members & set(members) if self.latest_generation == generation else set()
-            return f"peer {min(lost)} died before generation {generation} formed" if lost else ""
+            lost = self.lost_among(generation, members)
+            return f"peer {lost} died before generation {generation} formed" if lost else ""
 
         with self.driver_needed():
             return meet(self.store, f"gen/{generation}/{label}", len(members), problem, poll_s)

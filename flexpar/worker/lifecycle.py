@@ -188,10 +188,7 @@ class Worker(
 
     def _peer_lost(self) -> Optional[str]:
         """A member of this generation that the coordinator knows is dead, if any."""
-        if self.link.latest_generation != self.generation:
-            return None
-        lost = self.link.dead_members & set(self.members)
-        return min(lost) if lost else None
+        return self.link.lost_among(self.generation, self.members)
 
     # ------------------------------------------------------------ lifecycle
 
