@@ -6,7 +6,7 @@ phase and optionally the signal) to every device; each keeps its own and
 fires them at the named points of the step loop and the boundaries, where
 the code calls `_fault_point(phase, step)`. Faults aimed at the driver
 (STEP:driver:PHASE) are fired by the device that is rank 0 at that point (at a
-transfer: the sender), through flexpar/worker/orphan.py. Tests, the soak and
+transfer: the sender), with `_kill_driver_if_due`. Tests, the soak and
 the benchmarks use this to prove that a failure at any phase loses nothing.
 """
 
@@ -49,12 +49,7 @@ class FaultInjection:
 
         Each fault fires once: a step redone after a failure does not fire it again.
         """
-        due = [
-            key
-            for key in self.faults
-            if key[1] == phase and (key[0] == step or (phase in BOUNDARY_PHASES and key[0] <= step))
-        ]
-        for key in due:
+        for key in _due(self.faults, phase, step):
             number = self.faults.pop(key)
             # Said first, with the time: the fault soak measures detection from it.
             print(
@@ -66,4 +61,28 @@ class FaultInjection:
             os.kill(os.getpid(), number)
         # The driver's: the rank 0 of the generation it trains in fires them (at a transfer: the sender).
         if self.driver_faults and (self.members[:1] == (self.args.device_id,) or phase == "transfer"):
-            self._kill_driver_if_due(phase, step, BOUNDARY_PHASES)
+            self._kill_driver_if_due(phase, step)
+
+    def _kill_driver_if_due(self, phase: str, step: int) -> None:
+        """Tests' and the soak's driver faults (STEP:driver:PHASE): kill -9 the driver here, once."""
+        due = _due(self.driver_faults, phase, step)
+        if not due or not self.settings.driver_pid or self.args.remote:
+            return
+        self.driver_faults -= set(due)
+        print(
+            f"flexpar: fault: driver gets SIGKILL at step {step} ({phase}) at {time.time():.6f} (pid "
+            f"{self.settings.driver_pid}, from {self.args.device_id})",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            os.kill(self.settings.driver_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _due(keys, phase: str, step: int) -> list:
+    """The (step, phase) keys due at `phase` of `step`: at their own step, or for a boundary phase at
+    the first such phase at or after it."""
+    boundary = phase in BOUNDARY_PHASES
+    return [key for key in keys if key[1] == phase and (key[0] == step or (boundary and key[0] <= step))]

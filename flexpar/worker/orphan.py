@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import socket
-import sys
 import time
 
 from flexpar.comm import waiting
@@ -148,24 +146,3 @@ class WorkerOrphan:
 
     def _address(self) -> str:
         return self.settings.address or f"{self.args.host}:{self.args.port}"
-
-    def _kill_driver_if_due(self, phase: str, step: int, boundary_phases: tuple) -> None:
-        """Tests' and the soak's driver faults (STEP:driver:PHASE): kill -9 the driver here, once."""
-        due = [
-            key
-            for key in self.driver_faults
-            if key[1] == phase and (key[0] == step or (phase in boundary_phases and key[0] <= step))
-        ]
-        if not due or not self.settings.driver_pid or self.args.remote:
-            return
-        self.driver_faults -= set(due)
-        print(
-            f"flexpar: fault: driver gets SIGKILL at step {step} ({phase}) at {time.time():.6f} (pid "
-            f"{self.settings.driver_pid}, from {self.args.device_id})",
-            file=sys.stderr,
-            flush=True,
-        )
-        try:
-            os.kill(self.settings.driver_pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
