@@ -195,6 +195,7 @@ def test_scale_waits_for_the_answer_and_sigterm_stops_the_job_with_a_checkpoint(
     # One line of its own (the plain log also records the stop event, as it records every event).
     stopped = [line for line in err.splitlines() if "SIGTERM" in line and line.startswith("flexpar:")]
     assert len(stopped) == 1 and "stopped by SIGTERM after step" in stopped[0], err
+    assert f"; resume with: flexpar run --resume --checkpoint-dir {checkpoints}" in stopped[0], stopped[0]
     assert "Traceback" not in err and "frame #" not in err
     step = int(stopped[0].split("after step ")[1].split(";")[0])
     assert os.path.exists(checkpoints / f"step-{step:08d}.pt"), "the final checkpoint holds the last step"

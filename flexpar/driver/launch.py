@@ -235,7 +235,7 @@ def run(job, options: FitOptions) -> tuple:
         callbacks.close(failed=not ended_well)
     if terminated.is_set():
         where = (
-            f"; checkpoint {summary['checkpoint']}"
+            f"; checkpoint {summary['checkpoint']}; resume with: {settings.resume_command}"
             if summary["checkpoint"]
             else ("; no checkpoint (pass --checkpoint-dir to keep one)")
         )
