@@ -239,6 +239,14 @@ def test_no_display_logs_lines_the_last_step_is_checkpointed_and_a_resume_says_w
     assert "step 10/30" in run.stderr and "step 30/30" in run.stderr, run.stderr
     assert any(line.startswith("event start at step 0") for line in lines)
     assert sorted(os.listdir(checkpoints)) == ["step-00000025.pt", "step-00000030.pt"]
+    # The same command again, without --resume: refused in one line before any worker starts.
+    again = flexpar_command("run", *common, "--metrics", str(tmp_path / "c.jsonl"), str(script), timeout_s=180)
+    assert again.returncode == 1 and again.stderr.count("\n") == 1, again.stderr
+    assert again.stderr.startswith(
+        f"flexpar: checkpoint_dir {checkpoints} holds another run's checkpoints (steps 25, 30): continue that "
+        "run with --resume (fit(resume=True)), or give this run another folder"
+    ), again.stderr
+    assert sorted(os.listdir(checkpoints)) == ["step-00000025.pt", "step-00000030.pt"]
     resumed = flexpar_command(
         "run", *common, "--steps", "40", "--resume", "--metrics", str(tmp_path / "b.jsonl"), str(script), timeout_s=180
     )

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 from typing import Optional
 
 from flexpar.comm import state_transfer as training_state
@@ -104,23 +103,25 @@ class WorkerCheckpoints:
         """
         path = checkpoints.checkpoint_path(directory, self.committed)
         self._fault_point("checkpoint", self.committed)
+        # This device wrote this step here already (the last step, then the stop): the same state.
+        # A file that is there for any other reason (an earlier try of this run) is replaced, never kept.
+        if self._checkpoint_written == (directory, self.committed):
+            return path
         writer = self._checkpoint_writer_now()
         if self.shards is not None:
-            if self._sharded_written != (directory, self.committed):  # the last step may be written already
-                files = self._sharded_checkpoint_files(directory, parts, common)
-                writer.submit_files(directory, self.committed, checkpoints.cpu_copy(files))
-                self._sharded_written = (directory, self.committed)
-            return path
-        if not os.path.exists(path) and writer.pending != path:  # the last step may be written already
+            files = self._sharded_checkpoint_files(directory, parts, common)
+            writer.submit_files(directory, self.committed, checkpoints.cpu_copy(files))
+        else:
             state = checkpoints.cpu_copy(self._capture(for_checkpoint=True))
             if self.settings.checkpoint_frozen:
                 # The frozen parameters never change: the writer thread serialises the live
                 # tensors, so the step loop copies only what trains (and the small buffers).
                 state["model"] = self.frozen.complete(self.model, state["model"])
             writer.submit(directory, self.committed, state)
+        self._checkpoint_written = (directory, self.committed)
         return path
 
-    _sharded_written: tuple = ()
+    _checkpoint_written: tuple = ()  # (folder, step) of this device's last checkpoint write
 
     def _sharded_checkpoint_files(self, directory: str, parts=None, common=None) -> list:
         """[(path, state)] of a sharded job's checkpoint that this device writes.
