@@ -542,6 +542,22 @@ def test_a_plain_python_run_says_flexpars_own_refusal_in_one_line(tmp_path):
     assert run.stderr.startswith("flexpar: ") and "--oversubscribe" in run.stderr, run.stderr
     assert "Traceback" not in run.stderr and run.stderr.count("\n") == 1, run.stderr
 
+    # A checkpoint folder that holds another run's checkpoints, under plain python: the same one line.
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "step-00000040.pt").write_bytes(b"")
+    script.write_text(
+        textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {TESTS!r})
+        import pieces
+        if __name__ == "__main__":
+            pieces.make_job().fit(steps=3, devices=1, display=False, checkpoint_every=1, checkpoint_dir="ck")
+    """)
+    )
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 1 and "Traceback" not in run.stderr and run.stderr.count("\n") == 1, run.stderr
+    assert run.stderr.startswith("flexpar: checkpoint_dir ck holds another run's checkpoints (step 40): ")
+
     script.write_text(
         textwrap.dedent(f"""
         import sys
