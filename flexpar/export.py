@@ -8,7 +8,9 @@ else, so any program loads it without flexpar or pickle:
 A fine-tuning job's checkpoint holds the trainable state only (its frozen
 weights are the factory's, checked by digest): export rebuilds the model with
 the factory the checkpoint names, checks the frozen digests, loads the trained
-tensors and writes the whole model. For a peft model it also writes the
+tensors and writes the whole model. Any other checkpoint holds the whole
+model and is written as it is, with no factory (and no `--script`). The
+files get the mode the user's umask gives, as `torch.save`'s do. For a peft model it also writes the
 adapter alone with peft's own `save_pretrained` (loadable with
 `PeftModel.from_pretrained(base, ADAPTER)`).
 
@@ -146,7 +148,7 @@ def export_with_adapter(
         ) from None
     entry = (state.get("extra") or {}).get("frozen") if isinstance(state, dict) else None
     built = None
-    if entry is not None and (not entry.get("complete") or entry.get("peft")):
+    if needs_factory(entry):
         factory = resolve_factory(entry.get("factory"), script, model, checkpoint)
         built = rebuild_model(state, factory, checkpoint)
         state = {"model": built.state_dict(), "step": state.get("step", "")}
@@ -156,9 +158,50 @@ def export_with_adapter(
     metadata = {"format": "pt", "flexpar_step": str(state.get("step", ""))}
     temporary = output + ".tmp"
     save_file(tensors, temporary, metadata=metadata)
+    follow_umask(temporary)
     os.replace(temporary, output)
     if built is not None and entry.get("peft"):
         adapter = adapter or adapter_folder(output)
         built.save_pretrained(adapter)  # peft's own layout: adapter_config.json, adapter_model.safetensors
+        weights = os.path.join(adapter, "adapter_model.safetensors")  # peft's name; owner-only as safetensors writes it
+        if os.path.isfile(weights):
+            follow_umask(weights)
         return output, adapter
     return output, None
+
+
+def needs_factory(entry: Optional[dict]) -> bool:
+    """Whether a checkpoint's model must be rebuilt by its factory to be exported.
+
+    Only when the checkpoint lacks part of the state_dict (frozen weights and
+    buffers that stayed as built, stored as digests) or the model is a peft
+    model (its adapter is written by peft's `save_pretrained`); a checkpoint
+    that holds the whole state_dict (`complete`, or no digest at all: nothing
+    frozen and no buffer, as an earlier flexpar recorded it) is written as it is.
+    """
+    if entry is None:
+        return False
+    return bool(entry.get("peft")) or not (entry.get("complete") or not entry.get("digests"))
+
+
+def follow_umask(path: str) -> None:
+    """Give `path` the mode a new file gets from the user's umask (0644 under the usual 022).
+
+    safetensors writes its files owner-only (0600); a model is shared like
+    any file `torch.save` writes, so it gets the mode `open()` would give it.
+    """
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """This process's umask (read from /proc where it is there: setting it to read it is not thread-safe)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    current = os.umask(0o022)
+    os.umask(current)
+    return current

@@ -239,6 +239,14 @@ def test_no_display_logs_lines_the_last_step_is_checkpointed_and_a_resume_says_w
     assert "step 10/30" in run.stderr and "step 30/30" in run.stderr, run.stderr
     assert any(line.startswith("event start at step 0") for line in lines)
     assert sorted(os.listdir(checkpoints)) == ["step-00000025.pt", "step-00000030.pt"]
+    # The same command again, without --resume: refused in one line before any worker starts.
+    again = flexpar_command("run", *common, "--metrics", str(tmp_path / "c.jsonl"), str(script), timeout_s=180)
+    assert again.returncode == 1 and again.stderr.count("\n") == 1, again.stderr
+    assert again.stderr.startswith(
+        f"flexpar: checkpoint_dir {checkpoints} holds another run's checkpoints (steps 25, 30): continue that "
+        "run with --resume (fit(resume=True)), or give this run another folder"
+    ), again.stderr
+    assert sorted(os.listdir(checkpoints)) == ["step-00000025.pt", "step-00000030.pt"]
     resumed = flexpar_command(
         "run", *common, "--steps", "40", "--resume", "--metrics", str(tmp_path / "b.jsonl"), str(script), timeout_s=180
     )
@@ -533,6 +541,22 @@ def test_a_plain_python_run_says_flexpars_own_refusal_in_one_line(tmp_path):
     assert run.returncode == 1
     assert run.stderr.startswith("flexpar: ") and "--oversubscribe" in run.stderr, run.stderr
     assert "Traceback" not in run.stderr and run.stderr.count("\n") == 1, run.stderr
+
+    # A checkpoint folder that holds another run's checkpoints, under plain python: the same one line.
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "step-00000040.pt").write_bytes(b"")
+    script.write_text(
+        textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {TESTS!r})
+        import pieces
+        if __name__ == "__main__":
+            pieces.make_job().fit(steps=3, devices=1, display=False, checkpoint_every=1, checkpoint_dir="ck")
+    """)
+    )
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 1 and "Traceback" not in run.stderr and run.stderr.count("\n") == 1, run.stderr
+    assert run.stderr.startswith("flexpar: checkpoint_dir ck holds another run's checkpoints (step 40): ")
 
     script.write_text(
         textwrap.dedent(f"""

@@ -1,5 +1,7 @@
 """`flexpar export`: a checkpoint's weights as safetensors, loadable with load_state_dict."""
 
+import os
+import stat
 import subprocess
 import sys
 
@@ -61,6 +63,50 @@ def test_the_command_line_exports(tmp_path):
     assert torch.equal(loaded["norm.running_mean"], model.norm.running_mean)
 
 
+def test_a_checkpoint_with_no_frozen_weight_exports_without_the_script(tmp_path):
+    """A factory defined in the training script (`__main__`) is needed only to rebuild frozen weights:
+    a checkpoint that holds every weight is written as it is, with no --script."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    # What a worker recorded for a model with nothing frozen and no buffer, built by the training script.
+    entry = {"digests": {}, "complete": False, "factory": {"name": "__mp_main__:build"}, "seed": 0, "peft": False}
+    state = training_state.capture(model, optimizer, None, 12, {"frozen": entry})
+    path = checkpoints.write(str(tmp_path), 12, checkpoints.cpu_copy(state))
+    output = tmp_path / "model.safetensors"
+    result = subprocess.run(
+        [sys.executable, "-m", "flexpar", "export", path, "-o", str(output)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0 and "--script" not in result.stderr, result.stderr
+    loaded = safetensors_torch.load_file(str(output))
+    assert set(loaded) == set(model.state_dict())
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded[name], tensor), name
+    # With frozen weights stored as digests only, the factory is still needed, and asked for.
+    frozen_entry = {**entry, "digests": {"0.weight": "0" * 64}}
+    state = training_state.capture(model, optimizer, None, 13, {"frozen": frozen_entry})
+    path = checkpoints.write(str(tmp_path), 13, checkpoints.cpu_copy(state))
+    with pytest.raises(ValueError, match="defined in the training script: flexpar export .* --script SCRIPT"):
+        export.export(path, str(tmp_path / "frozen.safetensors"))
+
+
+def test_the_exported_file_follows_the_umask(tmp_path):
+    """safetensors writes owner-only files; an exported model gets the mode torch.save's files get."""
+    _, path = _checkpoint(tmp_path)
+    previous = os.umask(0o027)
+    try:
+        output = export.export(path, str(tmp_path / "model.safetensors"))
+        compare = tmp_path / "torch.pt"
+        torch.save({}, compare)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(os.stat(output).st_mode) == 0o640 == stat.S_IMODE(os.stat(compare).st_mode)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o666 & ~previous, "checkpoints follow the umask too"
+
+
 def test_export_says_what_is_wrong(tmp_path):
     with pytest.raises(ValueError, match="no such checkpoint"):
         export.export(str(tmp_path / "missing.pt"), str(tmp_path / "x.safetensors"))
@@ -96,7 +142,18 @@ def test_a_checkpoint_of_a_real_job_exports_the_returned_model(train, tmp_path):
     model, summary = train(job, steps=5, devices=2, checkpoint_every=5, checkpoint_dir=str(tmp_path / "ck"))
     checkpoint = checkpoints.latest_checkpoint(str(tmp_path / "ck"))
     assert checkpoint.endswith("step-00000005.pt") and summary["steps"] == 5
-    output = export.export(checkpoint, str(tmp_path / "model.safetensors"))
+    assert checkpoints.read_checkpoint(checkpoint, "cpu")["extra"]["frozen"]["complete"], "nothing is left out"
+    # `flexpar export` where the job's code (tests/pieces.py) cannot be imported: none is needed.
+    output = str(tmp_path / "model.safetensors")
+    result = subprocess.run(
+        [sys.executable, "-m", "flexpar", "export", checkpoint, "-o", output],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(export.__file__))},
+    )
+    assert result.returncode == 0, result.stderr
     fresh = job.model()
     fresh.load_state_dict(safetensors_torch.load_file(output))
     returned = model.state_dict()

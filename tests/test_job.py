@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import textwrap
+import time
 
 import pieces
 import pytest
@@ -160,10 +161,27 @@ def test_checkpoint_and_resume(train, tmp_path):
     checkpoints = tmp_path / "checkpoints"
     train(job, steps=6, devices=2, checkpoint_every=3, checkpoint_dir=str(checkpoints))
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000003.pt", "step-00000006.pt"]
-    (checkpoints / "step-00000006.pt").unlink()  # as if the job died after step 3... then resumed
-    model, summary = train(job, steps=10, devices=1, checkpoint_dir=str(checkpoints), resume=True)
-    assert summary["steps"] == 10
+    # A fresh run into the folder is refused before any worker starts: its checkpoints would land
+    # beside these, and --resume or export would take the wrong run's.
+    with pytest.raises(ValueError) as refused:
+        train(job, steps=4, devices=2, checkpoint_every=2, checkpoint_dir=str(checkpoints))
+    message = str(refused.value)
+    assert "\n" not in message and f"checkpoint_dir {checkpoints} holds another run's checkpoints" in message
+    assert "(steps 3, 6)" in message and "--resume" in message and "another folder" in message, message
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000003.pt", "step-00000006.pt"]
+    # As if the job died while step 6 was written (a part of a sharded checkpoint never came): resumed
+    # from step 3, the run writes step 6 anew (its file replaced, the stale parts gone), never skips it.
+    stale = checkpoints / "step-00000006.optimizer"
+    stale.mkdir()
+    torch.save({}, stale / "part-0-of-2.pt")
+    resumed_at = time.time()
+    model, summary = train(job, steps=10, devices=1, checkpoint_every=3, checkpoint_dir=str(checkpoints), resume=True)
+    assert summary["steps"] == 10 and summary["resumed_from"] == 3
     pieces.assert_same_parameters(model, pieces.reference(job, 10))
+    names = sorted(p.name for p in checkpoints.iterdir())
+    assert names == ["step-00000003.pt", "step-00000006.pt", "step-00000009.pt", "step-00000010.pt"], names
+    rewritten = torch.load(checkpoints / "step-00000006.pt", weights_only=True)
+    assert rewritten["extra"]["committed_wall"] > resumed_at, "step 6's file is the resumed run's"
 
 
 def test_no_more_devices_than_virtual_workers():

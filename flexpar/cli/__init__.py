@@ -99,7 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="a flexpar checkpoint (step-NNNNNNNN.pt)")
     export.add_argument("-o", "--output", default="model.safetensors")
     export.add_argument("--adapter", help="a peft model's adapter folder (default: OUTPUT-adapter)")
-    export.add_argument("--script", help="the training script, where the checkpoint's model factory is defined")
+    export.add_argument(
+        "--script",
+        help="the training script, where the model factory is defined (needed only to rebuild frozen weights "
+        "that the checkpoint holds as digests, or a peft model)",
+    )
     export.add_argument("--model", help="the model factory, NAME in --script or MODULE:NAME, if not recorded")
     export.set_defaults(handler=command_export, parser=export)
 

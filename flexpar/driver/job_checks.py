@@ -4,13 +4,15 @@
 `first_batch_check` runs the loss on VW 0 of step 0 (under the job's
 autocast where the driver's CPU supports it) and checks `sample_cost` on a
 few indices; `check_sharding` refuses an optimizer that cannot be sharded
-the way the job asks. `job` is a `flexpar.Job`.
+the way the job asks; `check_checkpoint_folder` refuses a fresh run into a
+folder that holds another run's checkpoints. `job` is a `flexpar.Job`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 import pickle
 
 import torch
@@ -20,6 +22,7 @@ from flexpar import recipes
 from flexpar.core import batching
 from flexpar.core.shard_state import ELEMENTWISE, UNSHARDABLE
 from flexpar.errors import UserCodeError
+from flexpar.worker import checkpoints
 from flexpar.worker.cost_planner import sample_costs
 from flexpar.worker.loader import load_batch
 from flexpar.worker.user_code import loss_terms, nonfinite_message
@@ -119,3 +122,44 @@ def check_sharding(job, model: nn.Module, optimizer: torch.optim.Optimizer) -> N
             "shard_optimizer: the optimizer steps tensors that are not the model's parameters; build it on "
             "model.parameters() (or a subset of them)"
         )
+
+
+def check_checkpoint_folder(options) -> None:
+    """A run that does not resume starts with no checkpoint where its own go.
+
+    That is `checkpoint_dir`, or without one the run directory, where the
+    devices write the last step should the driver be lost (it is a fresh
+    folder unless `metrics=` names one). Another run's checkpoints there
+    would lie beside this run's, same names, same steps: `--resume` and
+    `export` would take whichever step is newest, a write would replace the
+    other run's file of its step, and keeping the newest K would delete this
+    run's own. So it is refused here, before any worker starts, naming the
+    two ways on. `options` is a `FitOptions`.
+    """
+    if options.resume:
+        return
+    if options.checkpoint_dir:
+        folder, where = options.checkpoint_dir, f"checkpoint_dir {options.checkpoint_dir}"
+        resume = "--resume (fit(resume=True))"
+    elif options.metrics:
+        folder = os.path.dirname(os.path.abspath(options.metrics))
+        where = f"the run directory {folder} (of --metrics {options.metrics}, where a driver-lost rescue goes)"
+        resume = f"--resume --checkpoint-dir {folder} (fit(resume=True, checkpoint_dir=...))"
+    else:
+        return  # a fresh run directory
+    steps = checkpoints.checkpoint_steps(folder)
+    if steps:
+        raise ValueError(
+            f"{where} holds another run's checkpoints ({_step_list(steps)}): continue that run with "
+            f"{resume}, or give this run another folder"
+        )
+
+
+def _step_list(steps: list) -> str:
+    """ "step 40", "steps 20, 40, 60", or for many "steps 10, 20, 30, ..., 990, 1000; 100 in all"."""
+    if len(steps) == 1:
+        return f"step {steps[0]}"
+    if len(steps) <= 6:
+        return "steps " + ", ".join(map(str, steps))
+    shown = [*map(str, steps[:3]), "...", *map(str, steps[-2:])]
+    return "steps " + ", ".join(shown) + f"; {len(steps)} in all"

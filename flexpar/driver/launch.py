@@ -45,7 +45,7 @@ from flexpar.driver import readopt
 from flexpar.driver.coordinator import Coordinator
 from flexpar.driver.driver_loop import DriverLoop, DriverWaker
 from flexpar.driver.fork_server import worker_context
-from flexpar.driver.job_checks import check_sharding, first_batch_check, pickle_pieces
+from flexpar.driver.job_checks import check_checkpoint_folder, check_sharding, first_batch_check, pickle_pieces
 from flexpar.driver.local_devices import LocalDevices, detect_devices
 from flexpar.errors import TrainingError
 from flexpar.observe import trackers as trackers_module
@@ -61,6 +61,7 @@ def run(job, options: FitOptions) -> tuple:
 
     Returns (the trained model, the summary): `Job.fit` hands them to the user as a `FitResult`.
     """
+    check_checkpoint_folder(options)
     kind, available, backend = detect_devices(options.backend)
     context = worker_context(options.verbose)
     initial = options.devices or (available if kind == "cuda" else 1)

@@ -94,8 +94,10 @@ def complete_parts(path: str) -> Optional[list]:
     return None
 
 
-def _steps(directory: str) -> list:
-    """The steps with a checkpoint file or a parts folder in `directory`, ascending."""
+def checkpoint_steps(directory: str) -> list:
+    """The steps with a checkpoint file or a parts folder in `directory`, ascending ([] if it does not exist)."""
+    if not os.path.isdir(directory):
+        return []
     steps = set()
     for name in os.listdir(directory):
         match = _CHECKPOINT.match(name) or _FOLDER.match(name)
@@ -108,7 +110,7 @@ def latest_checkpoint(directory: str) -> Optional[str]:
     """The newest complete checkpoint of `directory` (see `complete_parts`), or None."""
     if not os.path.isdir(directory):
         return None
-    for step in reversed(_steps(directory)):
+    for step in reversed(checkpoint_steps(directory)):
         path = checkpoint_path(directory, step)
         if complete_parts(path) is not None:
             return path
@@ -231,7 +233,7 @@ def prune(directory: str, keep: Optional[int]) -> list:
     """
     if not keep or not os.path.isdir(directory):
         return []
-    steps = _steps(directory)
+    steps = checkpoint_steps(directory)
     complete = [step for step in steps if complete_parts(checkpoint_path(directory, step)) is not None]
     if len(complete) <= keep:
         return []
@@ -284,14 +286,22 @@ class CheckpointWriter:
         self.pending: Optional[str] = None  # the path being written
 
     def submit(self, directory: str, step: int, state) -> str:
-        """Start writing `state` (already a private copy: `cpu_copy`) as step `step`; returns its path."""
-        return self.submit_files(directory, step, [(checkpoint_path(directory, step), state)])
+        """Start writing `state` (already a private copy: `cpu_copy`) as step `step`; returns its path.
 
-    def submit_files(self, directory: str, step: int, files: list) -> str:
+        An unsharded checkpoint: a parts folder of the same step (a sharded
+        checkpoint of this run's past that was never completed) goes once the
+        file is in place, so that the new file is read whole, never with stale parts.
+        """
+        path = checkpoint_path(directory, step)
+        return self.submit_files(directory, step, [(path, state)], stale=parts_folder(path))
+
+    def submit_files(self, directory: str, step: int, files: list, stale: Optional[str] = None) -> str:
         """Start writing [(path, state)] in order (private copies), the checkpoint of `step`; returns its path.
 
         A sharded job's device writes its part first and (rank 0) `step-N.pt`
-        last, so that `step-N.pt` implies its parts folder exists.
+        last, so that `step-N.pt` implies its parts folder exists. An existing
+        file is replaced (atomically), never kept: a write is never skipped.
+        `stale`: a folder removed once the files are written.
         """
         self.wait()
         path = checkpoint_path(directory, step)
@@ -302,6 +312,8 @@ class CheckpointWriter:
             try:
                 for file_path, state in files:
                     write_file(file_path, state)
+                if stale and os.path.isdir(stale):
+                    shutil.rmtree(stale)
                 prune(directory, self.keep)
             except BaseException as error:  # reported in the step loop, at the next submit or wait
                 self._error = error

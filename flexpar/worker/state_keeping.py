@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 from typing import Optional
 
 from flexpar.comm import state_transfer as training_state
@@ -32,13 +31,19 @@ class WorkerCheckpoints:
     # ------------------------------------------------------------ state
 
     def _capture(self, for_checkpoint: bool = False) -> dict:
-        extra = self._capture_extra(for_checkpoint)
         # checkpoint_frozen: `_write_checkpoint` adds the frozen parameters after the copy.
         model_state = self._model_state_for_transfer()
+        extra = self._capture_extra(for_checkpoint, model_state)
         return training_state.capture(self.model, self.optimizer, self.scheduler, self.committed, extra, model_state)
 
-    def _capture_extra(self, for_checkpoint: bool = False) -> dict:
-        """What travels with the model and optimizer: balancing, commit time, records, loss scale, rates."""
+    def _capture_extra(self, for_checkpoint: bool = False, model_state: Optional[dict] = None) -> dict:
+        """What travels with the model and optimizer: balancing, commit time, records, loss scale, rates.
+
+        For a checkpoint, also its frozen entry: the digests, how to rebuild the
+        model, and whether the file holds the whole state_dict (`complete`:
+        `checkpoint_frozen`, or nothing frozen and no buffer left out), so that
+        export needs the factory only when some weight must be rebuilt.
+        """
         extra = {
             "balance": balance.state_to_dict(self.balance_state),
             "committed_wall": self.committed_wall,
@@ -49,8 +54,9 @@ class WorkerCheckpoints:
         if self.cost_planner is not None:  # by cost: joiners plan with the same rates
             extra["cost_rates"] = self.cost_planner.state()
         if for_checkpoint:  # what resume and export check the factory's rebuild against
+            whole = model_state is not None and set(self.model.state_dict()) <= set(model_state)
             extra["frozen"] = self.frozen.checkpoint_entry(
-                self.settings.checkpoint_frozen,
+                self.settings.checkpoint_frozen or whole,
                 self.settings.model_factory,
                 self.job.seed,
                 is_peft(self.model),
@@ -104,23 +110,25 @@ class WorkerCheckpoints:
         """
         path = checkpoints.checkpoint_path(directory, self.committed)
         self._fault_point("checkpoint", self.committed)
+        # This device wrote this step here already (the last step, then the stop): the same state.
+        # A file that is there for any other reason (an earlier try of this run) is replaced, never kept.
+        if self._checkpoint_written == (directory, self.committed):
+            return path
         writer = self._checkpoint_writer_now()
         if self.shards is not None:
-            if self._sharded_written != (directory, self.committed):  # the last step may be written already
-                files = self._sharded_checkpoint_files(directory, parts, common)
-                writer.submit_files(directory, self.committed, checkpoints.cpu_copy(files))
-                self._sharded_written = (directory, self.committed)
-            return path
-        if not os.path.exists(path) and writer.pending != path:  # the last step may be written already
+            files = self._sharded_checkpoint_files(directory, parts, common)
+            writer.submit_files(directory, self.committed, checkpoints.cpu_copy(files))
+        else:
             state = checkpoints.cpu_copy(self._capture(for_checkpoint=True))
             if self.settings.checkpoint_frozen:
                 # The frozen parameters never change: the writer thread serialises the live
                 # tensors, so the step loop copies only what trains (and the small buffers).
                 state["model"] = self.frozen.complete(self.model, state["model"])
             writer.submit(directory, self.committed, state)
+        self._checkpoint_written = (directory, self.committed)
         return path
 
-    _sharded_written: tuple = ()
+    _checkpoint_written: tuple = ()  # (folder, step) of this device's last checkpoint write
 
     def _sharded_checkpoint_files(self, directory: str, parts=None, common=None) -> list:
         """[(path, state)] of a sharded job's checkpoint that this device writes.
@@ -153,13 +161,10 @@ class WorkerCheckpoints:
             }
             optimizer = {**replicated, "sharded": {"by": shards.by, "shapes": shapes}}
             scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
-            common_state = {"model": self._model_state_for_transfer(), "optimizer": optimizer, "scheduler": scheduler}
-            files.append(
-                (
-                    checkpoints.checkpoint_path(directory, step),
-                    {**common_state, "step": step, "extra": self._capture_extra(for_checkpoint=True)},
-                )
-            )
+            model_state = self._model_state_for_transfer()
+            common_state = {"model": model_state, "optimizer": optimizer, "scheduler": scheduler}
+            extra = self._capture_extra(for_checkpoint=True, model_state=model_state)
+            files.append((checkpoints.checkpoint_path(directory, step), {**common_state, "step": step, "extra": extra}))
         return files
 
     _checkpoint_writer: Optional[checkpoints.CheckpointWriter] = None

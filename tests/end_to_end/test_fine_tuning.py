@@ -12,6 +12,7 @@ import dataclasses
 import math
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import uuid
@@ -205,6 +206,10 @@ def test_lora_elastic_run_matches_reference_and_exports_a_peft_adapter(train, me
     assert state["model"] and all("lora_" in name for name in state["model"])
     output, adapter = export.export_with_adapter(last, str(tmp_path / "lora.safetensors"))
     assert adapter == str(tmp_path / "lora-adapter")
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for written in (output, os.path.join(adapter, "adapter_model.safetensors")):  # not safetensors' owner-only
+        assert stat.S_IMODE(os.stat(written).st_mode) == 0o666 & ~umask, written
     loaded = PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(folder), adapter).eval()
     tokens = torch.stack([dataset[index][0] for index in range(4)])
     with torch.no_grad():

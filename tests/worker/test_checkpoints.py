@@ -114,3 +114,30 @@ def _loaded(job, state_dict):
     model = job.model()
     model.load_state_dict(state_dict)
     return model
+
+
+def test_a_fresh_run_refuses_a_folder_with_checkpoints_and_a_resume_takes_it(tmp_path):
+    """The driver's check (flexpar/driver/job_checks.py): where this run's checkpoints go must hold none
+    unless it resumes; other files there are no checkpoints, and many steps are named in short."""
+    from flexpar import FitOptions
+    from flexpar.driver.job_checks import check_checkpoint_folder
+
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("")
+    (folder / "step-00000003.pt.123-4.tmp").write_text("")  # a write that never finished
+    check_checkpoint_folder(FitOptions(steps=1, checkpoint_dir=str(folder)))
+    for step in range(10, 110, 10):
+        (folder / f"step-{step:08d}.pt").write_text("")
+    (folder / "step-00000110.optimizer").mkdir()  # a sharded checkpoint's parts, its step-N.pt not written yet
+    with pytest.raises(ValueError) as refused:
+        check_checkpoint_folder(FitOptions(steps=1, checkpoint_dir=str(folder)))
+    assert str(refused.value) == (
+        f"checkpoint_dir {folder} holds another run's checkpoints (steps 10, 20, 30, ..., 100, 110; 11 in all): "
+        "continue that run with --resume (fit(resume=True)), or give this run another folder"
+    )
+    check_checkpoint_folder(FitOptions(steps=1, checkpoint_dir=str(folder), resume=True))
+    # Without checkpoint_dir, a driver-lost rescue goes to the run directory: the metrics file's folder.
+    with pytest.raises(ValueError, match=rf"the run directory {folder} .* holds another run's checkpoints"):
+        check_checkpoint_folder(FitOptions(steps=1, metrics=str(folder / "metrics.jsonl")))
+    check_checkpoint_folder(FitOptions(steps=1, metrics=str(tmp_path / "metrics.jsonl")))
