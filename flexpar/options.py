@@ -181,6 +181,8 @@ class FitOptions:
         _positive("log_every", self.log_every)
         _positive("eval_every", self.eval_every)
         _positive("keep_checkpoints", self.keep_checkpoints)
+        if self.devices is not None and self.max_devices is not None and self.devices > self.max_devices:
+            raise ValueError(_more_than_max_devices(self.devices, self.max_devices))
         if self.keep_checkpoints is not None and self.checkpoint_dir is None:
             raise ValueError(f"keep_checkpoints={self.keep_checkpoints} needs checkpoint_dir= (where they are)")
         if self.checkpoint_frozen and self.checkpoint_dir is None:
@@ -242,6 +244,8 @@ class FitOptions:
         maximum = self.max_devices or max(peak, available if kind == "cuda" else peak)
         if virtual_workers is not None:
             maximum = min(maximum, virtual_workers)
+        if self.max_devices is not None and initial > self.max_devices:
+            raise ValueError(_more_than_max_devices(initial, self.max_devices))
         if peak > maximum:
             raise ValueError(f"the schedule reaches {peak} devices but max_devices={maximum}; raise --max-devices")
         if kind == "cuda" and peak > available:
@@ -274,6 +278,13 @@ def _parse_speeds(speeds) -> tuple:
         if not 0 < value <= 1:
             raise ValueError(f"emulate_speeds entry {value}: relative speeds are in (0, 1]; 1 is the real speed")
     return values
+
+
+def _more_than_max_devices(devices: int, max_devices: int) -> str:
+    return (
+        f"devices={devices} is more than max_devices={max_devices}, the most the job may grow to: ask for at "
+        f"most {max_devices} device{'' if max_devices == 1 else 's'} (--devices), or raise max_devices (--max-devices)"
+    )
 
 
 def _positive(name, value):
