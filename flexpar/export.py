@@ -12,7 +12,7 @@ tensors and writes the whole model. For a peft model it also writes the
 adapter alone with peft's own `save_pretrained` (loadable with
 `PeftModel.from_pretrained(base, ADAPTER)`).
 
-Needs the `safetensors` package (`pip install flexpar[safetensors]`).
+Needs the `safetensors` package (`pip install -e ".[safetensors]"` in flexpar's checkout).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from flexpar.core import frozen
 from flexpar.driver.join import import_script_as_main
 from flexpar.worker import checkpoints
 
-EXTRA_HINT = "pip install safetensors (or flexpar[safetensors])"
+EXTRA_HINT = 'pip install safetensors (or pip install -e ".[safetensors]" in flexpar\'s checkout)'
 
 
 def _safetensors():

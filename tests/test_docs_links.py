@@ -136,3 +136,19 @@ def test_headings_name_features_not_issue_numbers(page):
         if HEADING.match(line) and ISSUE_NUMBER.search(line)
     ]
     assert not numbered, f"{page.relative_to(ROOT)} has headings that name issue numbers:\n" + "\n".join(numbered)
+
+
+UNINSTALLABLE = re.compile(r"pip install (-U )?['\"]?flexpar\[")
+
+
+def test_install_commands_are_ones_that_work_from_the_checkout():
+    """flexpar is not on PyPI: `pip install flexpar[hf]` fails; every page, example and message says
+    `pip install -e ".[hf]"` (from the checkout) instead."""
+    files = [*PAGES, *(ROOT / "examples").glob("*.py"), *(ROOT / "flexpar").rglob("*.py")]
+    wrong = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in files
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
+        if UNINSTALLABLE.search(line)
+    ]
+    assert not wrong, "install commands that fail (flexpar is installed from its checkout):\n" + "\n".join(wrong)

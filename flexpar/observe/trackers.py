@@ -51,8 +51,8 @@ from flexpar.core import evaluation
 
 # name -> (module that must import, what to install)
 REQUIREMENTS = {
-    "tensorboard": ("tensorboard", "pip install flexpar[tensorboard] (the tensorboard package)"),
-    "mlflow": ("mlflow", "pip install flexpar[mlflow] (the mlflow or mlflow-skinny package)"),
+    "tensorboard": ("tensorboard", 'pip install -e ".[tensorboard]" in flexpar\'s checkout (the tensorboard package)'),
+    "mlflow": ("mlflow", 'pip install -e ".[mlflow]" in flexpar\'s checkout (the mlflow or mlflow-skinny package)'),
     "csv": (None, ""),
 }
 TRACKER_NAMES = tuple(REQUIREMENTS)

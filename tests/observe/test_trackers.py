@@ -21,7 +21,7 @@ def test_unknown_and_missing_trackers_are_refused_naming_what_to_install(monkeyp
         FitOptions(steps=1, trackers=["wandb"])
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
-    with pytest.raises(ValueError, match=r"the mlflow tracker needs the mlflow package.*flexpar\[mlflow\]"):
+    with pytest.raises(ValueError, match=r'the mlflow tracker needs the mlflow package.*pip install -e "\.\[mlflow\]"'):
         FitOptions(steps=1, trackers=["csv", "mlflow"])
     assert FitOptions(steps=1, trackers="csv").trackers == ("csv",)
 
