@@ -160,7 +160,7 @@ class FitOptions:
     sample_ledger: bool = False  # record the samples each committed step consumed (ledger.jsonl)
     eval_every: Optional[int] = None  # evaluate every N steps (and after the last) when the job has an eval set
     callbacks: tuple = ()  # objects with on_step / on_event / on_eval / on_end (flexpar.callbacks)
-    trackers: tuple = ()  # "tensorboard", "mlflow", "csv" (flexpar.observe.trackers)
+    trackers: tuple = ()  # "tensorboard", "mlflow", "wandb", "csv" (flexpar.observe.trackers)
     keep_checkpoints: Optional[int] = None  # keep only the newest K checkpoints
     checkpoint_frozen: bool = False  # checkpoints hold the frozen weights too (default: trainable state + digests)
     driver_grace_s: float = 60.0  # devices that lost the driver wait this long for a restarted one (0: exit)

@@ -73,7 +73,7 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         "--tracker",
         dest="trackers",
         action="append",
-        choices=["tensorboard", "mlflow", "csv"],
+        choices=["tensorboard", "mlflow", "wandb", "csv"],
         help="log to an experiment tracker in the run directory (repeatable)",
     )
     parser.add_argument("--keep-checkpoints", type=int, help="keep only the newest K checkpoints")
