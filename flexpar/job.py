@@ -310,7 +310,9 @@ class Job:
         except (TrainingError, UserCodeError, ValueError) as error:
             # flexpar's own checks (options, device counts, resume) raise ValueError too; one
             # raised inside the user's code or a library keeps its traceback, which is the point.
-            if verbose or not (isinstance(error, ArgumentError) or _raised_by_flexpar(error)):
+            if verbose or (
+                isinstance(error, ValueError) and not isinstance(error, ArgumentError) and not _raised_by_flexpar(error)
+            ):
                 raise
             raise show_to_the_user(error) from None
         except KeyboardInterrupt:
