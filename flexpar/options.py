@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+import difflib
 import math
 import os
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 from flexpar import callbacks as callbacks_module
+from flexpar.errors import ArgumentError
 from flexpar.observe import trackers as trackers_module
 
 
@@ -315,6 +318,13 @@ def resolve(fit_arguments: dict) -> FitOptions:
         merged.pop("steps", None)
         merged.pop("epochs", None)
     merged.update({key: value for key, value in overrides.items() if value is not None})
+    known = [field.name for field in dataclasses.fields(FitOptions)]
+    for name in sorted(set(merged) - set(known)):  # a typo, as with a flag: the closest option
+        close = difflib.get_close_matches(name, known, n=1)
+        raise ArgumentError(
+            f"fit() has no option {name}="
+            + (f"; did you mean {close[0]}=?" if close else " (its options are flexpar.FitOptions' fields)")
+        )
     return FitOptions(**merged)
 
 

@@ -123,3 +123,10 @@ def test_nn_module_instance_is_not_mistaken_for_a_factory():
         flexpar.ArgumentError, match=r"not a model \(Linear\): define `def make_model\(\): return Linear"
     ):
         pieces.make_job(model=nn.Linear(12, 3))
+
+
+def test_a_mistyped_fit_option_is_answered_with_the_closest_one():
+    with pytest.raises(
+        flexpar.ArgumentError, match=r"^fit\(\) has no option chekpoint_every=; did you mean checkpoint_every=\?"
+    ):
+        pieces.make_job().fit(steps=1, chekpoint_every=3, display=False)
