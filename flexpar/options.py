@@ -248,7 +248,7 @@ class FitOptions:
         if virtual_workers is not None:
             maximum = min(maximum, virtual_workers)
         if self.max_devices is not None and initial > self.max_devices:
-            raise ValueError(_more_than_max_devices(initial, self.max_devices))
+            raise ValueError(_more_than_max_devices(initial, self.max_devices, chosen=self.devices is None))
         if peak > maximum:
             raise ValueError(f"the schedule reaches {peak} devices but max_devices={maximum}; raise --max-devices")
         if kind == "cuda" and peak > available:
@@ -283,9 +283,11 @@ def _parse_speeds(speeds) -> tuple:
     return values
 
 
-def _more_than_max_devices(devices: int, max_devices: int) -> str:
+def _more_than_max_devices(devices: int, max_devices: int, chosen: bool = False) -> str:
+    """`chosen`: flexpar chose the device count (every GPU of this host), the user did not give it."""
+    what = f"devices={devices}" + (" (every GPU here, the default)" if chosen else "")
     return (
-        f"devices={devices} is more than max_devices={max_devices}, the most the job may grow to: ask for at "
+        f"{what} is more than max_devices={max_devices}, the most the job may grow to: ask for at "
         f"most {max_devices} device{'' if max_devices == 1 else 's'} (--devices), or raise max_devices (--max-devices)"
     )
 

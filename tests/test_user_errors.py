@@ -113,7 +113,9 @@ def test_more_devices_than_max_devices_says_so_without_a_schedule():
     with pytest.raises(ValueError, match=r"^devices=2 is more than max_devices=1, .*at most 1 device \(--devices\)"):
         flexpar.FitOptions(steps=1, devices=2, max_devices=1)
     # The default device count (every GPU) over max_devices: the same words, no schedule named.
-    with pytest.raises(ValueError, match=r"^devices=4 is more than max_devices=2") as caught:
+    with pytest.raises(
+        ValueError, match=r"^devices=4 \(every GPU here, the default\) is more than max_devices=2"
+    ) as caught:
         flexpar.FitOptions(steps=1, max_devices=2).validate_devices(4, 4, "cuda", virtual_workers=8)
     assert "schedule" not in str(caught.value)
 
