@@ -1,6 +1,6 @@
 """Train a small Hugging Face GPT-2 on the Python standard library's source with flexpar's recipes.
 
-    pip install "flexpar[hf]"                         # transformers (the model is built, not downloaded)
+    pip install -e ".[hf]"                            # transformers (the model is built, not downloaded)
     python examples/hf_gpt.py --steps 200             # every local device, or one CPU process
     flexpar run --devices 2 examples/hf_gpt.py        # two devices
     flexpar run --devices 2 --schedule 100:+1 --oversubscribe examples/hf_gpt.py
@@ -27,7 +27,9 @@ def main():
     try:
         import transformers  # noqa: F401  (the model is built from it in every worker)
     except ImportError:
-        raise SystemExit('examples/hf_gpt.py needs Hugging Face transformers: pip install "flexpar[hf]"') from None
+        raise SystemExit(
+            'examples/hf_gpt.py needs Hugging Face transformers: pip install -e ".[hf]" in flexpar\'s checkout'
+        ) from None
     # --steps --devices --schedule --global-batch --virtual-workers --max-bytes --mixed-precision
     # --max-grad-norm --compile --seed
     arguments = parse_arguments()

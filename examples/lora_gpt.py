@@ -1,6 +1,6 @@
 """Fine-tune a "pretrained" GPT-2 with peft LoRA through flexpar: frozen weights never travel.
 
-    pip install "flexpar[hf]"                         # transformers and peft
+    pip install -e ".[hf]"                            # transformers and peft
     python examples/lora_gpt.py --steps 80            # every local device, or one CPU process
     flexpar run --devices 2 --max-devices 3 --oversubscribe --schedule 10:+1,70:-1 \\
         --checkpoint-dir runs/lora-ck --checkpoint-every 20 examples/lora_gpt.py   # 80 steps
@@ -22,7 +22,9 @@ def main():
         import peft  # noqa: F401
         import transformers  # noqa: F401
     except ImportError:
-        raise SystemExit('examples/lora_gpt.py needs transformers and peft: pip install "flexpar[hf]"') from None
+        raise SystemExit(
+            'examples/lora_gpt.py needs transformers and peft: pip install -e ".[hf]" in flexpar\'s checkout'
+        ) from None
     run_example()
 
 

@@ -6,7 +6,7 @@ model, summary = job.fit(steps=1000)
 """
 
 from flexpar.callbacks import STOP, Callback, CallbackError
-from flexpar.errors import TrainingError, UserCodeError
+from flexpar.errors import ArgumentError, TrainingError, UserCodeError
 from flexpar.job import FitResult, Job
 from flexpar.options import FitOptions
 from flexpar.version import __version__
@@ -15,6 +15,7 @@ __all__ = [
     "Job",
     "FitResult",
     "FitOptions",
+    "ArgumentError",
     "TrainingError",
     "UserCodeError",
     "__version__",

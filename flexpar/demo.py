@@ -45,5 +45,5 @@ def main(steps: int = 160, output_dir: str = "runs/demo") -> int:
         plot_timeline(metrics_path, plot_path)
         print(f"timeline: {plot_path}   metrics: {metrics_path}")
     except ImportError:
-        print(f"metrics: {metrics_path} (pip install 'flexpar[plot]' to draw the timeline)")
+        print(f'metrics: {metrics_path} (pip install -e ".[plot]" in flexpar\'s checkout to draw the timeline)')
     return 0

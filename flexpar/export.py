@@ -14,7 +14,7 @@ files get the mode the user's umask gives, as `torch.save`'s do. For a peft mode
 adapter alone with peft's own `save_pretrained` (loadable with
 `PeftModel.from_pretrained(base, ADAPTER)`).
 
-Needs the `safetensors` package (`pip install flexpar[safetensors]`).
+Needs the `safetensors` package (`pip install -e ".[safetensors]"` in flexpar's checkout).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from flexpar.core import frozen
 from flexpar.driver.join import import_script_as_main
 from flexpar.worker import checkpoints
 
-EXTRA_HINT = "pip install safetensors (or flexpar[safetensors])"
+EXTRA_HINT = 'pip install safetensors (or pip install -e ".[safetensors]" in flexpar\'s checkout)'
 
 
 def _safetensors():

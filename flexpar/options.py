@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+import difflib
 import math
 import os
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 from flexpar import callbacks as callbacks_module
+from flexpar.errors import ArgumentError
 from flexpar.observe import trackers as trackers_module
 
 
@@ -160,7 +163,7 @@ class FitOptions:
     sample_ledger: bool = False  # record the samples each committed step consumed (ledger.jsonl)
     eval_every: Optional[int] = None  # evaluate every N steps (and after the last) when the job has an eval set
     callbacks: tuple = ()  # objects with on_step / on_event / on_eval / on_end (flexpar.callbacks)
-    trackers: tuple = ()  # "tensorboard", "mlflow", "csv" (flexpar.observe.trackers)
+    trackers: tuple = ()  # "tensorboard", "mlflow", "wandb", "csv" (flexpar.observe.trackers)
     keep_checkpoints: Optional[int] = None  # keep only the newest K checkpoints
     checkpoint_frozen: bool = False  # checkpoints hold the frozen weights too (default: trainable state + digests)
     driver_grace_s: float = 60.0  # devices that lost the driver wait this long for a restarted one (0: exit)
@@ -181,6 +184,8 @@ class FitOptions:
         _positive("log_every", self.log_every)
         _positive("eval_every", self.eval_every)
         _positive("keep_checkpoints", self.keep_checkpoints)
+        if self.devices is not None and self.max_devices is not None and self.devices > self.max_devices:
+            raise ValueError(_more_than_max_devices(self.devices, self.max_devices))
         if self.keep_checkpoints is not None and self.checkpoint_dir is None:
             raise ValueError(f"keep_checkpoints={self.keep_checkpoints} needs checkpoint_dir= (where they are)")
         if self.checkpoint_frozen and self.checkpoint_dir is None:
@@ -242,6 +247,8 @@ class FitOptions:
         maximum = self.max_devices or max(peak, available if kind == "cuda" else peak)
         if virtual_workers is not None:
             maximum = min(maximum, virtual_workers)
+        if self.max_devices is not None and initial > self.max_devices:
+            raise ValueError(_more_than_max_devices(initial, self.max_devices, chosen=self.devices is None))
         if peak > maximum:
             raise ValueError(f"the schedule reaches {peak} devices but max_devices={maximum}; raise --max-devices")
         if kind == "cuda" and peak > available:
@@ -276,6 +283,15 @@ def _parse_speeds(speeds) -> tuple:
     return values
 
 
+def _more_than_max_devices(devices: int, max_devices: int, chosen: bool = False) -> str:
+    """`chosen`: flexpar chose the device count (every GPU of this host), the user did not give it."""
+    what = f"devices={devices}" + (" (every GPU here, the default)" if chosen else "")
+    return (
+        f"{what} is more than max_devices={max_devices}, the most the job may grow to: ask for at "
+        f"most {max_devices} device{'' if max_devices == 1 else 's'} (--devices), or raise max_devices (--max-devices)"
+    )
+
+
 def _positive(name, value):
     if value is not None and (not isinstance(value, int) or value < 1):
         raise ValueError(f"{name}={value!r} must be a positive whole number")
@@ -304,6 +320,13 @@ def resolve(fit_arguments: dict) -> FitOptions:
         merged.pop("steps", None)
         merged.pop("epochs", None)
     merged.update({key: value for key, value in overrides.items() if value is not None})
+    known = [field.name for field in dataclasses.fields(FitOptions)]
+    for name in sorted(set(merged) - set(known)):  # a typo, as with a flag: the closest option
+        close = difflib.get_close_matches(name, known, n=1)
+        raise ArgumentError(
+            f"fit() has no option {name}="
+            + (f"; did you mean {close[0]}=?" if close else " (its options are flexpar.FitOptions' fields)")
+        )
     return FitOptions(**merged)
 
 

@@ -122,3 +122,33 @@ def test_the_check_finds_what_is_broken(tmp_path):
     assert "nowhere.md" in problems[0] and "pictures/none.png" in problems[1]
     assert "#twice-2" in problems[2] and "#nothing-here" in problems[3]
     assert "outside the repository" in problems[4]
+
+
+ISSUE_NUMBER = re.compile(r"\bissues?[ -]?#?\d+", re.IGNORECASE)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(page.relative_to(ROOT)) for page in PAGES])
+def test_headings_name_features_not_issue_numbers(page):
+    """A reader meets a heading (and links to its anchor) by feature; an internal issue number means nothing to them."""
+    numbered = [
+        f"{number}: {line.strip()}"
+        for number, line in prose_lines(page.read_text(encoding="utf-8"))
+        if HEADING.match(line) and ISSUE_NUMBER.search(line)
+    ]
+    assert not numbered, f"{page.relative_to(ROOT)} has headings that name issue numbers:\n" + "\n".join(numbered)
+
+
+UNINSTALLABLE = re.compile(r"pip install (-U )?['\"]?flexpar\[")
+
+
+def test_install_commands_are_ones_that_work_from_the_checkout():
+    """flexpar is not on PyPI: `pip install flexpar[hf]` fails; every page, example and message says
+    `pip install -e ".[hf]"` (from the checkout) instead."""
+    files = [*PAGES, *(ROOT / "examples").glob("*.py"), *(ROOT / "flexpar").rglob("*.py")]
+    wrong = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in files
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
+        if UNINSTALLABLE.search(line)
+    ]
+    assert not wrong, "install commands that fail (flexpar is installed from its checkout):\n" + "\n".join(wrong)

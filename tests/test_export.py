@@ -129,7 +129,7 @@ def test_without_safetensors_the_error_names_the_package(monkeypatch, tmp_path):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", refuse)
-    with pytest.raises(ImportError, match=r"pip install safetensors \(or flexpar\[safetensors\]\)"):
+    with pytest.raises(ImportError, match=r'pip install safetensors \(or pip install -e "\.\[safetensors\]"'):
         export.export(str(tmp_path / "x.pt"), str(tmp_path / "x.safetensors"))
 
 

@@ -696,7 +696,7 @@ def test_hf_gpt_example_trains_and_matches_the_reference(train, metrics_file):
     its 4 VWs in the reverse order (6 steps), and by 1.4e-6 in float32. So
     the two-device run is held to its loss trajectory and to that scale.
     """
-    pytest.importorskip("transformers", reason="the Hugging Face example needs transformers (pip install flexpar[hf])")
+    pytest.importorskip("transformers", reason='the Hugging Face example needs transformers (pip install -e ".[hf]")')
     from flexpar.examples import hf_gpt
 
     windows, _ = hf_gpt.load_splits(max_bytes=60_000)

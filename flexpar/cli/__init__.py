@@ -15,6 +15,7 @@ cluster's environment (see `cluster_address` and `read_secret`).
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import signal
 import sys
@@ -143,6 +144,20 @@ def _exit_on_early_sigterm() -> None:
     signal.signal(signal.SIGTERM, on_sigterm)
 
 
+def closest_flags(parser: argparse.ArgumentParser, unknown: Sequence[str]) -> str:
+    """'; did you mean --devices?' for the flags among `unknown` close to one of `parser`'s ('' if none)."""
+    flags = [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
+    guesses = []
+    for argument in unknown:
+        if not argument.startswith("--"):
+            continue
+        name = argument.split("=", 1)[0]
+        match = difflib.get_close_matches(name, flags, n=1, cutoff=0.6)
+        if match:
+            guesses.append(f"{match[0]} for {name}" if len(unknown) > 1 else match[0])
+    return f"; did you mean {', '.join(guesses)}?" if guesses else ""
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _exit_on_early_sigterm()
@@ -150,7 +165,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     arguments, unknown = parser.parse_known_args(argv)
     if unknown:
         # A subcommand's unknown flag (`flexpar run --devcies 2 train.py`): that command's usage.
-        (getattr(arguments, "parser", None) or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+        command_parser = getattr(arguments, "parser", None) or parser
+        command_parser.error(f"unrecognized arguments: {' '.join(unknown)}{closest_flags(command_parser, unknown)}")
     arguments.argv = argv
     if arguments.command in ("run", "simulate"):
         return arguments.handler(arguments)  # the script's own errors keep their traceback

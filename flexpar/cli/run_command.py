@@ -73,7 +73,7 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         "--tracker",
         dest="trackers",
         action="append",
-        choices=["tensorboard", "mlflow", "csv"],
+        choices=["tensorboard", "mlflow", "wandb", "csv"],
         help="log to an experiment tracker in the run directory (repeatable)",
     )
     parser.add_argument("--keep-checkpoints", type=int, help="keep only the newest K checkpoints")
@@ -203,7 +203,7 @@ def _flags_before_script(arguments) -> list:
 
 def _raised_by_flexpar(error: BaseException) -> bool:
     """Whether flexpar itself raised `error` (a checked problem, worded for the user)."""
-    if isinstance(error, (TrainingError, UserCodeError)):
+    if isinstance(error, (TrainingError, UserCodeError)) or getattr(error, "flexpar_message", False):
         return True
     frames = traceback.extract_tb(error.__traceback__)
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # flexpar/

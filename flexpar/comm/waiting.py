@@ -54,7 +54,8 @@ def _path(port: int, device_id: str, base: Optional[str]) -> str:
 
 def write(port: int, report: dict, base: Optional[str] = None) -> str:
     """Write this process's report atomically; `report` holds device_id, address, since, until (wall
-    clock: when it noticed the loss, when its grace ends), step (its last committed) and generation."""
+    clock: when it noticed the loss, when its grace ends), step (its last committed), generation and
+    resume (the resume command the device printed, "" when it holds no committed step)."""
     report = dict(report, pid=os.getpid(), process_start=process_start(os.getpid()))
     path = _path(port, report["device_id"], base)
     temporary = f"{path}.{os.getpid()}.tmp"
@@ -94,14 +95,18 @@ def read(port: int, now: Optional[float] = None, base: Optional[str] = None) -> 
 
 
 def describe(address: str, reports: list, now: float) -> str:
-    """One line: no driver; N devices waiting since T at ADDRESS (up to S s more): who, holding which step."""
+    """One line: no driver; N devices waiting since T at ADDRESS (up to S s more): who, holding which step,
+    and the resume command the devices printed (the job's own, with --resume), which re-adopts them."""
     since = time.strftime("%H:%M:%S", time.localtime(min(r["since"] for r in reports)))
     left = max(0.0, max(r["until"] for r in reports) - now)
     who = ", ".join(
         f"{r['device_id']} (step {r['step']})" if r.get("step", -1) >= 0 else r["device_id"] for r in reports
     )
     count = f"{len(reports)} device{'s' if len(reports) != 1 else ''}"
-    return (
-        f"no driver; {count} waiting since {since} at {address} (up to {left:.0f} s more): {who}; "
-        "restart the driver with the job's resume command (--resume) to re-adopt them"
+    command = next((r["resume"] for r in reports if r.get("resume")), "")
+    how = (
+        f"restart the driver to re-adopt them: {command}"
+        if command
+        else ("restart the driver with the job's resume command (--resume) to re-adopt them")
     )
+    return f"no driver; {count} waiting since {since} at {address} (up to {left:.0f} s more): {who}; {how}"

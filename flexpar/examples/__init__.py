@@ -1,7 +1,7 @@
 """Packaged demos: real training on data that ships with a package.
 
 - `flexpar.examples.digits`: a small CNN on scikit-learn's 8x8 handwritten
-  digits (needs scikit-learn: ``pip install flexpar[examples]``).
+  digits (needs scikit-learn: ``pip install -e ".[examples]"``).
 - `flexpar.examples.tiny_lm`: a byte-level causal transformer on the Python
   standard library's own source files (needs nothing beyond torch).
 - `flexpar.examples.tiny_lm_variable`: the same model on variable-length samples
@@ -10,7 +10,7 @@
   variable-length round.
 - `flexpar.examples.hf_gpt`: a small Hugging Face GPT-2 (built from a config,
   not downloaded) on the same text, with bf16, clipping and a token-weighted
-  loss (needs transformers: ``pip install flexpar[hf]``).
+  loss (needs transformers: ``pip install -e ".[hf]"``).
 
 Each module defines its pieces (model factory, optimizer factory, loss,
 dataset) at module level, so worker processes can import them by name, plus

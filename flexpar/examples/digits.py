@@ -41,7 +41,8 @@ def _load_digits_arrays():
         from sklearn.datasets import load_digits
     except ImportError:
         raise ImportError(
-            "the digits example needs scikit-learn, which provides the data set: pip install flexpar[examples]"
+            'the digits example needs scikit-learn, which provides the data set: pip install -e ".[examples]" '
+            "in flexpar's checkout"
         ) from None
     digits = load_digits()
     return digits.images, digits.target

@@ -16,7 +16,7 @@ The data: windows of the corpus cut after their last line break
 (`LineWindows`), so samples hold different numbers of real tokens and the rest
 is padding. Every piece is defined at module level, because worker processes
 import the pieces by name. `transformers` is an optional extra
-(``pip install flexpar[hf]``) and is imported only when the model is built.
+(``pip install -e ".[hf]"`` in flexpar's checkout) and is imported only when the model is built.
 
 Run it with ``python -m flexpar.examples.hf_gpt`` or
 ``flexpar run --devices 2 examples/hf_gpt.py`` (flexpar's flags before the script).

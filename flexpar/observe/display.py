@@ -152,7 +152,9 @@ class LiveDisplay:
                 TimeRemainingColumn,
             )
         except ImportError:
-            self._logger.info("rich is not installed, logging progress instead (pip install flexpar[display])")
+            self._logger.info(
+                'rich is not installed, logging progress instead (pip install -e ".[display]" in flexpar\'s checkout)'
+            )
             return
         if console is None:
             console = Console(force_terminal=True)

@@ -96,15 +96,24 @@ def format_event_line(record: Mapping[str, Any], previous_devices: Sequence[str]
 
 
 def format_eval_line(record: Mapping[str, Any]) -> str:
-    """The plain log line of an eval record: per-sample means when there is a `count`, else the sums.
+    """The plain log line of an eval record: the means per `count` when there is one, else the sums.
 
-    e.g. "eval at step 20: loss 0.4038, correct 0.8756 (997 samples) | 2 devices, 0.41 s"
+    e.g. "eval at step 20: loss 0.4038, correct 0.8756 (997 samples) | 2 devices, 0.41 s". The
+    count is the user's: samples, or tokens in a token-weighted evaluation. It is called samples
+    only when it equals the evaluation set's size (the record's `samples`), else it is named as
+    what it is: "(means per count; count 4882 over 997 samples)".
     """
     metrics = record["metrics"]
     means = eval_means(metrics)
     if means:
         shown = ", ".join(f"{name} {value:.4g}" for name, value in sorted(means.items()))
-        shown += f" ({metrics['count']:g} samples)"
+        count, samples = metrics["count"], record.get("samples")
+        if count == samples:
+            shown += f" ({samples} samples)"
+        elif samples is not None:
+            shown += f" (means per count; count {count:g} over {samples} samples)"
+        else:  # a record of a flexpar before `samples`
+            shown += f" (means per count; count {count:g})"
     else:
         shown = ", ".join(f"{name} {value:.6g}" for name, value in sorted(metrics.items()))
     devices = len(record["devices"])

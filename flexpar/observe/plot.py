@@ -27,7 +27,7 @@ def _import_matplotlib():
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise ImportError("plot_timeline needs matplotlib: pip install flexpar[plot]") from None
+        raise ImportError('plot_timeline needs matplotlib: pip install -e ".[plot]" in flexpar\'s checkout') from None
     return Figure, FigureCanvasAgg
 
 

@@ -1,12 +1,14 @@
-"""Experiment trackers: the job's records in TensorBoard, MLflow or a CSV file.
+"""Experiment trackers: the job's records in TensorBoard, MLflow, Weights & Biases or a CSV file.
 
-`fit(..., trackers=["tensorboard", "mlflow", "csv"])` (CLI: `--tracker NAME`,
+`fit(..., trackers=["tensorboard", "mlflow", "wandb", "csv"])` (CLI: `--tracker NAME`,
 repeatable) adds one callback per name; each writes into the run directory
 (`summary["run_dir"]`):
 
     tensorboard   run_dir/tensorboard/       event files (`tensorboard --logdir run_dir/tensorboard`)
     mlflow        run_dir/mlruns/            an MLflow file store, one run named after the run directory
                                              (or the server/database MLFLOW_TRACKING_URI names)
+    wandb         run_dir/wandb/             a W&B run in project "flexpar" (or WANDB_PROJECT), named after
+                                             the run directory; WANDB_MODE=offline needs no network
     csv           run_dir/csv/metrics.csv    one row per value: time, kind, step, name, value, detail
 
 The CSV file sits in its own folder, so it cannot be the job's metrics file
@@ -17,7 +19,8 @@ by an earlier run with the same run directory is kept, and this run's goes to
 The x axis of every tracker is the number of optimizer steps done: a step
 record is logged at `record["step"] + 1` (the model it leaves has taken that
 many steps), an evaluation at its `step` (the same count), an event at its
-`step` (the steps done before it took effect). Names:
+`step` (the steps done before it took effect); in W&B, the metric `step`
+(wandb's own `_step` only counts rows). Names:
 
     train/loss, train/samples_per_s, train/step_time_s, train/lr, train/imbalance,
     train/grad_norm, train/devices, train/generation   from each step record
@@ -51,8 +54,9 @@ from flexpar.core import evaluation
 
 # name -> (module that must import, what to install)
 REQUIREMENTS = {
-    "tensorboard": ("tensorboard", "pip install flexpar[tensorboard] (the tensorboard package)"),
-    "mlflow": ("mlflow", "pip install flexpar[mlflow] (the mlflow or mlflow-skinny package)"),
+    "tensorboard": ("tensorboard", 'pip install -e ".[tensorboard]" in flexpar\'s checkout (the tensorboard package)'),
+    "mlflow": ("mlflow", 'pip install -e ".[mlflow]" in flexpar\'s checkout (the mlflow or mlflow-skinny package)'),
+    "wandb": ("wandb", 'pip install -e ".[wandb]" in flexpar\'s checkout (the wandb package)'),
     "csv": (None, ""),
 }
 TRACKER_NAMES = tuple(REQUIREMENTS)
@@ -81,7 +85,7 @@ def check_names(names) -> tuple:
 def create(names: Iterable[str], run_dir: str, resume: bool = False) -> list:
     """One tracker callback per name, writing under `run_dir`; `resume`: a resumed job (a restarted
     driver) continues what its earlier driver wrote there (the CSV file, the MLflow run)."""
-    makers = {"tensorboard": TensorBoardTracker, "mlflow": MLflowTracker, "csv": CSVTracker}
+    makers = {"tensorboard": TensorBoardTracker, "mlflow": MLflowTracker, "wandb": WandbTracker, "csv": CSVTracker}
     return [makers[name](run_dir, resume=resume) for name in check_names(tuple(names))]
 
 
@@ -333,3 +337,73 @@ class MLflowTracker(Tracker):
         with self._file_store_allowed():
             self._client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
         self._client = None
+
+
+class WandbTracker(Tracker):
+    """A Weights & Biases run: project "flexpar" (or WANDB_PROJECT), named after the run directory.
+
+    Files in run_dir/wandb/ (or WANDB_DIR); syncing is wandb's own setting
+    (WANDB_MODE=offline: no network, `wandb sync` uploads later). Started when
+    the tracker is made, before any worker: a login problem is one line then.
+    A run of its own (`reinit="create_new"`: the user's run is left alone), not
+    capturing the terminal (`console="off"`: the display stays). One row per
+    record, the steps done as metric `step`, the x axis of every other one; a
+    resumed job continues its earlier driver's run (id in flexpar-run-id).
+    """
+
+    name = "wandb"
+    PROJECT = "flexpar"
+    ID_FILE = "flexpar-run-id"
+
+    def __init__(self, run_dir: str, resume: bool = False):
+        super().__init__(run_dir, resume)
+        self._run = None
+        self._open()
+
+    def _open(self):
+        if self._run is not None:
+            return self._run
+        import wandb
+
+        try:
+            self._run = self._start_run(wandb)
+        except wandb.errors.Error as error:
+            raise ValueError(
+                f"the wandb tracker cannot start a run ({str(error).rstrip('.')}): log in with `wandb login` (or "
+                "set WANDB_API_KEY), or log offline with WANDB_MODE=offline and upload later with `wandb sync`"
+            ) from None
+        self._run.define_metric("step")
+        for prefix in ("train", "eval", "event"):
+            self._run.define_metric(f"{prefix}/*", step_metric="step")
+        return self._run
+
+    def _start_run(self, wandb):
+        """The run: the earlier driver's when this job is resumed, else a new one; its id kept for a resume."""
+        folder = os.path.join(self.run_dir, "wandb")
+        os.makedirs(folder, exist_ok=True)
+        id_path = os.path.join(folder, self.ID_FILE)
+        earlier = None
+        if self.resume and os.path.exists(id_path):
+            with open(id_path, encoding="utf-8") as handle:
+                earlier = handle.read().strip() or None
+        run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or self.PROJECT,
+            name=os.path.basename(os.path.abspath(self.run_dir)),
+            dir=None if os.environ.get("WANDB_DIR") else self.run_dir,
+            id=earlier,
+            resume="allow" if earlier else None,
+            reinit="create_new",
+            settings=wandb.Settings(console="off"),
+        )
+        with open(id_path, "w", encoding="utf-8") as handle:
+            handle.write(run.id + "\n")
+        return run
+
+    def log(self, values: dict, step: int, wall: float) -> None:
+        if self._run is not None:  # None once finished
+            self._run.log({**values, "step": step})
+
+    def finish_tracking(self, failed: bool = False) -> None:
+        if self._run is not None:
+            self._run.finish(exit_code=1 if failed else 0)
+            self._run = None

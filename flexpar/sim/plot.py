@@ -16,7 +16,7 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError as error:  # pragma: no cover - depends on the environment
-        raise RuntimeError("plots need matplotlib: pip install 'flexpar[plot]'") from error
+        raise RuntimeError('plots need matplotlib: pip install -e ".[plot]" in flexpar\'s checkout') from error
     matplotlib.use("Agg")
     import matplotlib.pyplot as pyplot
 

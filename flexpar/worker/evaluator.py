@@ -162,6 +162,7 @@ class WorkerEvaluation:
             "generation": self.generation,
             "devices": list(self.members),
             "eval_s": time.perf_counter() - started,
+            "samples": len(self.job.eval_dataset),
             "metrics": evaluation.metrics_of(vector.cpu().tolist(), keys),
         }
         self.recent_records.append(record)

@@ -69,7 +69,8 @@ class WorkerOrphan:
                 "(this device holds no committed state yet)"
             )
         report = {"device_id": self.args.device_id, "address": address, "since": lost_at, "until": lost_at + grace}
-        waiting.write(self.args.port, dict(report, step=self.committed, generation=self.generation))
+        resume = self._resume_command() if holds else ""  # `flexpar status` repeats it during the gap
+        waiting.write(self.args.port, dict(report, step=self.committed, generation=self.generation, resume=resume))
         try:
             return self._wait_for_a_driver(path, seen, lost_at, abandoned)
         finally:

@@ -31,3 +31,14 @@ def test_status_sees_live_devices_within_their_grace_and_drops_stale_reports(tmp
     assert "\n" not in line
     waiting.remove(29500, "local-1", base=str(tmp_path))
     assert waiting.read(29500, now=now, base=str(tmp_path)) == []
+
+
+def test_status_repeats_the_resume_command_the_devices_printed(tmp_path):
+    """During a driver gap `flexpar status` says how to restart the driver: the devices' own resume command."""
+    now = time.time()
+    command = "flexpar run --resume --checkpoint-dir /ckpt --port 29500 train.py"
+    for device_id, resume in (("local-0", command), ("local-1", "")):  # local-1 holds no committed step yet
+        report = {"device_id": device_id, "address": "127.0.0.1:29500", "since": now, "until": now + 60, "step": 4}
+        waiting.write(29500, dict(report, resume=resume), base=str(tmp_path))
+    line = waiting.describe("127.0.0.1:29500", waiting.read(29500, now=now, base=str(tmp_path)), now)
+    assert line.endswith(f"; restart the driver to re-adopt them: {command}"), line

@@ -78,6 +78,8 @@ def test_a_killed_driver_restarted_with_resume_re_adopts_the_devices(tmp_path, c
             status = flexpar_command("status", f"127.0.0.1:{port}", timeout_s=60)
             assert status.returncode == 1 and "no driver; " in status.stdout and "waiting since" in status.stdout
             assert "local-0 (step 13), local-1 (step 13)" in status.stdout, status.stdout
+            printed = _waiting_notes(drivers)[-1].split("restart it with: ", 1)[1]
+            assert status.stdout.rstrip().endswith(f"re-adopt them: {printed}"), status.stdout
         command = shlex.split(_waiting_notes(drivers)[-1].split("restart it with: ", 1)[1])
         assert command[:3] == ["flexpar", "run", "--resume"], command
         drivers.append(command_line_job([], "", arguments=command[1:], outputs=f"driver-{kill + 2}"))

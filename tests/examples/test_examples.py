@@ -329,8 +329,16 @@ def test_tiny_lm_command_line_defaults_and_flags():
 @pytest.mark.parametrize(
     "script,hidden,message",
     [
-        ("hf_gpt.py", "transformers", 'examples/hf_gpt.py needs Hugging Face transformers: pip install "flexpar[hf]"'),
-        ("lora_gpt.py", "peft", 'examples/lora_gpt.py needs transformers and peft: pip install "flexpar[hf]"'),
+        (
+            "hf_gpt.py",
+            "transformers",
+            'examples/hf_gpt.py needs Hugging Face transformers: pip install -e ".[hf]" in flexpar\'s checkout',
+        ),
+        (
+            "lora_gpt.py",
+            "peft",
+            'examples/lora_gpt.py needs transformers and peft: pip install -e ".[hf]" in flexpar\'s checkout',
+        ),
     ],
 )
 def test_hf_script_without_its_extra_names_the_extra_to_install(script, hidden, message):

@@ -170,7 +170,7 @@ def test_plain_mode_without_rich(records, caplog, monkeypatch):
         assert not display.uses_rich
         for record in records:
             display.update(record)
-    assert "pip install flexpar[display]" in caplog.text
+    assert 'pip install -e ".[display]"' in caplog.text
     assert "step 30/60" in caplog.text and "event failure" in caplog.text
     assert "3 rebalances since step 0" in caplog.text and "2 rebalances since step 30" in caplog.text
 

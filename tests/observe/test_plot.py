@@ -165,5 +165,5 @@ def test_plot_timeline_without_matplotlib(tmp_path, metrics_file, monkeypatch):
     for name in [name for name in sys.modules if name == "matplotlib" or name.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(ImportError, match=r"pip install flexpar\[plot\]"):
+    with pytest.raises(ImportError, match=r'pip install -e "\.\[plot\]"'):
         plot_timeline(metrics_file, tmp_path / "out.png")

@@ -4,6 +4,7 @@ import csv
 import importlib.util
 import math
 import os
+import pathlib
 
 import evaluation_pieces as ep
 import pytest
@@ -17,11 +18,11 @@ def _installed(module):
 
 
 def test_unknown_and_missing_trackers_are_refused_naming_what_to_install(monkeypatch):
-    with pytest.raises(ValueError, match="unknown tracker 'wandb': choose from tensorboard, mlflow, csv"):
-        FitOptions(steps=1, trackers=["wandb"])
+    with pytest.raises(ValueError, match="unknown tracker 'neptune': choose from tensorboard, mlflow, wandb, csv"):
+        FitOptions(steps=1, trackers=["neptune"])
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
-    with pytest.raises(ValueError, match=r"the mlflow tracker needs the mlflow package.*flexpar\[mlflow\]"):
+    with pytest.raises(ValueError, match=r'the mlflow tracker needs the mlflow package.*pip install -e "\.\[mlflow\]"'):
         FitOptions(steps=1, trackers=["csv", "mlflow"])
     assert FitOptions(steps=1, trackers="csv").trackers == ("csv",)
 
@@ -32,12 +33,38 @@ def test_a_missing_tracker_stops_fit_before_any_worker_starts(train, monkeypatch
         train(ep.make_job(), steps=2, devices=2, trackers=["tensorboard"])
 
 
+def _wandb_offline(environment, folder) -> None:
+    """W&B with no network and nothing written outside `folder` (its settings, cache and data folders)."""
+    environment.setenv("WANDB_MODE", "offline")
+    environment.delenv("WANDB_DIR", raising=False)
+    environment.delenv("WANDB_PROJECT", raising=False)
+    for variable, name in (("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):
+        environment.setenv(variable, str(folder / "wandb-home" / name))
+
+
 @pytest.fixture(scope="module")
 def tracked_run(tmp_path_factory):
-    """One real job (2 devices, a failure, evaluations) with every tracker that is installed."""
-    names = ["csv"] + [name for name in ("tensorboard", "mlflow") if _installed(name)]
+    """One real job (2 devices, a failure, evaluations) with every tracker that is installed (W&B offline)."""
+    names = ["csv"] + [name for name in ("tensorboard", "mlflow", "wandb") if _installed(name)]
     folder = tmp_path_factory.mktemp("tracked")
     job = ep.make_job(virtual_workers=4, eval_batch=50)
+    with pytest.MonkeyPatch.context() as environment:
+        _wandb_offline(environment, folder)
+        try:
+            return _fit_tracked(job, names, folder)
+        finally:
+            _stop_wandb_service(names)
+
+
+def _stop_wandb_service(names) -> None:
+    """wandb keeps a service process until its process exits; a test stops it (no stray processes)."""
+    if "wandb" in names:
+        import wandb
+
+        wandb.teardown()
+
+
+def _fit_tracked(job, names, folder):
     model, summary = job.fit(
         steps=8,
         devices=2,
@@ -108,6 +135,79 @@ def test_mlflow_run_reads_back_through_mlflows_api(tracked_run, monkeypatch):
     assert [metric.step for metric in evals] == [4, 8]
     assert evals[-1].value == tracked_run["eval"]["metrics"]["correct"]
     assert client.get_metric_history(run.info.run_id, "event/failure/stall_s")
+
+
+def wandb_history(run_folder) -> tuple:
+    """(the run's id, its logged rows) from an offline W&B run's .wandb file, read with wandb's own protobuf.
+
+    The file is a LevelDB-style log (wandb's `datastore`): a 7-byte header, then 32 KiB blocks of
+    chunks, each with a 7-byte header (checksum, length, type: 1 full, 2 first, 3 middle, 4 last).
+    """
+    import json
+
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = run_folder.glob("run-*.wandb")
+    data, position, pending, rows, run_id = path.read_bytes(), 7, b"", [], None
+    assert data[:4] == b":W&B"
+    while position + 7 <= len(data):
+        room = 32768 - position % 32768
+        if room < 7:  # too little room for a chunk header: the block is padded
+            position += room
+            continue
+        length, kind = int.from_bytes(data[position + 4 : position + 6], "little"), data[position + 6]
+        pending += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind not in (1, 4):
+            continue
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(pending)
+        pending = b""
+        if record.WhichOneof("record_type") == "run":
+            run_id = record.run.run_id
+        elif record.WhichOneof("record_type") == "history":
+            rows.append(
+                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            )
+    return run_id, rows
+
+
+@pytest.mark.skipif(not _installed("wandb"), reason="the wandb package is not installed (flexpar[wandb])")
+def test_wandb_offline_run_reads_back_and_a_resumed_job_continues_it(tracked_run, tmp_path, monkeypatch):
+    """trackers=["wandb"] with WANDB_MODE=offline: no network, a run in RUN_DIR/wandb whose rows carry the
+    optimizer steps done as `step`; a resumed job (a restarted driver) logs into the same run."""
+    run_dir = tracked_run["run_dir"]
+    (folder,) = (pathlib.Path(run_dir) / "wandb").glob("offline-run-*")
+    run_id, rows = wandb_history(folder)
+    losses = [(row["step"], row["train/loss"]) for row in rows if "train/loss" in row]
+    assert [step for step, _ in losses] == list(range(1, 9)), "x axis: optimizer steps done"
+    assert all(math.isfinite(loss) for _, loss in losses)
+    evals = [row for row in rows if "eval/loss_sum" in row]
+    assert [row["step"] for row in evals] == [4, 8]
+    assert evals[-1]["eval/loss_sum"] == pytest.approx(tracked_run["eval"]["metrics"]["loss_sum"])
+    assert evals[-1]["eval/count"] == ep.EVAL_SIZE
+    assert any("event/failure/stall_s" in row for row in rows)
+
+    _wandb_offline(monkeypatch, tmp_path)
+    try:
+        resumed = trackers.create(["wandb"], run_dir, resume=True)[0]
+        resumed.on_step({**_STEP, "step": 8, "loss": 0.125})
+        resumed.finish_tracking()
+    finally:
+        _stop_wandb_service(["wandb"])
+    (later,) = [other for other in (pathlib.Path(run_dir) / "wandb").glob("offline-run-*") if other != folder]
+    resumed_id, resumed_rows = wandb_history(later)
+    assert resumed_id == run_id and [(row["step"], row["train/loss"]) for row in resumed_rows] == [(9, 0.125)]
+
+    # wandb's own refusal (online without a login, as wandb words it): one line before any worker starts.
+    import wandb
+
+    def no_login(**settings):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", no_login)
+    with pytest.raises(ValueError, match=r"wandb tracker cannot start a run \(No API key.*WANDB_MODE=offline"):
+        trackers.WandbTracker(str(tmp_path / "online"))
 
 
 def test_trackers_are_callbacks_and_log_steps_done_on_the_x_axis(tmp_path):
@@ -275,5 +375,5 @@ def test_the_command_line_flags_reach_fit(tmp_path):
     assert sorted({int(row["step"]) for row in rows if row["kind"] == "eval"}) == [2, 4]
     assert os.listdir(tmp_path / "ck") == ["step-00000004.pt"]
     assert "eval at step 2" in result.stderr, "the log line of an evaluation"
-    refused = flexpar_command("run", "--tracker", "wandb", str(script), timeout_s=60, cwd=str(tmp_path))
-    assert refused.returncode == 2 and "invalid choice: 'wandb'" in refused.stderr
+    refused = flexpar_command("run", "--tracker", "neptune", str(script), timeout_s=60, cwd=str(tmp_path))
+    assert refused.returncode == 2 and "invalid choice: 'neptune'" in refused.stderr

@@ -365,6 +365,7 @@ EVAL_RECORD = {
     "generation": 1,
     "devices": ["local-0", "local-1"],
     "eval_s": 0.25,
+    "samples": 997,
     "metrics": {"correct": 750, "count": 997, "loss_sum": 402.6},
 }
 
@@ -395,6 +396,11 @@ def test_the_display_logs_an_evaluation_as_means(caplog):
 
     line = format_eval_line(EVAL_RECORD)
     assert line == "eval at step 4: correct 0.7523, loss 0.4038 (997 samples) | 2 devices, 0.25 s"
+    # A token-weighted evaluation: its count is not a sample count, and the line does not call it one.
+    tokens = {**EVAL_RECORD, "metrics": {"count": 4882, "loss_sum": 9764.0}}
+    assert format_eval_line(tokens) == (
+        "eval at step 4: loss 2 (means per count; count 4882 over 997 samples) | 2 devices, 0.25 s"
+    )
     assert format_eval_line({**EVAL_RECORD, "metrics": {"auc_sum": 3.5}}).startswith("eval at step 4: auc_sum 3.5 |")
     with caplog.at_level(logging.INFO, logger="flexpar"):
         with LiveDisplay(10, force_terminal=False) as display:
