@@ -37,6 +37,7 @@ from flexpar.comm import state_transfer as training_state
 from flexpar.comm.collectives import PeerFailure, collective, fresh_group
 from flexpar.core import factory_checks
 from flexpar.worker import checkpoints
+from flexpar.worker.device_link import DriverLost
 
 
 class Boundaries:
@@ -136,7 +137,7 @@ class Boundaries:
 
         Returns the bytes sent, all senders together.
         """
-        sent = 0
+        sent, names = 0, []
         if rank == stock.source:
             state = {"model": self._model_state_for_transfer()}
             sent = collective(lambda: training_state.send_state(state, stock.differing, self.device))
@@ -144,14 +145,16 @@ class Boundaries:
             received = collective(lambda: training_state.receive_state(stock.source, self.device))["model"]
             names = factory_checks.differing_names(self._model_state_for_transfer(), received)
             self.frozen.load(self.model, received)  # in place: the optimizer's (and shards') tensors stay
-            if rank == stock.differing[0]:
+        total = collective(lambda: training_state.all_level(len(group), self.device, sent, peer_lost))
+        if rank == stock.differing[0]:
+            differing = [group[other] for other in stock.differing]
+            try:
                 self.link.send(
-                    "start_values",
-                    message=factory_checks.start_values_warning(
-                        group[stock.source], [group[r] for r in stock.differing], names
-                    ),
+                    "start_values", message=factory_checks.start_values_warning(group[stock.source], differing, names)
                 )
-        return collective(lambda: training_state.all_level(len(group), self.device, sent, peer_lost))
+            except DriverLost:  # a warning is not worth a failure: a restarted driver re-adopts a level set
+                pass
+        return total
 
     def _level(self, stock: training_state.Stock, rank: int, world_size: int) -> float:
         """Send the latest state from the source to the members behind it; returns the bytes sent."""

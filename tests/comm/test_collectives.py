@@ -119,6 +119,8 @@ def test_stock_before_the_first_step_names_the_members_whose_start_differs_from_
     slots = [1.0, 1.0, 1.0, 0.0] + [5.0, 5.0, 5.0, 0.0] + [7.0, 7.0, 9.0, 0.0]
     stock = training_state.stock_of(slots, own_wall=0.0)
     assert stock.source == 0 and stock.receivers == (3,) and stock.differing == (2,)
+    # A deterministic factory: every start the same, nothing to send.
+    assert training_state.stock_of([1.0, 1.0] + [5.0, 5.0] + [7.0, 7.0], own_wall=0.0).differing == ()
     # After the first step nobody reports: nothing to compare.
     assert training_state.stock_of([2.0, 2.0, 5.0, 5.0, 0.0, 0.0], own_wall=0.0).differing == ()
 
