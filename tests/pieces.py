@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 
 import torch
@@ -55,6 +56,39 @@ def make_model_slowly():
 def make_wider_model():
     """A different architecture: a joiner with it must be refused."""
     return nn.Sequential(nn.Linear(FEATURES, 64), nn.Tanh(), nn.Linear(64, CLASSES))
+
+
+class UnseededModel:
+    """make_model with values drawn from a generator the OS seeds: every process builds other ones.
+
+    The mistake of issue 35 (`torch.Generator().seed()` in a factory). Each
+    build writes its values to `directory`/<pid>.pt, so a test can start the
+    plain loop from the values a device built.
+    """
+
+    def __init__(self, directory: str):
+        self.directory = directory
+
+    def __call__(self) -> nn.Module:
+        model = make_model()
+        generator = torch.Generator()
+        generator.seed()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+        torch.save(model.state_dict(), os.path.join(self.directory, f"{os.getpid()}.pt"))
+        return model
+
+
+class ShapeByProcess:
+    """A first layer 16 wide in the process `driver_pid`, 24 wide in any other: other shapes in other processes."""
+
+    def __init__(self, driver_pid: int):
+        self.driver_pid = driver_pid
+
+    def __call__(self) -> nn.Module:
+        width = 16 if os.getpid() == self.driver_pid else 24
+        return nn.Sequential(nn.Linear(FEATURES, width), nn.Tanh(), nn.Linear(width, CLASSES))
 
 
 def make_broad_model():

@@ -65,15 +65,27 @@ class Stock:
     `source`: the lowest rank holding the highest committed step `latest_step`;
     `receivers`: the ranks behind it. `last_commit_wall`: the latest commit
     time (wall clock) among members that hold a committed step.
+    `differing`: before the first step, the members at step 0 whose trainable
+    values differ from the source's (flexpar/core/factory_checks.py): they get
+    the source's model too.
     """
 
     source: int
     receivers: tuple
     latest_step: int
     last_commit_wall: float
+    differing: tuple = ()
 
 
-def take_stock(committed_step: int, committed_wall: float, rank: int, world_size: int, device, peer_lost=None) -> Stock:
+def take_stock(
+    committed_step: int,
+    committed_wall: float,
+    rank: int,
+    world_size: int,
+    device,
+    peer_lost=None,
+    start_digest: float = 0.0,
+) -> Stock:
     """Who holds the latest state, who must receive it, and when the last member committed.
 
     Every member puts its committed step (a joiner has none: -1) and its
@@ -86,10 +98,14 @@ def take_stock(committed_step: int, committed_wall: float, rank: int, world_size
     absorbs in its all-reduce too. Members on different hosts compare wall
     clocks, so their offset (milliseconds under NTP) adds to it.
     Steps travel as float64, exact below 2**53. `peer_lost`: as in `all_level`.
+    `start_digest`: a member that holds the untrained model (step 0) puts
+    `factory_checks.start_digest` of its trainable part here, so that the
+    usual case, every factory deterministic, costs no collective of its own.
     """
-    slots = torch.zeros(2 * world_size, dtype=torch.float64, device=device)
+    slots = torch.zeros(3 * world_size, dtype=torch.float64, device=device)
     slots[rank] = committed_step + 1
     slots[world_size + rank] = committed_wall if committed_step >= 0 else 0.0
+    slots[2 * world_size + rank] = start_digest
     _sum(slots, world_size, peer_lost)
     return stock_of(slots.tolist(), committed_wall)
 
@@ -105,18 +121,26 @@ def _sum(tensor: torch.Tensor, world_size: int, peer_lost) -> None:
 
 
 def stock_of(slots: list, own_wall: float) -> Stock:
-    """Read the summed slots of `take_stock`: steps + 1 by rank, then commit times by rank.
+    """Read the summed slots of `take_stock`: steps + 1 by rank, commit times by rank, start digests by rank.
 
     With no member holding a commit (a fresh set), `own_wall` stands in.
     """
-    world_size = len(slots) // 2
+    world_size = len(slots) // 3
     steps = [round(value) - 1 for value in slots[:world_size]]
     latest = max(steps)
+    source = steps.index(latest)
+    receivers = tuple(r for r, step in enumerate(steps) if step < latest)
+    digests = slots[2 * world_size :]
     return Stock(
-        source=steps.index(latest),
-        receivers=tuple(r for r, step in enumerate(steps) if step < latest),
+        source=source,
+        receivers=receivers,
         latest_step=latest,
-        last_commit_wall=max(slots[world_size:]) or own_wall,
+        last_commit_wall=max(slots[world_size : 2 * world_size]) or own_wall,
+        differing=tuple(
+            r
+            for r, digest in enumerate(digests)
+            if latest == 0 and digest and r not in receivers and digest != digests[source]
+        ),
     )
 
 

@@ -53,14 +53,18 @@ def frozen_tensors(model: nn.Module) -> dict:
     return found
 
 
-def frozen_digests(model: nn.Module, mapper=map) -> dict:
-    """name -> `tensor_digest` of every frozen tensor (`frozen_tensors`), in the model's order.
+def tensor_digests(tensors: Mapping[str, torch.Tensor], mapper=map) -> dict:
+    """name -> `tensor_digest`, in the mapping's order.
 
     `mapper`: `map`, or a thread pool's `map` (hashlib releases the GIL): the
     core starts no threads itself.
     """
-    tensors = frozen_tensors(model)
     return dict(zip(tensors, mapper(tensor_digest, tensors.values())))
+
+
+def frozen_digests(model: nn.Module, mapper=map) -> dict:
+    """name -> `tensor_digest` of every frozen tensor (`frozen_tensors`), in the model's order (`mapper`: as above)."""
+    return tensor_digests(frozen_tensors(model), mapper)
 
 
 def combined_digest(digests: Mapping[str, str]) -> str:

@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Optional
 
 from flexpar.comm.channel import Channel
 from flexpar.comm.protocol import adopt_proof, get_json, has, join_proof, scale_proof, tell_devices
-from flexpar.core import adoption, frozen
+from flexpar.core import adoption, factory_checks, frozen
 from flexpar.core import membership as ms
 
 # How often the coordinator reads the devices' heartbeats (they beat every 0.5 s).
@@ -60,6 +60,7 @@ class Coordinator:
         clock: Callable[[], float] = time.monotonic,
         on_note: Callable[[str], None] = print,
         frozen_reference: Optional[Callable[[], dict]] = None,
+        job_shapes: Optional[list] = None,
         adopt_local: Callable[[str, int, str], None] = lambda device_id, pid, device: None,
         fingerprint: Optional[dict] = None,
         resume_from: Callable[[ms.NothingToAdopt], None] = lambda action: None,
@@ -80,10 +81,14 @@ class Coordinator:
         # The job's frozen digests (flexpar/core/frozen.py), computed by the driver in the background;
         # None: no content check (a coordinator without a model of its own).
         self.frozen_reference = frozen_reference
+        # The driver's model as `factory_checks.model_shapes` gives it: a refusal names what differs.
+        self.job_shapes = job_shapes
         self.events = Channel(store, "events")
         self.stop_reason: Optional[str] = None
         self.published: list = []  # Publish actions, for metrics and status
         self.errors: list = []  # error messages from devices: the job stops on the first
+        self.refused: list = []  # devices refused, in order (their reasons were said as they came)
+        self.start_values_warned = False  # the devices' factories built different trainable values (said once)
         self.heartbeats: dict = {}  # device_id -> (last heartbeat value, time it changed)
         self.warmups: dict = {}  # device_id -> its warm-up's seconds (from "ready"): in the join event
         self.digest_times: dict = {}  # device_id -> its frozen digest's seconds (from "ready"): likewise
@@ -180,6 +185,11 @@ class Coordinator:
             return self._report_of(message, now)
         if kind == "error":
             self.errors.append(message)
+            return None
+        if kind == "start_values":  # a factory that is not deterministic: said once per job
+            if not self.start_values_warned:
+                self.start_values_warned = True
+                self.on_note(str(message.get("message", "")))
             return None
         if kind == "announce":
             # Every device beats; one that stops (crashed host, SIGSTOP, a hang) is dead
@@ -278,7 +288,11 @@ class Coordinator:
                 f"install flexpar=={self.version} on the joining host"
             )
         if message.get("digest") != self.job_digest:
-            return (
+            shapes = message.get("shapes")
+            problem = ""
+            if self.job_shapes is not None and isinstance(shapes, list):
+                problem = factory_checks.shape_problem(self.job_shapes, shapes, f"device {message.get('device_id')}")
+            return problem or (
                 "the model differs from the job's (parameter names, shapes or dtypes do not match): "
                 "join with the same script and model code"
             )
@@ -343,6 +357,7 @@ class Coordinator:
         elif isinstance(action, ms.Refuse):
             tell_devices(self.store, f"reply/{action.device_id}", "refused: " + action.reason)
             self.on_note(f"refused device {action.device_id}: {action.reason}")
+            self.refused.append(action.device_id)
         elif isinstance(action, ms.Evict):
             tell_devices(self.store, f"reply/{action.device_id}", "evicted: " + action.reason)
             self.stop_local(action.device_id)

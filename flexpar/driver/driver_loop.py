@@ -145,6 +145,9 @@ class DriverLoop:
     def _stop_message(self, reason: str) -> str:
         if EXIT_MAIN_GUARD in self.exit_codes().values():
             return MAIN_GUARD_MESSAGE
+        if reason == membership.NO_DEVICE_STARTED and self.coordinator.refused:
+            # Each refusal was said in its own line, with its reason: the `__main__` hint is not the cause.
+            return f"the job stopped: no device could start ({' and '.join(self.coordinator.refused)} refused, above)"
         return f"the job stopped: {reason}"
 
     def _check_errors(self) -> None:

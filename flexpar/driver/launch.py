@@ -40,7 +40,7 @@ from flexpar.comm import state_transfer as training_state
 from flexpar.comm import waiting
 from flexpar.comm.protocol import DRIVER_KEY, get_blob, put_blob, tell_devices
 from flexpar.comm.store import connect
-from flexpar.core import adoption, frozen, membership
+from flexpar.core import adoption, factory_checks, frozen, membership
 from flexpar.driver import readopt
 from flexpar.driver.coordinator import Coordinator
 from flexpar.driver.driver_loop import DriverLoop, DriverWaker
@@ -163,6 +163,7 @@ def run(job, options: FitOptions) -> tuple:
         heartbeat_timeout_s=options.heartbeat_timeout_s,
         on_note=lambda message: print(f"flexpar: {message}", file=sys.stderr, flush=True),
         frozen_reference=reference.result,
+        job_shapes=factory_checks.model_shapes(model),
         adopt_local=local.adopt,
         fingerprint=adoption.fingerprint(job, settings, __version__),
         resume_from=resume_from,

@@ -14,6 +14,12 @@ take stock of who holds the latest committed step, and level:
   parameter values; planned leavers (`record["departing"]`) take part in a
   hand-off group first, then leave, and the members form the training group.
 
+Before the first step, the members that hold the untrained model also put a
+digest of its trainable part in the stock (`_start_digest`); those whose
+values differ from the source's (a model factory that is not deterministic)
+receive the source's (`_align_start`), so every device starts from the same
+values, and one warning names the difference.
+
 Rank 0 then publishes the generation's event (with the bytes the boundary
 sent and its stall). The generation's head is what the device would tell a
 restarted driver (flexpar/worker/orphan.py).
@@ -22,12 +28,16 @@ restarted driver (flexpar/worker/orphan.py).
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+import torch
 import torch.distributed as dist
 
 from flexpar.comm import state_transfer as training_state
 from flexpar.comm.collectives import PeerFailure, collective, fresh_group
+from flexpar.core import factory_checks
 from flexpar.worker import checkpoints
+from flexpar.worker.device_link import DriverLost
 
 
 class Boundaries:
@@ -74,15 +84,18 @@ class Boundaries:
             if not departing:
                 self.link.send("formed", generation=generation)
             # Every wait of a boundary watches for a peer the coordinator reports dead (killed or hung).
+            start = self._start_digest() if self.committed == 0 else 0.0
             stock = collective(
                 lambda: training_state.take_stock(
-                    self.committed, self.committed_wall, rank, len(group), self.device, peer_lost
+                    self.committed, self.committed_wall, rank, len(group), self.device, peer_lost, start
                 )
             )
             if self.shards is not None:
                 sent = self._level_sharded(stock, rank, group, len(members), record, peer_lost)
             else:
                 sent = self._level(stock, rank, len(members)) if stock.receivers else 0.0
+            if stock.differing:
+                sent += self._align_start(stock, rank, group, peer_lost)
             self.boundary_bytes = int(sent)  # the state this boundary sent, all senders (the event's)
         if rank >= len(members):
             return  # departing: handed over
@@ -112,6 +125,36 @@ class Boundaries:
                 self.link.publish(kept)
             stall = max(0.0, time.time() - stock.last_commit_wall)
             self._publish_generation_event(record, previous_members, stall)
+
+    def _start_digest(self) -> float:
+        """What this device reports of its untrained trainable part (flexpar/core/factory_checks.py)."""
+        with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+            return factory_checks.start_digest(self._model_state_for_transfer(), pool.map)
+
+    def _align_start(self, stock: training_state.Stock, rank: int, group: tuple, peer_lost) -> float:
+        """Before the first step: the source's trainable values replace those that differ, as DDP's
+        first broadcast does; the first differing device names the difference in one warning.
+
+        Returns the bytes sent, all senders together.
+        """
+        sent, names = 0, []
+        if rank == stock.source:
+            state = {"model": self._model_state_for_transfer()}
+            sent = collective(lambda: training_state.send_state(state, stock.differing, self.device))
+        elif rank in stock.differing:
+            received = collective(lambda: training_state.receive_state(stock.source, self.device))["model"]
+            names = factory_checks.differing_names(self._model_state_for_transfer(), received)
+            self.frozen.load(self.model, received)  # in place: the optimizer's (and shards') tensors stay
+        total = collective(lambda: training_state.all_level(len(group), self.device, sent, peer_lost))
+        if rank == stock.differing[0]:
+            differing = [group[other] for other in stock.differing]
+            try:
+                self.link.send(
+                    "start_values", message=factory_checks.start_values_warning(group[stock.source], differing, names)
+                )
+            except DriverLost:  # a warning is not worth a failure: a restarted driver re-adopts a level set
+                pass
+        return total
 
     def _level(self, stock: training_state.Stock, rank: int, world_size: int) -> float:
         """Send the latest state from the source to the members behind it; returns the bytes sent."""

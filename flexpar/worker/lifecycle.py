@@ -61,7 +61,7 @@ from flexpar.comm.collectives import GroupReaper, PeerFailure, collective, wait_
 from flexpar.comm.gradient_sync import GradientSync
 from flexpar.comm.protocol import get_blob, get_json, join_proof, put_blob, tell_driver
 from flexpar.comm.sparse_sync import sparse_parameters
-from flexpar.core import balance, batching
+from flexpar.core import balance, batching, factory_checks
 from flexpar.errors import UserCodeError
 from flexpar.version import __version__
 from flexpar.worker import checkpoints
@@ -265,6 +265,7 @@ class Worker(
         devices a restarted driver re-adopts alike."""
         return {
             "digest": model_digest(self.model),
+            "shapes": factory_checks.model_shapes(self.model),  # a refusal names the first that differs
             "version": __version__,
             "warmup_s": self._warmup_s,
             "frozen_digest": self.frozen.combined,

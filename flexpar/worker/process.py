@@ -56,7 +56,8 @@ def main(args: WorkerArgs) -> None:
         if link.leave_requested_at is not None:
             code = 0  # asked to stop before it was admitted: it was let go
         else:
-            say(f"flexpar: device {args.device_id}: {refusal}")
+            if args.remote or not str(refusal).startswith("refused: "):  # the driver said a local refusal
+                say(f"flexpar: device {args.device_id}: {refusal}")
             code = EXIT_EVICTED
     except Exception as error:  # the user's code (or ours) raised: stop the job, say why once
         try:

@@ -7,8 +7,8 @@ as ms; ms.decide(ms.Membership(...), ms.Start(2))`.
 """
 
 from flexpar.core.membership import events
-from flexpar.core.membership.decide import STOPPED_BEFORE_START, decide
+from flexpar.core.membership.decide import NO_DEVICE_STARTED, STOPPED_BEFORE_START, decide
 from flexpar.core.membership.events import *  # noqa: F403  (the events and actions: events.__all__)
 from flexpar.core.membership.state import Membership
 
-__all__ = ["STOPPED_BEFORE_START", "Membership", "decide", *events.__all__]
+__all__ = ["NO_DEVICE_STARTED", "STOPPED_BEFORE_START", "Membership", "decide", *events.__all__]

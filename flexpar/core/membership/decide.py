@@ -353,11 +353,7 @@ def _advance(state: Membership):
             members = tuple(sorted(state.waiting, key=id_order))
             return publish(state, members=members, joined=members, left=(), failed=())
         if not state.waiting and not state.starting and state.dead:
-            return stop(
-                state,
-                "no device could start; see the messages above (a script whose fit() call is not under "
-                '`if __name__ == "__main__":` stops its workers this way)',
-            )
+            return stop(state, NO_DEVICE_STARTED)
         return state, ()
     if state.failure_since is not None:
         return _recover(state)
@@ -371,6 +367,10 @@ def _advance(state: Membership):
 
 
 STOPPED_BEFORE_START = "it was asked to stop before training started"
+NO_DEVICE_STARTED = (
+    "no device could start; see the messages above (a script whose fit() call is not under "
+    '`if __name__ == "__main__":` stops its workers this way)'
+)
 
 
 def _recover(state: Membership):
