@@ -137,7 +137,7 @@ class GradientSync:
             bucket.buffer[offset:].copy_(stats)
         bucket.work = collective(lambda: dist.all_reduce(bucket.buffer, async_op=True))
 
-    def finish(self, stats: torch.Tensor, before_wait=None, scale=None) -> torch.Tensor:
+    def finish(self, stats: torch.Tensor, before_last_launch=None, scale=None) -> torch.Tensor:
         """Send what is left, wait for every sum, write the summed gradients back.
 
         Returns the summed statistics vector (the same on every device).
@@ -151,8 +151,8 @@ class GradientSync:
         """
         self.armed = False
         if self.world_size == 1:
-            if before_wait is not None:  # the same point of the step as with peers (faults fire there)
-                before_wait()
+            if before_last_launch is not None:  # the same point of the step as with peers (faults fire there)
+                before_last_launch()
             return stats
         carrier = self._stats_carrier()
         # Every bucket but the last was launched in order (by the hooks or here), then the
@@ -160,6 +160,12 @@ class GradientSync:
         # sequence of collectives on every device, whichever buckets a device's hooks launched.
         for bucket in self.buckets[self.next_launch : len(self.buckets) - 1]:
             self._launch(bucket)
+        # Faults of the "sync" phase fire here, before the collectives that carry the statistics:
+        # a device that dies at this point always breaks the step in flight. Fired after them, the
+        # sums could complete on every device first (a small model, a loaded machine), and whether
+        # the step committed would depend on timing.
+        if before_last_launch is not None:
+            before_last_launch()
         separate = work = None
         if carrier is None:  # float64: exact sums (module docstring)
             separate = stats.to(self.device, torch.float64, copy=True)
@@ -168,8 +174,6 @@ class GradientSync:
             final = self.buckets[-1]
             self._launch(final, stats.to(final.device, final.dtype) if final is carrier else None)
         self.next_launch = len(self.buckets)
-        if before_wait is not None:
-            before_wait()
         for bucket in self.buckets:
             wait_for_collective(bucket.work, self.peer_lost)
             if scale is None:

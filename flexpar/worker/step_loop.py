@@ -287,7 +287,9 @@ class StepLoop:
         if self.scaler is not None:  # fp16: this device's own gradient overflowed (all skip the step)
             stats[slots.overflow] = float(recipes.has_nonfinite(self.sync.dense, self.sync.sparse))
         summed = self.sync.finish(
-            stats.to(self.device), before_wait=lambda: self._fault_point("sync", step), scale=self._prepare_gradient
+            stats.to(self.device),
+            before_last_launch=lambda: self._fault_point("sync", step),
+            scale=self._prepare_gradient,
         )
         if world == 1:  # nothing was summed: this device's gradient is the step's
             self._prepare_gradient(summed, None)
