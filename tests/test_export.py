@@ -38,6 +38,17 @@ def _checkpoint(folder):
     return model, checkpoints.write(str(folder), 12, checkpoints.cpu_copy(state))
 
 
+def _export_command(checkpoint, output, **options):
+    """`flexpar export CHECKPOINT -o OUTPUT` in a process of its own (`options`: subprocess.run's cwd, env)."""
+    return subprocess.run(
+        [sys.executable, "-m", "flexpar", "export", str(checkpoint), "-o", str(output)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        **options,
+    )
+
+
 def test_export_round_trips(tmp_path):
     model, path = _checkpoint(tmp_path)
     output = export.export(path, str(tmp_path / "out" / "model.safetensors"))
@@ -51,12 +62,7 @@ def test_export_round_trips(tmp_path):
 def test_the_command_line_exports(tmp_path):
     model, path = _checkpoint(tmp_path)
     output = tmp_path / "model.safetensors"
-    result = subprocess.run(
-        [sys.executable, "-m", "flexpar", "export", path, "-o", str(output)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = _export_command(path, output)
     assert result.returncode == 0, result.stderr
     assert f"wrote {output}" in result.stdout
     loaded = safetensors_torch.load_file(str(output))
@@ -74,12 +80,7 @@ def test_a_checkpoint_with_no_frozen_weight_exports_without_the_script(tmp_path)
     state = training_state.capture(model, optimizer, None, 12, {"frozen": entry})
     path = checkpoints.write(str(tmp_path), 12, checkpoints.cpu_copy(state))
     output = tmp_path / "model.safetensors"
-    result = subprocess.run(
-        [sys.executable, "-m", "flexpar", "export", path, "-o", str(output)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = _export_command(path, output)
     assert result.returncode == 0 and "--script" not in result.stderr, result.stderr
     loaded = safetensors_torch.load_file(str(output))
     assert set(loaded) == set(model.state_dict())
@@ -145,11 +146,9 @@ def test_a_checkpoint_of_a_real_job_exports_the_returned_model(train, tmp_path):
     assert checkpoints.read_checkpoint(checkpoint, "cpu")["extra"]["frozen"]["complete"], "nothing is left out"
     # `flexpar export` where the job's code (tests/pieces.py) cannot be imported: none is needed.
     output = str(tmp_path / "model.safetensors")
-    result = subprocess.run(
-        [sys.executable, "-m", "flexpar", "export", checkpoint, "-o", output],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    result = _export_command(
+        checkpoint,
+        output,
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(export.__file__))},
     )

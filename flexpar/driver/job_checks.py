@@ -134,7 +134,8 @@ def check_checkpoint_folder(options) -> None:
     `export` would take whichever step is newest, a write would replace the
     other run's file of its step, and keeping the newest K would delete this
     run's own. So it is refused here, before any worker starts, naming the
-    two ways on. `options` is a `FitOptions`.
+    two ways on (only one, another folder, where the folder holds unfinished
+    checkpoints alone, which `--resume` cannot take). `options` is a `FitOptions`.
     """
     if options.resume:
         return
@@ -148,11 +149,19 @@ def check_checkpoint_folder(options) -> None:
     else:
         return  # a fresh run directory
     steps = checkpoints.checkpoint_steps(folder)
-    if steps:
+    if not steps:
+        return
+    if checkpoints.latest_checkpoint(folder) is None:
+        # Only unfinished writes (a sharded checkpoint's parts, or a step-N.pt whose parts never all
+        # came): --resume would find nothing to continue from, so it is not offered as the way on.
         raise ValueError(
-            f"{where} holds another run's checkpoints ({_step_list(steps)}): continue that run with "
-            f"{resume}, or give this run another folder"
+            f"{where} holds another run's unfinished checkpoints ({_step_list(steps)}), which --resume cannot "
+            "continue from: remove its step-* files and folders, or give this run another folder"
         )
+    raise ValueError(
+        f"{where} holds another run's checkpoints ({_step_list(steps)}): continue that run with "
+        f"{resume}, or give this run another folder"
+    )
 
 
 def _step_list(steps: list) -> str:

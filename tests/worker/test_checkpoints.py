@@ -141,3 +141,22 @@ def test_a_fresh_run_refuses_a_folder_with_checkpoints_and_a_resume_takes_it(tmp
     with pytest.raises(ValueError, match=rf"the run directory {folder} .* holds another run's checkpoints"):
         check_checkpoint_folder(FitOptions(steps=1, metrics=str(folder / "metrics.jsonl")))
     check_checkpoint_folder(FitOptions(steps=1, metrics=str(tmp_path / "metrics.jsonl")))
+
+
+def test_a_folder_of_unfinished_checkpoints_alone_is_refused_without_offering_resume(tmp_path):
+    """A sharded job killed while writing its first checkpoint leaves parts and no complete step-N.pt:
+    --resume has nothing to take there (it refuses such a folder), so the refusal does not offer it."""
+    from flexpar import FitOptions
+    from flexpar.driver.job_checks import check_checkpoint_folder
+
+    folder = tmp_path / "ck"
+    (folder / "step-00000100.optimizer").mkdir(parents=True)  # the parts, step-00000100.pt never written
+    (folder / "step-00000200.optimizer").mkdir()
+    (folder / "step-00000200.pt").write_bytes(b"")  # rank 0's file, but no partition of its parts is whole
+    assert checkpoints.latest_checkpoint(str(folder)) is None
+    with pytest.raises(ValueError) as refused:
+        check_checkpoint_folder(FitOptions(steps=1, checkpoint_dir=str(folder)))
+    assert str(refused.value) == (
+        f"checkpoint_dir {folder} holds another run's unfinished checkpoints (steps 100, 200), which --resume "
+        "cannot continue from: remove its step-* files and folders, or give this run another folder"
+    )
