@@ -161,9 +161,16 @@ def test_checkpoint_and_resume(train, tmp_path):
     train(job, steps=6, devices=2, checkpoint_every=3, checkpoint_dir=str(checkpoints))
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000003.pt", "step-00000006.pt"]
     (checkpoints / "step-00000006.pt").unlink()  # as if the job died after step 3... then resumed
-    model, summary = train(job, steps=10, devices=1, checkpoint_dir=str(checkpoints), resume=True)
+    # Into a metrics file of its own (a requeued SLURM job's fresh run directory): it holds the steps
+    # this run committed, not the earlier run's that the checkpoint kept for a new rank 0 to re-send.
+    resumed_metrics = tmp_path / "resumed.jsonl"
+    model, summary = train(
+        job, steps=10, devices=1, checkpoint_dir=str(checkpoints), resume=True, metrics=str(resumed_metrics)
+    )
     assert summary["steps"] == 10
     pieces.assert_same_parameters(model, pieces.reference(job, 10))
+    steps = [record["step"] for record in pieces.metrics_records(resumed_metrics) if record["kind"] == "step"]
+    assert steps == list(range(3, 10))
 
 
 def test_no_more_devices_than_virtual_workers():
