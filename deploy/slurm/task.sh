@@ -16,6 +16,8 @@
 #   FLEXPAR_MAX_DEVICES       the most devices the job may grow to (default 16)
 #   FLEXPAR_CHECKPOINT_DIR    checkpoints, on a shared filesystem (default: none)
 #   FLEXPAR_CHECKPOINT_EVERY  steps between checkpoints (default 100)
+#   FLEXPAR_METRICS           the metrics file (default: metrics.jsonl in FLEXPAR_CHECKPOINT_DIR, so that
+#                             a requeued job continues it; without a checkpoint directory, under runs/)
 #   FLEXPAR_JOIN_WAIT         seconds a joining task waits for the job's port (default 600, 0: none)
 #
 # If FLEXPAR_CHECKPOINT_DIR already holds a checkpoint (a requeued or resubmitted job), task 0
@@ -42,9 +44,12 @@ if [ "$role" = auto ] && [ "${SLURM_PROCID:-0}" = 0 ]; then
            --max-devices "${FLEXPAR_MAX_DEVICES:-16}" --secret-file "$FLEXPAR_SECRET_FILE")
     if [ -n "${FLEXPAR_CHECKPOINT_DIR:-}" ]; then
         flags+=(--checkpoint-every "${FLEXPAR_CHECKPOINT_EVERY:-100}" --checkpoint-dir "$FLEXPAR_CHECKPOINT_DIR")
+        flags+=(--metrics "${FLEXPAR_METRICS:-$FLEXPAR_CHECKPOINT_DIR/metrics.jsonl}")
         if compgen -G "$FLEXPAR_CHECKPOINT_DIR/step-*.pt" >/dev/null; then
             flags+=(--resume)
         fi
+    elif [ -n "${FLEXPAR_METRICS:-}" ]; then
+        flags+=(--metrics "$FLEXPAR_METRICS")
     fi
     exec flexpar run "${flags[@]}" "$@"
 fi
