@@ -116,6 +116,12 @@ FAKE_FLEXPAR = """#!/bin/bash
 record="$FAKE_RECORD_DIR/flexpar.${SLURM_PROCID:-x}"
 printf '%s\\0' "$@" >"$record.argv"
 printf '%s' "${FLEXPAR_ADDRESS-<unset>}" >"$record.address"
+exit "${FAKE_FLEXPAR_EXIT:-0}"
+"""
+
+FAKE_SCANCEL = """#!/bin/bash
+# Records its arguments (NUL-separated).
+printf '%s\\0' "$@" >"$FAKE_RECORD_DIR/scancel.argv"
 """
 
 FAKE_SCONTROL = """#!/bin/bash
@@ -148,7 +154,7 @@ done
 
 
 class FakeCluster:
-    """A PATH with fake `flexpar`, `scontrol` and `srun`, and what the fake flexpar recorded."""
+    """A PATH with fake `flexpar`, `scontrol`, `srun` and `scancel`, and what they recorded."""
 
     def __init__(self, tmp_path: Path, nodes=("node01", "node02")):
         self.tmp_path = tmp_path
@@ -156,7 +162,8 @@ class FakeCluster:
         self.records = tmp_path / "records"
         self.bin.mkdir(parents=True)
         self.records.mkdir()
-        for name, text in (("flexpar", FAKE_FLEXPAR), ("scontrol", FAKE_SCONTROL), ("srun", FAKE_SRUN)):
+        fakes = (("flexpar", FAKE_FLEXPAR), ("scontrol", FAKE_SCONTROL), ("srun", FAKE_SRUN), ("scancel", FAKE_SCANCEL))
+        for name, text in fakes:
             path = self.bin / name
             path.write_text(text)
             path.chmod(0o755)
@@ -424,6 +431,25 @@ def test_task_0_resumes_when_the_checkpoint_directory_has_a_checkpoint(tmp_path)
     (checkpoints / "step-200.pt").write_bytes(b"")
     assert cluster.run([str(SLURM / "task.sh"), "train.py"], **common).returncode == 0
     assert check_run_command(cluster.argv(0), "train.py").resume
+
+
+@pytest.mark.parametrize("exit_code", [0, 1, 143])
+def test_when_task_0_ends_the_steps_other_tasks_get_sigterm(tmp_path, exit_code):
+    """Else a task still waiting for the job's port (its script failed at once, or the job finished
+    first) would hold the allocation for FLEXPAR_JOIN_WAIT seconds; task 0's exit code stays the task's."""
+    cluster = FakeCluster(tmp_path)
+    variables = dict(SLURM_PROCID=0, SLURM_NTASKS=2, SLURM_JOB_ID=4242, SLURM_STEP_ID=0, FAKE_FLEXPAR_EXIT=exit_code)
+    result = cluster.run([str(SLURM / "task.sh"), "train.py"], FLEXPAR_SECRET_FILE=tmp_path / "secret", **variables)
+    assert result.returncode == exit_code, result.stderr
+    assert cluster.called(0)
+    scancel = (cluster.records / "scancel.argv").read_bytes().decode().split("\0")[:-1]
+    assert scancel == ["--quiet", "--signal=TERM", "4242.0"]
+    # A job of one task has no one to tell.
+    (cluster.records / "scancel.argv").unlink()
+    variables["SLURM_NTASKS"] = 1
+    result = cluster.run([str(SLURM / "task.sh"), "train.py"], FLEXPAR_SECRET_FILE=tmp_path / "secret", **variables)
+    assert result.returncode == exit_code, result.stderr
+    assert not (cluster.records / "scancel.argv").exists()
 
 
 def test_a_joining_task_waits_for_the_jobs_port(tmp_path):
