@@ -87,10 +87,11 @@ class DriverLoop:
         if adopted:
             resumed_from = last_step["step"] + 1 if last_step is not None else -1
         self.schedule = ScheduleTracker(options.schedule, after_step=resumed_from)
-        # The first step this run writes: a job resumed from a checkpoint into a fresh metrics file
-        # (a requeued SLURM job's new run directory) gets the checkpoint's kept records of earlier
-        # steps from its rank 0 too; they are the earlier run's, already in its own file.
-        self.first_step = max(resumed_from, 0)
+        # The first step this run writes. A job resumed from a checkpoint into a fresh metrics file (a
+        # requeued SLURM job's new run directory) gets the checkpoint's kept records of earlier steps
+        # from its rank 0 too: they are the earlier run's, in its own file. Into the job's own file,
+        # they fill in what an earlier driver that died did not write (the file's last step rules).
+        self.first_step = max(resumed_from, 0) if last_step is None else 0
         self.ledger_file = None
         self.display = None
         if not options.quiet:
