@@ -116,12 +116,23 @@ FAKE_FLEXPAR = """#!/bin/bash
 record="$FAKE_RECORD_DIR/flexpar.${SLURM_PROCID:-x}"
 printf '%s\\0' "$@" >"$record.argv"
 printf '%s' "${FLEXPAR_ADDRESS-<unset>}" >"$record.address"
+exit "${FAKE_FLEXPAR_EXIT:-0}"
+"""
+
+FAKE_SCANCEL = """#!/bin/bash
+# Records its arguments (NUL-separated).
+printf '%s\\0' "$@" >"$FAKE_RECORD_DIR/scancel.argv"
 """
 
 FAKE_SCONTROL = """#!/bin/bash
-# `scontrol show hostnames LIST`: the nodes of FAKE_NODES, one a line.
+# `scontrol show hostnames LIST`: the nodes of FAKE_NODES, one a line; `scontrol show job ID`: the
+# line that names the submitted script (FAKE_SUBMITTED) and its arguments, as SLURM 22.05 prints it.
 if [ "$1" = show ] && [ "$2" = hostnames ]; then
     printf '%s\\n' $FAKE_NODES
+    exit 0
+fi
+if [ "$1" = show ] && [ "$2" = job ] && [ -n "${FAKE_SUBMITTED:-}" ]; then
+    printf '   WorkDir=%s\\n   Command=%s train.py\\n' "$PWD" "$FAKE_SUBMITTED"
     exit 0
 fi
 echo "fake scontrol: unexpected $*" >&2
@@ -143,7 +154,7 @@ done
 
 
 class FakeCluster:
-    """A PATH with fake `flexpar`, `scontrol` and `srun`, and what the fake flexpar recorded."""
+    """A PATH with fake `flexpar`, `scontrol`, `srun` and `scancel`, and what they recorded."""
 
     def __init__(self, tmp_path: Path, nodes=("node01", "node02")):
         self.tmp_path = tmp_path
@@ -151,7 +162,8 @@ class FakeCluster:
         self.records = tmp_path / "records"
         self.bin.mkdir(parents=True)
         self.records.mkdir()
-        for name, text in (("flexpar", FAKE_FLEXPAR), ("scontrol", FAKE_SCONTROL), ("srun", FAKE_SRUN)):
+        fakes = (("flexpar", FAKE_FLEXPAR), ("scontrol", FAKE_SCONTROL), ("srun", FAKE_SRUN), ("scancel", FAKE_SCANCEL))
+        for name, text in fakes:
             path = self.bin / name
             path.write_text(text)
             path.chmod(0o755)
@@ -414,9 +426,30 @@ def test_task_0_resumes_when_the_checkpoint_directory_has_a_checkpoint(tmp_path)
     assert cluster.run([str(SLURM / "task.sh"), "train.py"], **common).returncode == 0
     fresh = check_run_command(cluster.argv(0), "train.py")
     assert fresh.checkpoint_dir == str(checkpoints) and fresh.checkpoint_every and not fresh.resume
+    # The metrics file next to the checkpoints: a requeued job continues it (steps numbered on).
+    assert fresh.metrics == str(checkpoints / "metrics.jsonl")
     (checkpoints / "step-200.pt").write_bytes(b"")
     assert cluster.run([str(SLURM / "task.sh"), "train.py"], **common).returncode == 0
     assert check_run_command(cluster.argv(0), "train.py").resume
+
+
+@pytest.mark.parametrize("exit_code", [0, 1, 143])
+def test_when_task_0_ends_the_steps_other_tasks_get_sigterm(tmp_path, exit_code):
+    """Else a task still waiting for the job's port (its script failed at once, or the job finished
+    first) would hold the allocation for FLEXPAR_JOIN_WAIT seconds; task 0's exit code stays the task's."""
+    cluster = FakeCluster(tmp_path)
+    variables = dict(SLURM_PROCID=0, SLURM_NTASKS=2, SLURM_JOB_ID=4242, SLURM_STEP_ID=0, FAKE_FLEXPAR_EXIT=exit_code)
+    result = cluster.run([str(SLURM / "task.sh"), "train.py"], FLEXPAR_SECRET_FILE=tmp_path / "secret", **variables)
+    assert result.returncode == exit_code, result.stderr
+    assert cluster.called(0)
+    scancel = (cluster.records / "scancel.argv").read_bytes().decode().split("\0")[:-1]
+    assert scancel == ["--quiet", "--signal=TERM", "4242.0"]
+    # A job of one task has no one to tell.
+    (cluster.records / "scancel.argv").unlink()
+    variables["SLURM_NTASKS"] = 1
+    result = cluster.run([str(SLURM / "task.sh"), "train.py"], FLEXPAR_SECRET_FILE=tmp_path / "secret", **variables)
+    assert result.returncode == exit_code, result.stderr
+    assert not (cluster.records / "scancel.argv").exists()
 
 
 def test_a_joining_task_waits_for_the_jobs_port(tmp_path):
@@ -458,7 +491,7 @@ def test_flexpar_sbatch_makes_a_secret_runs_the_tasks_and_prints_the_join_comman
 
     secret = tmp_path / "home" / ".flexpar" / "secret-4242"
     assert re.fullmatch(r"[0-9a-f]{32}\n?", secret.read_text())
-    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600 and stat.S_IMODE(secret.parent.stat().st_mode) == 0o700
     srun_options = (cluster.records / "srun.options").read_bytes().decode().split("\0")[:-1]
     assert "--kill-on-bad-exit=0" in srun_options and "--cpus-per-task=8" in srun_options
 
@@ -484,6 +517,31 @@ def test_flexpar_sbatch_makes_a_secret_runs_the_tasks_and_prints_the_join_comman
         assert argv[0] == "join" and flexpar_parser().parse_args(argv).address is None
         assert flag_value(argv, "--secret-file") == str(secret) and flag_value(argv, "--script") == "train.py"
         assert cluster.address(task) == "node01:24242"
+
+
+@pytest.mark.parametrize("name", ["flexpar.sbatch", "join.sbatch"])
+def test_a_copy_in_slurmds_spool_finds_task_sh_next_to_the_submitted_script(tmp_path, name):
+    """sbatch runs a copy of the script from slurmd's spool directory, not the file it was given: task.sh
+    is found next to the submitted file (scontrol's Command=), wherever the job was submitted from."""
+    cluster = FakeCluster(tmp_path)
+    spool = tmp_path / "spool" / "job04242"
+    spool.mkdir(parents=True)
+    copy = spool / "slurm_script"
+    copy.write_text((SLURM / name).read_text())
+    submitted_from = tmp_path / "elsewhere"  # no deploy/slurm below it
+    submitted_from.mkdir()
+    variables = dict(SLURM_JOB_ID=4242, SLURM_NTASKS=1, SLURM_SUBMIT_DIR=submitted_from)
+    variables.update(FAKE_SUBMITTED=SLURM / name, FLEXPAR_ADDRESS="node01:24242", FLEXPAR_SECRET_FILE=tmp_path / "s")
+    result = cluster.run(["bash", str(copy), "train.py"], **variables)
+    assert result.returncode == 0, result.stderr
+    assert cluster.called(0)
+    if name == "flexpar.sbatch":
+        assert f"{SLURM}/join.sbatch train.py" in result.stdout, "the printed command names the real file"
+    # Nothing to go by: one line naming the fix, and no task starts.
+    (cluster.records / "flexpar.0.argv").unlink()
+    variables.pop("FAKE_SUBMITTED")
+    result = cluster.run(["bash", str(copy), "train.py"], **variables)
+    assert result.returncode == 2 and "FLEXPAR_SLURM_DIR" in result.stderr and not cluster.called(0)
 
 
 def test_join_sbatch_needs_the_jobs_address(tmp_path):

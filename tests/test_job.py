@@ -175,13 +175,26 @@ def test_checkpoint_and_resume(train, tmp_path):
     stale.mkdir()
     torch.save({}, stale / "part-0-of-2.pt")
     resumed_at = time.time()
-    model, summary = train(job, steps=10, devices=1, checkpoint_every=3, checkpoint_dir=str(checkpoints), resume=True)
+    # Into a metrics file of its own (a requeued SLURM job's fresh run directory): it holds the steps
+    # this run committed, not the earlier run's that the checkpoint kept for a new rank 0 to re-send.
+    resumed_metrics = tmp_path / "resumed.jsonl"
+    model, summary = train(
+        job,
+        steps=10,
+        devices=1,
+        checkpoint_every=3,
+        checkpoint_dir=str(checkpoints),
+        resume=True,
+        metrics=str(resumed_metrics),
+    )
     assert summary["steps"] == 10 and summary["resumed_from"] == 3
     pieces.assert_same_parameters(model, pieces.reference(job, 10))
     names = sorted(p.name for p in checkpoints.iterdir())
     assert names == ["step-00000003.pt", "step-00000006.pt", "step-00000009.pt", "step-00000010.pt"], names
     rewritten = torch.load(checkpoints / "step-00000006.pt", weights_only=True)
     assert rewritten["extra"]["committed_wall"] > resumed_at, "step 6's file is the resumed run's"
+    steps = [record["step"] for record in pieces.metrics_records(resumed_metrics) if record["kind"] == "step"]
+    assert steps == list(range(3, 10))
 
 
 def test_no_more_devices_than_virtual_workers():

@@ -16,14 +16,17 @@
 #   FLEXPAR_MAX_DEVICES       the most devices the job may grow to (default 16)
 #   FLEXPAR_CHECKPOINT_DIR    checkpoints, on a shared filesystem (default: none)
 #   FLEXPAR_CHECKPOINT_EVERY  steps between checkpoints (default 100)
+#   FLEXPAR_METRICS           the metrics file (default: metrics.jsonl in FLEXPAR_CHECKPOINT_DIR, so that
+#                             a requeued job continues it; without a checkpoint directory, under runs/)
 #   FLEXPAR_JOIN_WAIT         seconds a joining task waits for the job's port (default 600, 0: none)
 #
 # If FLEXPAR_CHECKPOINT_DIR already holds a checkpoint (a requeued or resubmitted job), task 0
 # adds --resume and the job continues from the newest one.
 #
 # SIGTERM (SLURM's preemption or time-limit notice, see --signal in flexpar.sbatch) reaches
-# flexpar directly (exec): to a joining task it is a planned leave at the next step boundary; to
-# task 0 it stops the job at the next step boundary with a final checkpoint.
+# flexpar directly (SLURM signals every process of a task): to a joining task it is a planned leave
+# at the next step boundary; to task 0 it stops the job at the next step boundary with a final
+# checkpoint. When task 0's `flexpar run` ends, it sends SIGTERM to the step's other tasks.
 set -eu
 
 if [ "$#" -lt 1 ]; then
@@ -42,11 +45,26 @@ if [ "$role" = auto ] && [ "${SLURM_PROCID:-0}" = 0 ]; then
            --max-devices "${FLEXPAR_MAX_DEVICES:-16}" --secret-file "$FLEXPAR_SECRET_FILE")
     if [ -n "${FLEXPAR_CHECKPOINT_DIR:-}" ]; then
         flags+=(--checkpoint-every "${FLEXPAR_CHECKPOINT_EVERY:-100}" --checkpoint-dir "$FLEXPAR_CHECKPOINT_DIR")
+        flags+=(--metrics "${FLEXPAR_METRICS:-$FLEXPAR_CHECKPOINT_DIR/metrics.jsonl}")
         if compgen -G "$FLEXPAR_CHECKPOINT_DIR/step-*.pt" >/dev/null; then
             flags+=(--resume)
         fi
+    elif [ -n "${FLEXPAR_METRICS:-}" ]; then
+        flags+=(--metrics "$FLEXPAR_METRICS")
     fi
-    exec flexpar run "${flags[@]}" "$@"
+    # Not exec: when the job ends (finished, failed, stopped), the step's other tasks end too. One
+    # still waiting for the job's port would otherwise hold the allocation for FLEXPAR_JOIN_WAIT
+    # seconds after a script that fails at once; devices that outlived a crashed driver have written
+    # its last committed step by then, and leave on SIGTERM (on SLURM no driver comes back to them but
+    # a requeue's). flexpar gets SIGTERM from SLURM itself, which signals every process of a task:
+    # this shell only outlives it (the trap) to clean up after.
+    trap : TERM
+    status=0
+    flexpar run "${flags[@]}" "$@" || status=$?
+    if [ "${SLURM_NTASKS:-1}" -gt 1 ] && [ -n "${SLURM_STEP_ID:-}" ]; then
+        scancel --quiet --signal=TERM "$SLURM_JOB_ID.$SLURM_STEP_ID" || true
+    fi
+    exit "$status"
 fi
 
 if [ "$role" = auto ]; then

@@ -87,6 +87,11 @@ class DriverLoop:
         if adopted:
             resumed_from = last_step["step"] + 1 if last_step is not None else -1
         self.schedule = ScheduleTracker(options.schedule, after_step=resumed_from)
+        # The first step this run writes. A job resumed from a checkpoint into a fresh metrics file (a
+        # requeued SLURM job's new run directory) gets the checkpoint's kept records of earlier steps
+        # from its rank 0 too: they are the earlier run's, in its own file. Into the job's own file,
+        # they fill in what an earlier driver that died did not write (the file's last step rules).
+        self.first_step = max(resumed_from, 0) if last_step is None else 0
         self.ledger_file = None
         self.display = None
         if not options.quiet:
@@ -179,9 +184,10 @@ class DriverLoop:
     def _relay_metrics(self, writers_done: bool = False) -> None:
         for record in self.metrics.receive(writers_done):
             if record["kind"] == "step":
-                if self.steps and record["step"] <= self.steps[-1]["step"]:
+                if record["step"] < self.first_step or (self.steps and record["step"] <= self.steps[-1]["step"]):
                     # Re-sent by a new rank 0 after a change, or a step a resumed job redid from its
-                    # checkpoint (the file holds it): written once. A schedule entry still fires at it.
+                    # checkpoint (the file holds it), or one before the checkpoint it resumed from
+                    # (the earlier run wrote it): written once. A schedule entry still fires at it.
                     self._fire_schedule(record["step"] + 1)
                     continue
                 record["elapsed_s"] = max(0.0, record["time"] - self.started)
