@@ -91,6 +91,10 @@ class DeviceLink:
         self.driver: Optional[dict] = None  # the restarted driver's DRIVER_KEY, once one answered
         self.report_head: tuple = (0, ())  # (generation, members) the worker last trained in
         self.leave_requested_at: Optional[float] = None  # SIGTERM: leave at the next boundary
+        # Set once the device has announced itself (or is past the point where it would have): a leave
+        # request is sent only then, so that the coordinator never reads it before the announcement,
+        # which it would then take for a fresh joiner's.
+        self.announced = False
         self._leave_proof = ""
         self._leave_grace_s = 30.0
         self._poll_s = poll_s
@@ -136,7 +140,7 @@ class DeviceLink:
                     if seen != notice or time.monotonic() - read_all_at >= FOLLOW_ALL_S:
                         notice, read_all_at = seen, time.monotonic()
                         self._read_followed(store)
-                    if self.leave_requested_at is not None and self._leave_proof:
+                    if self.leave_requested_at is not None and self._leave_proof and self.announced:
                         Channel(store, "events").send(
                             {"type": "leave", "device_id": self.device_id, "proof": self._leave_proof}
                         )
