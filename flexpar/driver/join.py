@@ -123,7 +123,7 @@ def _join(started, address, devices, secret, script, speed, preemption_grace_s, 
     if script and not os.path.exists(script):
         raise ValueError(f"the job's script {script} is not on this host; pass --script PATH")
     kind = "cuda" if settings["backend"] == "nccl" else "cpu"
-    context = worker_context()
+    context = None  # the fork server starts with the first device: a SIGTERM before then starts none
     faults = settings.get("faults", ())
     for local_index in range(devices):
         if started.terminated:
@@ -144,6 +144,7 @@ def _join(started, address, devices, secret, script, speed, preemption_grace_s, 
             preemption_grace_s=preemption_grace_s,
         )
         fire_start_fault(device_id, faults, "launch")
+        context = context or worker_context()
         process = context.Process(target=_joiner_main, args=(args, script), name=f"flexpar-{device_id}")
         started.start(process, device_id)
         fire_start_fault(device_id, faults, "launched")
