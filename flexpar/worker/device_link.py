@@ -76,7 +76,8 @@ class DeviceLink:
         self.host, self.port, self.timeout_s = host, port, timeout_s
         self.device_id = device_id
         self.secret = secret  # for the notice this device gives a restarted driver (adopt_proof)
-        self.store = connect(host, port, timeout_s)
+        # At once, not after the timeout, when nothing listens: a job whose driver is gone already.
+        self.store = reconnect(host, port, timeout_s, handshake_s=timeout_s)
         self.events = Channel(self.store, "events")
         self._outbox: queue.Queue = queue.Queue()
         self.latest_generation = 0

@@ -36,7 +36,14 @@ def main(args: WorkerArgs) -> None:
         torch.set_num_threads(args.threads)
     keep_freed_memory()
     # 60 s until the Worker has read the job's settings, then the job's timeout_s (Worker.__init__).
-    link = DeviceLink(args.host, args.port, args.device_id, timeout_s=60.0, secret=args.secret)
+    try:
+        link = DeviceLink(args.host, args.port, args.device_id, timeout_s=60.0, secret=args.secret)
+    except RuntimeError as error:  # the job's driver went between this device's start and its first word
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        say(
+            f"flexpar: device {args.device_id}: the job at {args.host}:{args.port} is gone ({reason}); it does not join"
+        )
+        os._exit(EXIT_DRIVER_LOST)
     worker = None
     try:
         try:

@@ -246,3 +246,44 @@ def test_sigterm_while_connecting_ends_the_join_at_once(tmp_path):
     assert said.splitlines() == [
         "flexpar join: stopped by SIGTERM before this host's devices started; nothing joined"
     ], said
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as handle:
+        return handle.read().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from /proc")
+@pytest.mark.timeout(120)
+def test_a_job_gone_before_the_device_connects_is_one_line(tmp_path):
+    """The job's driver goes (SIGTERM to `flexpar run`, a scale-down of the whole job) while a joiner
+    starts: its device says so in one line and ends at once, instead of a c10d traceback after 60 s.
+    A stand-in job: the keys `flexpar join` reads, in a store this test closes while the joiner is
+    held (SIGSTOP, from the fault schedule) just before it starts its device."""
+    from flexpar.comm.protocol import secret_check
+    from flexpar.comm.store import connect
+
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("the-secret\n")
+    port, device = free_port(), f"{HOST}-1"
+    store = connect("127.0.0.1", port, 10.0, server=True)
+    store.set("job/salt", "salt")
+    store.set("job/secret_check", secret_check("the-secret", "salt"))
+    store.set("job/script", "")
+    store.set("job/settings", json.dumps({"backend": "gloo", "faults": [[0, device, "launch", "stop"]]}))
+    joiner = _start_joiner(f"127.0.0.1:{port}", secret_file)
+    try:
+        wait_for(lambda: _state(joiner.pid) == "T", "the joiner to stop itself before it starts its device")
+        del store  # the job's store closes: its driver is gone
+        joiner.send_signal(signal.SIGCONT)
+        code, said = _wait_for_joiner(joiner, timeout_s=60)
+    finally:
+        if joiner.poll() is None:
+            os.killpg(joiner.pid, signal.SIGKILL)
+    assert code == 4, said
+    assert f"flexpar: device {device}: the job at 127.0.0.1:{port} is gone (nothing listens at" in said, said
+    assert "Traceback" not in said and "c10d" not in said, said
+    assert (
+        said.splitlines()[-1]
+        == f"flexpar join: this host's devices have ended ({device} exit 4; 0: left, withdrew or finished)"
+    ), said
