@@ -18,6 +18,7 @@ from typing import Optional, Sequence, Union
 from flexpar import callbacks as callbacks_module
 from flexpar.errors import ArgumentError
 from flexpar.observe import trackers as trackers_module
+from flexpar.worker.fault_injection import SIGNALS, START_PHASES
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,8 @@ def _speed_entry(part: str) -> SpeedChange:
     return change
 
 
-FAULT_PHASES = ("forward", "backward", "sync", "update", "transfer", "formation", "checkpoint", "eval")
-FAULT_SIGNALS = ("kill", "term", "stop")
+FAULT_PHASES = ("forward", "backward", "sync", "update", "transfer", "formation", "checkpoint", "eval") + START_PHASES
+FAULT_SIGNALS = tuple(SIGNALS)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ def read_secret(secret_file: Optional[str]) -> Optional[str]:
     The file form is how a Kubernetes Secret is mounted; the value form how a
     shell or a scheduler passes it. None when none is given.
     """
-    path = secret_file or (None if os.environ.get("FLEXPAR_SECRET") else os.environ.get("FLEXPAR_SECRET_FILE"))
+    path = _secret_path(secret_file)
     if path:
         try:
             with open(path, encoding="utf-8") as handle:
@@ -32,6 +32,18 @@ def read_secret(secret_file: Optional[str]) -> Optional[str]:
             raise ValueError(f"the secret file {path} is empty")
         return secret
     return os.environ.get("FLEXPAR_SECRET") or None
+
+
+def _secret_path(secret_file: Optional[str]) -> Optional[str]:
+    return secret_file or (None if os.environ.get("FLEXPAR_SECRET") else os.environ.get("FLEXPAR_SECRET_FILE"))
+
+
+def secret_origin(secret_file: Optional[str]) -> str:
+    """Where `read_secret` found the secret, in words for a message: the file, or FLEXPAR_SECRET."""
+    path = _secret_path(secret_file)
+    if path is None:
+        return "the secret in FLEXPAR_SECRET"
+    return f"the secret in {path}" + ("" if secret_file else " (FLEXPAR_SECRET_FILE)")
 
 
 ADDRESS_VARIABLES = ("FLEXPAR_ADDRESS", "MASTER_ADDR/MASTER_PORT", "PET_RDZV_ENDPOINT")

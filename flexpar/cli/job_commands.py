@@ -10,7 +10,7 @@ import sys
 import time
 
 from flexpar import demo
-from flexpar.cli.cluster_environment import job_address, secret_or_exit
+from flexpar.cli.cluster_environment import job_address, secret_or_exit, secret_origin
 from flexpar.comm import waiting
 from flexpar.comm.channel import Channel
 from flexpar.comm.protocol import get_json, has, scale_proof
@@ -35,6 +35,7 @@ def command_join(arguments) -> int:
         arguments.emulate_speed,
         arguments.preemption_grace,
         connect_timeout_s=arguments.timeout,
+        secret_origin=secret_origin(arguments.secret_file),
     )
 
 

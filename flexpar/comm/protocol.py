@@ -52,6 +52,13 @@ def join_proof(secret: str, device_id: str, salt: str) -> str:
     return sign(secret, b"join:", device_id.encode(), b":", salt.encode())
 
 
+def secret_check(secret: str, salt: str) -> str:
+    """What the driver publishes (`job/secret_check`) so that `flexpar join` can tell a wrong secret in
+    one line before it starts a device: the secret's HMAC over the job's salt (it reveals the secret no
+    more than the signed payload does)."""
+    return sign(secret, b"secret-check:", salt.encode())
+
+
 def adopt_proof(secret: str, device_id: str, salt: str) -> str:
     """What a device that outlived its driver presents to the restarted one (whose salt is new): proof
     that it knows the secret, bound to its id; a join proof cannot be replayed as one."""

@@ -89,13 +89,16 @@ def _a_job_answers(host: str, port: int) -> bool:
 HANDSHAKE_S = 2.0
 
 
-def reconnect(host: str, port: int, timeout_s: float) -> dist.TCPStore:
-    """A store client, or RuntimeError at once when nothing (or nothing that answers) listens at host:port."""
+def reconnect(host: str, port: int, timeout_s: float, handshake_s: float = HANDSHAKE_S) -> dist.TCPStore:
+    """A store client, or RuntimeError at once when nothing (or nothing that answers) listens at host:port.
+
+    A device's first connection passes `handshake_s=timeout_s`: its driver is up (or gone), not restarting.
+    """
     try:
         socket.create_connection((host, port), timeout=min(1.0, timeout_s)).close()
     except OSError as error:
         raise RuntimeError(f"nothing listens at {host}:{port} ({error.strerror or error})") from None
-    store = connect(host, port, min(HANDSHAKE_S, timeout_s))
+    store = connect(host, port, min(handshake_s, timeout_s))
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
     return store
 

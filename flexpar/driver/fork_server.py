@@ -3,7 +3,8 @@
 The fork server's environment carries what every worker needs from its first
 instruction on (glibc's allocator tunables, torch's C++ log level), set only
 while the server starts, so the driver's own environment stays as it was; the
-server ignores SIGTERM, and its children get it back (flexpar.driver.forkserver_preload).
+server holds SIGTERM off (blocked and ignored), and its children get it back
+(flexpar.driver.forkserver_preload).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def worker_context(verbose: bool = False):
     previous = {name: os.environ.get(name) for name in settings}
     os.environ.update(settings)
     try:
-        with _sigterm_ignored():
+        with _sigterm_held():
             forkserver.ensure_running()  # start it now: it imports while the driver checks the job
     finally:
         for name, value in previous.items():
@@ -87,23 +88,38 @@ def worker_malloc_tunables(user_tunables: Optional[str]) -> str:
 
 
 @contextlib.contextmanager
-def _sigterm_ignored():
-    """Start the fork server deaf to SIGTERM (an ignored signal stays ignored across exec).
+def _sigterm_held():
+    """Start the fork server deaf to SIGTERM; a SIGTERM to this process meanwhile waits, it is not lost.
 
     A whole host's SIGTERM (SLURM's scancel, systemd, `kill -- -PGID`) also
     reaches the fork server; by default it would die, and with it the pipes
     through which the driver learns that its workers are alive: every worker
     would count as failed at once. The driver and the workers handle SIGTERM
     themselves (a clean stop, a planned leave); the fork server ends with the
-    driver as it always does. Every child it forks starts with SIGTERM at its
-    default again (flexpar.driver.forkserver_preload). If the user's code started the
-    fork server before fit() did, it is that one, with the user's settings.
+    driver as it always does. So the server starts with SIGTERM blocked and
+    ignored (both survive exec). Blocked, not only ignored: a SIGTERM sent to
+    a child in the instant between its fork and its first instruction waits
+    until the child unblocks it with its handler at the default again
+    (flexpar.driver.forkserver_preload), where an ignored one would be lost and
+    leave a worker its launcher could no longer stop. And a SIGTERM to this
+    process while it starts the server waits too (a blocked signal stays
+    pending even while ignored) and reaches this process's own handler
+    afterwards. If the user's code started the fork server before fit() did,
+    it is that one, with the user's settings.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    from multiprocessing import resource_tracker
+
+    # Python's resource tracker, which the fork server needs, unblocks SIGTERM once it has started
+    # its own process: start it first, so that it does not undo the block below.
+    resource_tracker.ensure_running()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if signal.SIGTERM not in blocked:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})

@@ -38,7 +38,7 @@ import torch
 from flexpar import callbacks as callbacks_module
 from flexpar.comm import state_transfer as training_state
 from flexpar.comm import waiting
-from flexpar.comm.protocol import DRIVER_KEY, get_blob, put_blob, tell_devices
+from flexpar.comm.protocol import DRIVER_KEY, get_blob, put_blob, secret_check, tell_devices
 from flexpar.comm.store import connect
 from flexpar.core import adoption, factory_checks, frozen, membership
 from flexpar.driver import readopt
@@ -411,7 +411,9 @@ def _finish_on_sigterm(coordinator, terminated: threading.Event):
 def _publish_job(store, payload: bytes, settings: RunSettings, secret: str, digest: str) -> None:
     put_blob(store, "job/payload", payload, secret)
     store.set("job/settings", json.dumps(asdict(settings)))
-    store.set("job/salt", secrets.token_hex(8))
+    salt = secrets.token_hex(8)
+    store.set("job/salt", salt)
+    store.set("job/secret_check", secret_check(secret, salt))
     store.set("job/version", __version__)
     store.set("job/digest", digest)
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)

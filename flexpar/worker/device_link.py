@@ -76,7 +76,8 @@ class DeviceLink:
         self.host, self.port, self.timeout_s = host, port, timeout_s
         self.device_id = device_id
         self.secret = secret  # for the notice this device gives a restarted driver (adopt_proof)
-        self.store = connect(host, port, timeout_s)
+        # At once, not after the timeout, when nothing listens: a job whose driver is gone already.
+        self.store = reconnect(host, port, timeout_s, handshake_s=timeout_s)
         self.events = Channel(self.store, "events")
         self._outbox: queue.Queue = queue.Queue()
         self.latest_generation = 0
@@ -91,6 +92,10 @@ class DeviceLink:
         self.driver: Optional[dict] = None  # the restarted driver's DRIVER_KEY, once one answered
         self.report_head: tuple = (0, ())  # (generation, members) the worker last trained in
         self.leave_requested_at: Optional[float] = None  # SIGTERM: leave at the next boundary
+        # Set once the device has announced itself (or is past the point where it would have): a leave
+        # request is sent only then, so that the coordinator never reads it before the announcement,
+        # which it would then take for a fresh joiner's.
+        self.announced = False
         self._leave_proof = ""
         self._leave_grace_s = 30.0
         self._poll_s = poll_s
@@ -136,7 +141,7 @@ class DeviceLink:
                     if seen != notice or time.monotonic() - read_all_at >= FOLLOW_ALL_S:
                         notice, read_all_at = seen, time.monotonic()
                         self._read_followed(store)
-                    if self.leave_requested_at is not None and self._leave_proof:
+                    if self.leave_requested_at is not None and self._leave_proof and self.announced:
                         Channel(store, "events").send(
                             {"type": "leave", "device_id": self.device_id, "proof": self._leave_proof}
                         )

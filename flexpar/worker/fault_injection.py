@@ -4,7 +4,10 @@ Part of `flexpar.worker.lifecycle.Worker` (its attributes are the worker's
 own). The driver passes the job's faults (`RunSettings.faults`: step, device,
 phase and optionally the signal) to every device; each keeps its own and
 fires them at the named points of the step loop and the boundaries, where
-the code calls `_fault_point(phase, step)`. Faults aimed at the driver
+the code calls `_fault_point(phase, step)`. A device's start has points of
+its own (START_PHASES, at step 0): `flexpar join` fires "launch" and
+"launched" around starting the device's process (`fire_start_fault`), the
+device the rest on its way to admission. Faults aimed at the driver
 (STEP:driver:PHASE) are fired by the device that is rank 0 at that point (at a
 transfer: the sender), with `_kill_driver_if_due`. Tests, the soak and
 the benchmarks use this to prove that a failure at any phase loses nothing.
@@ -17,7 +20,16 @@ import signal
 import sys
 import time
 
-SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}
+SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP, "term-group": signal.SIGTERM}
+# Sent to the whole process group rather than the device alone: a whole host's SIGTERM (SLURM's
+# scancel, systemd, `kill -- -PGID`), which reaches the device's launcher and fork server too.
+GROUP_SIGNALS = ("term-group",)
+
+# The points of a device's start, in order, each at step 0: its launcher (`flexpar join`) is about
+# to start its process / has just started it; the device is built and about to announce itself /
+# announced and about to warm up / said it is ready and waits to be let in / was let in (its first
+# generation) and is about to form it.
+START_PHASES = ("launch", "launched", "announce", "warmup", "ready", "admitted")
 
 # Boundary phases happen at some steps only: their faults fire at the first
 # such phase at or after their step.
@@ -25,13 +37,37 @@ BOUNDARY_PHASES = ("transfer", "formation", "checkpoint")
 
 
 def faults_of(device_id: str, faults) -> dict:
-    """{(step, phase): signal number} of the faults scheduled for `device_id` (default signal: kill)."""
+    """{(step, phase): signal name} of the faults scheduled for `device_id` (default signal: kill)."""
     return {
-        (int(step), phase): SIGNALS[fault[3] if len(fault) > 3 else "kill"]
+        (int(step), phase): fault[3] if len(fault) > 3 else "kill"
         for fault in faults
         for step, device, phase in [fault[:3]]
         if device == device_id
     }
+
+
+def fire_start_fault(device_id: str, faults, phase: str) -> None:
+    """`flexpar join`'s start points (START_PHASES "launch", "launched"): the signal scheduled for
+    `device_id` there, sent by the launcher (to itself, or its whole process group)."""
+    name = faults_of(device_id, faults).get((0, phase))
+    if name is not None:
+        _send(name, device_id, 0, phase)
+
+
+def _send(name: str, device_id: str, step: int, phase: str) -> None:
+    number = SIGNALS[name]
+    whom = ", to its whole process group" if name in GROUP_SIGNALS else ""
+    # Said first, with the time: the fault soak measures detection from it.
+    print(
+        f"flexpar: fault: {device_id} gets {signal.Signals(number).name} at step {step} ({phase}) at "
+        f"{time.time():.6f}{whom}",
+        file=sys.stderr,
+        flush=True,
+    )
+    if name in GROUP_SIGNALS:
+        os.killpg(os.getpgrp(), number)
+    else:
+        os.kill(os.getpid(), number)
 
 
 class FaultInjection:
@@ -50,15 +86,7 @@ class FaultInjection:
         Each fault fires once: a step redone after a failure does not fire it again.
         """
         for key in _due(self.faults, phase, step):
-            number = self.faults.pop(key)
-            # Said first, with the time: the fault soak measures detection from it.
-            print(
-                f"flexpar: fault: {self.args.device_id} gets {signal.Signals(number).name} at step {step} "
-                f"({phase}) at {time.time():.6f}",
-                file=sys.stderr,
-                flush=True,
-            )
-            os.kill(os.getpid(), number)
+            _send(self.faults.pop(key), self.args.device_id, step, phase)
         # The driver's: the rank 0 of the generation it trains in fires them (at a transfer: the sender).
         if self.driver_faults and (self.members[:1] == (self.args.device_id,) or phase == "transfer"):
             self._kill_driver_if_due(phase, step)

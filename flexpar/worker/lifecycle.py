@@ -67,7 +67,7 @@ from flexpar.version import __version__
 from flexpar.worker import checkpoints
 from flexpar.worker.boundaries import Boundaries
 from flexpar.worker.cost_planner import CostPlanner
-from flexpar.worker.device_link import DeviceLink, DriverLost
+from flexpar.worker.device_link import DeviceLink, DriverLost, Evicted
 from flexpar.worker.evaluator import WorkerEvaluation
 from flexpar.worker.fault_injection import FaultInjection, faults_of
 from flexpar.worker.frozen_part import FrozenPart
@@ -238,18 +238,34 @@ class Worker(
 
         A driver lost meanwhile is waited for (ORPHANED) like a member's: the
         warm-up needs no driver, and a restarted one lets this joiner in.
+        SIGTERM on the way (`withdrawing`): before the announcement the device
+        goes without a word to the coordinator; after it, it skips what is
+        left of its warm-up and its "ready", and waits for the coordinator's
+        answer to its leave request (flexpar.worker.device_link: sent only once
+        announced): cancelled, or, if it was being let in at that moment, a
+        member that leaves at its first step boundary.
         """
+        self._fault_point("announce", 0)
+        if self.withdrawing:
+            raise Evicted("asked to stop before it announced itself")
         try:
             self.link.send("announce", proof=self.proof, remote=self.args.remote)
         except DriverLost:
             pass  # it reports to a restarted driver instead, once warm
-        self._warmup_s = self.warm_up()
+        finally:
+            self.link.announced = True
+        self._fault_point("warmup", 0)
+        if not self.withdrawing:
+            self._warmup_s = self.warm_up()
         try:
-            self.link.send("ready", proof=self.proof, **self._identity())
-            self.phase = Phase.WAITING
+            if not self.withdrawing:
+                self.link.send("ready", proof=self.proof, **self._identity())
+                self.phase = Phase.WAITING
+                self._fault_point("ready", 0)
             generation, record = self.link.wait_for_generation(0, joining=True)
         except DriverLost:
             return self._orphaned(agreed=False)
+        self._fault_point("admitted", 0)
         # Devices of generation 1 built the same model from the same seed: step 0 is
         # committed everywhere. Later joiners hold nothing yet and receive the state.
         self.committed = 0 if generation == 1 else -1
@@ -259,6 +275,11 @@ class Worker(
             elif record["members"][0] == self.args.device_id:
                 self._restore(checkpoints.read_checkpoint(self.settings.resume_path, self.device))
         return generation, record
+
+    @property
+    def withdrawing(self) -> bool:
+        """SIGTERM came before this device was let in: it stops on its way instead of joining."""
+        return self.link.leave_requested_at is not None and self.phase in (Phase.WARMING, Phase.WAITING)
 
     def _identity(self) -> dict:
         """What says this device runs this job's model: checked by the coordinator for joiners and for

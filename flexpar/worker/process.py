@@ -21,6 +21,7 @@ import torch.distributed as dist
 from flexpar.errors import ShardStateLost, UserCodeError
 from flexpar.worker.device_link import DeviceLink, DriverLost, Evicted, JobStopped
 from flexpar.worker.lifecycle import Worker, say
+from flexpar.worker.phase import Phase
 from flexpar.worker.settings import EXIT_DRIVER_LOST, EXIT_EVICTED, WorkerArgs
 
 
@@ -35,7 +36,14 @@ def main(args: WorkerArgs) -> None:
         torch.set_num_threads(args.threads)
     keep_freed_memory()
     # 60 s until the Worker has read the job's settings, then the job's timeout_s (Worker.__init__).
-    link = DeviceLink(args.host, args.port, args.device_id, timeout_s=60.0, secret=args.secret)
+    try:
+        link = DeviceLink(args.host, args.port, args.device_id, timeout_s=60.0, secret=args.secret)
+    except RuntimeError as error:  # the job's driver went between this device's start and its first word
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        say(
+            f"flexpar: device {args.device_id}: the job at {args.host}:{args.port} is gone ({reason}); it does not join"
+        )
+        os._exit(EXIT_DRIVER_LOST)
     worker = None
     try:
         try:
@@ -144,13 +152,15 @@ def _leave_on_sigterm(worker: "Worker") -> None:
                 return  # the same notice twice: to the whole host, and passed on by `flexpar join`
             print(f"flexpar: device {worker.args.device_id}: second SIGTERM: exiting now", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        print(
-            f"flexpar: device {worker.args.device_id}: SIGTERM: leaving at the next step boundary "
-            f"(a second SIGTERM over {SAME_NOTICE_S:g} s later, or {grace_s:g} s without a boundary, "
-            "stops it at once)",
-            file=sys.stderr,
-            flush=True,
-        )
+        if worker.phase in (Phase.WARMING, Phase.WAITING):  # not let in yet: Worker.withdrawing
+            what = "SIGTERM before it was let in: it withdraws (if it is being let in at this moment, it leaves"
+            what += " at its first step boundary)"
+        else:
+            what = (
+                f"SIGTERM: leaving at the next step boundary (a second SIGTERM over {SAME_NOTICE_S:g} s later, "
+                f"or {grace_s:g} s without a boundary, stops it at once)"
+            )
+        print(f"flexpar: device {worker.args.device_id}: {what}", file=sys.stderr, flush=True)
         link.request_leave(worker.proof, grace_s)
 
     signal.signal(signal.SIGTERM, on_sigterm)

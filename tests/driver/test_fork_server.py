@@ -1,4 +1,5 @@
-"""How worker processes start (flexpar/driver/fork_server.py `worker_context`): glibc's tunables for their memory.
+"""How worker processes start (flexpar/driver/fork_server.py `worker_context`): glibc's tunables for their memory,
+and SIGTERM, which the fork server holds off and its children get back.
 
 The equivalence of the training itself is covered by test_equivalence.py and
 test_elastic.py; these pin the allocator settings every worker inherits from
@@ -6,13 +7,14 @@ the fork server, and what they are for.
 """
 
 import os
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from flexpar.driver.fork_server import worker_context, worker_malloc_tunables
+from flexpar.driver.fork_server import _sigterm_held, worker_context, worker_malloc_tunables
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc and /proc: Linux only")
 
@@ -94,3 +96,56 @@ def test_with_the_workers_tunables_more_vws_cost_one_gradients_memory():
     assert run.returncode == 0, run.stderr
     risen_mib = float(run.stdout.split()[-1])
     assert risen_mib <= 16 + 4, f"the peak rose by {risen_mib:.1f} MiB for one 16 MiB gradient"
+
+
+def _signal_masks(pid: int) -> dict:
+    """{"SigBlk": mask, "SigIgn": mask} of process `pid` (bit N-1 for signal N), from /proc."""
+    with open(f"/proc/{pid}/status") as status:
+        fields = dict(line.split(":", 1) for line in status if ":" in line)
+    return {name: int(fields[name].strip(), 16) for name in ("SigBlk", "SigIgn")}
+
+
+SIGTERM_BIT = 1 << (signal.SIGTERM - 1)
+
+
+def _say_running_then_sleep(running) -> None:
+    running.set()
+    time.sleep(30)
+
+
+def test_a_sigterm_while_the_fork_server_starts_waits_for_its_handler():
+    """SIGTERM to a driver or joiner in the instant it starts its fork server is delivered afterwards,
+    to its own handler (a scale-down at that moment must not be lost: the joiner would start its devices)."""
+    received = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        with _sigterm_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            held = list(received)
+        assert held == [] and received == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@linux_only
+def test_the_fork_server_holds_sigterm_off_and_its_children_get_it_back():
+    """The fork server blocks and ignores SIGTERM (a whole host's must not take it down); a worker starts
+    with neither, so a SIGTERM its launcher passes on the instant it learns the pid ends it."""
+    from multiprocessing import forkserver
+
+    context = worker_context()
+    server = _signal_masks(forkserver._forkserver._forkserver_pid)
+    assert server["SigBlk"] & SIGTERM_BIT and server["SigIgn"] & SIGTERM_BIT, server
+    running = context.Event()
+    child = context.Process(target=_say_running_then_sleep, args=(running,))
+    child.start()
+    try:
+        assert running.wait(timeout=60), "the child did not start"
+        masks = _signal_masks(child.pid)
+        child.terminate()  # SIGTERM
+        child.join(timeout=30)
+    finally:
+        if child.is_alive():
+            child.kill()
+    assert not masks["SigBlk"] & SIGTERM_BIT and not masks["SigIgn"] & SIGTERM_BIT, masks
+    assert child.exitcode == -signal.SIGTERM
