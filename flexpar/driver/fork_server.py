@@ -97,15 +97,20 @@ def _sigterm_held():
     would count as failed at once. The driver and the workers handle SIGTERM
     themselves (a clean stop, a planned leave); the fork server ends with the
     driver as it always does. So the server starts with SIGTERM blocked and
-    ignored (both survive exec). Blocked, not only ignored: a SIGTERM sent to
-    a child in the instant between its fork and its first instruction waits
-    until the child unblocks it with its handler at the default again
-    (flexpar.driver.forkserver_preload), where an ignored one would be lost and
-    leave a worker its launcher could no longer stop. And a SIGTERM to this
-    process while it starts the server waits too (a blocked signal stays
-    pending even while ignored) and reaches this process's own handler
-    afterwards. If the user's code started the fork server before fit() did,
-    it is that one, with the user's settings.
+    ignored: this thread's mask, which the server inherits through fork and
+    exec, blocks it, and the server ignores it as soon as it runs
+    (flexpar.driver.forkserver_preload). Blocked, not only ignored: a SIGTERM
+    sent to a child in the instant between its fork and its first instruction
+    waits until the child unblocks it with its handler at the default again,
+    where an ignored one would be lost and leave a worker its launcher could no
+    longer stop. And a SIGTERM to this process while it starts the server
+    reaches this process's own handler afterwards: this process has other
+    threads (torch's, the store's), which do not block it, so the kernel hands
+    it to one of them; a handler that only notes it stands in meanwhile, and
+    the signal is raised again once the usual handler is back. (Ignoring it
+    here instead, as this once did, lost it: a thread that does not block an
+    ignored signal discards it.) If the user's code started the fork server
+    before fit() did, it is that one, with the user's settings.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -115,11 +120,14 @@ def _sigterm_held():
     # Python's resource tracker, which the fork server needs, unblocks SIGTERM once it has started
     # its own process: start it first, so that it does not undo the block below.
     resource_tracker.ensure_running()
+    noted = []
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: noted.append(signum))
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
         if signal.SIGTERM not in blocked:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one still pending reaches `previous`
+        if noted:  # one taken by another thread meanwhile: to `previous` now, in this thread
+            signal.raise_signal(signal.SIGTERM)
