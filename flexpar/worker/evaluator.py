@@ -164,7 +164,7 @@ class WorkerEvaluation:
             "eval_s": time.perf_counter() - started,
             "metrics": evaluation.metrics_of(vector.cpu().tolist(), keys),
         }
-        self.recent_records.append(record)
+        self._keep(record)
         if self.rank == 0:
             self.link.publish(record)
         if not ask_driver:
