@@ -185,6 +185,16 @@ def test_a_resume_from_a_checkpoint_records_and_calls_back_each_step_and_evaluat
     assert [r["step"] for r in recorder.of("on_eval")] == [9, 10]
 
 
+def test_a_record_fault_is_the_drivers_own():
+    """STEP:driver:record (tests, issue 39): the driver dies as that step's record arrives; no device has
+    that phase."""
+    from flexpar.options import parse_faults
+
+    assert [(f.step, f.device, f.phase) for f in parse_faults("8:driver:record")] == [(8, "driver", "record")]
+    with pytest.raises(ValueError, match=r"record is a phase of the driver only \(STEP:driver:record\)"):
+        parse_faults("8:local-1:record")
+
+
 def test_no_more_devices_than_virtual_workers():
     options = flexpar.FitOptions(steps=5, devices=2, schedule="3:+2", oversubscribe=True)
     with pytest.raises(ValueError, match="the schedule's peak is 4 but the job has 3 virtual workers"):

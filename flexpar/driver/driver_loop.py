@@ -10,7 +10,6 @@ import datetime
 import json
 import logging
 import os
-import signal
 import statistics
 import sys
 import threading
@@ -26,6 +25,7 @@ from flexpar.core.schedule import ScheduleTracker
 from flexpar.errors import TrainingError
 from flexpar.observe.display import LiveDisplay
 from flexpar.observe.metrics import DEVICE_SET_EVENTS, LOGGER_NAME, MetricsWriter, resume_point
+from flexpar.worker.fault_injection import die_before_writing, record_faults
 from flexpar.worker.settings import EXIT_MAIN_GUARD, MAIN_GUARD_MESSAGE
 
 # The loop runs when something was sent (DriverWaker, below), and at least this often for
@@ -97,13 +97,7 @@ class DriverLoop:
             if os.path.exists(ledger_path):
                 self.ledger_steps = set(sample_ledger.read(ledger_path))
         self._acknowledged = -1  # the step the devices were last told they may forget records up to
-        # Tests' and the soak's STEP:driver:record faults: this driver dies as that step's record arrives.
-        # A restarted one fires none at a step the devices had committed when it started (they are spent).
-        self.record_faults = {
-            fault.step
-            for fault in options.faults
-            if fault.device == "driver" and fault.phase == "record" and fault.step >= resumed_from
-        }
+        self.record_faults = record_faults(options.faults, resumed_from)  # tests' STEP:driver:record
         if adopted:
             resumed_from = last_step["step"] + 1 if last_step is not None else -1
         self.schedule = ScheduleTracker(options.schedule, after_step=resumed_from)
@@ -220,7 +214,7 @@ class DriverLoop:
     def _relay_step(self, record: dict) -> None:
         """A step record not delivered before: ledger, metrics file, display, callbacks, status."""
         if record["step"] in self.record_faults:
-            _die_before_writing(record["step"])
+            die_before_writing(record["step"])
         record["elapsed_s"] = max(0.0, record["time"] - self.started)
         self._write_ledger(record)
         self.delivery.add(record)
@@ -340,17 +334,6 @@ class DriverLoop:
                 {"step": self.evals[-1]["step"], "metrics": dict(self.evals[-1]["metrics"])} if self.evals else None
             ),
         }
-
-
-def _die_before_writing(step: int) -> None:
-    """A STEP:driver:record fault: kill -9 this driver with the step's record read and not written."""
-    print(
-        f"flexpar: fault: driver gets SIGKILL at step {step} (record) at {time.time():.6f} (pid {os.getpid()}, "
-        "from the driver)",
-        file=sys.stderr,
-        flush=True,
-    )
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _log_to_stderr() -> None:
