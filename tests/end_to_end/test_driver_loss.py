@@ -22,7 +22,7 @@ from conftest import flexpar_command, free_port, wait_for
 from flexpar.core import ledger
 
 LONG_RUN_ATOL = 1e-6  # as in test_elastic: SGD-momentum steps in another summation order
-STEPS = 36
+STEPS = 40
 EVAL_EVERY = 4
 
 # The driver's callback: one line per call, in a file every restarted driver appends to (each record's
@@ -43,8 +43,9 @@ class Calls(flexpar.Callback):
 # step 3 (fired by the sender, at that join's boundary); in step 12's forward, step 18's sync and step
 # 24's checkpoint (fired by rank 0); and as step 30's record reaches it, before it writes it (the
 # driver's own fault: the devices committed step 30 and go on training for as long as the loss takes
-# them to notice; nobody wrote step 30's record). The faults are 6 steps apart: a loaded host's devices
-# may train a few steps before they notice a loss, and a fault due meanwhile would hit a dead driver.
+# them to notice; nobody wrote step 30's record). The faults are 6 steps apart, and 10 steps are left
+# after the last: a loaded host's devices may train a few steps before they notice a loss (a fault due
+# meanwhile would hit a dead driver; a job that ended meanwhile leaves one device waiting, not two).
 # The leave scheduled at step 13 is due just after the second kill: the restarted driver follows it
 # (its dead predecessor never saw step 13 commit), and the joiner leaves. Evaluations every 4 steps:
 # those at 12 and 24 were delivered by a driver that died before the devices forgot them.
@@ -197,9 +198,9 @@ def test_a_killed_driver_restarted_with_resume_re_adopts_the_devices(tmp_path, c
         assert said.count(f"device {device}: re-adopted by the restarted driver") == len(drivers) - 1, said
 
 
-SHARDED_STEPS = 20
-# Sharded optimizer state: the driver dies in step 5's parameter update (after every member applied its
-# chunks), in step 11's backward and as step 17's record reaches it.
+SHARDED_STEPS = 24
+# Sharded optimizer state: the driver dies in step 4's parameter update (after every member applied its
+# chunks), in step 9's backward and as step 14's record reaches it (10 steps before the end, as above).
 SHARDED_JOB = """
 import evaluation_pieces
 if __name__ == "__main__":
@@ -208,7 +209,7 @@ if __name__ == "__main__":
         steps={steps},
         devices=2,
         port=int(os.environ["TEST_PORT"]),
-        faults="5:driver:update,11:driver:backward,17:driver:record",
+        faults="4:driver:update,9:driver:backward,14:driver:record",
         driver_grace_s=60,
         eval_every={eval_every},
         sample_ledger=True,
