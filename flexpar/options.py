@@ -82,7 +82,20 @@ def _speed_entry(part: str) -> SpeedChange:
     return change
 
 
-FAULT_PHASES = ("forward", "backward", "sync", "update", "transfer", "formation", "checkpoint", "eval") + START_PHASES
+FAULT_PHASES = (
+    "forward",
+    "backward",
+    "sync",
+    "update",
+    "transfer",
+    "formation",
+    "checkpoint",
+    "eval",
+    "record",
+) + START_PHASES
+# The driver's own: it dies as the record of the step arrives, before it writes it (the devices committed
+# the step, their rank 0 sent its record, nobody wrote it).
+DRIVER_ONLY_PHASES = ("record",)
 FAULT_SIGNALS = tuple(SIGNALS)
 
 
@@ -127,6 +140,8 @@ def _fault_entry(part: str) -> Fault:
         )
     if pieces[1] == "driver" and pieces[3:] not in ([], ["kill"]):
         raise ValueError(f"fault {part!r}: the driver can only be killed (STEP:driver:PHASE)")
+    if pieces[1] != "driver" and pieces[2] in DRIVER_ONLY_PHASES:
+        raise ValueError(f"fault {part!r}: {pieces[2]} is a phase of the driver only (STEP:driver:{pieces[2]})")
     return Fault(int(pieces[0]), pieces[1], pieces[2], *pieces[3:])
 
 

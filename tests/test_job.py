@@ -12,6 +12,7 @@ from torch import nn
 
 import flexpar
 from flexpar.core import batching
+from flexpar.observe.metrics import read_records
 
 
 def test_global_batch_not_divisible():
@@ -195,6 +196,34 @@ def test_checkpoint_and_resume(train, tmp_path):
     assert rewritten["extra"]["committed_wall"] > resumed_at, "step 6's file is the resumed run's"
     steps = [record["step"] for record in pieces.metrics_records(resumed_metrics) if record["kind"] == "step"]
     assert steps == list(range(3, 10))
+
+
+def test_a_resume_from_a_checkpoint_records_and_calls_back_each_step_and_evaluation_once(train, tmp_path):
+    """Issue 35 item 4: the resumed job redoes steps 3-5 and evaluates steps 3 and 6 again; its metrics
+    file (appended) and its callbacks get each step and evaluation once."""
+    import evaluation_pieces
+
+    job = evaluation_pieces.make_job(optimizer=pieces.adamw)
+    checkpoints = tmp_path / "checkpoints"
+    train(job, steps=7, devices=2, checkpoint_every=3, checkpoint_dir=str(checkpoints), eval_every=3)
+    (checkpoints / "step-00000006.pt").unlink()  # as if the job died after step 3... then resumed
+    recorder = evaluation_pieces.Recorder()
+    train(job, steps=10, devices=2, checkpoint_dir=str(checkpoints), resume=True, eval_every=3, callbacks=[recorder])
+    records = read_records(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records if r["kind"] == "step"] == list(range(10))
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [3, 6, 7, 9, 10]
+    assert [r["step"] for r in recorder.of("on_step")] == [7, 8, 9]
+    assert [r["step"] for r in recorder.of("on_eval")] == [9, 10]
+
+
+def test_a_record_fault_is_the_drivers_own():
+    """STEP:driver:record (tests, issue 39): the driver dies as that step's record arrives; no device has
+    that phase."""
+    from flexpar.options import parse_faults
+
+    assert [(f.step, f.device, f.phase) for f in parse_faults("8:driver:record")] == [(8, "driver", "record")]
+    with pytest.raises(ValueError, match=r"record is a phase of the driver only \(STEP:driver:record\)"):
+        parse_faults("8:local-1:record")
 
 
 def test_no_more_devices_than_virtual_workers():

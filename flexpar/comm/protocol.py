@@ -13,6 +13,7 @@ each other outside the training collectives goes through it:
     finish             stop training cleanly after the step in flight (SIGTERM to the driver)
     heartbeat/<device> a counter each device bumps; a remote device that stops bumping is dead
     metrics/<k>        per-step and event records from rank 0, read by the driver
+    acknowledged       the last step whose records the driver delivered (the devices forget those)
     result/...         the final training state (signed), written by rank 0
     driver/instance    what the driver says about itself (pid, host, start, whether it re-adopts
                        devices that outlived the driver before it: started with --resume)
@@ -68,6 +69,9 @@ def adopt_proof(secret: str, device_id: str, salt: str) -> str:
 # What a driver says about itself, written last when it starts (with `tell_devices`): its process,
 # and whether it re-adopts devices that outlived the driver before it (started with --resume).
 DRIVER_KEY = "driver/instance"
+# The step up to which the driver delivered every record (flexpar.core.delivery); the devices read it
+# at their follower's pace and forget the records they kept up to it. Not a notice: nobody waits for it.
+ACKNOWLEDGED_KEY = "acknowledged"
 
 
 def put_blob(store, key: str, data: bytes, secret: str) -> None:

@@ -14,6 +14,7 @@ import datetime
 import errno
 import os
 import queue
+import re
 import socket
 import sys
 import threading
@@ -98,9 +99,76 @@ def reconnect(host: str, port: int, timeout_s: float, handshake_s: float = HANDS
         socket.create_connection((host, port), timeout=min(1.0, timeout_s)).close()
     except OSError as error:
         raise RuntimeError(f"nothing listens at {host}:{port} ({error.strerror or error})") from None
-    store = connect(host, port, min(handshake_s, timeout_s))
+    # Something accepts connections there that may not answer yet (a driver between its listen and its
+    # store): c10d logs each timed-out handshake with a C++ frame dump, which a waiting device does not
+    # show (it says in its own line what it waits for).
+    with _native_log_filtered():
+        store = connect(host, port, min(handshake_s, timeout_s))
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
     return store
+
+
+_NATIVE_LOG_LINE = re.compile(
+    r"^(\[rank\d+\]:)?(\[[IWEF]\d|frame #|Exception raised from |<omitting python frames>)|^\s*$"
+)
+
+
+def is_native_log_line(line: str) -> bool:
+    """A line of c10d's C++ log (`[E1206 00:53:38.418 socket.cpp:1028] ...`, after `[rank0]:` once the
+    process has a process group) or of the exception and frame dump that follows it."""
+    return _NATIVE_LOG_LINE.match(line) is not None
+
+
+# File descriptor 2 is the process's: two threads pointing it at their own pipes at once (a device's
+# follower and main thread both reconnect) would each restore the other's pipe. One at a time.
+_DESCRIPTOR_2 = threading.Lock()
+
+
+@contextlib.contextmanager
+def _native_log_filtered():
+    """For the duration, file descriptor 2 goes through a pipe; c10d's lines are dropped, every other
+    line (another thread's, flexpar's own) is written to the real stderr afterwards, in order.
+
+    C++ writes straight to the descriptor, and torch reads its log level only at start-up: the
+    descriptor is the one place to quiet it for one call (`_quiet_native_stderr` drops everything,
+    which suits a command line's own connection attempt, not a device whose other threads speak).
+    """
+    with _DESCRIPTOR_2:
+        yield from _filtered_descriptor_2()
+
+
+def _filtered_descriptor_2():
+    sys.stderr.flush()
+    saved = os.dup(2)
+    read_end, write_end = os.pipe()
+    chunks: list = []
+
+    def drain():
+        while True:
+            data = os.read(read_end, 65536)
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=drain, name="flexpar-native-log", daemon=True)
+    reader.start()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # the pipe's last writer closes: the reader sees its end
+        os.close(saved)
+        reader.join()
+        os.close(read_end)
+        text = b"".join(chunks).decode("utf-8", "replace")
+        kept = "".join(line for line in text.splitlines(keepends=True) if not is_native_log_line(line))
+        if kept:
+            try:
+                os.write(2, kept.encode())
+            except OSError:  # a dead driver's pipe
+                pass
 
 
 @contextlib.contextmanager

@@ -17,14 +17,15 @@ import time
 
 from flexpar.callbacks import Dispatcher
 from flexpar.comm.channel import Channel
-from flexpar.comm.protocol import DRIVER_NOTICE_KEY, DRIVER_WAKE_KEY, tell_devices
+from flexpar.comm.protocol import ACKNOWLEDGED_KEY, DRIVER_NOTICE_KEY, DRIVER_WAKE_KEY, tell_devices
 from flexpar.comm.store import connect
+from flexpar.core import delivery, membership
 from flexpar.core import ledger as sample_ledger
-from flexpar.core import membership
 from flexpar.core.schedule import ScheduleTracker
 from flexpar.errors import TrainingError
 from flexpar.observe.display import LiveDisplay
 from flexpar.observe.metrics import DEVICE_SET_EVENTS, LOGGER_NAME, MetricsWriter, resume_point
+from flexpar.worker.fault_injection import die_before_writing, record_faults
 from flexpar.worker.settings import EXIT_MAIN_GUARD, MAIN_GUARD_MESSAGE
 
 # The loop runs when something was sent (DriverWaker, below), and at least this often for
@@ -55,7 +56,11 @@ class DriverLoop:
         holds are not written again), and does not fire its schedule's entries at or before it.
         `adopted`: it re-adopted devices that outlived the earlier driver; those may have committed
         steps that driver never saw, so the entries it did not fire are those after the last step its
-        metrics file holds (it fires an entry as it writes the step that makes it due)."""
+        metrics file holds (it fires an entry as it writes the step that makes it due).
+
+        Each record is delivered once (flexpar.core.delivery): the devices send again what the driver
+        has not acknowledged, and a resumed driver knows what was delivered from its metrics file and
+        ledger, so a record its predecessor wrote is neither written nor handed to a callback again."""
         self.store = store
         self.coordinator = coordinator
         self.options = options
@@ -78,12 +83,21 @@ class DriverLoop:
         self.metrics_path = metrics_path
         self.writer = MetricsWriter(metrics_path, append=self.resumed)
         last_step = None
+        self.delivery = delivery.Delivery()
+        self.ledger_steps: set = set()  # steps the ledger file holds (a resumed job's earlier ones)
         if self.resumed:  # the metrics file goes on where the job's earlier driver stopped
-            started, last_step = resume_point(metrics_path)
+            started, last_step, records = resume_point(metrics_path)
             self.started = started if started is not None else self.started
+            self.delivery = delivery.Delivery.of_records(records)
+            self.evals = [record for record in records if record["kind"] == "eval"]
             if last_step is not None:
                 self.steps.append(last_step)
                 self.devices, self.generation = list(last_step["devices"]), last_step["generation"]
+            ledger_path = os.path.join(run_dir, "ledger.jsonl")
+            if os.path.exists(ledger_path):
+                self.ledger_steps = set(sample_ledger.read(ledger_path))
+        self._acknowledged = -1  # the step the devices were last told they may forget records up to
+        self.record_faults = record_faults(options.faults, resumed_from)  # tests' STEP:driver:record
         if adopted:
             resumed_from = last_step["step"] + 1 if last_step is not None else -1
         self.schedule = ScheduleTracker(options.schedule, after_step=resumed_from)
@@ -183,49 +197,71 @@ class DriverLoop:
 
     def _relay_metrics(self, writers_done: bool = False) -> None:
         for record in self.metrics.receive(writers_done):
+            # Before `first_step`: the earlier run's, kept in the checkpoint this one resumed from into a
+            # fresh metrics file (they are in that run's own file): neither written nor handed on here.
+            new = self.delivery.is_new(record) and record["step"] >= self.first_step
             if record["kind"] == "step":
-                if record["step"] < self.first_step or (self.steps and record["step"] <= self.steps[-1]["step"]):
-                    # Re-sent by a new rank 0 after a change, or a step a resumed job redid from its
-                    # checkpoint (the file holds it), or one before the checkpoint it resumed from
-                    # (the earlier run wrote it): written once. A schedule entry still fires at it.
-                    self._fire_schedule(record["step"] + 1)
-                    continue
-                record["elapsed_s"] = max(0.0, record["time"] - self.started)
-                self._write_ledger(record)
-                self.steps.append(record)
-                self._emit(record)
-                self._notify("on_step", record)
+                if new:
+                    self._relay_step(record)
+                # Re-sent (a new rank 0, a re-adoption, a resume's redone or recovered step): a schedule
+                # entry still fires at it.
                 self._fire_schedule(record["step"] + 1)
-                self.coordinator.write_status(
-                    {
-                        "step": record["step"] + 1,
-                        "total_steps": self.total_steps,
-                        "samples_per_s": record["samples_per_s"],
-                        "loss": record["loss"],
-                        "assignment": record["assignment"],
-                        "address": self.address,
-                    }
-                )
             elif record["kind"] == "eval":
-                self._relay_eval(record)
-            else:
+                self._relay_eval(record, new)
+            elif new:
+                self.delivery.add(record)
                 previous = list(self.devices)
                 self.events.append(record)
                 self._emit(record)
                 self._notify("on_event", record)
                 if record["event"] in DEVICE_SET_EVENTS:
                     self._report_schedule(self.schedule.observed(previous, record))
+        acknowledged = self.delivery.acknowledged()
+        if acknowledged > self._acknowledged:  # the devices may forget what they kept up to it (core.delivery)
+            self.store.set(ACKNOWLEDGED_KEY, str(acknowledged))
+            self._acknowledged = acknowledged
 
-    def _relay_eval(self, record: dict) -> None:
-        """One record per evaluated step (a new generation may evaluate a step again); then the
-        callbacks' verdict, which the devices wait for when a callback's on_eval may stop the job."""
-        if any(seen["step"] == record["step"] for seen in self.evals):
+    def _relay_step(self, record: dict) -> None:
+        """A step record not delivered before: ledger, metrics file, display, callbacks, status."""
+        if record["step"] in self.record_faults:
+            die_before_writing(record["step"])
+        record["elapsed_s"] = max(0.0, record["time"] - self.started)
+        self._write_ledger(record)
+        self.delivery.add(record)
+        latest = not self.steps or record["step"] > self.steps[-1]["step"]
+        if latest:
+            self.steps.append(record)
+        self._emit(record)
+        self._notify("on_step", record)
+        if latest:
+            self.coordinator.write_status(
+                {
+                    "step": record["step"] + 1,
+                    "total_steps": self.total_steps,
+                    "samples_per_s": record["samples_per_s"],
+                    "loss": record["loss"],
+                    "assignment": record["assignment"],
+                    "address": self.address,
+                }
+            )
+
+    def _relay_eval(self, record: dict, new: bool) -> None:
+        """One record per evaluated step (a new generation, or the devices a restarted driver re-adopted,
+        may evaluate a step again); then the callbacks' verdict, which the devices wait for when a
+        callback's on_eval may stop the job. An evaluation delivered before (by this driver or, as its
+        metrics file says, an earlier one) is not written or handed to on_eval again, but the devices
+        evaluating it again still get a verdict."""
+        key = f"verdict/{record['step']}"
+        if not new:
+            if not self.store.check([key]):
+                self.store.set(key, self.callbacks.stop_reason or "")
             return
         record["elapsed_s"] = max(0.0, record["time"] - self.started)
+        self.delivery.add(record)
         self.evals.append(record)
         self._emit(record)
         reason = self._notify("on_eval", record)
-        self.store.set(f"verdict/{record['step']}", reason or self.callbacks.stop_reason or "")
+        self.store.set(key, reason or self.callbacks.stop_reason or "")
 
     def _notify(self, hook: str, record: dict):
         """The callbacks' hook; a STOP becomes a clean stop of the job (CallbackError propagates)."""
@@ -239,8 +275,9 @@ class DriverLoop:
     def _write_ledger(self, record: dict) -> None:
         """A step record's sample ledger (only with sample_ledger=True) goes to ledger.jsonl."""
         indices = record.pop("ledger", None)
-        if indices is None:
+        if indices is None or record["step"] in self.ledger_steps:  # written before a driver's death
             return
+        self.ledger_steps.add(record["step"])
         if self.ledger_file is None:
             path = os.path.join(self.run_dir, "ledger.jsonl")
             self.ledger_file = open(path, "a" if self.resumed else "w", encoding="utf-8")

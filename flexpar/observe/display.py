@@ -20,6 +20,7 @@ from typing import Any, Mapping, Optional
 
 from flexpar.observe.log_lines import (
     estimate_remaining_s,
+    format_duration,
     format_eval_line,
     format_event_line,
     format_megabytes,
@@ -149,7 +150,6 @@ class LiveDisplay:
                 Progress,
                 TextColumn,
                 TimeElapsedColumn,
-                TimeRemainingColumn,
             )
         except ImportError:
             self._logger.info(
@@ -166,11 +166,13 @@ class LiveDisplay:
             TextColumn("steps"),
             TimeElapsedColumn(),
             TextColumn("ETA"),
-            TimeRemainingColumn(),
+            # The same estimate as the log lines' (`_remaining_s`): rich's own column would count a
+            # resumed job's first jump to its step, and a restarted driver's gap, as progress or pace.
+            TextColumn("{task.fields[eta]}"),
             console=console,
             auto_refresh=False,
         )
-        self._task = self._progress.add_task("training", total=self.total_steps)
+        self._task = self._progress.add_task("training", total=self.total_steps, eta="?")
         # get_renderable is called by the refresh thread; update() only stores state.
         self._live = Live(
             get_renderable=self._render,
@@ -211,15 +213,18 @@ class LiveDisplay:
             self._generation = record["generation"]
         done = record["step"] + 1
         if self._progress is not None:
-            self._progress.update(self._task, completed=done)
+            self._progress.update(self._task, completed=done, eta=format_duration(self._remaining_s(record)))
             return
         if done % self.log_every == 0 or done == self.total_steps:
-            first_step, first_elapsed = self._first_step
-            remaining = estimate_remaining_s(
-                first_step, first_elapsed, record["step"], record["elapsed_s"], self.total_steps
-            )
-            self._logger.info(format_step_line(record, self.total_steps, remaining))
+            self._logger.info(format_step_line(record, self.total_steps, self._remaining_s(record)))
             self._report_rebalances(record, done)
+
+    def _remaining_s(self, record: Mapping[str, Any]) -> Optional[float]:
+        """The ETA at the pace since the first step this display saw, or since the last re-adoption (a
+        restarted driver's gap and the steps its predecessor trained are no part of the pace)."""
+        with self._lock:
+            first_step, first_elapsed = self._first_step
+        return estimate_remaining_s(first_step, first_elapsed, record["step"], record["elapsed_s"], self.total_steps)
 
     def _report_rebalances(self, step: Optional[Mapping[str, Any]], done: int) -> None:
         """Plain mode: one line for the rebalances since the last such line, with the split now in force."""
@@ -233,6 +238,8 @@ class LiveDisplay:
     def _update_event(self, record: Mapping[str, Any]) -> None:
         rebalance = record["event"] == "rebalance"
         with self._lock:
+            if record["event"] == "adopt":  # the pace starts again at the next step (`_remaining_s`)
+                self._first_step = None
             previous = self._devices
             line = format_event_line(record, previous)
             if rebalance:

@@ -126,18 +126,19 @@ def _drop_unterminated_line(path: Path) -> None:
 
 
 def resume_point(path) -> tuple:
-    """(the job's start, its last step record) from a metrics file a resumed job appends to.
+    """(the job's start, its last step record, all its records) from a metrics file a resumed job appends to.
 
     The start (unix seconds) is the first record's time less its `elapsed_s`
-    (None without one); the last step record is None when there is none.
+    (None without one); the last step record is None when there is none; the
+    records are what the file says was delivered (flexpar.core.delivery).
     """
     if not Path(path).exists():
-        return None, None
+        return None, None, []
     records = read_records(path)
     timed = [r for r in records if "elapsed_s" in r]
     start = timed[0]["time"] - timed[0]["elapsed_s"] if timed else None
     steps = [r for r in records if r["kind"] == "step"]
-    return start, (max(steps, key=lambda r: r["step"]) if steps else None)
+    return start, (max(steps, key=lambda r: r["step"]) if steps else None), records
 
 
 def read_records(path) -> list[dict]:

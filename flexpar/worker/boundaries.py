@@ -118,9 +118,9 @@ class Boundaries:
         self._step_in_flight = None  # a step broken off before this boundary is redone from here
         self.sync.start_generation(len(members))
         if rank == 0:
-            # The previous rank 0 may have died with records unsent, or this device may
-            # have been brought level without committing the last ones: send them again
-            # (the driver drops steps it already has).
+            # The previous rank 0 (or driver) may have died with records unsent or unread, or this
+            # device may have been brought level without committing the last ones: send again every
+            # record the driver has not acknowledged, in order (it drops those it has: core.delivery).
             for kept in self.recent_records:
                 self.link.publish(kept)
             stall = max(0.0, time.time() - stock.last_commit_wall)

@@ -24,7 +24,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from flexpar.comm.channel import Channel
-from flexpar.comm.protocol import DRIVER_KEY, NOTICE_KEY, adopt_proof, get_json, has, meet
+from flexpar.comm.protocol import ACKNOWLEDGED_KEY, DRIVER_KEY, NOTICE_KEY, adopt_proof, get_json, has, meet
 from flexpar.comm.store import connect, reconnect
 
 
@@ -84,6 +84,7 @@ class DeviceLink:
         self.stop_reason: Optional[str] = None
         self.reply: Optional[str] = None
         self.speed: Optional[float] = None  # emulated speed set by the driver, if any
+        self.acknowledged = -1  # the step up to which the driver delivered every record (core.delivery)
         self.dead_members: frozenset = frozenset()  # peers of the latest generation known dead
         self.finish_reason: Optional[str] = None  # the driver asked to stop after the step in flight
         self.driver_lost = False  # the store (and so the driver) is gone, until `rejoin`
@@ -245,8 +246,20 @@ class DeviceLink:
             raise DriverLost(f"the restarted driver went again ({error})") from None
         self.store, self.events = store, Channel(store, "events")
         self.finish_reason, self.dead_members = None, frozenset()
+        # Before the follower sends again: records queued for the lost driver would reach the new one
+        # ahead of those sent to the lost one and never read, which rank 0 sends again at the re-adopted
+        # generation's boundary with every record it keeps, in order (flexpar.core.delivery).
+        self._drop_queued()
         self.driver_lost, self.lost_at = False, None
         self._rejoined = answered
+
+    def _drop_queued(self) -> None:
+        while True:
+            try:
+                self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            self._outbox.task_done()
 
     def _read_followed(self, store) -> None:
         """Read the keys this device follows (written with `tell_devices`)."""
@@ -261,6 +274,8 @@ class DeviceLink:
             self.finish_reason = store.get("finish").decode()
         if has(store, f"speed/{self.device_id}"):
             self.speed = float(store.get(f"speed/{self.device_id}"))
+        if has(store, ACKNOWLEDGED_KEY):  # a restarted driver's may be unwritten yet, never lower
+            self.acknowledged = max(self.acknowledged, int(store.get(ACKNOWLEDGED_KEY)))
         if has(store, f"reply/{self.device_id}"):
             self.reply = store.get(f"reply/{self.device_id}").decode()
 

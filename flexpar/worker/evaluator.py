@@ -165,7 +165,7 @@ class WorkerEvaluation:
             "samples": len(self.job.eval_dataset),
             "metrics": evaluation.metrics_of(vector.cpu().tolist(), keys),
         }
-        self.recent_records.append(record)
+        self._keep(record)
         if self.rank == 0:
             self.link.publish(record)
         if not ask_driver:

@@ -9,7 +9,8 @@ its own (START_PHASES, at step 0): `flexpar join` fires "launch" and
 "launched" around starting the device's process (`fire_start_fault`), the
 device the rest on its way to admission. Faults aimed at the driver
 (STEP:driver:PHASE) are fired by the device that is rank 0 at that point (at a
-transfer: the sender), with `_kill_driver_if_due`. Tests, the soak and
+transfer: the sender), with `_kill_driver_if_due`; the driver fires its own
+STEP:driver:record (`die_before_writing`) as that step's record arrives. Tests, the soak and
 the benchmarks use this to prove that a failure at any phase loses nothing.
 """
 
@@ -107,6 +108,29 @@ class FaultInjection:
             os.kill(self.settings.driver_pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def record_faults(faults, resumed_from: int) -> set:
+    """The steps of the driver's own STEP:driver:record faults (it dies as that step's record arrives,
+    before writing it) that a driver continuing from `resumed_from` committed steps fires: a restarted
+    driver fires none at a step the devices had committed when it started (they are spent)."""
+    return {
+        fault.step
+        for fault in faults
+        if fault.device == "driver" and fault.phase == "record" and fault.step >= resumed_from
+    }
+
+
+def die_before_writing(step: int) -> None:
+    """A STEP:driver:record fault: kill -9 this driver with the step's record read and not written (the
+    devices committed the step and sent its record; nobody wrote it)."""
+    print(
+        f"flexpar: fault: driver gets SIGKILL at step {step} (record) at {time.time():.6f} (pid {os.getpid()}, "
+        "from the driver)",
+        file=sys.stderr,
+        flush=True,
+    )
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _due(keys, phase: str, step: int) -> list:

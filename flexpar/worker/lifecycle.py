@@ -176,8 +176,9 @@ class Worker(
         self.committed_wall = time.time()
         self.salt = link.store.get("job/salt").decode()
         self.proof = join_proof(args.secret, args.device_id, self.salt)
-        # The step records of the last steps this device committed (every device keeps
-        # them; rank 0 publishes). A rank 0 that dies may take queued records with it.
+        # The records this device published or committed that the driver has not acknowledged
+        # (every device keeps its step and eval records; rank 0 publishes, and keeps its events):
+        # sent again at every boundary, so none is lost with a rank 0 or a driver (core.delivery).
         self.recent_records: collections.deque = collections.deque(maxlen=RECORDS_KEPT)
         self.recovering = False  # the next generation follows a failed collective
         self.faults = faults_of(args.device_id, self.settings.faults)

@@ -48,11 +48,12 @@ class WorkerOrphan:
         seen = self.link.latest_generation
         lost_at = self.link.lost_at or time.time()
         holds = self.committed >= 0 and bool(self.members)
+        # Faults aimed at the lost driver are spent: a re-adopted rank 0 must not fire them at the next,
+        # nor the rescue checkpoint below at the lost one's pid.
+        self.driver_faults = {key for key in self.driver_faults if key[0] > self.committed}
         # Written while the old group still stands (agreed: every member is there).
         path = self._write_rescue(agreed) if holds else ""
         self.reaper.retire(self.sync.release_works())()
-        # Faults aimed at the lost driver are spent: a re-adopted rank 0 must not fire them at the next.
-        self.driver_faults = {key for key in self.driver_faults if key[0] > self.committed}
         grace = self.settings.driver_grace_s
         if grace <= 0:
             raise DriverLost(self._gone(path, "the job's driver is gone (its store stopped answering)"))

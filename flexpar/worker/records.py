@@ -2,20 +2,35 @@
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import Optional
 
-from flexpar.core import balance
+from flexpar.core import balance, delivery
 
-# Step records each device keeps for a new rank 0 to send again (the driver drops
-# steps it has): more than a dying rank 0 can have queued unsent.
-RECORDS_KEPT = 32
+# The records a device keeps for sending again (flexpar.core.delivery): those the driver has not
+# acknowledged, a handful while it relays them; this bounds them should it acknowledge none for long.
+RECORDS_KEPT = 1024
 
 
 class WorkerRecords:
     """Part of `flexpar.worker.Worker` (its attributes are the worker's own; see there)."""
 
     # ------------------------------------------------------------ metrics (rank 0)
+
+    def _keep(self, record: dict) -> None:
+        """Keep `record` until the driver acknowledges it (flexpar.core.delivery): a rank 0 sends the
+        records it keeps again at every boundary, so one the driver never got (its predecessor died
+        before writing it, or a dying rank 0 took it along) is delivered then, in order."""
+        kept = delivery.unacknowledged(self.recent_records, self.link.acknowledged)
+        if len(kept) != len(self.recent_records):
+            self.recent_records = collections.deque(kept, maxlen=RECORDS_KEPT)
+        self.recent_records.append(record)
+
+    def _publish_kept(self, record: dict) -> None:
+        """An event record of rank 0: kept (an event the driver never got is sent again) and published."""
+        self._keep(record)
+        self.link.publish(record)
 
     def _step_record(self, step, loss, step_time, busy, assignment, grad_norm=0.0) -> dict:
         # Every device keeps the record of its last committed step; only rank 0
@@ -40,7 +55,7 @@ class WorkerRecords:
 
     def _publish_event(self, event: str, detail: str, stall_s: float, state_bytes_sent: Optional[int] = None) -> None:
         extra = {} if state_bytes_sent is None else {"state_bytes_sent": int(state_bytes_sent)}
-        self.link.publish(
+        self._publish_kept(
             {
                 **extra,
                 "kind": "event",
@@ -98,7 +113,7 @@ class WorkerRecords:
             detail += "; not back: " + ", ".join(adopted["not_back"])
         if record["joined"]:
             detail += "; joined: " + ", ".join(record["joined"])
-        self.link.publish(
+        self._publish_kept(
             {
                 "kind": "event",
                 "event": "adopt",

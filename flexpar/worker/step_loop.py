@@ -145,7 +145,7 @@ class StepLoop:
         self.balance_state = balance.observe(self.balance_state, self.members, assignment, busy)
         record = self._step_record(step, loss, step_time, busy, assignment, grad_norm)
         record["optimizer_bytes"] = [int(round(value)) * 1024 for value in summed[slots.optimizer].tolist()]
-        self.recent_records.append(record)
+        self._keep(record)
         if self.settings.sample_ledger:
             record["ledger"] = self._step_samples
         return self._observe_costs(step, sets, busy) if self.cost_planner is not None else ""

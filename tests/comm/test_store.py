@@ -125,3 +125,30 @@ def test_a_second_driver_at_a_live_jobs_address_is_refused_with_one_line():
     message = str(raised.value)
     assert f"a flexpar job is already running at 127.0.0.1:{store.port} (its driver answers)" in message
     assert "a second driver there is refused" in message and "\n" not in message
+
+
+def test_a_reconnecting_device_shows_its_own_lines_and_none_of_c10d_s_frame_dumps(capfd):
+    """Issue 39: a handshake that times out inside `reconnect` (a driver between its listen and its store)
+    logs c10d's error with a C++ frame dump straight to descriptor 2; the filter drops those lines and
+    keeps every other line written meanwhile (another thread's), in order."""
+    import datetime
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    from flexpar.comm.store import _native_log_filtered, is_native_log_line
+
+    with socket.socket() as probe:  # a port nothing listens on: the client's connect times out
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with _native_log_filtered():
+        os.write(2, b"flexpar: device local-0: a line of its own\n")
+        with pytest.raises(RuntimeError):
+            dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=0.3))
+        os.write(2, b"flexpar: device local-0: and another\n")
+    err = capfd.readouterr().err
+    assert err == "flexpar: device local-0: a line of its own\nflexpar: device local-0: and another\n", err
+    # A device that has a process group logs with its rank first.
+    assert is_native_log_line("[rank0]:[E1206 01:16:12.094667371 socket.cpp:1028] [c10d] The client socket ...")
+    assert not is_native_log_line("flexpar: device local-0: the job's driver is gone; ...")

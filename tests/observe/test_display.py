@@ -7,7 +7,7 @@ import logging
 import sys
 
 import pytest
-from metrics_pieces import REBALANCE_STEPS, TOTAL_STEPS, event_record, synthetic_run
+from metrics_pieces import REBALANCE_STEPS, TOTAL_STEPS, event_record, step_record, synthetic_run
 
 from flexpar.observe.display import LiveDisplay
 from flexpar.observe.log_lines import (
@@ -58,6 +58,34 @@ def test_rebalance_line_and_summary_texts():
     last = {"event": "rebalance", "step": 812, "detail": "[8, 8] -> [9, 7]"}
     assert format_rebalance_summary(7, last) == "rebalances: 7 (last at step 812: 8,8 -> 9,7)"
     assert format_rebalance_summary(2, {**last, "detail": "moved"}) == "rebalances: 2 (last at step 812)"
+
+
+def restarted_driver_run() -> list:
+    """A driver restarted after an hour's gap: steps 0-19 at 1 s a step, an `adopt` event, then steps
+    20-29 at 1 s a step (elapsed counts from the job's first start, the gap included)."""
+    devices, records = ["local-0", "local-1"], []
+    for step in range(30):
+        if step == 20:
+            adopt = event_record("adopt", 20, 3620.0, 2, devices, 0.5, "re-adopted by a restarted driver")
+            records.append(dict(adopt, no_driver_s=3600.0, steps_lost=0))
+        elapsed = step + 1.0 + (3600.0 if step >= 20 else 0.0)
+        records.append(dict(step_record(step, 0.0, 1.0, 1, devices, [2, 2]), elapsed_s=elapsed, time=elapsed))
+    return records
+
+
+def test_the_eta_after_a_driver_restart_uses_the_pace_since_the_restart(caplog):
+    """Issue 35 item 5: 30 steps remain at 1 s a step; the hour without a driver is no part of the pace."""
+    run_plain(restarted_driver_run(), caplog, log_every=10)
+    lines = [entry.getMessage() for entry in flexpar_lines(caplog) if entry.getMessage().startswith("step ")]
+    assert lines[-1].startswith("step 30/60") and lines[-1].endswith("ETA 0:00:30"), lines
+    from rich.console import Console
+
+    display = LiveDisplay(TOTAL_STEPS, console=Console(file=io.StringIO(), width=120), force_terminal=True)
+    for record in restarted_driver_run():
+        display.update(record)
+    text = rendered_text(display)
+    display.close()
+    assert "30/60" in text and "ETA 0:00:30" in text, text
 
 
 # --- plain mode (no terminal, --no-display) -----------------------------------------
