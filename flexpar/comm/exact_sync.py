@@ -1,0 +1,199 @@
+"""Exact gradient sums across VWs and devices (`Job(deterministic=True)`).
+
+The float path (flexpar/comm/gradient_sync.py) accumulates a device's VWs in
+`.grad` and all-reduces float buckets: the result depends on how the VWs were
+grouped into devices. Here, right after each VW's backward, its gradient is
+turned into int64 fixed point (flexpar/core/exact_sum.py) and added to an int64
+accumulator, and `.grad` is cleared for the next VW; after the device's last
+VW, one int64 all-reduce of the accumulator (one flat buffer, launched with
+the float64 statistics all-reduce, both in flight together) and an int64
+sparse all-reduce of the embedding gradients' values sum them exactly; then
+every sum is turned back into float once, into `.grad`. Integer sums are
+exact in any order: the gradient is the same bits for any device set.
+
+What it costs against the float path: the all-reduce starts after the last
+VW's backward (no overlap with it), the int64 accumulator holds 8 bytes per
+gradient element, and each VW pays a pass that converts its gradient.
+
+The exponents (one per dense, then sparse, parameter) are agreed through the
+step's statistics vector (`StatsLayout.maxima`: each device's largest |VW
+gradient| per tensor in its own slots, so their sum across devices is exact
+and the maximum over slots is the same everywhere): no collective of their
+own. They are part of the training state (`state_dict`): a joiner and a
+resumed job continue with the same ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import types
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from flexpar.comm.collectives import collective, wait_for_collective
+from flexpar.comm.sparse_sync import all_reduce_sparse
+from flexpar.core import exact_sum
+
+
+class ExactSync:
+    """A device's exact gradient sums: accumulate VW by VW, all-reduce as int64, convert back once."""
+
+    def __init__(self, dense: Sequence[torch.nn.Parameter], sparse: Sequence[torch.nn.Parameter], virtual_workers: int):
+        self.dense = list(dense)
+        self.sparse = list(sparse)
+        self.virtual_workers = virtual_workers
+        self.tensors = len(self.dense) + len(self.sparse)
+        self.committed: list = [None] * self.tensors  # the exponents of the committed state
+        self.working: list = list(self.committed)  # this attempt's exponents (a redo learns new ones)
+        self.pending: Optional[list] = None  # the exponents to commit with the step in flight
+        self.redone = 0  # steps redone so far, for the record
+        device = self.dense[0].device if self.dense else torch.device("cpu")
+        self.flat = torch.zeros(sum(p.numel() for p in self.dense), dtype=torch.int64, device=device)
+        self.views = []
+        offset = 0
+        for parameter in self.dense:
+            self.views.append(self.flat[offset : offset + parameter.numel()].view(parameter.shape))
+            offset += parameter.numel()
+        self.sparse_parts: list = [[] for _ in self.sparse]
+        self.maxima = [0.0] * self.tensors
+        self.nonfinite = False
+
+    # ------------------------------------------------------------ one step
+
+    def begin(self, redo: bool) -> None:
+        """Start an attempt at a step: a redo keeps the exponents it learned, a first attempt the committed ones."""
+        if not redo:
+            self.working = list(self.committed)
+        self.pending = None
+        self.flat.zero_()
+        self.sparse_parts = [[] for _ in self.sparse]
+        self.maxima = [0.0] * self.tensors
+        self.nonfinite = False
+        self._clear()
+
+    def add_virtual_worker(self) -> None:
+        """Add the gradient of the VW whose backward just ran (in `.grad`) and clear `.grad`."""
+        grads = [parameter.grad for parameter in self.dense]
+        present = [grad for grad in grads if grad is not None]
+        values = []
+        for parameter in self.sparse:
+            grad = parameter.grad
+            values.append(None if grad is None else grad.coalesce())
+        measured = present + [value._values() for value in values if value is not None]
+        largest = iter(torch.stack(torch._foreach_norm(measured, math.inf)).double().cpu().tolist() if measured else [])
+        for index, grad in enumerate(grads + values):
+            if grad is None:
+                continue
+            amax = next(largest)
+            self.maxima[index] = max(self.maxima[index], amax) if math.isfinite(amax) else math.inf
+            if not math.isfinite(amax):
+                self.nonfinite = True
+                continue
+            if not exact_sum.fits(amax, self.working[index], self.virtual_workers):
+                continue  # the step is redone (every device learns so from the maxima)
+            exponent = self.working[index]
+            if index < len(self.dense):
+                exact_sum.add_fixed(self.views[index], grad, exponent)
+            elif exponent is not None:
+                fixed = exact_sum.to_fixed(grad._values(), exponent)
+                part = torch.sparse_coo_tensor(grad._indices(), fixed, tuple(grad.shape), is_coalesced=True)
+                self.sparse_parts[index - len(self.dense)].append(part)
+        self._clear()
+
+    def finish(self, stats: torch.Tensor, world: int, before_launch=None, peer_lost=None) -> torch.Tensor:
+        """Sum the statistics (float64) and the int64 gradients across devices; returns the summed statistics.
+
+        The gradient stays int64 until `resolve` decides whether it is used.
+        """
+        if before_launch is not None:
+            before_launch()
+        self.local_sparse = [self._local_sparse(index) for index in range(len(self.sparse))]
+        if world == 1:
+            return stats.to("cpu", torch.float64)
+        summed = stats.to(self.flat.device, torch.float64, copy=True)
+        stats_work = collective(lambda: dist.all_reduce(summed, async_op=True))
+        gradient_work = collective(lambda: dist.all_reduce(self.flat, async_op=True)) if self.dense else None
+        wait_for_collective(stats_work, peer_lost or (lambda: None))
+        if gradient_work is not None:
+            wait_for_collective(gradient_work, peer_lost or (lambda: None))
+        for index, parameter in enumerate(self.sparse):
+            like = types.SimpleNamespace(shape=parameter.shape, dtype=torch.int64, device=parameter.device)
+            self.local_sparse[index] = collective(
+                functools.partial(all_reduce_sparse, self.local_sparse[index], like=like)
+            )
+        return summed.cpu()
+
+    def resolve(self, global_maxima: Sequence[float]) -> bool:
+        """After the sums: True if the step must be redone (then with exponents learned from `global_maxima`).
+
+        Otherwise writes the summed gradient into `.grad` (a tensor whose
+        largest VW gradient was not finite gets NaN: the step's verdict skips
+        it under fp16, or stops the job) and keeps the exponents to commit.
+        """
+        learned = exact_sum.learned(global_maxima, self.working, self.virtual_workers)
+        if exact_sum.needs_redo(global_maxima, self.working, self.virtual_workers):
+            self.working = learned
+            self.redone += 1
+            return True
+        self.pending = learned
+        for index, parameter in enumerate(self.dense):
+            value = exact_sum.to_float(self.views[index], self.working[index], parameter.dtype)
+            if not math.isfinite(global_maxima[index]):
+                value.fill_(math.nan)
+            parameter.grad = value
+        for offset, parameter in enumerate(self.sparse):
+            index = len(self.dense) + offset
+            summed = self.local_sparse[offset].coalesce()
+            values = exact_sum.to_float(summed._values(), self.working[index], parameter.dtype)
+            if not math.isfinite(global_maxima[index]):
+                values.fill_(math.nan)
+            parameter.grad = torch.sparse_coo_tensor(summed._indices(), values, tuple(parameter.shape))
+        return False
+
+    def commit(self) -> None:
+        """The step in flight is committed: its learned exponents are the next step's."""
+        if self.pending is not None:
+            self.committed, self.pending = self.pending, None
+
+    # ------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        return {"exponents": list(self.committed), "redone": self.redone}
+
+    def load_state_dict(self, state: dict) -> None:
+        exponents = list(state["exponents"])
+        if len(exponents) != self.tensors:
+            raise ValueError(f"the state holds {len(exponents)} exact-sum exponents, this model {self.tensors}")
+        self.committed = [None if value is None else int(value) for value in exponents]
+        self.working = list(self.committed)
+        self.redone = int(state.get("redone", 0))
+
+    # ------------------------------------------------------------ helpers
+
+    def _local_sparse(self, offset: int) -> Optional[torch.Tensor]:
+        parts = self.sparse_parts[offset]
+        if not parts:
+            return None
+        return functools.reduce(torch.add, parts).coalesce()  # int64: exact in any order
+
+    def _clear(self) -> None:
+        for parameter in self.dense + self.sparse:
+            parameter.grad = None
+
+
+def parameter_checksums(parameters: Sequence[torch.Tensor]) -> list:
+    """Per tensor, the sum of its elements' bit patterns as integers, modulo 2**52 (exact in float64).
+
+    One pass over the parameters; equal values give equal checksums on any
+    device, in any summation order (integer sums wrap modulo 2**64).
+    """
+    result = []
+    for parameter in parameters:
+        data = parameter.detach()
+        bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[data.element_size()]
+        total = int(data.contiguous().view(bits).sum(dtype=torch.int64))
+        result.append(total % (1 << 52))
+    return result
