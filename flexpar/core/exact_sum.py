@@ -109,15 +109,27 @@ def learned(maxima: Sequence[float], held: Sequence[Optional[int]], virtual_work
     return result
 
 
+SAFE_EXPONENTS = range(-100, 101)
+"""Exponents for which scaling in the gradient's own float32 is exact where it matters: 2**e is a
+normal float32, and a product small enough to lose bits to underflow rounds to 0 anyway."""
+
+
+def _scaled(tensor: torch.Tensor, exponent: int) -> torch.Tensor:
+    """`tensor * 2**exponent`, exactly (a power of two): in float32 where that is safe, else float64."""
+    if tensor.dtype == torch.float32 and exponent in SAFE_EXPONENTS:
+        return tensor * math.ldexp(1.0, exponent)
+    return torch.ldexp(tensor.to(torch.float64), torch.tensor(float(exponent), dtype=torch.float64))
+
+
 def to_fixed(gradient: torch.Tensor, exponent: Optional[int]) -> torch.Tensor:
-    """`round(gradient * 2**exponent)` as int64 (half to even), through float64: exact scaling.
+    """`round(gradient * 2**exponent)` as int64 (half to even); the scaling is exact.
 
     The caller checks `fits` first; an exponent of None converts zeros only.
     """
     if exponent is None:
         return torch.zeros(gradient.shape, dtype=torch.int64, device=gradient.device)
-    scaled = torch.ldexp(gradient.to(torch.float64), torch.tensor(float(exponent), dtype=torch.float64))
-    return torch.round(scaled).to(torch.int64)
+    scaled = _scaled(gradient, exponent)
+    return scaled.round_().to(torch.int64)
 
 
 def add_fixed(accumulator: torch.Tensor, gradient: torch.Tensor, exponent: Optional[int]) -> None:
@@ -128,7 +140,7 @@ def add_fixed(accumulator: torch.Tensor, gradient: torch.Tensor, exponent: Optio
 
 
 def to_float(summed: torch.Tensor, exponent: Optional[int], dtype: torch.dtype) -> torch.Tensor:
-    """The int64 sum back in float: `summed * 2**-exponent` in float64, rounded once to `dtype`."""
+    """The int64 sum back in float: `summed * 2**-exponent`, rounded once to `dtype` (through float64)."""
     if exponent is None:
         return torch.zeros(summed.shape, dtype=dtype, device=summed.device)
     value = torch.ldexp(summed.to(torch.float64), torch.tensor(float(-exponent), dtype=torch.float64))
