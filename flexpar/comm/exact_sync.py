@@ -4,16 +4,19 @@ The float path (flexpar/comm/gradient_sync.py) accumulates a device's VWs in
 `.grad` and all-reduces float buckets: the result depends on how the VWs were
 grouped into devices. Here, right after each VW's backward, its gradient is
 turned into int64 fixed point (flexpar/core/exact_sum.py) and added to an int64
-accumulator, and `.grad` is cleared for the next VW; after the device's last
-VW, one int64 all-reduce of the accumulator (one flat buffer, launched with
-the float64 statistics all-reduce, both in flight together) and an int64
+accumulator, and `.grad` is cleared for the next VW; the accumulator is
+all-reduced as int64 (in buckets, then the float64 statistics) and an int64
 sparse all-reduce of the embedding gradients' values sum them exactly; then
 every sum is turned back into float once, into `.grad`. Integer sums are
 exact in any order: the gradient is the same bits for any device set.
 
-What it costs against the float path: the all-reduce starts after the last
-VW's backward (no overlap with it), the int64 accumulator holds 8 bytes per
-gradient element, and each VW pays a pass that converts its gradient.
+Each dense gradient is converted in its post-accumulate hook, as soon as
+backward has produced it; during the device's last VW, each bucket of the
+int64 accumulator (GradientSync's grouping) is sent as soon as all of its
+gradients are in, overlapping communication with the rest of that backward as
+the float path does. What it costs against the float path: the int64
+accumulator holds 8 bytes per gradient element, twice a float32 gradient on
+the wire, and each VW pays a pass that converts its gradient.
 
 The exponents (one per dense, then sparse, parameter) are agreed through the
 step's statistics vector (`StatsLayout.maxima`: each device's largest |VW
@@ -39,9 +42,16 @@ from flexpar.core import exact_sum
 
 
 class ExactSync:
-    """A device's exact gradient sums: accumulate VW by VW, all-reduce as int64, convert back once."""
+    """A device's exact gradient sums: accumulate VW by VW, all-reduce as int64, convert back once.
 
-    def __init__(self, dense: Sequence[torch.nn.Parameter], sparse: Sequence[torch.nn.Parameter], virtual_workers: int):
+    `buckets`: the dense parameters grouped as GradientSync's buckets (in
+    reverse model order, roughly the order backward produces them); the int64
+    accumulator is laid out bucket after bucket so that each bucket is one
+    contiguous slice, sent as soon as the last VW's backward has converted
+    every gradient in it.
+    """
+
+    def __init__(self, dense, sparse, virtual_workers: int, buckets: Optional[Sequence[Sequence]] = None):
         self.dense = list(dense)
         self.sparse = list(sparse)
         self.virtual_workers = virtual_workers
@@ -50,16 +60,31 @@ class ExactSync:
         self.working: list = list(self.committed)  # this attempt's exponents (a redo learns new ones)
         self.pending: Optional[list] = None  # the exponents to commit with the step in flight
         self.redone = 0  # steps redone so far, for the record
+        buckets = [list(bucket) for bucket in buckets] if buckets is not None else [list(reversed(self.dense))]
         device = self.dense[0].device if self.dense else torch.device("cpu")
         self.flat = torch.zeros(sum(p.numel() for p in self.dense), dtype=torch.int64, device=device)
-        self.views = []
+        self.index_of = {id(parameter): index for index, parameter in enumerate(self.dense)}
+        self.views: list = [None] * len(self.dense)
+        self.bucket_of: dict = {}
+        self.ranges = []  # each bucket's slice of `flat`
         offset = 0
-        for parameter in self.dense:
-            self.views.append(self.flat[offset : offset + parameter.numel()].view(parameter.shape))
-            offset += parameter.numel()
+        for number, bucket in enumerate(buckets):
+            start = offset
+            for parameter in bucket:
+                index = self.index_of[id(parameter)]
+                self.views[index] = self.flat[offset : offset + parameter.numel()].view(parameter.shape)
+                self.bucket_of[id(parameter)] = number
+                offset += parameter.numel()
+            self.ranges.append((start, offset, len(bucket)))
+        self.ready = [0] * len(self.ranges)
+        self.works: list = []
+        self.armed = False
+        self.next_launch = 0
         self.sparse_parts: list = [[] for _ in self.sparse]
         self.maxima = [0.0] * self.tensors
         self.nonfinite = False
+        for parameter in self.dense:
+            parameter.register_post_accumulate_grad_hook(self._on_gradient)
 
     # ------------------------------------------------------------ one step
 
@@ -72,53 +97,90 @@ class ExactSync:
         self.sparse_parts = [[] for _ in self.sparse]
         self.maxima = [0.0] * self.tensors
         self.nonfinite = False
+        self.release_works()
         self._clear()
 
+    def arm(self, world: int) -> None:
+        """The next backward is this step's last on this device: send buckets as they fill."""
+        self.armed = world > 1
+
+    def release_works(self) -> list:
+        """Forget the collectives in flight and hand over their work handles (see GradientSync.release_works)."""
+        works, self.works = [work for work in self.works if work is not None], []
+        self.armed, self.next_launch, self.ready = False, 0, [0] * len(self.ranges)
+        return works
+
+    def _on_gradient(self, parameter) -> None:
+        """A dense gradient of the running VW is final: into the int64 sum, `.grad` cleared."""
+        grad = parameter.grad
+        if grad is None:
+            return
+        index = self.index_of[id(parameter)]
+        self._add(index, grad)
+        parameter.grad = None
+        if not self.armed:
+            return
+        self.ready[self.bucket_of[id(parameter)]] += 1
+        while self.next_launch < len(self.ranges) and self.ready[self.next_launch] == self.ranges[self.next_launch][2]:
+            self._launch(self.next_launch)
+
+    def _launch(self, number: int) -> None:
+        start, stop, _ = self.ranges[number]
+        part = self.flat[start:stop]
+        self.works.append(collective(lambda: dist.all_reduce(part, async_op=True)))
+        self.next_launch = number + 1
+
+    def _add(self, index: int, grad: torch.Tensor) -> None:
+        """One VW's gradient of tensor `index` (dense, or a coalesced sparse one) into the sum."""
+        amax = float(torch.linalg.vector_norm(grad._values() if grad.is_sparse else grad, math.inf))
+        if not math.isfinite(amax):
+            self.maxima[index] = math.inf
+            self.nonfinite = True
+            return
+        self.maxima[index] = max(self.maxima[index], amax)
+        exponent = self.working[index]
+        if exponent is None or not exact_sum.fits(amax, exponent, self.virtual_workers):
+            return  # zero, or the step is redone (every device learns so from the maxima)
+        if index < len(self.dense):
+            exact_sum.add_fixed(self.views[index], grad, exponent)
+        else:
+            fixed = exact_sum.to_fixed(grad._values(), exponent)
+            part = torch.sparse_coo_tensor(grad._indices(), fixed, tuple(grad.shape), is_coalesced=True)
+            self.sparse_parts[index - len(self.dense)].append(part)
+
     def add_virtual_worker(self) -> None:
-        """Add the gradient of the VW whose backward just ran (in `.grad`) and clear `.grad`."""
-        grads = [parameter.grad for parameter in self.dense]
-        present = [grad for grad in grads if grad is not None]
-        values = []
-        for parameter in self.sparse:
-            grad = parameter.grad
-            values.append(None if grad is None else grad.coalesce())
-        measured = present + [value._values() for value in values if value is not None]
-        largest = iter(torch.stack(torch._foreach_norm(measured, math.inf)).double().cpu().tolist() if measured else [])
-        for index, grad in enumerate(grads + values):
-            if grad is None:
-                continue
-            amax = next(largest)
-            self.maxima[index] = max(self.maxima[index], amax) if math.isfinite(amax) else math.inf
-            if not math.isfinite(amax):
-                self.nonfinite = True
-                continue
-            if not exact_sum.fits(amax, self.working[index], self.virtual_workers):
-                continue  # the step is redone (every device learns so from the maxima)
-            exponent = self.working[index]
-            if index < len(self.dense):
-                exact_sum.add_fixed(self.views[index], grad, exponent)
-            elif exponent is not None:
-                fixed = exact_sum.to_fixed(grad._values(), exponent)
-                part = torch.sparse_coo_tensor(grad._indices(), fixed, tuple(grad.shape), is_coalesced=True)
-                self.sparse_parts[index - len(self.dense)].append(part)
+        """After a VW's backward: what the hooks did not take (sparse gradients) into the sum; `.grad` cleared."""
+        for offset, parameter in enumerate(self.sparse):
+            if parameter.grad is not None:
+                self._add(len(self.dense) + offset, parameter.grad.coalesce())
+        for index, parameter in enumerate(self.dense):  # a gradient its hook did not see (set by hand)
+            if parameter.grad is not None:
+                self._add(index, parameter.grad)
+        self.armed = False
         self._clear()
 
     def finish(self, stats: torch.Tensor, world: int, before_launch=None, peer_lost=None) -> torch.Tensor:
         """Sum the statistics (float64) and the int64 gradients across devices; returns the summed statistics.
 
-        The gradient stays int64 until `resolve` decides whether it is used.
+        The buckets the last VW's hooks did not send go first, in order, then
+        the statistics: the same sequence of collectives on every device. The
+        gradient stays int64 until `resolve` decides whether it is used.
         """
-        if before_launch is not None:
-            before_launch()
+        self.armed = False
         self.local_sparse = [self._local_sparse(index) for index in range(len(self.sparse))]
         if world == 1:
+            if before_launch is not None:
+                before_launch()
             return stats.to("cpu", torch.float64)
+        while self.next_launch < len(self.ranges):
+            self._launch(self.next_launch)
+        if before_launch is not None:  # faults of the "sync" phase: before the statistics' collective
+            before_launch()
         summed = stats.to(self.flat.device, torch.float64, copy=True)
-        stats_work = collective(lambda: dist.all_reduce(summed, async_op=True))
-        gradient_work = collective(lambda: dist.all_reduce(self.flat, async_op=True)) if self.dense else None
-        wait_for_collective(stats_work, peer_lost or (lambda: None))
-        if gradient_work is not None:
-            wait_for_collective(gradient_work, peer_lost or (lambda: None))
+        self.works.append(collective(lambda: dist.all_reduce(summed, async_op=True)))
+        for work in self.works:
+            wait_for_collective(work, peer_lost or (lambda: None))
+        self.works = []
         for index, parameter in enumerate(self.sparse):
             like = types.SimpleNamespace(shape=parameter.shape, dtype=torch.int64, device=parameter.device)
             self.local_sparse[index] = collective(

@@ -157,9 +157,11 @@ class Worker(
         )
         self.sync = GradientSync(self.model, self.device, self.settings.bucket_mb, peer_lost=self._peer_lost)
         # Job(deterministic=True): exact int64 sums instead of the float buckets (flexpar/comm/exact_sync.py).
-        self.exact = (
-            ExactSync(self.sync.dense, self.sync.sparse, self.job.virtual_workers) if self.job.deterministic else None
-        )
+        self.exact = None
+        if self.job.deterministic:
+            buckets = [bucket.parameters for bucket in self.sync.buckets]
+            self.exact = ExactSync(self.sync.dense, self.sync.sparse, self.job.virtual_workers, buckets)
+            self.sync.companion = self.exact  # its collectives in flight are released with the float path's
         # Recipes (flexpar/recipes.py): checked for this device's type before anything runs;
         # the VWs' forward calls `forward_model` (compiled, or the model itself).
         recipes.check_mixed_precision(self.job, self.device.type)

@@ -252,8 +252,8 @@ class StepLoop(Determinism):
                 # batch), not the plan's indices: a wrong or stale batch shows in the audit.
                 ledger[self.loader.loaded_indices] += 1.0
             self._seed_model_randomness(batching.virtual_worker_seed(job.seed, step, virtual_worker))
-            if virtual_worker == last and exact is None:
-                self.sync.arm()
+            if virtual_worker == last:  # send buckets as they fill
+                exact.arm(world) if exact is not None else self.sync.arm()
             self._fault_point("forward", step)
             with recipes.autocast(job, self.device.type):
                 result = job.loss(self.forward_model, batch)

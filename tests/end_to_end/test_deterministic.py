@@ -61,8 +61,9 @@ def test_mlp_adamw_bitwise_equal_on_1_2_and_3_devices(train, tmp_path):
     job = _mlp_job()
     reference = _run(train, tmp_path, "one", job, 6, devices=1)
     assert len({digest for _, digest in reference[1]}) == 6, "a digest per step, each different"
-    for devices in (2, 3):
-        _assert_same_run(reference, _run(train, tmp_path, f"d{devices}", job, 6, devices=devices))
+    # 2 devices with 1 kB buckets: the last VW's hooks send several int64 buckets during its backward.
+    _assert_same_run(reference, _run(train, tmp_path, "d2", job, 6, devices=2, bucket_mb=0.001))
+    _assert_same_run(reference, _run(train, tmp_path, "d3", job, 6, devices=3))
 
 
 def test_the_float_sums_differ_where_exact_sums_agree(train, tmp_path):
