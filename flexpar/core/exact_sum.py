@@ -140,9 +140,15 @@ def add_fixed(accumulator: torch.Tensor, gradient: torch.Tensor, exponent: Optio
 
 
 def to_float(summed: torch.Tensor, exponent: Optional[int], dtype: torch.dtype) -> torch.Tensor:
-    """The int64 sum back in float: `summed * 2**-exponent`, rounded once to `dtype` (through float64)."""
+    """The int64 sum back in float: `summed * 2**-exponent`, rounded once to `dtype`.
+
+    float32 with a safe exponent: the int64 -> float32 conversion rounds once and
+    the power-of-two scaling is exact; otherwise through float64.
+    """
     if exponent is None:
         return torch.zeros(summed.shape, dtype=dtype, device=summed.device)
+    if dtype == torch.float32 and exponent in SAFE_EXPONENTS:
+        return summed.to(torch.float32).mul_(math.ldexp(1.0, -exponent))
     value = torch.ldexp(summed.to(torch.float64), torch.tensor(float(-exponent), dtype=torch.float64))
     return value.to(dtype)
 
