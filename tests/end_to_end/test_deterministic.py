@@ -171,3 +171,16 @@ def test_a_device_that_drifts_stops_the_job_naming_the_step_and_tensor(train, tm
 def test_deterministic_must_be_a_bool(value):
     with pytest.raises(ValueError, match=r"deterministic=.* must be True .* or False"):
         pieces.make_job(deterministic=value)
+
+
+def test_lora_gpt2_frozen_weights(train, tmp_path):
+    """A peft LoRA GPT-2 (99% frozen): only the adapters are summed, exactly."""
+    pytest.importorskip("peft", reason="peft is not installed (flexpar[hf])")
+    from flexpar.examples import hf_gpt, lora_gpt
+
+    folder = lora_gpt.write_pretrained(str(tmp_path / "pretrained"), layers=2, width=32, heads=2, context=32)
+    dataset, _ = hf_gpt.load_splits(context=32, max_bytes=30_000)
+    job = lora_gpt.build_job(folder, 4, 12, 6, dataset=dataset, mixed_precision=None, max_grad_norm=0.5, rank=4)
+    job = dataclasses.replace(job, deterministic=True)
+    reference = _run(train, tmp_path, "one", job, 4, devices=1)
+    _assert_same_run(reference, _run(train, tmp_path, "two", job, 4, devices=2))
