@@ -17,7 +17,7 @@ Figures (``--json PATH``):
 - ``peak_memory_ratio``: peak RSS of the largest worker, exact / float, the
   worse of the same runs.
 - ``redo_steps``: steps redone for the scale, per run of the first part (the
-  last record's ``redone``); ``redo_steps_max`` the most of any run.
+  sum of its records' ``redone``); ``redo_steps_max`` the most of any run.
 - ``fp32_agreement``: one step's gradient of the sharding job's model (16
   VWs, in this process): the largest error relative to each tensor's largest
   value of the exact sum and of the float32 sum (summed VW by VW, as one device
@@ -57,7 +57,11 @@ def _fit(job, name: str, work_dir: str, steps: int, **options) -> dict:
     model, _ = job.fit(steps=steps, metrics=metrics, display=False, quiet=True, run_dir=work_dir, **options)
     records = harness.step_records(metrics)
     state = {key: value.detach().clone() for key, value in model.state_dict().items()}
-    return {"state": state, "digests": [r.get("digest") for r in records], "redone": records[-1].get("redone", 0)}
+    return {
+        "state": state,
+        "digests": [r.get("digest") for r in records],
+        "redone": sum(r.get("redone", 0) for r in records),
+    }
 
 
 def _bitwise(first: dict, second: dict) -> bool:

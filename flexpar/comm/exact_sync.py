@@ -59,7 +59,7 @@ class ExactSync:
         self.committed: list = [None] * self.tensors  # the exponents of the committed state
         self.working: list = list(self.committed)  # this attempt's exponents (a redo learns new ones)
         self.pending: Optional[list] = None  # the exponents to commit with the step in flight
-        self.redone = 0  # steps redone so far, for the record
+        self.redone = 0  # times the step in flight was redone (its record says so)
         buckets = [list(bucket) for bucket in buckets] if buckets is not None else [list(reversed(self.dense))]
         device = self.dense[0].device if self.dense else torch.device("cpu")
         self.flat = torch.zeros(sum(p.numel() for p in self.dense), dtype=torch.int64, device=device)
@@ -92,6 +92,7 @@ class ExactSync:
         """Start an attempt at a step: a redo keeps the exponents it learned, a first attempt the committed ones."""
         if not redo:
             self.working = list(self.committed)
+            self.redone = 0
         self.pending = None
         self.flat.zero_()
         self.sparse_parts = [[] for _ in self.sparse]
@@ -223,7 +224,7 @@ class ExactSync:
     # ------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
-        return {"exponents": list(self.committed), "redone": self.redone}
+        return {"exponents": list(self.committed)}
 
     def load_state_dict(self, state: dict) -> None:
         exponents = list(state["exponents"])
@@ -231,7 +232,6 @@ class ExactSync:
             raise ValueError(f"the state holds {len(exponents)} exact-sum exponents, this model {self.tensors}")
         self.committed = [None if value is None else int(value) for value in exponents]
         self.working = list(self.committed)
-        self.redone = int(state.get("redone", 0))
 
     # ------------------------------------------------------------ helpers
 
