@@ -202,3 +202,27 @@ def test_resume_from_a_checkpoint_continues_with_the_same_exponents(train, tmp_p
     redone = [r["redone"] for r in pieces.metrics_records(tmp_path / "b.jsonl") if r["kind"] == "step"]
     assert redone[-3:] == [0, 0, 0], "the resumed run knows the exponents: its first step is not redone"
     _assert_bitwise_equal(model, reference[0])
+
+
+class GRUNet(nn.Module):
+    """Embeddings, a GRU over the sequence, a linear head: a recurrent model with a token-weighted loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(recipe_pieces.VOCABULARY, 16)
+        self.gru = nn.GRU(16, 24, batch_first=True)
+        self.head = nn.Linear(24, recipe_pieces.VOCABULARY)
+
+    def forward(self, tokens):
+        hidden, _ = self.gru(self.embedding(tokens))
+        return self.head(hidden)
+
+
+def make_gru_model():
+    return GRUNet()
+
+
+def test_gru_with_embeddings(train, tmp_path):
+    job = recipe_pieces.token_job(model=make_gru_model, max_grad_norm=1.0, deterministic=True)
+    reference = _run(train, tmp_path, "one", job, 5, devices=1)
+    _assert_same_run(reference, _run(train, tmp_path, "three", job, 5, devices=3))
