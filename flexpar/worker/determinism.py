@@ -25,11 +25,13 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import sys
+import zlib
 
 import torch
 
 from flexpar.comm.exact_sync import parameter_checksums
-from flexpar.core.step_statistics import StatsLayout
+from flexpar.core.step_statistics import StatsLayout, mixed_kinds_message
 from flexpar.errors import DeterminismBreach
 
 DETERMINISTIC_THREADS = 1
@@ -46,6 +48,13 @@ def make_deterministic(device: torch.device) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
+
+
+def device_kind(device: torch.device) -> str:
+    """The kind of `device` whose kernels round alike: "cpu", or the CUDA device's name."""
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return device.type
 
 
 def breach_message(step: int, tensor: str, ranks: list) -> str:
@@ -81,15 +90,27 @@ class Determinism:
             stats[slots.rank_part(slots.checksums, self.rank)] = torch.tensor(checksums, dtype=torch.float64)
         else:
             stats[slots.rank_part(slots.checksums, self.rank)] = -1.0
+        stats[slots.kinds.start + self.rank] = zlib.crc32(device_kind(self.device).encode())
 
     def _exact_resolve(self, summed: torch.Tensor, slots: StatsLayout, step: int) -> bool:
         """After the sums: check the devices agree, fix the loss and count, True if the step is redone."""
         self._check_checksums(summed, slots, step)
+        self._say_mixed_kinds(summed, slots)
         summed[slots.loss] = _ordered_sum(summed[slots.virtual_worker_loss].tolist())
         summed[slots.count] = _ordered_sum(summed[slots.virtual_worker_count].tolist())
         per_rank = summed[slots.maxima].view(slots.world, slots.tensors)
         maxima = per_rank.max(dim=0).values.tolist() if slots.tensors else []
         return self.exact.resolve(maxima)
+
+    def _say_mixed_kinds(self, summed: torch.Tensor, slots: StatsLayout) -> None:
+        """Rank 0 says once, if the members' devices are of different kinds, what then holds."""
+        codes = summed[slots.kinds].tolist()
+        if self.rank != 0 or getattr(self, "_kinds_said", False) or len(set(codes)) < 2:
+            return
+        self._kinds_said = True
+        others = [self.members[rank] for rank, code in enumerate(codes) if code != codes[0]]
+        message = mixed_kinds_message(device_kind(self.device), self.members[0], others)
+        print(f"flexpar: note: {message}", file=sys.stderr, flush=True)
 
     def _check_checksums(self, summed: torch.Tensor, slots: StatsLayout, step: int) -> None:
         if slots.world < 2 or not slots.tensors:

@@ -99,3 +99,14 @@ def test_redo_when_a_gradient_outgrows_the_headroom_or_has_no_exponent_yet():
 def test_bad_virtual_worker_count():
     with pytest.raises(ValueError, match="virtual_workers"):
         exact_sum.contribution_bits(0)
+
+
+def test_the_mixed_kinds_note_names_the_devices():
+    from flexpar.core.step_statistics import StatsLayout, mixed_kinds_message
+
+    text = mixed_kinds_message("cpu", "local-0", ["hostB-1"])
+    assert text.startswith("devices of different kinds train together (local-0 is cpu, hostB-1 is not)")
+    assert "matches a run on the same kinds" in text
+    layout = StatsLayout(3, virtual_workers=6, tensors=4)
+    assert layout.kinds.stop == layout.size and layout.kinds.stop - layout.kinds.start == 3
+    assert StatsLayout(3).size == StatsLayout(3).kinds.stop == 4 * 3 + 5  # the default layout is unchanged
