@@ -33,3 +33,8 @@ class ShardStateLost(RuntimeError):
     The job stops: its message names what was lost, the latest checkpoint and
     the command that resumes from it. It never goes on with a partial state.
     """
+
+
+class DeterminismBreach(TrainingError):
+    """Job(deterministic=True): two devices hold different parameters after the same step. The message
+    names the step and the first tensor that differs."""

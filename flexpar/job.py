@@ -71,6 +71,9 @@ class Job:
     shard_redundancy: copies of each part of the sharded state (default: 2, at most one per
                     device, so one failure loses nothing); 1 saves the most memory, and a failure
                     then stops the job, naming the latest checkpoint
+    deterministic:  True: exact, order-free gradient sums (int64 fixed point), so the parameters, optimizer
+                    state and recorded losses are bit-for-bit those of the one-device run on any device set
+                    and schedule; costs memory and time (docs/guide.md), and CPU devices run 1 thread each
     """
 
     model: Callable[[], nn.Module]
@@ -95,6 +98,7 @@ class Job:
     sample_cost: Optional[Callable[[int], float]] = None
     shard_optimizer: Union[bool, str] = False
     shard_redundancy: Optional[int] = None
+    deterministic: bool = False
 
     def __post_init__(self):
         try:
@@ -173,7 +177,12 @@ class Job:
             )
 
     def _check_recipe(self) -> None:
-        """mixed_precision, grad_scaler, max_grad_norm, compile and compile_options (flexpar/recipes.py)."""
+        """mixed_precision, grad_scaler, max_grad_norm, compile, compile_options, deterministic (flexpar/recipes.py)."""
+        if not isinstance(self.deterministic, bool):
+            raise ArgumentError(
+                f"deterministic={self.deterministic!r} must be True (exact, order-free gradient sums: bit-for-bit "
+                "the same training on any device set) or False"
+            )
         # The type first: a list or dict is not hashable, and `in` a dict would raise TypeError.
         if self.mixed_precision is not None and (
             not isinstance(self.mixed_precision, str) or self.mixed_precision not in recipes.MIXED_PRECISION

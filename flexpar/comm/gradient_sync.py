@@ -80,6 +80,7 @@ class GradientSync:
         self.exact_stats = False
         self.armed = False
         self.next_launch = 0
+        self.companion = None  # the exact sums' ExactSync, whose works `release_works` hands over too
         for parameter in dense:
             parameter.register_post_accumulate_grad_hook(self._on_gradient)
 
@@ -94,6 +95,8 @@ class GradientSync:
         handle pays for the group's teardown (see `GroupReaper`).
         """
         works = [bucket.work for bucket in self.buckets if bucket.work is not None]
+        if self.companion is not None:  # Job(deterministic=True): flexpar/comm/exact_sync.py
+            works += self.companion.release_works()
         self.reset()
         return works
 

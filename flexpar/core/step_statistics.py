@@ -19,10 +19,17 @@ class StatsLayout:
     of the counts of (loss_sum, count) losses, how many VWs returned such a
     pair, and - fp16 - how many devices' own gradients overflowed: any makes
     every device skip the step); each device's optimizer-state KiB, one slot
-    per rank (for the step record); then the BatchNorm buffers.
+    per rank (for the step record); then, with `Job(deterministic=True)`
+    (`virtual_workers` and `tensors` > 0), each VW's loss term and count in its
+    own slot (summed in VW order afterwards: the same float sum on any device
+    set), each rank's largest |VW gradient| per tensor (the exact sums'
+    exponents, flexpar/comm/exact_sync.py) and each rank's checksum per tensor
+    of the parameters it holds (the determinism check) and a code of its device
+    kind, one slot per rank (`mixed_kinds_message`); then the BatchNorm
+    buffers. A slot written by one rank only sums exactly (x + 0 + ... = x).
     """
 
-    def __init__(self, world: int):
+    def __init__(self, world: int, virtual_workers: int = 0, tensors: int = 0):
         self.busy = slice(0, world)
         self.seen = slice(world, 2 * world)
         self.loss = 2 * world
@@ -32,8 +39,21 @@ class StatsLayout:
         self.pairs = 3 * world + 3
         self.overflow = 3 * world + 4
         self.optimizer = slice(3 * world + 5, 4 * world + 5)
-        self.size = 4 * world + 5
+        end = 4 * world + 5
+        self.world, self.tensors = world, tensors
+        self.virtual_worker_loss = slice(end, end + virtual_workers)
+        self.virtual_worker_count = slice(end + virtual_workers, end + 2 * virtual_workers)
+        end += 2 * virtual_workers
+        self.maxima = slice(end, end + world * tensors)  # rank r's tensor t at r * tensors + t
+        self.checksums = slice(end + world * tensors, end + 2 * world * tensors)
+        end += 2 * world * tensors
+        self.kinds = slice(end, end + (world if virtual_workers else 0))  # each rank's device kind (a code)
+        self.size = self.kinds.stop
         self.buffers = slice(self.size, None)
+
+    def rank_part(self, section: slice, rank: int) -> slice:
+        """Rank `rank`'s `tensors` slots of a per-rank, per-tensor section (maxima, checksums)."""
+        return slice(section.start + rank * self.tensors, section.start + (rank + 1) * self.tensors)
 
 
 def nonfinite_gradient_message(step: int, norm: float) -> str:
@@ -59,4 +79,17 @@ def mixed_loss_message(step: int, first_kind: Optional[tuple] = None, virtual_wo
     return (
         f"at step {step}, {where}; loss(model, batch) must return the same kind for every batch "
         "(a pair weights each VW by its count, a scalar weighs every VW alike)"
+    )
+
+
+def mixed_kinds_message(kind: str, device: str, others: list) -> str:
+    """Job(deterministic=True) on devices of different kinds: what still holds (said once).
+
+    `kind` is `device`'s kind; `others` the devices whose kind differs from it.
+    """
+    return (
+        f"devices of different kinds train together ({device} is {kind}, {', '.join(others)} "
+        f"{'is' if len(others) == 1 else 'are'} not): Job(deterministic=True) still sums "
+        "exactly and every device holds the same parameters, but each kind's kernels round a VW's own "
+        "gradient differently, so the result matches a run on the same kinds, not a run on one device"
     )

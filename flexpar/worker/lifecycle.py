@@ -58,6 +58,7 @@ from flexpar import recipes
 from flexpar.callbacks import CALLBACK_STOP
 from flexpar.comm import state_transfer as training_state
 from flexpar.comm.collectives import GroupReaper, PeerFailure, collective, wait_for_collective
+from flexpar.comm.exact_sync import ExactSync
 from flexpar.comm.gradient_sync import GradientSync
 from flexpar.comm.protocol import get_blob, get_json, join_proof, put_blob, tell_driver
 from flexpar.comm.sparse_sync import sparse_parameters
@@ -67,6 +68,7 @@ from flexpar.version import __version__
 from flexpar.worker import checkpoints
 from flexpar.worker.boundaries import Boundaries
 from flexpar.worker.cost_planner import CostPlanner
+from flexpar.worker.determinism import make_deterministic
 from flexpar.worker.device_link import DeviceLink, DriverLost, Evicted
 from flexpar.worker.evaluator import WorkerEvaluation
 from flexpar.worker.fault_injection import FaultInjection, faults_of
@@ -138,6 +140,8 @@ class Worker(
         self.settings = RunSettings(**get_json(link.store, "job/settings"))
         # A vanished driver is noticed within the job's timeout; a lost one is waited for driver_grace_s.
         link.configure(self.settings.timeout_s, self.settings.driver_grace_s)
+        if self.job.deterministic:  # before any kernel runs: one thread count (CPU), deterministic kernels (CUDA)
+            make_deterministic(self.device)
         model = build_model(self.job)
         # The frozen part's digests, on the CPU as built, before this device announces itself:
         # a joiner's hashing delays its own admission only, never the running devices.
@@ -152,6 +156,12 @@ class Worker(
             else None
         )
         self.sync = GradientSync(self.model, self.device, self.settings.bucket_mb, peer_lost=self._peer_lost)
+        # Job(deterministic=True): exact int64 sums instead of the float buckets (flexpar/comm/exact_sync.py).
+        self.exact = None
+        if self.job.deterministic:
+            buckets = [bucket.parameters for bucket in self.sync.buckets]
+            self.exact = ExactSync(self.sync.dense, self.sync.sparse, self.job.virtual_workers, buckets)
+            self.sync.companion = self.exact  # its collectives in flight are released with the float path's
         # Recipes (flexpar/recipes.py): checked for this device's type before anything runs;
         # the VWs' forward calls `forward_model` (compiled, or the model itself).
         recipes.check_mixed_precision(self.job, self.device.type)

@@ -18,7 +18,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from flexpar.errors import ShardStateLost, UserCodeError
+from flexpar.errors import DeterminismBreach, ShardStateLost, UserCodeError
 from flexpar.worker.device_link import DeviceLink, DriverLost, Evicted, JobStopped
 from flexpar.worker.lifecycle import Worker, say
 from flexpar.worker.phase import Phase
@@ -75,7 +75,9 @@ def main(args: WorkerArgs) -> None:
                     "device_id": args.device_id,
                     "message": _describe(error),
                     # A sharded job's lost state is no bug: its one line says all (no traceback to read).
-                    "traceback": "" if isinstance(error, ShardStateLost) else traceback.format_exc(),
+                    "traceback": ""
+                    if isinstance(error, (ShardStateLost, DeterminismBreach))
+                    else traceback.format_exc(),
                 }
             )
         except Exception:  # no driver to tell: say it here
@@ -167,6 +169,6 @@ def _leave_on_sigterm(worker: "Worker") -> None:
 
 
 def _describe(error: Exception) -> str:
-    if isinstance(error, (UserCodeError, ShardStateLost)):
+    if isinstance(error, (UserCodeError, ShardStateLost, DeterminismBreach)):
         return str(error)
     return f"{type(error).__name__}: {error}"

@@ -53,6 +53,8 @@ class WorkerCheckpoints:
             extra["grad_scaler"] = self.scaler.state_dict()
         if self.cost_planner is not None:  # by cost: joiners plan with the same rates
             extra["cost_rates"] = self.cost_planner.state()
+        if self.exact is not None:  # Job(deterministic=True): the exact sums' exponents are training state
+            extra["exact_sum"] = self.exact.state_dict()
         if for_checkpoint:  # what resume and export check the factory's rebuild against
             whole = model_state is not None and set(self.model.state_dict()) <= set(model_state)
             extra["frozen"] = self.frozen.checkpoint_entry(
@@ -92,6 +94,8 @@ class WorkerCheckpoints:
             self.scaler.load_state_dict(extra["grad_scaler"])
         if self.cost_planner is not None and "cost_rates" in extra:
             self.cost_planner.restore(extra["cost_rates"])
+        if self.exact is not None and "exact_sum" in extra:
+            self.exact.load_state_dict(extra["exact_sum"])
 
     def _maybe_checkpoint(self) -> None:
         """Every `checkpoint_every` steps, and always after the last step."""

@@ -28,6 +28,7 @@ from flexpar.core import balance, batching
 from flexpar.core import ledger as sample_ledger
 from flexpar.core.step_statistics import StatsLayout, mixed_loss_message, nonfinite_gradient_message
 from flexpar.errors import UserCodeError
+from flexpar.worker.determinism import Determinism
 from flexpar.worker.loader import to_device as _to_device
 from flexpar.worker.user_code import loss_terms, nonfinite_message
 
@@ -36,7 +37,7 @@ class StopEarly:
     """What `StepLoop.train` returns when the members agreed to stop after a step."""
 
 
-class StepLoop:
+class StepLoop(Determinism):
     """The step loop of `flexpar.worker.lifecycle.Worker` (a part of it; its attributes are the worker's own)."""
 
     # ------------------------------------------------------------ training
@@ -77,7 +78,7 @@ class StepLoop:
             self._step_in_flight = step  # abandoned if a collective breaks off (flexpar/worker/orphan.py)
             summed = self.run_step(step, mine)
             self.frozen.check_flags(step)  # user code changed requires_grad: stop before applying anything
-            slots = StatsLayout(len(self.members))
+            slots = self._layout()
             bad = [int(value) for value in summed[slots.bad].tolist() if value > 0]
             if bad:
                 raise UserCodeError(nonfinite_message(step, min(bad) - 1))
@@ -97,6 +98,8 @@ class StepLoop:
             moved = self._commit_step(*pending)
             if self.shards is not None:
                 self._broadcast_parameters(step)
+            if self.exact is not None and self.rank == 0:  # the digest after the update (sharded: broadcast)
+                self._exact_record(step)
             self._zero_grad()
             if self.rank == 0:
                 self.link.publish(self.recent_records[-1])
@@ -122,7 +125,9 @@ class StepLoop:
         """
         self.pending_commit = None
         world = len(self.members)
-        slots = StatsLayout(world)
+        slots = self._layout()
+        if self.exact is not None:
+            self.exact.commit()
         busy = summed[slots.busy].tolist()
         loss = float(summed[slots.loss])
         if round(float(summed[slots.pairs])):
@@ -170,7 +175,7 @@ class StepLoop:
         None after the step's backward. Everything here is a function of the
         summed gradient and statistics, which every device holds alike.
         """
-        slots = StatsLayout(len(self.members))
+        slots = self._layout()
         pairs, count = round(float(summed[slots.pairs])), float(summed[slots.count])
         scale = self.scaler.scale if self.scaler is not None else 1.0
         factor = 1.0 / ((count if pairs else 1.0) * scale) if (pairs or scale != 1.0) else 1.0
@@ -215,11 +220,20 @@ class StepLoop:
         """
         return self.rank != 0 and self.shards is None and self.args.device_id not in upcoming_record["members"]
 
-    def run_step(self, step: int, virtual_workers: Sequence[int]) -> torch.Tensor:
-        """Run this device's VWs of `step` and sum gradients and statistics across devices."""
+    def run_step(self, step: int, virtual_workers: Sequence[int], redo: bool = False) -> torch.Tensor:
+        """Run this device's VWs of `step` and sum gradients and statistics across devices.
+
+        Job(deterministic=True): exact sums (flexpar/worker/determinism.py); a
+        step whose gradient outgrew its exponents runs again (`redo`), on
+        every device alike.
+        """
         job = self.job
         world = len(self.members)
+        exact = self.exact
         self.sync.reset()
+        if exact is not None:
+            exact.begin(redo)
+            terms = []
         ledger = sample_ledger.count_vector(len(job.dataset)) if self.settings.sample_ledger else None
         busy = 0.0
         loss_sum = 0.0
@@ -238,8 +252,8 @@ class StepLoop:
                 # batch), not the plan's indices: a wrong or stale batch shows in the audit.
                 ledger[self.loader.loaded_indices] += 1.0
             self._seed_model_randomness(batching.virtual_worker_seed(job.seed, step, virtual_worker))
-            if virtual_worker == last:
-                self.sync.arm()
+            if virtual_worker == last:  # send buckets as they fill
+                exact.arm(world) if exact is not None else self.sync.arm()
             self._fault_point("forward", step)
             with recipes.autocast(job, self.device.type):
                 result = job.loss(self.forward_model, batch)
@@ -260,6 +274,11 @@ class StepLoop:
                 ((loss / job.virtual_workers) * scale).backward()
             else:
                 (loss / job.virtual_workers).backward()
+            if exact is not None:  # this VW's gradient into the int64 sum; .grad cleared for the next
+                exact.add_virtual_worker()
+                terms.append(
+                    (virtual_worker, value if vw_count is not None else value / job.virtual_workers, vw_count or 0)
+                )
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             elapsed = time.perf_counter() - started
@@ -272,7 +291,7 @@ class StepLoop:
             busy += elapsed
             loss_sum += value if vw_count is not None else value / job.virtual_workers
         buffers = self._buffer_vector() if world > 1 else torch.zeros(0, dtype=torch.float64)
-        slots = StatsLayout(world)
+        slots = self._layout()
         stats = torch.zeros(slots.size + buffers.numel(), dtype=torch.float64)
         stats[slots.buffers] = buffers
         stats[slots.busy.start + self.rank] = busy
@@ -285,13 +304,22 @@ class StepLoop:
         # This device's optimizer-state bytes (KiB: exact in a float32 carrier up to 16 GiB), for the record.
         stats[slots.optimizer.start + self.rank] = self.optimizer_bytes() // 1024
         if self.scaler is not None:  # fp16: this device's own gradient overflowed (all skip the step)
-            stats[slots.overflow] = float(recipes.has_nonfinite(self.sync.dense, self.sync.sparse))
-        summed = self.sync.finish(
-            stats.to(self.device),
-            before_last_launch=lambda: self._fault_point("sync", step),
-            scale=self._prepare_gradient,
-        )
-        if world == 1:  # nothing was summed: this device's gradient is the step's
+            overflowed = (
+                exact.nonfinite if exact is not None else recipes.has_nonfinite(self.sync.dense, self.sync.sparse)
+            )
+            stats[slots.overflow] = float(overflowed)
+        if exact is not None:
+            self._exact_statistics(stats, slots, terms)
+            summed = exact.finish(stats, world, lambda: self._fault_point("sync", step), self._peer_lost)
+            if self._exact_resolve(summed, slots, step):  # every device alike: run the step again
+                return self.run_step(step, virtual_workers, redo=True)
+        else:
+            summed = self.sync.finish(
+                stats.to(self.device),
+                before_last_launch=lambda: self._fault_point("sync", step),
+                scale=self._prepare_gradient,
+            )
+        if world == 1 or exact is not None:  # the step's gradient is in .grad (exact: converted once)
             self._prepare_gradient(summed, None)
         if ledger is not None:
             # Tests and the fault soak only: its own all-reduce, so the ledger never
