@@ -166,7 +166,9 @@ class DriverLoop:
             return MAIN_GUARD_MESSAGE
         if reason == membership.NO_DEVICE_STARTED and self.coordinator.refused:
             # Each refusal was said in its own line, with its reason: the `__main__` hint is not the cause.
-            return f"the job stopped: no device could start ({' and '.join(self.coordinator.refused)} refused, above)"
+            # In id order: the refusals came in whatever order the devices said they were ready.
+            refused = sorted(self.coordinator.refused, key=membership.id_order)
+            return f"the job stopped: no device could start ({' and '.join(refused)} refused, above)"
         return f"the job stopped: {reason}"
 
     def _check_errors(self) -> None:

@@ -9,6 +9,6 @@ as ms; ms.decide(ms.Membership(...), ms.Start(2))`.
 from flexpar.core.membership import events
 from flexpar.core.membership.decide import NO_DEVICE_STARTED, STOPPED_BEFORE_START, decide
 from flexpar.core.membership.events import *  # noqa: F403  (the events and actions: events.__all__)
-from flexpar.core.membership.state import Membership
+from flexpar.core.membership.state import Membership, id_order
 
-__all__ = ["NO_DEVICE_STARTED", "STOPPED_BEFORE_START", "Membership", "decide", *events.__all__]
+__all__ = ["NO_DEVICE_STARTED", "STOPPED_BEFORE_START", "Membership", "decide", "id_order", *events.__all__]
