@@ -250,3 +250,51 @@ def test_a_device_refused_at_its_warm_up_never_comes_back_over_the_hosts_capacit
     state, actions = _run(state, ms.Announced("local-2"))
     assert actions == [] and "local-2" not in state.starting
     assert state.local_count == 4 <= state.local_capacity
+
+
+def test_members_exiting_at_the_jobs_end_publish_no_generation_of_joiners():
+    # Soak seed 253, run 27: two joiners were waiting when the job ended; the members' exits after their last
+    # step counted as failures of all three, and the recovery published a generation of the joiners only,
+    # whose levelling then reported the optimizer state lost.
+    state = _started(initial=3, maximum=5)
+    state, _ = _run(state, ms.ScaleBy(2), ms.Ready("local-4"))
+    state, _ = _run(state, *[ms.Formed(d, 2) for d in ("local-0", "local-1", "local-2", "local-4")])
+    state, actions = _run(state, ms.Ready("local-3"))
+    assert _published(actions)[0].generation == 3  # a planned generation before the end is still published
+    state, _ = _run(state, *[ms.Formed(d, 3) for d in ("local-0", "local-1", "local-2", "local-4", "local-3")])
+    state, _ = _run(state, ms.ScaleBy(1))  # local-5 still on its way when the job ends
+    state, actions = _run(
+        state,
+        *[ms.Finished(d) for d in ("local-1", "local-2", "local-3", "local-4")],
+        *[ms.Exited(d, now=20.0) for d in ("local-1", "local-2", "local-3", "local-4")],
+        ms.Ready("local-5"),
+        ms.Finished("local-0"),
+        ms.Exited("local-0", now=20.1),
+        ms.Tick(now=100.0),
+    )
+    assert actions == [] and state.generation == 3 and state.failure_since is None
+    assert state.rank_0_gone and not state.stopped
+
+
+def test_a_joiner_ready_at_the_last_step_is_not_admitted_and_scaling_after_the_end_is_refused():
+    state = _started()
+    state, _ = _run(state, ms.ScaleBy(1), ms.Finished("local-0"))
+    state, actions = _run(state, ms.Ready("local-2"), ms.ScaleBy(1, "late"))
+    assert not _published(actions)
+    assert [answer.accepted for answer in _answers(actions)] == [False]
+    assert not state.rank_0_gone  # local-0 has not exited yet: the driver waits for "done"
+
+
+def test_a_member_dying_after_another_finished_starts_no_recovery():
+    state = _started(initial=3)
+    state, actions = _run(
+        state, ms.Finished("local-1"), ms.Exited("local-1", now=5.0), ms.Exited("local-0", now=5.0), ms.Tick(now=50.0)
+    )
+    assert actions == [] and state.generation == 1 and state.rank_0_gone  # the driver looks for "done" now
+
+
+def test_finished_from_a_device_that_is_no_member_ends_nothing():
+    state = _started()
+    state, _ = _run(state, ms.ScaleBy(1))
+    state, actions = _run(state, ms.Finished("local-2"), ms.Finished("hostb-1"))
+    assert actions == [] and not state.ended

@@ -36,6 +36,7 @@ class Membership:
     next_local: int = 0  # counter for local device ids
     stopped: bool = False
     finishing: bool = False  # every member stops after the step in flight (FinishRequested)
+    ended: bool = False  # a member committed the job's last step (or the agreed stop) and ends (Finished)
     local_capacity: Optional[int] = None  # devices this host may run (cores or GPUs); None: no limit
     adoption: Optional[Adoption] = None  # a restarted driver's open adoption window (readoption.py)
     adopted_from: int = 0  # the generation the job was re-adopted from (0: not re-adopted)
@@ -50,6 +51,12 @@ class Membership:
     @property
     def is_formed(self) -> bool:
         return self.generation > 0 and set(self.members) <= self.formed
+
+    @property
+    def rank_0_gone(self) -> bool:
+        """The job ended and its rank 0's process is gone: rank 0 hands the result over before it exits,
+        so the result is there now, or never comes (members keep their rank order: rank 0 is the first)."""
+        return self.ended and bool(self.members) and self.members[0] in self.dead
 
     @property
     def device_count(self) -> int:
