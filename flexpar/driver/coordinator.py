@@ -211,7 +211,7 @@ class Coordinator:
         if kind == "handed_off":
             return ms.HandedOff(device, int(message["generation"]))
         if kind == "finished":
-            return ms.Finished(device)
+            return ms.Finished(device, rank_0=message.get("rank") == 0)
         if kind == "bye":
             self.heartbeats.pop(device, None)
             return ms.Exited(device, now)

@@ -343,7 +343,7 @@ class Worker(
         # rank 0 needs a driver for its end (DriverLost: ORPHANED, then a restarted driver gets the result).
         if self.rank == 0 or not self.link.driver_lost:
             try:
-                self.link.send("finished")
+                self.link.send("finished", rank=self.rank)
             except DriverLost:
                 if self.rank == 0:
                     raise

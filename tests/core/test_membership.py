@@ -268,12 +268,12 @@ def test_members_exiting_at_the_jobs_end_publish_no_generation_of_joiners():
         *[ms.Finished(d) for d in ("local-1", "local-2", "local-3", "local-4")],
         *[ms.Exited(d, now=20.0) for d in ("local-1", "local-2", "local-3", "local-4")],
         ms.Ready("local-5"),
-        ms.Finished("local-0"),
+        ms.Finished("local-0", rank_0=True),
         ms.Exited("local-0", now=20.1),
         ms.Tick(now=100.0),
     )
     assert actions == [] and state.generation == 3 and state.failure_since is None
-    assert state.rank_0_gone and not state.stopped
+    assert state.result_from == "local-0" and state.rank_0_gone and not state.stopped
 
 
 def test_a_joiner_ready_at_the_last_step_is_not_admitted_and_scaling_after_the_end_is_refused():
@@ -293,8 +293,20 @@ def test_a_member_dying_after_another_finished_starts_no_recovery():
     assert actions == [] and state.generation == 1 and state.rank_0_gone  # the driver looks for "done" now
 
 
-def test_finished_from_a_device_that_is_no_member_ends_nothing():
+def test_finished_from_a_device_on_its_way_ends_nothing():
     state = _started()
-    state, _ = _run(state, ms.ScaleBy(1))
+    state, _ = _run(state, ms.ScaleBy(1), ms.Announced("hostb-1"))
     state, actions = _run(state, ms.Finished("local-2"), ms.Finished("hostb-1"))
     assert actions == [] and not state.ended
+
+
+def test_rank_0_is_the_member_that_finished_as_rank_0():
+    # A generation published during the last step, without local-0 (preempted), was never formed: the
+    # members' rank 0 is still local-0, which hands the result over; local-1's exit says nothing of it.
+    state = _started(initial=3)
+    state, actions = _run(state, ms.LeaveRequested("local-0"))
+    assert _published(actions)[0].members == ("local-1", "local-2")
+    state, _ = _run(state, ms.Finished("local-1"), ms.Finished("local-0", rank_0=True), ms.Exited("local-1", now=3.0))
+    assert not state.rank_0_gone
+    state, _ = _run(state, ms.Exited("local-0", now=3.1))
+    assert state.rank_0_gone

@@ -47,8 +47,8 @@ def test_members_that_finished_and_exited_leave_no_generation_to_a_late_joiner()
     coordinator.apply(ms.Ready("local-3"))  # ready just after the members' last step boundary
     assert [action.members for action in coordinator.published][-1] == ("local-0", "local-1", "local-2", "local-3")
     events = Channel(store, "events")
-    for device in ("local-1", "local-2", "local-0"):
-        events.send({"type": "finished", "device_id": device})
+    for device, rank in (("local-1", 1), ("local-2", 2), ("local-0", 0)):
+        events.send({"type": "finished", "device_id": device, "rank": rank})
     exits += ["local-1", "local-2", "local-0"]
     # receive=False: the driver's notice counter did not move since its last reading, yet the exits
     # must not be counted before the messages their processes sent.

@@ -325,10 +325,16 @@ def _on_finish_requested(state, event):
 
 
 def _on_finished(state, event):
-    """A member committed the job's last step (or the agreed stop): the job is over (rules above)."""
-    if event.device_id not in state.members:
+    """A member committed the job's last step (or the agreed stop): the job is over (rules above).
+
+    Only members train, so only they finish; one may have been dropped already from a generation
+    published during the last step, which its members never formed (a preempted rank 0 among them).
+    A device still on its way never trained: its word is not taken.
+    """
+    if event.device_id in state.starting or event.device_id in state.waiting:
         return state, []
-    return dataclasses.replace(state, ended=True, finishing=True), []
+    result_from = event.device_id if event.rank_0 else state.result_from
+    return dataclasses.replace(state, ended=True, finishing=True, result_from=result_from), []
 
 
 def _on_tick(state, event):

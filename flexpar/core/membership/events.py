@@ -99,10 +99,12 @@ class Finished:
     """A member committed the job's last step (or the agreed stop) and ends: the job is over.
 
     Sent by every member before its process exits, so the coordinator reads it
-    before it sees the exit, which is then no failure.
+    before it sees the exit, which is then no failure. `rank_0`: it is rank 0,
+    which hands the job's result over ("done") before it exits.
     """
 
     device_id: str
+    rank_0: bool = False
 
 
 @dataclass(frozen=True)
