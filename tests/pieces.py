@@ -80,6 +80,26 @@ class UnseededModel:
         return model
 
 
+class HeldBackModel:
+    """make_model, except that a process building it once `hold` exists waits until `release` exists.
+
+    A test creates `hold` once the initial devices are built (a callback, in
+    the driver), so that a later joiner's start waits until the test lets it
+    go (for at most `limit_s`): a joiner on its way at a moment of the test's
+    choosing, whatever the host's speed.
+    """
+
+    def __init__(self, hold: str, release: str, limit_s: float = 60.0):
+        self.hold, self.release, self.limit_s = hold, release, limit_s
+
+    def __call__(self) -> nn.Module:
+        if os.path.exists(self.hold):
+            deadline = time.monotonic() + self.limit_s
+            while not os.path.exists(self.release) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        return make_model()
+
+
 class ShapeByProcess:
     """A first layer 16 wide in the process `driver_pid`, 24 wide in any other: other shapes in other processes."""
 

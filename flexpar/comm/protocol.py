@@ -73,6 +73,10 @@ DRIVER_KEY = "driver/instance"
 # at their follower's pace and forget the records they kept up to it. Not a notice: nobody waits for it.
 ACKNOWLEDGED_KEY = "acknowledged"
 
+# The "stop" a driver tells once the job ended well (rank 0 handed the result over): only devices still
+# on their way are there to read it, and they leave quietly (flexpar/worker/process.py).
+JOB_ENDED = "the job ended"
+
 
 def put_blob(store, key: str, data: bytes, secret: str) -> None:
     """Store `data` under `key` in chunks, with an HMAC over the whole."""

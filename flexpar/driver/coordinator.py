@@ -128,11 +128,13 @@ class Coordinator:
         now = self.clock()
         while not self._finish_asked.empty():
             self.apply(self._finish_asked.get())
-        for message in self.events.receive() if receive else ():
+        # The exits first, then the messages: whatever an ended process sent (a member's "finished",
+        # which makes its exit a normal end) was sent before it exited, so it is read before its exit counts.
+        exited = list(self.local_exits())
+        for message in self.events.receive() if receive or exited else ():
             event = self._event_of(message, now)
             if event is not None:
                 self.apply(event)
-        exited = list(self.local_exits())
         for device_id in exited:
             self.heartbeats.pop(device_id, None)
         # Heartbeats move every 0.5 s and count after seconds: reading them (two store
@@ -208,6 +210,8 @@ class Coordinator:
             return ms.FailureReported(device, int(message["generation"]), now)
         if kind == "handed_off":
             return ms.HandedOff(device, int(message["generation"]))
+        if kind == "finished":
+            return ms.Finished(device, rank_0=message.get("rank") == 0)
         if kind == "bye":
             self.heartbeats.pop(device, None)
             return ms.Exited(device, now)

@@ -136,13 +136,21 @@ class DriverLoop:
                 self.coordinator.step(receive=read)
                 if read:
                     self._relay_metrics()
-                if read and self.store.check(["done"]):
+                # Once rank 0 ended (membership.Finished, then its exit), "done" is read at once: rank 0 wrote
+                # it before it exited, whether or not the notice counter was read after that.
+                gone = self.coordinator.state.rank_0_gone
+                if (read or gone) and self.store.check(["done"]):
                     # Rank 0 sent every record before "done"; a hole left now is a dead rank 0's.
                     self._relay_metrics(writers_done=True)
                     self.done = json.loads(self.store.get("done"))
                     self._report_schedule(self.schedule.ended(self.done.get("step", 0)))
                     return
                 self._check_errors()
+                if gone:  # ...and it is not there: rank 0 ended after the last step without handing it over
+                    raise TrainingError(
+                        "the job stopped: its devices ended after the last step, but rank 0 never handed the "
+                        "trained model over (it failed while finishing); resume from the latest checkpoint, if any"
+                    )
                 if self.coordinator.stop_reason is not None:
                     raise TrainingError(self._stop_message(self.coordinator.stop_reason))
                 if self.coordinator.declined is not None:

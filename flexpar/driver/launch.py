@@ -38,7 +38,7 @@ import torch
 from flexpar import callbacks as callbacks_module
 from flexpar.comm import state_transfer as training_state
 from flexpar.comm import waiting
-from flexpar.comm.protocol import DRIVER_KEY, get_blob, put_blob, secret_check, tell_devices
+from flexpar.comm.protocol import DRIVER_KEY, JOB_ENDED, get_blob, put_blob, secret_check, tell_devices
 from flexpar.comm.store import connect
 from flexpar.core import adoption, factory_checks, frozen, membership
 from flexpar.driver import readopt
@@ -231,7 +231,9 @@ def run(job, options: FitOptions) -> tuple:
             waker.close()
         # Devices still in the adoption window, or waiting at an address where this driver declined them
         # (another job's), are not this driver's to stop: they wait on for a driver of their own.
-        if not store.check(["done"]) and coordinator.declined is None and coordinator.state.adoption is None:
+        if store.check(["done"]):  # joiners still on their way leave quietly: there is nothing left to join
+            tell_devices(store, "stop", JOB_ENDED)
+        elif coordinator.declined is None and coordinator.state.adoption is None:
             tell_devices(store, "stop", "the driver stopped")
         local.shutdown()
         callbacks.close(failed=not ended_well)

@@ -348,6 +348,15 @@ class Worker(
             # Sharded: every member writes its own part; the job ends once all are written.
             flag = torch.zeros(1, device=self.device)
             wait_for_collective(collective(lambda: dist.all_reduce(flag, async_op=True)), self._peer_lost)
+        # The job is over (membership.Finished): said before this process exits, so that the coordinator
+        # takes the exit for the normal end it is and publishes no generation after the last step. Only
+        # rank 0 needs a driver for its end (DriverLost: ORPHANED, then a restarted driver gets the result).
+        if self.rank == 0 or not self.link.driver_lost:
+            try:
+                self.link.send("finished", rank=self.rank)
+            except DriverLost:
+                if self.rank == 0:
+                    raise
         if self.rank == 0:
             data = training_state.to_bytes({"model": self._model_state_for_transfer(), "step": self.committed})
             with self.link.driver_needed():  # a driver lost now: a restarted one gets the result

@@ -18,6 +18,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from flexpar.comm.protocol import JOB_ENDED
 from flexpar.errors import DeterminismBreach, ShardStateLost, UserCodeError
 from flexpar.worker.device_link import DeviceLink, DriverLost, Evicted, JobStopped
 from flexpar.worker.lifecycle import Worker, say
@@ -55,7 +56,9 @@ def main(args: WorkerArgs) -> None:
         _leave_on_sigterm(worker)
         worker.run()
         code = 0
-    except JobStopped:
+    except JobStopped as stopped:
+        if str(stopped) == JOB_ENDED and worker is not None and not worker.members:
+            say(f"flexpar: device {args.device_id}: the job ended before this device joined")
         code = 0
     except DriverLost as lost:
         # Worker.run said what happened and where the state is; SIGTERM while it waited for a driver: let go.

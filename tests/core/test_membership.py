@@ -250,3 +250,63 @@ def test_a_device_refused_at_its_warm_up_never_comes_back_over_the_hosts_capacit
     state, actions = _run(state, ms.Announced("local-2"))
     assert actions == [] and "local-2" not in state.starting
     assert state.local_count == 4 <= state.local_capacity
+
+
+def test_members_exiting_at_the_jobs_end_publish_no_generation_of_joiners():
+    # Soak seed 253, run 27: two joiners were waiting when the job ended; the members' exits after their last
+    # step counted as failures of all three, and the recovery published a generation of the joiners only,
+    # whose levelling then reported the optimizer state lost.
+    state = _started(initial=3, maximum=5)
+    state, _ = _run(state, ms.ScaleBy(2), ms.Ready("local-4"))
+    state, _ = _run(state, *[ms.Formed(d, 2) for d in ("local-0", "local-1", "local-2", "local-4")])
+    state, actions = _run(state, ms.Ready("local-3"))
+    assert _published(actions)[0].generation == 3  # a planned generation before the end is still published
+    state, _ = _run(state, *[ms.Formed(d, 3) for d in ("local-0", "local-1", "local-2", "local-4", "local-3")])
+    state, _ = _run(state, ms.ScaleBy(1))  # local-5 still on its way when the job ends
+    state, actions = _run(
+        state,
+        *[ms.Finished(d) for d in ("local-1", "local-2", "local-3", "local-4")],
+        *[ms.Exited(d, now=20.0) for d in ("local-1", "local-2", "local-3", "local-4")],
+        ms.Ready("local-5"),
+        ms.Finished("local-0", rank_0=True),
+        ms.Exited("local-0", now=20.1),
+        ms.Tick(now=100.0),
+    )
+    assert actions == [] and state.generation == 3 and state.failure_since is None
+    assert state.result_from == "local-0" and state.rank_0_gone and not state.stopped
+
+
+def test_a_joiner_ready_at_the_last_step_is_not_admitted_and_scaling_after_the_end_is_refused():
+    state = _started()
+    state, _ = _run(state, ms.ScaleBy(1), ms.Finished("local-0"))
+    state, actions = _run(state, ms.Ready("local-2"), ms.ScaleBy(1, "late"))
+    assert not _published(actions)
+    assert [answer.accepted for answer in _answers(actions)] == [False]
+    assert not state.rank_0_gone  # local-0 has not exited yet: the driver waits for "done"
+
+
+def test_a_member_dying_after_another_finished_starts_no_recovery():
+    state = _started(initial=3)
+    state, actions = _run(
+        state, ms.Finished("local-1"), ms.Exited("local-1", now=5.0), ms.Exited("local-0", now=5.0), ms.Tick(now=50.0)
+    )
+    assert actions == [] and state.generation == 1 and state.rank_0_gone  # the driver looks for "done" now
+
+
+def test_finished_from_a_device_on_its_way_ends_nothing():
+    state = _started()
+    state, _ = _run(state, ms.ScaleBy(1), ms.Announced("hostb-1"))
+    state, actions = _run(state, ms.Finished("local-2"), ms.Finished("hostb-1"))
+    assert actions == [] and not state.ended
+
+
+def test_rank_0_is_the_member_that_finished_as_rank_0():
+    # A generation published during the last step, without local-0 (preempted), was never formed: the
+    # members' rank 0 is still local-0, which hands the result over; local-1's exit says nothing of it.
+    state = _started(initial=3)
+    state, actions = _run(state, ms.LeaveRequested("local-0"))
+    assert _published(actions)[0].members == ("local-1", "local-2")
+    state, _ = _run(state, ms.Finished("local-1"), ms.Finished("local-0", rank_0=True), ms.Exited("local-1", now=3.0))
+    assert not state.rank_0_gone
+    state, _ = _run(state, ms.Exited("local-0", now=3.1))
+    assert state.rank_0_gone

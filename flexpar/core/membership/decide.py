@@ -47,6 +47,13 @@ Rules, in one place:
   published; only a failure is still recovered from, so that the survivors
   can stop together. A whole host's SIGTERM (SLURM's scancel, systemd) reaches
   the driver and its devices at once: the stop wins over their leaves.
+- Once a member says it finished (`Finished`: it committed the job's last
+  step, or the agreed stop, and ends), the job is over: no generation is
+  published any more, not even a recovery (there is no step left to train;
+  a generation of joiners only would hold none of the state), the members'
+  exits are their normal end, not failures, and nobody is evicted for
+  silence. Joiners still on their way are not admitted: the driver tells
+  them the job ended once rank 0 handed the result over.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ from flexpar.core.membership.events import (
     Evict,
     Exited,
     FailureReported,
+    Finished,
     FinishJob,
     FinishRequested,
     Formed,
@@ -162,6 +170,8 @@ def _on_exited(state, event):
         starting=tuple(d for d in state.starting if d != device),
         waiting=tuple(d for d in state.waiting if d != device),
     )
+    if state.ended:  # a member's normal end (or a death after the last step: nothing to recover)
+        return state, []
     if (device in state.members and device not in state.leaving) or device in state.departing:
         # A member died (or a departing device before it handed its state over): the others
         # will see it in their next collective. Start the grace clock now so a member that
@@ -174,6 +184,8 @@ def _on_exited(state, event):
 def _on_scale(state, event):
     if state.adoption is not None:
         return _refusal(state, event, readoption.SCALING_REFUSAL)
+    if state.ended:
+        return _refusal(state, event, "the job has ended (its last step is committed)")
     if state.finishing:
         return _refusal(state, event, "the job is stopping after the step in flight")
     if event.delta == 0:
@@ -312,11 +324,26 @@ def _on_finish_requested(state, event):
     return dataclasses.replace(state, finishing=True), [FinishJob(event.reason, quiet=event.quiet)]
 
 
+def _on_finished(state, event):
+    """A member committed the job's last step (or the agreed stop): the job is over (rules above).
+
+    Only members train, so only they finish; one may have been dropped already from a generation
+    published during the last step, which its members never formed (a preempted rank 0 among them).
+    A device still on its way never trained: its word is not taken.
+    """
+    if event.device_id in state.starting or event.device_id in state.waiting:
+        return state, []
+    result_from = event.device_id if event.rank_0 else state.result_from
+    return dataclasses.replace(state, ended=True, finishing=True, result_from=result_from), []
+
+
 def _on_tick(state, event):
     """Members silent for longer than the grace period after a failure count as dead; an open
     adoption window closes when it may (readoption.py)."""
     if state.adoption is not None:
         return readoption.on_tick(state, event.now)
+    if state.ended:  # members that already ended are not waited for, nor evicted
+        return state, []
     if state.failure_since is None or event.now - state.failure_since < state.grace_s:
         return state, []
     silent = [m for m in state.members + state.departing if m not in state.survivors and m not in state.dead]
@@ -335,6 +362,7 @@ _HANDLERS = {
     ScaleBy: _on_scale,
     LeaveRequested: _on_leave_requested,
     FinishRequested: _on_finish_requested,
+    Finished: _on_finished,
     Tick: _on_tick,
     Reported: readoption.on_reported,
     SeenWaiting: readoption.on_seen_waiting,
@@ -354,6 +382,8 @@ def _advance(state: Membership):
             return publish(state, members=members, joined=members, left=(), failed=())
         if not state.waiting and not state.starting and state.dead:
             return stop(state, NO_DEVICE_STARTED)
+        return state, ()
+    if state.ended:  # the last step is committed: nothing is published after it
         return state, ()
     if state.failure_since is not None:
         return _recover(state)

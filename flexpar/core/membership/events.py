@@ -95,6 +95,19 @@ class FinishRequested:
 
 
 @dataclass(frozen=True)
+class Finished:
+    """A member committed the job's last step (or the agreed stop) and ends: the job is over.
+
+    Sent by every member before its process exits, so the coordinator reads it
+    before it sees the exit, which is then no failure. `rank_0`: it is rank 0,
+    which hands the job's result over ("done") before it exits.
+    """
+
+    device_id: str
+    rank_0: bool = False
+
+
+@dataclass(frozen=True)
 class Tick:
     now: float
 
@@ -128,6 +141,7 @@ Event = Union[
     ScaleBy,
     LeaveRequested,
     FinishRequested,
+    Finished,
     Tick,
     Reported,
     SeenWaiting,
@@ -237,6 +251,7 @@ __all__ = [
     "FailureReported",
     "FinishJob",
     "FinishRequested",
+    "Finished",
     "Formed",
     "HandedOff",
     "LeaveRequested",

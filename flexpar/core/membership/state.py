@@ -36,6 +36,8 @@ class Membership:
     next_local: int = 0  # counter for local device ids
     stopped: bool = False
     finishing: bool = False  # every member stops after the step in flight (FinishRequested)
+    ended: bool = False  # a member committed the job's last step (or the agreed stop) and ends (Finished)
+    result_from: str = ""  # the member that finished as rank 0: it hands the result over, then exits
     local_capacity: Optional[int] = None  # devices this host may run (cores or GPUs); None: no limit
     adoption: Optional[Adoption] = None  # a restarted driver's open adoption window (readoption.py)
     adopted_from: int = 0  # the generation the job was re-adopted from (0: not re-adopted)
@@ -50,6 +52,16 @@ class Membership:
     @property
     def is_formed(self) -> bool:
         return self.generation > 0 and set(self.members) <= self.formed
+
+    @property
+    def rank_0_gone(self) -> bool:
+        """The job ended and its rank 0's process is gone: rank 0 hands the result over before it exits,
+        so the result is there now, or never comes. Rank 0 is the member that said so when it finished;
+        before that, the first member (members keep their rank order)."""
+        if not self.ended:
+            return False
+        rank_0 = self.result_from or (self.members[0] if self.members else "")
+        return rank_0 in self.dead
 
     @property
     def device_count(self) -> int:
