@@ -18,36 +18,30 @@ checkpoint with fresh devices.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import secrets
 import shlex
-import signal
 import socket
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Optional, Sequence
 
 import torch
 
 from flexpar import callbacks as callbacks_module
-from flexpar.comm import state_transfer as training_state
 from flexpar.comm import waiting
-from flexpar.comm.protocol import DRIVER_KEY, JOB_ENDED, get_blob, put_blob, secret_check, tell_devices
+from flexpar.comm.protocol import DRIVER_KEY, put_blob, secret_check, tell_devices
 from flexpar.comm.store import connect
 from flexpar.core import adoption, factory_checks, frozen, membership
-from flexpar.driver import readopt
+from flexpar.driver import readopt, training
 from flexpar.driver.coordinator import Coordinator
-from flexpar.driver.driver_loop import DriverLoop, DriverWaker
 from flexpar.driver.fork_server import worker_context
 from flexpar.driver.job_checks import check_checkpoint_folder, check_sharding, first_batch_check, pickle_pieces
 from flexpar.driver.local_devices import LocalDevices, detect_devices
-from flexpar.errors import TrainingError
 from flexpar.observe import trackers as trackers_module
 from flexpar.options import FitOptions, is_loopback
 from flexpar.version import __version__
@@ -56,11 +50,55 @@ from flexpar.worker.settings import RunSettings
 from flexpar.worker.user_code import build_model, build_optimizer, model_digest
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckedJob:
+    """What the checks before any process starts resolved: the rooms after them read it, not the options."""
+
+    context: object  # how worker processes start (fork_server.worker_context)
+    kind: str
+    available: int
+    backend: str
+    initial: int
+    max_devices: int
+    model: torch.nn.Module
+    eval_keys: tuple
+    reference: Future  # the frozen digests of the driver's own build, hashed in the background
+    payload: bytes
+    total_steps: int
+    newest: Optional[str]  # with --resume: the newest checkpoint, if any
+
+
+@dataclasses.dataclass(frozen=True)
+class HostedJob:
+    """The job as the driver hosts it: its store and address, its published settings, its callbacks."""
+
+    store: object
+    secret: str
+    address: str
+    run_dir: str
+    metrics_path: str
+    callbacks: callbacks_module.Dispatcher
+    settings: RunSettings
+
+
 def run(job, options: FitOptions) -> tuple:
     """Check everything that can be checked here, then train `job` (a `flexpar.Job`) on worker processes.
 
     Returns (the trained model, the summary): `Job.fit` hands them to the user as a `FitResult`.
     """
+    checked = _check_job(job, options)
+    hosted = _host_job(job, options, checked)
+    local = _local_devices(options, checked, hosted)
+    state = _membership(job, options, checked)
+    coordinator = _coordinator(job, options, checked, hosted, state, local)
+    _announce_driver(hosted.store, options)
+    summary, terminated = training.train(job, options, checked, hosted, coordinator, local)
+    training.finish(terminated, summary, hosted.settings)
+    return checked.model, summary
+
+
+def _check_job(job, options: FitOptions) -> CheckedJob:
+    """Everything that can be checked before any process starts; raises the first problem found."""
     check_checkpoint_folder(options)
     kind, available, backend = detect_devices(options.backend)
     context = worker_context(options.verbose)
@@ -87,18 +125,50 @@ def run(job, options: FitOptions) -> tuple:
     newest = checkpoints.latest_checkpoint(options.checkpoint_dir) if options.resume else None
     if newest is not None:
         _check_resumed_frozen_part(newest, reference.result())
+    return CheckedJob(
+        context=context,
+        kind=kind,
+        available=available,
+        backend=backend,
+        initial=initial,
+        max_devices=max_devices,
+        model=model,
+        eval_keys=tuple(eval_keys),
+        reference=reference,
+        payload=payload,
+        total_steps=total_steps,
+        newest=newest,
+    )
+
+
+def _host_job(job, options: FitOptions, checked: CheckedJob) -> HostedJob:
+    """Open the job's store (where a second driver at the same address stops), publish the job, print the banner."""
     run_dir, metrics_path = run_paths(options)
     callbacks = callbacks_module.Dispatcher(
         options.callbacks + tuple(trackers_module.create(options.trackers, run_dir, resume=options.resume))
     )
-    script = getattr(sys.modules.get("__main__"), "__file__", None) or ""
     secret = options.secret or secrets.token_hex(16)
     store = connect(options.host, options.port, options.timeout_s, server=True)  # a second driver stops here
     address = f"{advertised_host(options.host)}:{store.port}"
     pins = resume_pins(options, store.port, run_dir, metrics_path)
-    settings = RunSettings(
-        total_steps,
-        backend,
+    settings = _run_settings(job, options, checked, callbacks, address, run_dir, pins)
+    _publish_job(store, checked.payload, settings, secret, model_digest(checked.model))
+    secret_note = _keep_secret(options, secret, run_dir)
+    if not options.quiet:
+        _banner(
+            address, checked.initial, checked.kind, checked.max_devices, options, secret_note, cores=checked.available
+        )
+    return HostedJob(store, secret, address, run_dir, metrics_path, callbacks, settings)
+
+
+def _run_settings(
+    job, options: FitOptions, checked: CheckedJob, callbacks, address: str, run_dir: str, pins
+) -> RunSettings:
+    """What every device of the job is told: the options resolved once into the workers' settings."""
+    script = getattr(sys.modules.get("__main__"), "__file__", None) or ""
+    return RunSettings(
+        checked.total_steps,
+        checked.backend,
         options.timeout_s,
         options.bucket_mb,
         options.checkpoint_every,
@@ -111,8 +181,8 @@ def run(job, options: FitOptions) -> tuple:
         preemption_grace_s=options.preemption_grace_s,
         sample_ledger=options.sample_ledger,
         eval_every=options.eval_every,
-        eval_keys=tuple(eval_keys),
-        eval_verdict=bool(options.eval_every and eval_keys and callbacks.can_stop_at_eval),
+        eval_keys=checked.eval_keys,
+        eval_verdict=bool(options.eval_every and checked.eval_keys and callbacks.can_stop_at_eval),
         keep_checkpoints=options.keep_checkpoints,
         checkpoint_frozen=options.checkpoint_frozen,
         model_factory=frozen.factory_reference(job.model),
@@ -120,41 +190,52 @@ def run(job, options: FitOptions) -> tuple:
         driver_pid=os.getpid(),
         address=address,
     )
-    _publish_job(store, payload, settings, secret, model_digest(model))
-    secret_note = _keep_secret(options, secret, run_dir)
-    if not options.quiet:
-        _banner(address, initial, kind, max_devices, options, secret_note, cores=available)
-    threads = max(1, available // max_devices) if kind == "cpu" else 0
-    local = LocalDevices(context, options.host, store.port, secret, kind, threads, options.emulate_speeds)
-    grace_s = options.timeout_s + 5.0
-    local_capacity = None if (kind == "cpu" and options.oversubscribe) else available
+
+
+def _local_devices(options: FitOptions, checked: CheckedJob, hosted: HostedJob) -> LocalDevices:
+    """This host's devices, started later by the coordinator; a CPU device gets its share of the cores."""
+    threads = max(1, checked.available // checked.max_devices) if checked.kind == "cpu" else 0
+    return LocalDevices(
+        checked.context, options.host, hosted.store.port, hosted.secret, checked.kind, threads, options.emulate_speeds
+    )
+
+
+def _membership(job, options: FitOptions, checked: CheckedJob) -> membership.Membership:
+    """The device set's first state; with --resume, the adoption window opened on it."""
     state = membership.Membership(
-        initial_devices=initial,
-        max_devices=max_devices,
-        grace_s=grace_s,
-        local_capacity=local_capacity,
+        initial_devices=checked.initial,
+        max_devices=checked.max_devices,
+        grace_s=options.timeout_s + 5.0,
+        local_capacity=None if (checked.kind == "cpu" and options.oversubscribe) else checked.available,
         hand_off=bool(job.shard_optimizer),  # a sharded job's leavers hold state: they hand it over first
     )
     if options.resume:
+        newest = checked.newest
         state = readopt.open_window(state, newest, checkpoints.checkpoint_step(newest) if newest else -1)
+    return state
+
+
+def _coordinator(job, options, checked: CheckedJob, hosted: HostedJob, state, local: LocalDevices) -> Coordinator:
+    """The coordinator that carries out the membership's decisions on this job's store and local devices."""
+    store, settings = hosted.store, hosted.settings
 
     def resume_from(action: membership.NothingToAdopt) -> None:
         """No device came back: the newest checkpoint's settings, published before any device starts."""
         if not action.checkpoint:
             raise ValueError(
                 f"resume=True but {options.checkpoint_dir} holds no checkpoint (step-*.pt), and no device "
-                f"waits at {address} to be re-adopted"
+                f"waits at {hosted.address} to be re-adopted"
             )
         store.set("job/settings", json.dumps(asdict(dataclasses.replace(settings, resume_path=action.checkpoint))))
         if not options.quiet:
             step = checkpoints.checkpoint_step(action.checkpoint)
             print(f"flexpar: resuming from step {step} ({action.checkpoint})", flush=True)
 
-    coordinator = Coordinator(
+    return Coordinator(
         store,
-        secret,
+        hosted.secret,
         store.get("job/salt").decode(),
-        model_digest(model),
+        model_digest(checked.model),
         __version__,
         state,
         spawn_local=local.spawn,
@@ -162,90 +243,19 @@ def run(job, options: FitOptions) -> tuple:
         local_exits=local.exits,
         heartbeat_timeout_s=options.heartbeat_timeout_s,
         on_note=lambda message: print(f"flexpar: {message}", file=sys.stderr, flush=True),
-        frozen_reference=reference.result,
-        job_shapes=factory_checks.model_shapes(model),
+        frozen_reference=checked.reference.result,
+        job_shapes=factory_checks.model_shapes(checked.model),
         adopt_local=local.adopt,
         fingerprint=adoption.fingerprint(job, settings, __version__),
         resume_from=resume_from,
         seen_waiting=lambda: [report["device_id"] for report in waiting.read(store.port)],
     )
-    # Last: what this driver is, and whether it re-adopts devices that outlived the one before it.
+
+
+def _announce_driver(store, options: FitOptions) -> None:
+    """Last before training: what this driver is, and whether it re-adopts devices that outlived the one before it."""
     instance = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "adopting": options.resume}
     tell_devices(store, DRIVER_KEY, json.dumps(instance))
-    waker = DriverWaker(options.host, store.port, options.timeout_s, store)
-    loop = None
-    resumed_from, resumed_by = -1, None
-    ended_well = False
-    terminated = threading.Event()
-    try:
-        with _finish_on_sigterm(coordinator, terminated):
-            if options.resume:
-                readopt.run_window(coordinator, waker)
-                if coordinator.nothing_to_adopt is None:
-                    resumed_by, resumed_from = "adoption", coordinator.published[-1].adopted.step
-                    if not options.quiet:
-                        print(f"flexpar: {readopt.adopted_summary(coordinator)}", flush=True)
-                else:
-                    resumed_by = "checkpoint"
-                    resumed_from = checkpoints.checkpoint_step(coordinator.nothing_to_adopt.checkpoint)
-            else:
-                coordinator.apply(membership.Start(initial))
-            loop = DriverLoop(
-                store,
-                coordinator,
-                options,
-                total_steps,
-                job.global_batch,
-                address,
-                run_dir,
-                metrics_path,
-                exit_codes=lambda: dict(local.exit_codes),
-                callbacks=callbacks,
-                resumed_from=resumed_from,
-                adopted=resumed_by == "adoption",
-            )
-            loop.run(waker)
-        data = get_blob(store, "result", secret)
-        result = training_state.from_bytes(data, torch.device("cpu"))
-        _load_result(model, result["model"])
-        summary = loop.summary(result["step"])
-        summary["resumed_from"] = resumed_from if resumed_by else None
-        summary["resumed_by"] = resumed_by
-        callbacks.call("on_end", summary)
-        ended_well = True
-    except TrainingError:
-        if coordinator.stop_reason != membership.STOPPED_BEFORE_START:
-            raise
-        print("flexpar: stopped by SIGTERM before training started; nothing to keep", file=sys.stderr, flush=True)
-        raise SystemExit(143) from None
-    except (KeyboardInterrupt, _SecondSigterm) as interruption:
-        what, code = (
-            ("a second SIGTERM", 143) if isinstance(interruption, _SecondSigterm) else ("interrupted (Ctrl-C)", 130)
-        )
-        tell_devices(store, "stop", what)
-        local.shutdown(grace_s=2.0)
-        print(f"flexpar: {what}; the workers are stopped", file=sys.stderr, flush=True)
-        raise SystemExit(code) from None
-    finally:
-        if loop is None:
-            waker.close()
-        # Devices still in the adoption window, or waiting at an address where this driver declined them
-        # (another job's), are not this driver's to stop: they wait on for a driver of their own.
-        if store.check(["done"]):  # joiners still on their way leave quietly: there is nothing left to join
-            tell_devices(store, "stop", JOB_ENDED)
-        elif coordinator.declined is None and coordinator.state.adoption is None:
-            tell_devices(store, "stop", "the driver stopped")
-        local.shutdown()
-        callbacks.close(failed=not ended_well)
-    if terminated.is_set():
-        where = (
-            f"; checkpoint {summary['checkpoint']}; resume with: {settings.resume_command}"
-            if summary["checkpoint"]
-            else ("; no checkpoint (pass --checkpoint-dir to keep one)")
-        )
-        print(f"flexpar: stopped by SIGTERM after step {summary['steps']}{where}", file=sys.stderr, flush=True)
-        raise SystemExit(143)
-    return model, summary
 
 
 def _reference_digests(model, threads: int) -> dict:
@@ -262,14 +272,6 @@ def _check_resumed_frozen_part(path: str, reference: dict) -> None:
     problem = frozen.frozen_problem(reference, recorded, where=f"the checkpoint {path}")
     if problem:
         raise ValueError(f"{problem}; resume with the same model factory and pretrained files")
-
-
-def _load_result(model, model_state: dict) -> None:
-    """The trained state from rank 0: trainable parameters and changed buffers; the frozen part is the driver's."""
-    problem = frozen.load_problem(frozen.model_layout(model), list(model_state))
-    if problem:
-        raise TrainingError(f"the job's result cannot be loaded: {problem}")
-    model.load_state_dict(model_state, strict=False)
 
 
 def resume_pins(options: FitOptions, port: int, run_dir: str, metrics_path: str) -> list:
@@ -379,35 +381,6 @@ def _banner(address, initial, kind, max_devices, options, secret_note, cores=0) 
         f"{growth}{how}; {secret_note}",
         flush=True,
     )
-
-
-class _SecondSigterm(BaseException):
-    """A second SIGTERM to the driver: stop the workers now, as Ctrl-C does (not an Exception: nothing
-    of the user's may swallow it)."""
-
-
-@contextlib.contextmanager
-def _finish_on_sigterm(coordinator, terminated: threading.Event):
-    """SIGTERM to the driver: the devices stop after the step in flight (final checkpoint).
-
-    A second SIGTERM stops at once, as Ctrl-C does. Signal handlers can only
-    be set in the main thread; elsewhere SIGTERM keeps its default.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_sigterm(signum, frame):
-        if terminated.is_set():
-            raise _SecondSigterm()
-        terminated.set()
-        coordinator.request_finish("the driver got SIGTERM", note=False)
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _publish_job(store, payload: bytes, settings: RunSettings, secret: str, digest: str) -> None:
