@@ -67,15 +67,25 @@ class ExactSync:
         self.views: list = [None] * len(self.dense)
         self.bucket_of: dict = {}
         self.ranges = []  # each bucket's slice of `flat`
+        self.members: list = []  # each bucket's dense indices
         offset = 0
         for number, bucket in enumerate(buckets):
             start = offset
+            self.members.append([self.index_of[id(parameter)] for parameter in bucket])
             for parameter in bucket:
                 index = self.index_of[id(parameter)]
                 self.views[index] = self.flat[offset : offset + parameter.numel()].view(parameter.shape)
                 self.bucket_of[id(parameter)] = number
                 offset += parameter.numel()
             self.ranges.append((start, offset, len(bucket)))
+        # Each VW's conversion runs in these (sized for the largest dense gradient) instead of
+        # allocating two temporaries per gradient: fresh pages cost as much as the conversion.
+        largest = max((p.numel() for p in self.dense), default=0)
+        self.float_scratch = torch.empty(largest, dtype=torch.float32, device=device)
+        self.int_scratch = torch.empty(largest, dtype=torch.int64, device=device)
+        # A view of `flat` is written (not added to) by its first contribution of a step, which
+        # saves zeroing `flat` and one int64 read per element; `_zero_unwritten` fills the rest.
+        self.written = [False] * len(self.dense)
         self.ready = [0] * len(self.ranges)
         self.works: list = []
         self.armed = False
@@ -94,7 +104,7 @@ class ExactSync:
             self.working = list(self.committed)
             self.redone = 0
         self.pending = None
-        self.flat.zero_()
+        self.written = [False] * len(self.dense)
         self.sparse_parts = [[] for _ in self.sparse]
         self.maxima = [0.0] * self.tensors
         self.nonfinite = False
@@ -126,6 +136,7 @@ class ExactSync:
             self._launch(self.next_launch)
 
     def _launch(self, number: int) -> None:
+        self._zero_unwritten(self.members[number])
         start, stop, _ = self.ranges[number]
         part = self.flat[start:stop]
         self.works.append(collective(lambda: dist.all_reduce(part, async_op=True)))
@@ -143,11 +154,32 @@ class ExactSync:
         if exponent is None or not exact_sum.fits(amax, exponent, self.virtual_workers):
             return  # zero, or the step is redone (every device learns so from the maxima)
         if index < len(self.dense):
-            exact_sum.add_fixed(self.views[index], grad, exponent)
+            self._add_dense(index, grad, exponent)
         else:
             fixed = exact_sum.to_fixed(grad._values(), exponent)
             part = torch.sparse_coo_tensor(grad._indices(), fixed, tuple(grad.shape), is_coalesced=True)
             self.sparse_parts[index - len(self.dense)].append(part)
+
+    def _add_dense(self, index: int, grad: torch.Tensor, exponent: int) -> None:
+        """views[index] (+)= round(grad * 2**exponent): the first contribution of a step writes."""
+        view = self.views[index]
+        numel = view.numel()
+        scratch = self.float_scratch[:numel].view(view.shape) if grad.dtype == torch.float32 else None
+        fixed = exact_sum.rounded(grad, exponent, scratch)  # integers held in float: exact
+        if not self.written[index]:
+            view.copy_(fixed)  # float -> int64: exact for integer values
+            self.written[index] = True
+            return
+        integers = self.int_scratch[:numel].view(view.shape)
+        integers.copy_(fixed)
+        view.add_(integers)
+
+    def _zero_unwritten(self, indices) -> None:
+        """The views no contribution wrote this step (no gradient, or zero, or not fitting) hold zero."""
+        for index in indices:
+            if not self.written[index]:
+                self.views[index].zero_()
+                self.written[index] = True
 
     def add_virtual_worker(self) -> None:
         """After a VW's backward: what the hooks did not take (sparse gradients) into the sum; `.grad` cleared."""
@@ -170,6 +202,7 @@ class ExactSync:
         self.armed = False
         self.local_sparse = [self._local_sparse(index) for index in range(len(self.sparse))]
         if world == 1:
+            self._zero_unwritten(range(len(self.dense)))
             if before_launch is not None:
                 before_launch()
             return stats.to("cpu", torch.float64)

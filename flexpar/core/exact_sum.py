@@ -121,6 +121,22 @@ def _scaled(tensor: torch.Tensor, exponent: int) -> torch.Tensor:
     return torch.ldexp(tensor.to(torch.float64), torch.tensor(float(exponent), dtype=torch.float64))
 
 
+def rounded(gradient: torch.Tensor, exponent: int, scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`round(gradient * 2**exponent)` (half to even) as a float tensor whose values are integers.
+
+    Exact: the scaling is by a power of two, and the rounded value keeps at
+    most the gradient's own significant bits, so it is the integer itself.
+    With `scratch` (float32, the gradient's shape) a float32 gradient is
+    scaled into it, saving an allocation per VW; the caller converts to
+    int64 (`Tensor.copy_` into an int64 tensor converts exactly).
+    """
+    if gradient.dtype == torch.float32 and exponent in SAFE_EXPONENTS:
+        if scratch is None:
+            return (gradient * math.ldexp(1.0, exponent)).round_()
+        return torch.mul(gradient, math.ldexp(1.0, exponent), out=scratch).round_()
+    return _scaled(gradient, exponent).round_()
+
+
 def to_fixed(gradient: torch.Tensor, exponent: Optional[int]) -> torch.Tensor:
     """`round(gradient * 2**exponent)` as int64 (half to even); the scaling is exact.
 
@@ -128,8 +144,7 @@ def to_fixed(gradient: torch.Tensor, exponent: Optional[int]) -> torch.Tensor:
     """
     if exponent is None:
         return torch.zeros(gradient.shape, dtype=torch.int64, device=gradient.device)
-    scaled = _scaled(gradient, exponent)
-    return scaled.round_().to(torch.int64)
+    return rounded(gradient, exponent).to(torch.int64)
 
 
 def add_fixed(accumulator: torch.Tensor, gradient: torch.Tensor, exponent: Optional[int]) -> None:
