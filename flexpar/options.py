@@ -92,11 +92,12 @@ FAULT_PHASES = (
     "checkpoint",
     "eval",
     "record",
+    "stream",
 ) + START_PHASES
 # The driver's own: it dies as the record of the step arrives, before it writes it (the devices committed
 # the step, their rank 0 sent its record, nobody wrote it).
 DRIVER_ONLY_PHASES = ("record",)
-FAULT_SIGNALS = tuple(SIGNALS)
+FAULT_SIGNALS = tuple(SIGNALS) + ("tamper",)
 
 
 @dataclass(frozen=True)
@@ -109,8 +110,10 @@ class Fault:
     to a joiner, or hands a sharded job's state over), formation (as a
     new generation's group forms; `step` is the device's committed step),
     checkpoint (as rank 0 writes a checkpoint), eval (in the evaluation after `step`
-    committed steps, before its all-reduce). Signals: kill (kill -9: a
-    crash), term (SIGTERM: a preemption notice) and stop (SIGSTOP: a hung peer).
+    committed steps, before its all-reduce), stream (a streamed join: as this
+    device posts its slice of the state after step `step`'s update). Signals: kill (kill -9: a
+    crash), term (SIGTERM: a preemption notice) and stop (SIGSTOP: a hung peer);
+    tamper (phase stream only: the device sends a slice with one value changed).
     `device` "driver" (kill only): the device that is rank 0 there (the sender,
     for transfer) kills the job's driver with kill -9, as an OOM killer would.
     """
@@ -140,6 +143,8 @@ def _fault_entry(part: str) -> Fault:
         )
     if pieces[1] == "driver" and pieces[3:] not in ([], ["kill"]):
         raise ValueError(f"fault {part!r}: the driver can only be killed (STEP:driver:PHASE)")
+    if pieces[3:] == ["tamper"] and pieces[2] != "stream":
+        raise ValueError(f"fault {part!r}: tamper is a fault of the stream phase only (STEP:DEVICE:stream:tamper)")
     if pieces[1] != "driver" and pieces[2] in DRIVER_ONLY_PHASES:
         raise ValueError(f"fault {part!r}: {pieces[2]} is a phase of the driver only (STEP:driver:{pieces[2]})")
     return Fault(int(pieces[0]), pieces[1], pieces[2], *pieces[3:])
@@ -183,6 +188,9 @@ class FitOptions:
     keep_checkpoints: Optional[int] = None  # keep only the newest K checkpoints
     checkpoint_frozen: bool = False  # checkpoints hold the frozen weights too (default: trainable state + digests)
     driver_grace_s: float = 60.0  # devices that lost the driver wait this long for a restarted one (0: exit)
+    # A joiner listens while the state streams to it (flexpar/worker/streaming.py): each sender's MB per step
+    # (None: a share of the step time at the link's rate; 0: no streaming, the blocking transfer).
+    join_stream_mb: Optional[float] = None
 
     def __post_init__(self):
         object.__setattr__(self, "schedule", parse_schedule(self.schedule))
@@ -200,6 +208,11 @@ class FitOptions:
         _positive("log_every", self.log_every)
         _positive("eval_every", self.eval_every)
         _positive("keep_checkpoints", self.keep_checkpoints)
+        if self.join_stream_mb is not None and not self.join_stream_mb >= 0:
+            raise ValueError(
+                f"join_stream_mb={self.join_stream_mb} must be >= 0 (MB a sender streams to a joiner per step; "
+                "0: joins with a blocking transfer)"
+            )
         if self.devices is not None and self.max_devices is not None and self.devices > self.max_devices:
             raise ValueError(_more_than_max_devices(self.devices, self.max_devices))
         if self.keep_checkpoints is not None and self.checkpoint_dir is None:

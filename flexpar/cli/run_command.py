@@ -78,6 +78,12 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--keep-checkpoints", type=int, help="keep only the newest K checkpoints")
     parser.add_argument(
+        "--join-stream-mb",
+        type=float,
+        help="MB each member streams to a joiner per step while it listens (default: a share of the step "
+        "time at the link's rate; 0: joins with a blocking transfer)",
+    )
+    parser.add_argument(
         "--checkpoint-frozen",
         action="store_true",
         default=None,
@@ -119,6 +125,7 @@ _RUN_FIELDS = (
     "keep_checkpoints",
     "checkpoint_frozen",
     "driver_grace_s",
+    "join_stream_mb",
 )
 
 

@@ -67,7 +67,7 @@ class Stock:
     time (wall clock) among members that hold a committed step.
     `differing`: before the first step, the members at step 0 whose trainable
     values differ from the source's (flexpar/core/factory_checks.py): they get
-    the source's model too.
+    the source's model too. `joiners`: the ranks that hold no committed step.
     """
 
     source: int
@@ -75,6 +75,7 @@ class Stock:
     latest_step: int
     last_commit_wall: float
     differing: tuple = ()
+    joiners: tuple = ()  # the ranks that hold no committed state (-1): joiners
 
 
 def take_stock(
@@ -141,6 +142,7 @@ def stock_of(slots: list, own_wall: float) -> Stock:
             for r, digest in enumerate(digests)
             if latest == 0 and digest and r not in receivers and digest != digests[source]
         ),
+        joiners=tuple(r for r, step in enumerate(steps) if step < 0),
     )
 
 

@@ -189,6 +189,7 @@ def _run_settings(
         driver_grace_s=options.driver_grace_s,
         driver_pid=os.getpid(),
         address=address,
+        join_stream_mb=options.join_stream_mb,
     )
 
 

@@ -73,8 +73,9 @@ class Boundaries:
         def peer_lost():
             return self.link.lost_among(generation, group)
 
+        abandoned = self._abandon_stream()  # a stream in flight ends here (flexpar/worker/streaming.py)
         with fresh_group(
-            self.reaper.retire(self.sync.release_works()),
+            self.reaper.retire(self.sync.release_works() + abandoned),
             self.settings.backend,
             dist.PrefixStore(f"gen/{generation}/{'handoff' if departing else 'pg'}", self.link.store),
             rank,
@@ -93,7 +94,7 @@ class Boundaries:
             if self.shards is not None:
                 sent = self._level_sharded(stock, rank, group, len(members), record, peer_lost)
             else:
-                sent = self._level(stock, rank, len(members)) if stock.receivers else 0.0
+                sent = self._level_members(stock, rank, len(members))
             if stock.differing:
                 sent += self._align_start(stock, rank, group, peer_lost)
             self.boundary_bytes = int(sent)  # the state this boundary sent, all senders (the event's)
@@ -155,6 +156,19 @@ class Boundaries:
             except DriverLost:  # a warning is not worth a failure: a restarted driver re-adopts a level set
                 pass
         return total
+
+    def _level_members(self, stock: training_state.Stock, rank: int, world_size: int) -> float:
+        """Bring the members level: joiners listen while the state streams where that applies, else
+        the whole state is sent now (the join event says which, and why)."""
+        self.stream_note = ""
+        if not stock.receivers:
+            return 0.0
+        refusal = self._stream_refusal(stock, world_size)
+        if refusal is None:
+            return self._level_streamed(stock, rank, world_size)
+        if refusal != "not a join":
+            self.stream_note = f"blocking transfer: {refusal}"
+        return self._level(stock, rank, world_size)
 
     def _level(self, stock: training_state.Stock, rank: int, world_size: int) -> float:
         """Send the latest state from the source to the members behind it; returns the bytes sent."""

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from flexpar import recipes
 from flexpar.comm.collectives import PeerFailure, collective, wait_for_collective
-from flexpar.core import balance, evaluation
+from flexpar.core import evaluation
 from flexpar.errors import UserCodeError
 from flexpar.worker.device_link import DriverLost
 from flexpar.worker.loader import load_batch, to_device
@@ -145,8 +145,12 @@ class WorkerEvaluation:
         step = self.committed
         started = time.perf_counter()
         keys = tuple(self.settings.eval_keys)
-        shares = balance.next_assignment(self.balance_state, self.members, self.job.virtual_workers)
-        samples = evaluation.sample_ranges(len(self.job.eval_dataset), shares, self.job.eval_batch_size)[self.rank]
+        # The split of the step's VWs, among the contributors: a joiner still listening evaluates nothing.
+        shares = [share for share in self._step_assignment() if share > 0]
+        ranges = evaluation.sample_ranges(len(self.job.eval_dataset), shares, self.job.eval_batch_size)
+        contributors = self._contributors()
+        mine = self.members[self.rank]
+        samples = ranges[contributors.index(mine)] if mine in contributors else range(0)
         sums = evaluate_samples(self.job, self.model, samples, keys, self.device)
         vector = torch.tensor(evaluation.metric_vector(sums, keys), dtype=torch.float64, device=self.device)
         self._fault_point("eval", step)  # tests: a death here breaks the all-reduce below

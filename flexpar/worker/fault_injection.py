@@ -33,8 +33,8 @@ GROUP_SIGNALS = ("term-group",)
 START_PHASES = ("launch", "launched", "announce", "warmup", "ready", "admitted")
 
 # Boundary phases happen at some steps only: their faults fire at the first
-# such phase at or after their step.
-BOUNDARY_PHASES = ("transfer", "formation", "checkpoint")
+# such phase at or after their step (stream: a streamed join's rounds, flexpar/worker/streaming.py).
+BOUNDARY_PHASES = ("transfer", "formation", "checkpoint", "stream")
 
 
 def faults_of(device_id: str, faults) -> dict:
@@ -87,7 +87,8 @@ class FaultInjection:
         Each fault fires once: a step redone after a failure does not fire it again.
         """
         for key in _due(self.faults, phase, step):
-            _send(self.faults.pop(key), self.args.device_id, step, phase)
+            if self.faults[key] != "tamper":  # a streamed join's test fault, not a signal (streaming.py)
+                _send(self.faults.pop(key), self.args.device_id, step, phase)
         # The driver's: the rank 0 of the generation it trains in fires them (at a transfer: the sender).
         if self.driver_faults and (self.members[:1] == (self.args.device_id,) or phase == "transfer"):
             self._kill_driver_if_due(phase, step)

@@ -83,6 +83,7 @@ from flexpar.worker.shard_levelling import ShardLevelling
 from flexpar.worker.shards import ShardedOptimizer, sharding_by
 from flexpar.worker.state_keeping import WorkerCheckpoints
 from flexpar.worker.step_loop import StepLoop, StopEarly
+from flexpar.worker.streaming import Streaming
 from flexpar.worker.user_code import build_model, build_optimizer, loss_terms, model_digest
 
 
@@ -118,6 +119,7 @@ class Worker(
     WorkerEvaluation,
     WorkerRecords,
     WorkerOrphan,
+    Streaming,
 ):
     """One device's training: its lifecycle (`Phase`), the step loop, the boundaries between generations.
 

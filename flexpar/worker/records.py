@@ -96,7 +96,8 @@ class WorkerRecords:
                     + (")" if device in warmups else "")
                     for device in joined
                 ]
-            self._publish_event(kind, "joined: " + ", ".join(joined), 0.0 if kind == "start" else stall, sent)
+            note = f"; {self.stream_note}" if kind == "join" and self.stream_note else ""
+            self._publish_event(kind, "joined: " + ", ".join(joined) + note, 0.0 if kind == "start" else stall, sent)
 
     def _publish_adoption(self, record: dict, stall: float) -> None:
         """The `adopt` event (flexpar.observe.metrics): how long the job had no driver and what it lost."""

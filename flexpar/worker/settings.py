@@ -65,3 +65,4 @@ class RunSettings:
     driver_grace_s: float = 60.0  # after losing the driver, how long to wait for a restarted one
     driver_pid: int = 0  # the driver's process (tests' and the soak's driver faults: STEP:driver:PHASE)
     address: str = ""  # where the job listens (HOST:PORT, as the devices reach it)
+    join_stream_mb: Optional[float] = None  # FitOptions.join_stream_mb (flexpar/worker/streaming.py)

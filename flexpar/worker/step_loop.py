@@ -64,12 +64,12 @@ class StepLoop(Determinism):
                 sets = self.cost_planner.assignment(self.committed, self.members)
                 assignment, mine = tuple(len(members) for members in sets), sets[self.rank]
             else:
-                assignment = balance.next_assignment(self.balance_state, self.members, self.job.virtual_workers)
+                assignment = self._step_assignment()
                 if (
                     self.rank == 0
-                    and self.assignment
+                    and len(self.assignment) == len(assignment)
                     and assignment != self.assignment
-                    and tuple(self.balance_state.device_ids) == self.members
+                    and tuple(self.balance_state.device_ids) == self._contributors()
                 ):
                     self._publish_event("rebalance", f"{list(self.assignment)} -> {list(assignment)}", 0.0)
                 mine = batching.virtual_workers_of(assignment, self.rank)
@@ -111,9 +111,16 @@ class StepLoop(Determinism):
                 return StopEarly()
             if upcoming is not None:
                 return upcoming
+            if self.stream is not None and self.committed < self.settings.total_steps:
+                self._stream_round(step)  # a streamed join's next slice (flexpar/worker/streaming.py)
         if self._evaluation_due():  # after the last step
             self.evaluate(ask_driver=False)
         return None
+
+    def _step_assignment(self) -> tuple:
+        """This step's VWs per member: the balancer's split among the contributors, listeners at 0."""
+        contributors = self._contributors()
+        return self._with_listeners(balance.next_assignment(self.balance_state, contributors, self.job.virtual_workers))
 
     def _commit_step(self, step: int, summed: torch.Tensor, assignment: tuple, sets) -> str:
         """Apply step `step` from its summed gradient (in `.grad`) and statistics, and commit it.
@@ -132,14 +139,15 @@ class StepLoop(Determinism):
         loss = float(summed[slots.loss])
         if round(float(summed[slots.pairs])):
             loss /= float(summed[slots.count])  # the token mean of the whole global batch
-        if world > 1:
-            self._set_buffers(summed[slots.buffers] / world)
+        if world > 1:  # the contributors' mean (a listening joiner adds zeros)
+            self._set_buffers(summed[slots.buffers] / len(self._contributors()))
         grad_norm, skip = self._verdict_on_gradient(summed, slots, step)
         if not skip:
             if self.shards is not None:  # the chunks this device holds; the others arrive by broadcast
                 self.shards.step()
                 self.parameters_complete = self.shard_partition.everyone_holds_everything
             else:
+                self._wait_stream_sends()  # the last slices sent from these values have left
                 self.optimizer.step()
             if self.scheduler is not None:
                 self.scheduler.step()
@@ -147,7 +155,12 @@ class StepLoop(Determinism):
         self._step_in_flight = None
         now = time.time()
         step_time, self.committed_wall = now - self.committed_wall, now
-        self.balance_state = balance.observe(self.balance_state, self.members, assignment, busy)
+        self.balance_state = balance.observe(
+            self.balance_state,
+            self._contributors(),
+            self._without_listeners(assignment),
+            self._without_listeners(busy),
+        )
         record = self._step_record(step, loss, step_time, busy, assignment, grad_norm)
         record["optimizer_bytes"] = [int(round(value)) * 1024 for value in summed[slots.optimizer].tolist()]
         self._keep(record)
@@ -243,7 +256,7 @@ class StepLoop(Determinism):
         # fp16 multiplies either by the loss scale.
         scale = self.scaler.scale if self.scaler is not None else 1.0
         pairs, count, first_kind = 0, 0.0, None
-        last = virtual_workers[-1]
+        last = virtual_workers[-1] if len(virtual_workers) else None  # a listening joiner runs none
         for virtual_worker in virtual_workers:
             started = time.perf_counter()
             batch = _to_device(self.loader.batch(step, virtual_worker), self.device)
@@ -352,7 +365,8 @@ class StepLoop(Determinism):
 
     def _buffer_vector(self) -> torch.Tensor:
         buffers = [buffer.detach().reshape(-1).to("cpu", torch.float64) for buffer in self.model.buffers()]
-        return torch.cat(buffers) if buffers else torch.zeros(0, dtype=torch.float64)
+        vector = torch.cat(buffers) if buffers else torch.zeros(0, dtype=torch.float64)
+        return vector.zero_() if self._listening() else vector  # a listener ran no VW: it adds nothing
 
     def _set_buffers(self, averaged: torch.Tensor) -> None:
         offset = 0

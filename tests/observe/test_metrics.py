@@ -78,7 +78,7 @@ STEP_BREAKAGES = [
     ("no devices", lambda r: r.update(devices=[], assignment=[], busy_s=[]), "'devices'"),
     ("integer device id", lambda r: r["devices"].__setitem__(0, 3), "'devices[0]'"),
     ("repeated device", lambda r: r["devices"].__setitem__(1, r["devices"][0]), "'devices'"),
-    ("zero VWs", lambda r: r["assignment"].__setitem__(0, 0), "'assignment[0]'"),
+    ("negative VWs", lambda r: r["assignment"].__setitem__(0, -1), "'assignment[0]'"),
     ("float VWs", lambda r: r["assignment"].__setitem__(1, 2.0), "'assignment[1]'"),
     ("short busy", lambda r: r["busy_s"].pop(), "'busy_s'"),
     ("short assignment", lambda r: r["assignment"].pop(), "'assignment'"),

@@ -1,0 +1,229 @@
+"""The plan of a streamed join: which part of the training state travels in which slice, from whom, when.
+
+A streamed join (issue 37; the plan only, not wired into the step loop yet:
+docs/internals.md "Streamed joins") lets the joiner listen to the members'
+steps while the members send it the training state a slice per step: the
+running devices never stop for the whole transfer. This module decides the
+slices; it is pure (no processes, no clocks), so every member computes the
+same plan from the same inputs, and a plan can be re-made from the survivors
+when a sender fails.
+
+- What may stream (`refusal`): an optimizer whose update of a parameter reads
+  only that parameter's gradient and state, plus global scalars (the step
+  count, the clipping factor, the learning rate). A slice then holds whole
+  parameters with their optimizer state; element ranges of a parameter only
+  for element-wise optimizers (each element's update reads only that
+  element's gradient and state). Anything else (LBFGS, or an optimizer
+  flexpar does not know) joins with today's blocking transfer, and the join
+  event says why.
+- The small state (scheduler, step counters, loss scale, RNG, buffers that
+  change) is not planned here: it travels at the join boundary, before any
+  slice.
+- Slices (`plan`): each round (one step's gap between an update and the next
+  step) gives every sender at most `sender_bytes`; the tensors go in model
+  order, cut into element ranges no larger than `sender_bytes` where that is
+  allowed, each piece to the sender with the fewest bytes so far in the round
+  (striped). A piece that may not be cut and is larger than `sender_bytes`
+  travels alone in a round of its own sender (`Plan.oversize` names it).
+- A sender lost (`replan`): the pieces not yet delivered are planned again
+  among the survivors; delivered pieces stay delivered, because the
+  listener's own updates keep them current.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Optional, Sequence
+
+ELEMENTWISE = frozenset(
+    {"SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop"}
+    | {"SparseAdam"}
+)
+"""torch.optim classes whose update of each element reads only that element's gradient and state (and
+global scalars): any element range of a parameter may travel on its own."""
+
+PER_PARAMETER = ELEMENTWISE | frozenset({"Adafactor", "Muon"})
+"""torch.optim classes whose update of a parameter reads only that parameter (Adafactor's row and column
+factors, Muon's orthogonalised matrix): whole parameters may travel on their own, ranges may not."""
+
+
+def refusal(optimizer_classes: Iterable[str]) -> Optional[str]:
+    """None if a job with these optimizer classes (their names) may stream a join; else the reason.
+
+    A class that is not in `PER_PARAMETER` (LBFGS reads every parameter in its
+    line search; a user's own class may do anything) makes the join blocking.
+    """
+    unknown = sorted({name for name in optimizer_classes if name not in PER_PARAMETER})
+    if not unknown:
+        return None
+    return (
+        f"the optimizer {', '.join(unknown)} is not known to update each parameter from its own gradient and "
+        "state alone, so the state is sent at the boundary (a blocking transfer)"
+    )
+
+
+def elementwise(optimizer_classes: Iterable[str]) -> bool:
+    """Whether every class is element-wise, so that a parameter may travel in element ranges."""
+    return all(name in ELEMENTWISE for name in optimizer_classes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One trainable parameter as the plan sees it: its name, elements, and bytes per element.
+
+    `bytes_per_element`: the parameter's own bytes plus its optimizer state's
+    per element (AdamW on float32: 4 + 4 + 4 = 12).
+    """
+
+    name: str
+    elements: int
+    bytes_per_element: int
+
+    def __post_init__(self):
+        if self.elements < 0 or self.bytes_per_element < 1:
+            raise ValueError(f"{self.name}: elements={self.elements}, bytes_per_element={self.bytes_per_element}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Elements [start, stop) of tensor `name` (with their optimizer state), `size` bytes."""
+
+    name: str
+    start: int
+    stop: int
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """What `sender` sends in round `round` (after that many updates since the join): `pieces`, in order."""
+
+    round: int
+    sender: str
+    pieces: tuple
+
+    @property
+    def size(self) -> int:
+        return sum(piece.size for piece in self.pieces)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Every slice of a stream, by round then sender; `oversize`: pieces over `sender_bytes` (not cuttable)."""
+
+    slices: tuple
+    sender_bytes: int
+    oversize: tuple = ()
+
+    @property
+    def rounds(self) -> int:
+        return 1 + max((piece.round for piece in self.slices), default=-1)
+
+    @property
+    def size(self) -> int:
+        return sum(piece.size for piece in self.slices)
+
+    def delivered_share(self, rounds_done: int) -> float:
+        """The share of the bytes delivered once `rounds_done` rounds landed (the display's "joining 45%")."""
+        if not self.slices:
+            return 1.0
+        done = sum(piece.size for piece in self.slices if piece.round < rounds_done)
+        return done / self.size
+
+
+def sender_bytes(link_bytes_per_s: float, step_s: float, share: float, cap: Optional[int] = None) -> int:
+    """Bytes a sender may send per step so that its step slows by about `share` of a step.
+
+    Sending `b` bytes over a link of `link_bytes_per_s` costs the sender about
+    `b / link_bytes_per_s` seconds; `share` of a step of `step_s` seconds
+    allows `share * step_s * link_bytes_per_s`. `cap` (the user's bytes per
+    step) bounds it; at least 1 byte, so a stream always ends.
+    """
+    if link_bytes_per_s <= 0 or step_s <= 0 or not 0 < share <= 1:
+        raise ValueError(
+            f"link {link_bytes_per_s} B/s, step {step_s} s, share {share}: each must be positive, the share <= 1"
+        )
+    allowed = int(share * step_s * link_bytes_per_s)
+    if cap is not None:
+        allowed = min(allowed, cap)
+    return max(1, allowed)
+
+
+def pieces_of(tensors: Sequence[Tensor], limit: int, cuttable: bool) -> list:
+    """The tensors in order as pieces of at most `limit` bytes (cut into element ranges where `cuttable`)."""
+    pieces = []
+    for tensor in tensors:
+        if tensor.elements == 0:
+            continue
+        step = max(1, limit // tensor.bytes_per_element) if cuttable else tensor.elements
+        for start in range(0, tensor.elements, step):
+            stop = min(tensor.elements, start + step)
+            pieces.append(Piece(tensor.name, start, stop, (stop - start) * tensor.bytes_per_element))
+    return pieces
+
+
+def plan(tensors: Sequence[Tensor], senders: Sequence[str], sender_bytes: int, cuttable: bool) -> Plan:
+    """The slices that bring a listener all of `tensors` from `senders`, `sender_bytes` per sender per round."""
+    if not senders:
+        raise ValueError("a stream needs at least one sender")
+    if sender_bytes < 1:
+        raise ValueError(f"sender_bytes={sender_bytes} must be >= 1")
+    return _pack(pieces_of(tensors, sender_bytes, cuttable), tuple(senders), sender_bytes, first_round=0)
+
+
+def replan(previous: Plan, rounds_done: int, survivors: Sequence[str]) -> Plan:
+    """The rest of `previous` after `rounds_done` rounds landed, among `survivors`, from round `rounds_done`.
+
+    Delivered slices stay in the plan as they were; the undelivered pieces
+    (of every sender, lost or not) are packed again, in their order.
+    """
+    if not survivors:
+        raise ValueError("no sender is left to stream from: the join falls back to the blocking transfer")
+    kept = tuple(piece for piece in previous.slices if piece.round < rounds_done)
+    rest = [item for piece in previous.slices if piece.round >= rounds_done for item in piece.pieces]
+    rest.sort(key=_model_order(previous))
+    packed = _pack(rest, tuple(survivors), previous.sender_bytes, first_round=rounds_done)
+    return Plan(kept + packed.slices, previous.sender_bytes, previous.oversize)
+
+
+def _model_order(previous: Plan):
+    """Pieces sort back into the order the plan first had them (tensor order, then element order)."""
+    rank = {}
+    for piece in previous.slices:
+        for item in piece.pieces:
+            rank.setdefault(item.name, len(rank))
+    return lambda item: (rank[item.name], item.start)
+
+
+def _pack(pieces: Sequence[Piece], senders: tuple, sender_bytes: int, first_round: int) -> Plan:
+    """Rounds of one bin per sender (capacity `sender_bytes`); each piece to the emptiest bin it fits.
+
+    Pieces keep their order: a piece that fits no bin of the round closes the
+    round. A piece larger than a bin alone opens a bin of its own (oversize).
+    """
+    slices, oversize = [], []
+    round_number = first_round
+    bins = {sender: [] for sender in senders}
+    filled = {sender: 0 for sender in senders}
+
+    def close():
+        nonlocal bins, filled, round_number
+        for sender in senders:
+            if bins[sender]:
+                slices.append(Slice(round_number, sender, tuple(bins[sender])))
+        round_number += 1
+        bins = {sender: [] for sender in senders}
+        filled = {sender: 0 for sender in senders}
+
+    for piece in pieces:
+        if piece.size > sender_bytes:
+            oversize.append(piece)
+        target = min(senders, key=lambda sender: (filled[sender], senders.index(sender)))
+        if filled[target] and filled[target] + piece.size > sender_bytes:
+            close()
+            target = senders[0]
+        bins[target].append(piece)
+        filled[target] += piece.size
+    if any(bins.values()):
+        close()
+    return Plan(tuple(slices), sender_bytes, tuple(oversize))

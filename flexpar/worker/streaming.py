@@ -1,0 +1,347 @@
+"""Streamed joins: a joiner listens to the members' steps while the training state streams to it.
+
+Part of `flexpar.worker.lifecycle.Worker` (its attributes are the worker's
+own). At a join boundary where streaming applies (`_stream_refusal` says
+when it does not), the source sends the joiners only the small state (the
+scheduler, step counters, loss scale, balancer, records, buffers, the
+optimizer's per-parameter scalars, and the shapes of what streams), and every
+member computes the same plan (flexpar/core/stream_plan.py): whole trainable
+parameters with their optimizer state, or element ranges of them for
+element-wise optimizers, a slice per sender per step. Then, step by step:
+
+- the joiner *listens*: it has no VWs (the balancer splits the batch among the
+  others; its gradient buckets are zeros) and applies each step's summed
+  gradient with the same optimizer, scheduler, clipping and loss scale as the
+  members, to the state it holds;
+- after each update the senders post their slice of the state as it is at
+  that moment (`dist.batch_isend_irecv`, the parameters' own memory: no
+  copy) and go on with the next step; they wait for those sends only before
+  their next optimizer update, which is the next change of those values. The
+  joiner waits for its slices before the next step, so its own updates keep
+  every received value current: no gradient history, no replay.
+- after the last slice every device checks the joiner's copy of each tensor
+  against its sender's (`_check_stream`: a mismatch stops the job naming the
+  tensor), rank 0 publishes a `stream` event, and from the next step on the
+  joiner takes VWs like any member.
+
+A new generation while a stream runs (a failure, a leave, another join)
+drops it: the joiner holds no committed state of its own (`committed = -1`
+at the next boundary), so that boundary brings it level as any joiner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from flexpar.comm import state_transfer as training_state
+from flexpar.comm.collectives import collective, wait_for_transfers
+from flexpar.comm.exact_sync import parameter_checksums
+from flexpar.core import balance, stream_plan
+from flexpar.errors import TrainingError
+
+STREAM_SHARE = 0.1
+"""A sender's step may take about this share of a step longer while it streams."""
+
+LINK_BYTES_PER_S = {"gloo": 1.0e9, "nccl": 1.0e10}
+"""What a sender's link is taken to carry (bytes/s): gloo over TCP, NCCL within a node."""
+
+DEFAULT_SENDER_BYTES = 64 << 20
+"""A sender's bytes per step while no step time is measured yet."""
+
+
+class StreamMismatch(TrainingError):
+    """After a streamed join, the joiner's copy of a tensor differs from its sender's."""
+
+
+@dataclasses.dataclass
+class Stream:
+    """A stream in flight in this generation (the same on every member but `works`)."""
+
+    plan: stream_plan.Plan
+    listeners: tuple  # ranks
+    tensors: dict  # the plan's tensor name -> the parameter
+    started_step: int
+    started_wall: float
+    step_before_s: float  # the members' median step time before the join
+    rounds_done: int = 0
+    step_times: list = dataclasses.field(default_factory=list)
+
+
+class Streaming:
+    """The streamed join's part of the worker (see the module docstring)."""
+
+    stream: Optional[Stream] = None
+    stream_sends: list = []  # a sender's sends in flight, waited for before its next optimizer update
+    stream_note: str = ""  # what the join event says of the stream (or why the join was blocking)
+
+    # ------------------------------------------------------------ the boundary
+
+    def _stream_refusal(self, stock, world: int) -> Optional[str]:
+        """None if this boundary's receivers may listen while the state streams; else why not.
+
+        A function of what every member holds alike (the stock, the job, the
+        model), so every member decides the same.
+        """
+        if not stock.receivers or set(stock.receivers) != set(stock.joiners):
+            return "not a join"
+        if self.settings.join_stream_mb == 0:
+            return "join_stream_mb=0"
+        if self.shards is not None:
+            return "sharded optimizer state joins with a blocking transfer"
+        if self.cost_planner is not None:
+            return "sample_cost= plans every device's VWs ahead: it joins with a blocking transfer"
+        if 0 in stock.receivers:
+            return "the joiner would be rank 0"
+        if stock.latest_step >= self.settings.total_steps:
+            return "the job is at its last step"
+        refusal = stream_plan.refusal([type(self.optimizer).__name__])
+        if refusal:
+            return refusal
+        for name, parameter in self._streamed_parameters().items():
+            if not all(tensor.is_contiguous() for tensor in self._travelling(parameter)):
+                return f"parameter {name!r} or its optimizer state is not contiguous in memory"
+        return None
+
+    def _level_streamed(self, stock, rank: int, world: int) -> float:
+        """The small state from the source to the joiners, and the plan; returns the bytes sent."""
+        sent = 0
+        if rank == stock.source:
+            small = self._small_state()
+            sent = collective(
+                lambda: training_state.send_state(small, stock.receivers, self.device, after_size=self._transfer_fault)
+            )
+        elif rank in stock.receivers:
+            self._restore_small(collective(lambda: training_state.receive_state(stock.source, self.device)))
+        self._begin_stream(stock, rank, world)
+        return collective(lambda: training_state.all_level(world, self.device, sent))
+
+    def _small_state(self) -> dict:
+        """The training state without what streams: trainable parameters and their optimizer tensors."""
+        state = self._capture()
+        streamed = set(self._streamed_parameters())
+        state["model"] = {name: value for name, value in state["model"].items() if name not in streamed}
+        optimizer = state["optimizer"]
+        shapes, kept = {}, {}
+        for index, entry in optimizer["state"].items():
+            kept[index] = {}
+            for key, value in entry.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    shapes[f"{index}/{key}"] = list(value.shape)
+                    value = torch.empty(0, dtype=value.dtype)  # streams; its shape and dtype travel
+                kept[index][key] = value
+        state["optimizer"] = {"state": kept, "param_groups": optimizer["param_groups"]}
+        state["stream_shapes"] = shapes
+        return state
+
+    def _restore_small(self, state: dict) -> None:
+        """A joiner takes the small state; what streams gets memory of its shape (filled by the stream)."""
+        self.model.load_state_dict(state["model"], strict=False)  # buffers and untrained extras only
+        shapes = state["stream_shapes"]
+        for index, entry in state["optimizer"]["state"].items():
+            for key, value in entry.items():
+                shape = shapes.get(f"{index}/{key}")
+                if shape is not None:  # not touched until its slice lands: no page is written twice
+                    entry[key] = torch.empty(shape, dtype=value.dtype, device=self.device)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self._restore_extra(state)
+
+    def _begin_stream(self, stock, rank: int, world: int) -> None:
+        """Every member: the plan of the stream (the same everywhere, from the same inputs)."""
+        parameters = self._streamed_parameters()
+        classes = [type(self.optimizer).__name__]
+        cuttable = stream_plan.elementwise(classes) and all(
+            all(tensor.numel() == parameter.numel() for tensor in self._travelling(parameter))
+            for parameter in parameters.values()
+        )
+        tensors = [
+            stream_plan.Tensor(
+                name,
+                parameter.numel(),
+                -(-sum(t.numel() * t.element_size() for t in self._travelling(parameter)) // max(1, parameter.numel())),
+            )
+            for name, parameter in parameters.items()
+        ]
+        senders = [str(other) for other in range(world) if other not in stock.receivers]
+        plan = stream_plan.plan(tensors, senders, self._sender_bytes(), cuttable)
+        steps = [record for record in self.recent_records if record.get("kind") == "step"][-5:]
+        measured = sorted(float(record["step_time_s"]) for record in steps)
+        self.stream = Stream(
+            plan,
+            tuple(stock.receivers),
+            parameters,
+            stock.latest_step,
+            time.time(),
+            measured[len(measured) // 2] if measured else 0.0,
+        )
+        self.stream_note = (
+            f"streamed to {len(stock.receivers)} listener{'s' if len(stock.receivers) > 1 else ''}: "
+            f"{plan.size} bytes in {plan.rounds} step{'s' if plan.rounds != 1 else ''} from "
+            f"{len(senders)} sender{'s' if len(senders) > 1 else ''}"
+        )
+
+    def _abandon_stream(self) -> list:
+        """A new generation drops the stream in flight: a listener holds no committed state.
+
+        Returns the sends in flight (their works keep the old group alive until it is retired).
+        """
+        works, self.stream_sends = self.stream_sends, []
+        if self.stream is not None and self.rank in self.stream.listeners:
+            self.committed = -1
+        self.stream = None
+        return works
+
+    # ------------------------------------------------------------ the step loop
+
+    def _listening(self) -> bool:
+        return self.stream is not None and self.rank in self.stream.listeners
+
+    def _contributors(self) -> tuple:
+        """The members that run VWs this step: all but the listeners."""
+        if self.stream is None:
+            return self.members
+        return tuple(device for rank, device in enumerate(self.members) if rank not in self.stream.listeners)
+
+    def _with_listeners(self, assignment: tuple) -> tuple:
+        """A contributors' assignment in member rank order, listeners at 0 VWs."""
+        if self.stream is None:
+            return tuple(assignment)
+        counts = iter(assignment)
+        return tuple(0 if rank in self.stream.listeners else next(counts) for rank in range(len(self.members)))
+
+    def _without_listeners(self, values) -> list:
+        if self.stream is None:
+            return list(values)
+        return [value for rank, value in enumerate(values) if rank not in self.stream.listeners]
+
+    def _wait_stream_sends(self) -> None:
+        """Before an optimizer update: the slices sent after the last one have left this device."""
+        if self.stream_sends:
+            works, self.stream_sends = self.stream_sends, []
+            wait_for_transfers(works, self._peer_lost)
+
+    def _stream_round(self, step: int) -> None:
+        """After step `step`'s update: this round's slices, from each sender to each listener."""
+        stream = self.stream
+        number = stream.rounds_done
+        operations = []
+        # Tests' STEP:DEVICE:stream:tamper: this sender sends one value changed (the check must see it).
+        due = [key for key, name in self.faults.items() if key[1] == "stream" and key[0] <= step and name == "tamper"]
+        tamper = bool(due) and self.faults.pop(due[0]) == "tamper"
+        for piece in (piece for piece in stream.plan.slices if piece.round == number):
+            sender = int(piece.sender)
+            for listener in stream.listeners:
+                if self.rank == sender:
+                    views = self._views(piece)
+                    if tamper:
+                        views[0] = views[0].clone()
+                        views[0].view(-1)[0] += 1.0
+                        tamper = False
+                    operations += [dist.P2POp(dist.isend, view, listener) for view in views]
+                elif self.rank == listener:
+                    operations += [dist.P2POp(dist.irecv, view, sender) for view in self._views(piece)]
+        self._fault_point("stream", step)
+        works = collective(lambda: dist.batch_isend_irecv(operations)) if operations else []
+        if self._listening():
+            wait_for_transfers(works, self._peer_lost)
+        else:
+            self.stream_sends = list(works)
+        stream.rounds_done += 1
+        if self.recent_records:
+            stream.step_times.append(float(self.recent_records[-1].get("step_time_s", 0.0)))
+        if stream.rounds_done == stream.plan.rounds:
+            self._finish_stream(step)
+
+    def _finish_stream(self, step: int) -> None:
+        """Every member: the joiners' copies against their senders' (one all-reduce), then they contribute."""
+        stream = self.stream
+        names = list(stream.tensors)
+        sent_by = {name: set() for name in names}
+        for piece in stream.plan.slices:
+            for item in piece.pieces:
+                sent_by[item.name].add(int(piece.sender))
+        world = len(self.members)
+        rows = torch.zeros(world, len(names), dtype=torch.float64)
+        for index, name in enumerate(names):  # a listener checks all, a sender what it sent
+            if self._listening() or self.rank in sent_by[name]:
+                sums = parameter_checksums(self._travelling(stream.tensors[name]))
+                rows[self.rank, index] = float(sum(sums) % (1 << 52))
+        if world > 1:
+            collective(lambda: dist.all_reduce(rows))
+        for index, name in enumerate(names):
+            for listener in stream.listeners:
+                for sender in sent_by[name]:
+                    if rows[listener, index] != rows[sender, index]:
+                        raise StreamMismatch(
+                            f"streamed join after step {step}: {self.members[listener]}'s copy of {name!r} "
+                            f"(with its optimizer state) differs from {self.members[sender]}'s; the join is "
+                            "not trusted, so the job stops"
+                        )
+        if self.rank == 0:
+            self._publish_stream_event(step)
+        self.stream = None
+
+    def _publish_stream_event(self, step: int) -> None:
+        stream = self.stream
+        seconds = time.time() - stream.started_wall
+        steps = stream.rounds_done
+        during = sorted(stream.step_times)
+        slower = ""
+        if during and stream.step_before_s > 0:
+            median = during[len(during) // 2]
+            slower = f"; the members' median step {median / stream.step_before_s:.2f} x the one before"
+        listeners = ", ".join(self.members[rank] for rank in stream.listeners)
+        self._publish_event(
+            "stream",
+            f"{listeners} holds the training state: {stream.plan.size} bytes streamed over {steps} "
+            f"step{'s' if steps != 1 else ''} ({seconds:.2f} s){slower}",
+            0.0,
+            stream.plan.size * len(stream.listeners),
+        )
+
+    # ------------------------------------------------------------ helpers
+
+    def _streamed_parameters(self) -> dict:
+        """The trainable parameters by state_dict name, in model order (what streams)."""
+        return {name: parameter for name, parameter in self.model.named_parameters() if parameter.requires_grad}
+
+    def _travelling(self, parameter) -> list:
+        """The parameter's values, then its optimizer state's tensors (not the 0-dim scalars), by key."""
+        state = self.optimizer.state.get(parameter, {})
+        extra = [state[key] for key in sorted(state) if torch.is_tensor(state[key]) and state[key].dim() > 0]
+        return [parameter.data] + extra
+
+    def _views(self, piece) -> list:
+        """The memory of a slice's pieces: flat element ranges, or whole tensors (not cuttable)."""
+        views = []
+        for item in piece.pieces:
+            parameter = self.stream.tensors[item.name]
+            for tensor in self._travelling(parameter):
+                flat = tensor.view(-1)
+                whole = item.start == 0 and item.stop == parameter.numel()
+                views.append(flat if whole else flat[item.start : item.stop])
+        return views
+
+    def _sender_bytes(self) -> int:
+        """`join_stream_mb` if set, else a share of the step time at the link's rate (the same on every member)."""
+        if self.settings.join_stream_mb:
+            return max(1, int(self.settings.join_stream_mb * (1 << 20)))
+        step_s = self._step_before()
+        if step_s <= 0:
+            return DEFAULT_SENDER_BYTES
+        link = LINK_BYTES_PER_S.get(self.settings.backend, LINK_BYTES_PER_S["gloo"])
+        return stream_plan.sender_bytes(link, step_s, STREAM_SHARE)
+
+    def _step_before(self) -> float:
+        """The balancer's predicted step time (identical on every member: shared state), 0 if unknown."""
+        state = self.balance_state
+        seconds = [state.seconds_per_vw.get(device, 0.0) for device in state.device_ids]
+        if not state.assignment or not seconds or min(seconds) <= 0:
+            return 0.0
+        return balance.predicted_step_seconds(state.assignment, seconds)

@@ -1,0 +1,112 @@
+"""The plan of a streamed join (flexpar/core/stream_plan.py): every element once, within the per-step bytes."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flexpar.core import stream_plan
+from flexpar.core.stream_plan import Tensor
+
+tensors_strategy = st.lists(
+    st.builds(Tensor, st.just(""), st.integers(0, 5000), st.sampled_from([2, 4, 8, 12, 16])), min_size=1, max_size=8
+).map(lambda items: [Tensor(f"t{index}", item.elements, item.bytes_per_element) for index, item in enumerate(items)])
+senders_strategy = st.integers(1, 4).map(lambda count: [f"local-{index}" for index in range(count)])
+
+
+def _coverage(plan) -> dict:
+    """tensor name -> sorted element ranges over every slice."""
+    ranges = {}
+    for piece in plan.slices:
+        for item in piece.pieces:
+            ranges.setdefault(item.name, []).append((item.start, item.stop))
+    return {name: sorted(found) for name, found in ranges.items()}
+
+
+def _assert_covers_once(plan, tensors):
+    coverage = _coverage(plan)
+    for tensor in tensors:
+        found = coverage.pop(tensor.name, [])
+        if tensor.elements == 0:
+            assert found == []
+            continue
+        assert found[0][0] == 0 and found[-1][1] == tensor.elements
+        assert all(stop == start for (_, stop), (start, _) in zip(found, found[1:])), "gaps or overlaps"
+    assert coverage == {}
+
+
+def _assert_rounds_well_formed(plan):
+    seen = set()
+    for piece in plan.slices:
+        assert (piece.round, piece.sender) not in seen, "a sender sends one slice per round"
+        seen.add((piece.round, piece.sender))
+        assert piece.size <= plan.sender_bytes or (len(piece.pieces) == 1 and piece.pieces[0] in plan.oversize)
+    assert sorted({piece.round for piece in plan.slices}) == list(range(plan.rounds))
+
+
+@settings(max_examples=60, deadline=None)
+@given(tensors_strategy, senders_strategy, st.integers(1, 40000), st.booleans())
+def test_every_element_travels_once_within_the_bytes_per_step(tensors, senders, limit, cuttable):
+    plan = stream_plan.plan(tensors, senders, limit, cuttable)
+    _assert_covers_once(plan, tensors)
+    _assert_rounds_well_formed(plan)
+    assert plan.size == sum(tensor.elements * tensor.bytes_per_element for tensor in tensors)
+    if cuttable:  # an element range never exceeds the bytes, unless one element does
+        assert all(item.stop - item.start == 1 for item in plan.oversize)
+    else:
+        assert all(item.start == 0 for piece in plan.slices for item in piece.pieces), "whole parameters only"
+    assert stream_plan.plan(tensors, senders, limit, cuttable) == plan, "every member computes the same plan"
+
+
+@settings(max_examples=60, deadline=None)
+@given(tensors_strategy, senders_strategy, st.integers(100, 40000), st.booleans(), st.data())
+def test_a_replan_after_a_lost_sender_keeps_what_landed_and_covers_the_rest(tensors, senders, limit, cuttable, data):
+    first = stream_plan.plan(tensors, senders, limit, cuttable)
+    rounds_done = data.draw(st.integers(0, first.rounds))
+    survivors = data.draw(st.lists(st.sampled_from(senders), min_size=1, unique=True))
+    second = stream_plan.replan(first, rounds_done, survivors)
+    assert [piece for piece in second.slices if piece.round < rounds_done] == [
+        piece for piece in first.slices if piece.round < rounds_done
+    ]
+    assert {piece.sender for piece in second.slices if piece.round >= rounds_done} <= set(survivors)
+    _assert_covers_once(second, tensors)
+    assert second.size == first.size
+
+
+def test_striping_spreads_a_round_over_the_senders():
+    tensors = [Tensor(f"layer{index}", 1000, 12) for index in range(6)]  # 12 kB each
+    plan = stream_plan.plan(tensors, ["local-0", "local-1", "local-2"], 24_000, cuttable=False)
+    assert plan.rounds == 1
+    assert sorted(piece.size for piece in plan.slices) == [24_000, 24_000, 24_000]
+
+
+def test_a_large_parameter_travels_in_ranges_only_for_elementwise_optimizers():
+    tensors = [Tensor("embedding", 100_000, 12)]
+    cut = stream_plan.plan(tensors, ["local-0"], 120_000, cuttable=True)
+    assert cut.rounds == 10 and cut.oversize == ()
+    whole = stream_plan.plan(tensors, ["local-0"], 120_000, cuttable=False)
+    assert whole.rounds == 1 and whole.oversize == (whole.slices[0].pieces[0],)
+
+
+def test_the_share_delivered_grows_to_one():
+    plan = stream_plan.plan([Tensor("w", 1000, 4)], ["local-0"], 1000, cuttable=True)
+    shares = [plan.delivered_share(done) for done in range(plan.rounds + 1)]
+    assert shares[0] == 0.0 and shares[-1] == 1.0 and shares == sorted(shares)
+
+
+def test_which_optimizers_may_stream():
+    assert stream_plan.refusal(["AdamW", "SGD"]) is None
+    assert stream_plan.elementwise(["AdamW", "SGD"])
+    assert stream_plan.refusal(["Adafactor"]) is None and not stream_plan.elementwise(["Adafactor"])
+    assert "LBFGS" in stream_plan.refusal(["LBFGS"])
+    assert "blocking" in stream_plan.refusal(["MyOptimizer"])
+
+
+def test_sender_bytes_follow_the_link_the_step_and_the_cap():
+    assert stream_plan.sender_bytes(1e9, 0.2, 0.1) == 20_000_000
+    assert stream_plan.sender_bytes(1e9, 0.2, 0.1, cap=1_000_000) == 1_000_000
+    with pytest.raises(ValueError, match="share"):
+        stream_plan.sender_bytes(1e9, 0.2, 0.0)
+    with pytest.raises(ValueError, match="no sender"):
+        stream_plan.replan(stream_plan.plan([Tensor("w", 10, 4)], ["local-0"], 8, True), 1, [])

@@ -1,0 +1,128 @@
+"""Streamed joins (flexpar/worker/streaming.py): the joiner listens while the state streams to it.
+
+The members never stop for the transfer: at the join boundary only the small
+state travels; then the joiner runs no VWs (its assignment is 0) and applies
+each step's summed gradient, while the members send it a slice of the state
+after each update (`join_stream_mb` tiny here, so a stream lasts several
+steps). Exactness is checked by digest against the one-device run
+(`Job(deterministic=True)`: every step's digest and the final parameters are
+the same bits), and a float job against the plain single-process loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pieces
+import pytest
+import test_recipes as recipe_pieces
+import torch
+
+from flexpar.errors import TrainingError
+
+STEPS = 28
+STREAM_MB = 0.001  # about 1 kB per sender per step: the test model's state takes ~10 steps
+DELAY_S = 0.02  # per VW: steps long enough for the joiner to warm up while the members train
+
+
+def _run(train, tmp_path, name, job, **options):
+    path = tmp_path / f"{name}.jsonl"
+    options.setdefault("steps", STEPS)
+    model, summary = train(job, metrics=str(path), join_stream_mb=STREAM_MB, **options)
+    records = pieces.metrics_records(path)
+    return model, summary, records
+
+
+def _steps(records):
+    return [record for record in records if record["kind"] == "step"]
+
+
+def _events(records, kind):
+    return [record for record in records if record["kind"] == "event" and record["event"] == kind]
+
+
+def _assert_streamed(records, joiner="local-2"):
+    """The join streamed: the joiner listened (0 VWs) for several steps, then took VWs."""
+    joins = _events(records, "join")
+    assert joins and "streamed to" in joins[0]["detail"], joins
+    assert _events(records, "stream"), "the stream's end is an event"
+    listening = [r["step"] for r in _steps(records) if joiner in r["devices"] and r["assignment"][-1] == 0]
+    working = [r["step"] for r in _steps(records) if joiner in r["devices"] and r["assignment"][-1] > 0]
+    assert len(listening) >= 3 and working and max(listening) < min(working), (listening, working)
+
+
+def _assert_same_bits(run, reference):
+    model, _, records = run
+    expected_model, _, expected_records = reference
+    assert [r["digest"] for r in _steps(records)] == [r["digest"] for r in _steps(expected_records)]
+    assert [r["loss"] for r in _steps(records)] == [r["loss"] for r in _steps(expected_records)]
+    for (name, got), want in zip(model.state_dict().items(), expected_model.state_dict().values()):
+        assert torch.equal(got, want), name
+
+
+RECIPES = {
+    "sgd_momentum": lambda: pieces.make_job(virtual_workers=6, delay_s=DELAY_S, deterministic=True),
+    "adamw_scheduler": lambda: pieces.make_job(
+        optimizer=pieces.adamw, virtual_workers=6, lr_scheduler=pieces.step_decay, delay_s=DELAY_S, deterministic=True
+    ),
+    "bf16_clipping_token_weighted": lambda: recipe_pieces.token_job(
+        loss=recipe_pieces.TokenLoss(DELAY_S), mixed_precision="bf16", max_grad_norm=0.5, deterministic=True
+    ),
+}
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_a_streamed_join_keeps_every_bit_of_the_one_device_run(train, tmp_path, recipe):
+    job = RECIPES[recipe]()
+    reference = _run(train, tmp_path, "one", dataclasses.replace(job, loss=type(job.loss)()), devices=1)
+    streamed = _run(train, tmp_path, "streamed", job, devices=2, max_devices=3, schedule="1:+1")
+    _assert_streamed(streamed[2])
+    _assert_same_bits(streamed, reference)
+
+
+def test_a_float_job_matches_the_plain_loop(train, tmp_path):
+    job = pieces.make_job(optimizer=pieces.adamw, virtual_workers=6, lr_scheduler=pieces.step_decay, delay_s=DELAY_S)
+    model, _, records = _run(train, tmp_path, "float", job, devices=2, max_devices=3, schedule="1:+1")
+    _assert_streamed(records)
+    pieces.assert_same_parameters(model, pieces.reference(job, STEPS))
+
+
+def test_two_joiners_listen_at_once(train, tmp_path):
+    job = RECIPES["adamw_scheduler"]()
+    reference = _run(train, tmp_path, "one", dataclasses.replace(job, loss=pieces.Loss()), devices=1)
+    streamed = _run(train, tmp_path, "two", job, devices=1, max_devices=3, schedule="1:+2")
+    assert any(r["assignment"][1:] == [0, 0] for r in _steps(streamed[2])), "both listened together"
+    _assert_same_bits(streamed, reference)
+
+
+@pytest.mark.parametrize("victim", ["local-2", "local-1"], ids=["the_joiner", "a_sender"])
+def test_a_kill_during_the_stream_loses_nothing(train, tmp_path, victim):
+    """kill -9 of the joiner or of a sender as it posts its first slice: the normal failure path."""
+    job = RECIPES["adamw_scheduler"]()
+    reference = _run(train, tmp_path, "one", dataclasses.replace(job, loss=pieces.Loss()), devices=1)
+    run = _run(train, tmp_path, "kill", job, devices=2, max_devices=3, schedule="1:+1", faults=f"1:{victim}:stream")
+    failures = _events(run[2], "failure")
+    assert failures and victim in failures[0]["detail"], failures
+    _assert_same_bits(run, reference)
+
+
+def test_a_tampered_slice_stops_the_job_naming_the_tensor(train, tmp_path):
+    job = RECIPES["sgd_momentum"]()
+    with pytest.raises(TrainingError, match=r"streamed join after step \d+: local-2's copy of '0\.weight'"):
+        options = {"devices": 2, "max_devices": 3, "schedule": "1:+1", "faults": "1:local-0:stream:tamper"}
+        _run(train, tmp_path, "tamper", job, **options)
+
+
+def test_join_stream_mb_0_keeps_the_blocking_transfer(train, tmp_path):
+    job = pieces.make_job(virtual_workers=6, delay_s=DELAY_S)
+    path = tmp_path / "blocking.jsonl"
+    train(job, steps=12, metrics=str(path), devices=2, max_devices=3, schedule="1:+1", join_stream_mb=0)
+    records = pieces.metrics_records(path)
+    joins = _events(records, "join")
+    assert joins and "blocking transfer: join_stream_mb=0" in joins[0]["detail"], joins
+    assert all(min(r["assignment"]) >= 1 for r in _steps(records))
+
+
+def test_join_stream_mb_must_not_be_negative():
+    with pytest.raises(ValueError, match=r"join_stream_mb=-1 must be >= 0"):
+        pieces.make_job().fit(steps=1, join_stream_mb=-1)
