@@ -148,8 +148,7 @@ class DeviceLink:
                         )
                         self._leave_proof = ""  # sent once
                     while not self._outbox.empty():
-                        metrics.send(self._outbox.get())
-                        self._outbox.task_done()
+                        self._send_queued(metrics)
                 now = time.monotonic()
                 self._enforce_leave_grace(now)
                 if now - last_beat > 0.5:
@@ -168,6 +167,27 @@ class DeviceLink:
                 metrics.send(self._outbox.get())
         except Exception:
             pass
+
+    def _send_queued(self, metrics: Channel) -> None:
+        """Send the oldest queued record; it counts as handled (`task_done`) even when the send fails.
+
+        A send fails when the driver goes (kill -9) while this thread sends: the
+        record is lost with that driver, like those still queued, which `rejoin`
+        drops (rank 0 sends every record it keeps again to a driver that re-adopts
+        it: flexpar.core.delivery). Counted as never done, it held `flush` for
+        ever: rank 0 of a re-adopted job hung in its final `flush`, the driver
+        waiting for its "done" (the fault soak's seed 907, run 23). The loss is
+        noted before the record counts as handled, so a `flush` under way raises
+        DriverLost rather than take it for sent.
+        """
+        record = self._outbox.get()
+        try:
+            metrics.send(record)
+        except Exception:
+            self.note_lost()
+            raise
+        finally:
+            self._outbox.task_done()
 
     def _find_driver(self) -> Optional[dist.TCPStore]:
         """The driver is gone: look for a restarted one at the same address for `driver_grace_s`.
@@ -317,12 +337,12 @@ class DeviceLink:
         self._outbox.put(record)
 
     def flush(self) -> None:
-        """Wait until every queued record has been sent (DriverLost when the driver goes meanwhile: a
-        restarted one gets them)."""
-        while self._outbox.unfinished_tasks and self._thread.is_alive():
-            if self.driver_lost:
-                raise DriverLost("the job's driver is gone (records still to send)")
+        """Wait until every queued record has been sent (DriverLost when the driver goes meanwhile, or
+        went with a record in flight: a restarted one gets them)."""
+        while self._outbox.unfinished_tasks and self._thread.is_alive() and not self.driver_lost:
             time.sleep(0.005)
+        if self.driver_lost:
+            raise DriverLost("the job's driver is gone (records still to send)")
 
     def check(self, driver_loss_handled: bool = False) -> None:
         """Raise if the coordinator stopped the job or refused this device, or the driver is gone.
