@@ -10,16 +10,18 @@ workers and the command line connect as clients (`connect_client`: an
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import errno
+import functools
 import os
 import queue
-import re
 import socket
-import sys
 import threading
 import time
+from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 
@@ -100,95 +102,82 @@ def reconnect(host: str, port: int, timeout_s: float, handshake_s: float = HANDS
     except OSError as error:
         raise RuntimeError(f"nothing listens at {host}:{port} ({error.strerror or error})") from None
     # Something accepts connections there that may not answer yet (a driver between its listen and its
-    # store): c10d logs each timed-out handshake with a C++ frame dump, which a waiting device does not
-    # show (it says in its own line what it waits for).
-    with _native_log_filtered():
+    # store, or one dying): c10d logs each timed-out handshake with a C++ frame dump, which a waiting
+    # device does not show (it says in its own line what it waits for).
+    with native_log_quieted():
         store = connect(host, port, min(handshake_s, timeout_s))
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
     return store
 
 
-_NATIVE_LOG_LINE = re.compile(
-    r"^(\[rank\d+\]:)?(\[[IWEF]\d|frame #|Exception raised from |<omitting python frames>)|^\s*$"
-)
-
-
-def is_native_log_line(line: str) -> bool:
-    """A line of c10d's C++ log (`[E1206 00:53:38.418 socket.cpp:1028] ...`, after `[rank0]:` once the
-    process has a process group) or of the exception and frame dump that follows it."""
-    return _NATIVE_LOG_LINE.match(line) is not None
-
-
-# File descriptor 2 is the process's: two threads pointing it at their own pipes at once (a device's
-# follower and main thread both reconnect) would each restore the other's pipe. One at a time.
-_DESCRIPTOR_2 = threading.Lock()
-
-
 @contextlib.contextmanager
-def _native_log_filtered():
-    """For the duration, file descriptor 2 goes through a pipe; c10d's lines are dropped, every other
-    line (another thread's, flexpar's own) is written to the real stderr afterwards, in order.
+def native_log_quieted():
+    """For the duration, c10's C++ log (c10d's errors, each with its frame dump) says nothing in this process.
 
-    C++ writes straight to the descriptor, and torch reads its log level only at start-up: the
-    descriptor is the one place to quiet it for one call (`_quiet_native_stderr` drops everything,
-    which suits a command line's own connection attempt, not a device whose other threads speak).
+    c10d logs each failed handshake of a store client straight to file descriptor 2, from C++. It is
+    quieted at its source, c10's log level (the variable that TORCH_CPP_LOG_LEVEL sets when torch is
+    imported, and that every native log call reads), raised to FATAL while any thread of the process
+    asks, and put back when the last one is done. Descriptor 2 itself is never touched: every line of
+    flexpar's, the user's, or another thread's goes out at once, as written. (Pointing descriptor 2 at a
+    pipe for the call, as this once did, held every other thread's lines until the call ended, which
+    could be after the process did: a device's last lines were lost when it exited while its follower
+    thread was still inside a handshake. It also dropped their blank lines.)
+
+    Where torch's native library does not expose its level (not one of torch's own builds), nothing is
+    quieted: c10d's lines are shown, and nothing else is hidden.
     """
-    with _DESCRIPTOR_2:
-        yield from _filtered_descriptor_2()
-
-
-def _filtered_descriptor_2():
-    sys.stderr.flush()
-    saved = os.dup(2)
-    read_end, write_end = os.pipe()
-    chunks: list = []
-
-    def drain():
-        while True:
-            data = os.read(read_end, 65536)
-            if not data:
-                return
-            chunks.append(data)
-
-    reader = threading.Thread(target=drain, name="flexpar-native-log", daemon=True)
-    reader.start()
-    os.dup2(write_end, 2)
-    os.close(write_end)
+    level = _c10_log_level()
+    if level is None:
+        yield
+        return
+    _QUIETING.enter(level)
     try:
         yield
     finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)  # the pipe's last writer closes: the reader sees its end
-        os.close(saved)
-        reader.join()
-        os.close(read_end)
-        text = b"".join(chunks).decode("utf-8", "replace")
-        kept = "".join(line for line in text.splitlines(keepends=True) if not is_native_log_line(line))
-        if kept:
-            try:
-                os.write(2, kept.encode())
-            except OSError:  # a dead driver's pipe
-                pass
+        _QUIETING.leave(level)
 
 
-@contextlib.contextmanager
-def _quiet_native_stderr():
-    """Silence c10d's own C++ log lines (retries, frame dumps) for a moment.
+class _Quieting:
+    """c10's level is the process's: the threads that quiet it at once (a device's follower and main
+    thread both reconnecting) count themselves here, so that the first raises it and the last puts back
+    the level it found."""
 
-    They are written by the C++ side straight to file descriptor 2, so the
-    descriptor itself is pointed at /dev/null and restored afterwards. Used
-    only around a command-line client's connection attempt, whose failure we
-    report in one line of our own.
-    """
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+    FATAL = 3  # c10's levels: 0 INFO, 1 WARNING, 2 ERROR, 3 FATAL
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._found = 0
+
+    def enter(self, level: ctypes.c_int32) -> None:
+        with self._lock:
+            if self._threads == 0:
+                self._found = level.value
+                level.value = max(level.value, self.FATAL)
+            self._threads += 1
+
+    def leave(self, level: ctypes.c_int32) -> None:
+        with self._lock:
+            self._threads -= 1
+            if self._threads == 0:
+                level.value = self._found
+
+
+_QUIETING = _Quieting()
+
+
+@functools.cache
+def _c10_log_level() -> Optional[ctypes.c_int32]:
+    """c10's log level (`FLAGS_caffe2_log_level` in torch's libc10), or None where it is not found."""
+    folder = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for name in ("libc10.so", "libc10.dylib", "c10.dll"):
+        path = os.path.join(folder, name)
+        if os.path.exists(path):
+            try:  # the library torch has loaded already: the same one, not a copy
+                return ctypes.c_int32.in_dll(ctypes.CDLL(path), "FLAGS_caffe2_log_level")
+            except (OSError, ValueError):
+                return None
+    return None
 
 
 def connect_client(host: str, port: int, timeout_s: float, wait_for_job: bool = False) -> dist.TCPStore:
@@ -223,7 +212,7 @@ def connect_client(host: str, port: int, timeout_s: float, wait_for_job: bool = 
         except BaseException as error:  # handed to the caller's thread
             outcome.put(error)
 
-    with _quiet_native_stderr():
+    with native_log_quieted():
         threading.Thread(target=attempt, name="flexpar-connect", daemon=True).start()
         try:
             result = outcome.get(timeout=handshake_s + 1.0)
