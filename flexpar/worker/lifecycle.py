@@ -239,9 +239,10 @@ class Worker(
                     self.recovering = True
                     # Sharded: a step whose gradient every member holds may still be finished (shard_levelling.py).
                     self._zero_grad(keep_gradient=self.pending_commit is not None)
+                    streamed = self._abandon_stream()  # a listening joiner holds no committed state
                     self.link.send("failure", generation=generation, step=self.committed, error=str(failure)[:500])
                 # Outside the except block, whose traceback holds the broken group's works.
-                self.reaper.retire(self.sync.release_works())()
+                self.reaper.retire(self.sync.release_works() + streamed)()
                 generation, record = self.link.wait_for_generation(generation, joining=False)
             except DriverLost as lost:
                 generation, record = self._orphaned(agreed=lost.agreed)

@@ -41,6 +41,8 @@ class WorkerOrphan:
         this device (a device of an older generation: fenced off).
         """
         self.phase = Phase.ORPHANED
+        # A joiner still listening holds no committed state of its own: it reports none, writes no rescue.
+        streamed = self._abandon_stream()
         abandoned = self._step_in_flight is not None
         self._step_in_flight = None
         # Sharded: a step whose summed gradient every member holds may still be finished (shard_levelling.py).
@@ -53,7 +55,7 @@ class WorkerOrphan:
         self.driver_faults = {key for key in self.driver_faults if key[0] > self.committed}
         # Written while the old group still stands (agreed: every member is there).
         path = self._write_rescue(agreed) if holds else ""
-        self.reaper.retire(self.sync.release_works())()
+        self.reaper.retire(self.sync.release_works() + streamed)()
         grace = self.settings.driver_grace_s
         if grace <= 0:
             raise DriverLost(self._gone(path, "the job's driver is gone (its store stopped answering)"))
