@@ -114,8 +114,11 @@ def command_status(arguments) -> int:
             f"step {status['step']}/{status['total_steps']}, {status['samples_per_s']:.1f} samples/s, "
             f"loss {status['loss']:.4f}, assignment {status['assignment']}"
         )
-    if status.get("waiting") or status.get("starting"):
-        print(f"joining: {', '.join(status.get('starting', []) + status.get('waiting', []))}")
+    streaming = [
+        f"{device} (streaming, {share:.0%} of the state)" for device, share in status.get("streaming", {}).items()
+    ]
+    if status.get("waiting") or status.get("starting") or streaming:
+        print(f"joining: {', '.join(status.get('starting', []) + status.get('waiting', []) + streaming)}")
     return 0
 
 

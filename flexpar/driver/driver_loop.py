@@ -252,6 +252,7 @@ class DriverLoop:
                     "loss": record["loss"],
                     "assignment": record["assignment"],
                     "address": self.address,
+                    "streaming": record.get("joining", {}),  # listening joiners: the share of the state they hold
                 }
             )
 

@@ -316,8 +316,10 @@ class LiveDisplay:
         if optimizer is not None:
             table.add_column("optimizer", justify="right")
         longest = max(step["busy_s"]) or 1.0
+        joining = step.get("joining", {})  # a streamed join: the listener runs no VW yet
         for rank, (device_id, count, busy) in enumerate(zip(step["devices"], step["assignment"], step["busy_s"])):
-            cells = [device_id, str(count), f"{busy:.3f} s", bar_class(longest, 0.0, busy, width=30, color="cyan")]
+            vws = f"joining {joining[device_id]:.0%}" if device_id in joining else str(count)
+            cells = [device_id, vws, f"{busy:.3f} s", bar_class(longest, 0.0, busy, width=30, color="cyan")]
             if optimizer is not None:
                 cells.append(format_megabytes(optimizer[rank]))
             table.add_row(*cells)

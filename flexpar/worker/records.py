@@ -36,7 +36,7 @@ class WorkerRecords:
         # Every device keeps the record of its last committed step; only rank 0
         # publishes it. It travels with the state, so a rank 0 that was brought
         # level after a failure can publish the step it did not commit itself.
-        return {
+        record = {
             "kind": "step",
             "step": step,
             "time": self.committed_wall,
@@ -48,10 +48,14 @@ class WorkerRecords:
             "devices": list(self.members),
             "assignment": list(assignment),
             "busy_s": busy,
-            "imbalance": balance.imbalance(busy),
+            "imbalance": balance.imbalance(self._without_listeners(busy)),
             "lr": float(self.optimizer.param_groups[0]["lr"]),
             "grad_norm": grad_norm,  # of the applied gradient, before clipping (inf/nan: an fp16 skip)
         }
+        if self.stream is not None:  # a streamed join: how much of the state each listener holds
+            share = round(self.stream.plan.delivered_share(self.stream.rounds_done), 4)
+            record["joining"] = {self.members[rank]: share for rank in self.stream.listeners}
+        return record
 
     def _publish_event(self, event: str, detail: str, stall_s: float, state_bytes_sent: Optional[int] = None) -> None:
         extra = {} if state_bytes_sent is None else {"state_bytes_sent": int(state_bytes_sent)}
