@@ -154,6 +154,9 @@ if __name__ == "__main__":
         metrics=os.path.join(output, "metrics.jsonl"),
         sample_ledger=True,
         eval_every=spec["eval_every"],
+        # About 1 kB per sender per step: a join's state streams over several steps, so the faults drawn
+        # for those steps hit a stream in flight (a sharded job joins with the blocking transfer).
+        join_stream_mb=0.001,
     )
     torch.save(model.state_dict(), os.path.join(output, "model.pt"))
     with open(os.path.join(output, "summary.json"), "w") as handle:

@@ -1,0 +1,244 @@
+"""Streamed joins against the blocking transfer, by the size of the training state (issue 37).
+
+A 2 -> 3 CPU-device AdamW job on an MLP whose width sets the training state's
+size (parameters + AdamW's two moments, 12 bytes a parameter: about 0.1, 0.5, 1
+and 2 GB; ``--quick``: 0.1 and 0.5), the same global batch and VWs at every
+size. Each size runs with streaming (the default) and with the blocking
+transfer (``join_stream_mb=0``), alternating, ``--rounds`` times; the figures
+are medians over rounds, read from each run's metrics file:
+
+- ``boundary_stall_s``: the join event's ``stall_s`` with streaming, by size
+  (GB, as a string); ``blocking_stall_s`` the same for the blocking transfer.
+- ``boundary_stall_growth``: streaming's stall at the largest size / at the
+  smallest; ``blocking_stall_growth`` the blocking transfer's.
+- ``members_lost_s``: ``{"stream": {size: s}, "blocking": {size: s}}``, the
+  members' training time lost to the join: the boundary stall plus, while
+  streaming, each step's time beyond the median step before the join.
+- ``member_slowdown``: by size, the members' median step time while streaming
+  / before the join (2 devices both times); ``member_slowdown_max`` the worst.
+- ``time_to_contribute_s``: ``{"stream": {size: s}, "blocking": {size: s}}``,
+  from the join boundary's start to the start of the joiner's first step with
+  VWs.
+- ``stream_steps``: by size, the steps the stream took.
+- ``bitwise_equal``: every streamed run ended with its ``stream`` event, which
+  flexpar publishes only after every device checked the joiner's copy of each
+  tensor (with its optimizer state) against its senders' bit for bit (a
+  mismatch stops the job); ``false`` if any run failed or never finished.
+- a PNG (``--plot PATH``): the members' lost time against the state's size.
+
+On this 2-core machine three devices share two cores: the transfer and the
+compute compete for them, so ``member_slowdown`` includes the senders' share
+of the copy work that a separate link (RDMA, NVLink) would do beside the
+compute.
+
+Run: ``python benchmarks/join_stream.py [--quick] [--rounds N] [--json PATH] [--plot PATH]``
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness
+import torch
+from harness import median
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import flexpar
+
+progress = harness.progress("join_stream")
+
+LAYERS = 4
+CLASSES = 10
+BYTES_PER_PARAMETER = 12  # float32 parameter + AdamW's exp_avg and exp_avg_sq
+SIZES_GB = (0.1, 0.5, 1.0, 2.0)
+QUICK_SIZES_GB = (0.1, 0.5)
+VIRTUAL_WORKERS = 4
+GLOBAL_BATCH = 16
+
+
+def width_for(size_gb: float) -> int:
+    """The MLP width whose training state is about `size_gb` GB (LAYERS square layers)."""
+    return int(math.sqrt(size_gb * 1e9 / BYTES_PER_PARAMETER / LAYERS))
+
+
+class WideMLP:
+    """The model factory (module level: worker processes import it by name)."""
+
+    def __init__(self, width: int):
+        self.width = width
+
+    def __call__(self) -> nn.Module:
+        layers = []
+        for _ in range(LAYERS - 1):
+            layers += [nn.Linear(self.width, self.width), nn.ReLU()]
+        layers.append(nn.Linear(self.width, CLASSES))
+        return nn.Sequential(*layers)
+
+
+def adamw(parameters):
+    return torch.optim.AdamW(parameters, lr=1e-4)
+
+
+def loss(model, batch):
+    inputs, targets = batch
+    return nn.functional.cross_entropy(model(inputs), targets)
+
+
+def make_job(width: int) -> flexpar.Job:
+    generator = torch.Generator().manual_seed(0)
+    dataset = TensorDataset(
+        torch.randn(256, width, generator=generator), torch.randint(0, CLASSES, (256,), generator=generator)
+    )
+    return flexpar.Job(
+        model=WideMLP(width),
+        optimizer=adamw,
+        loss=loss,
+        dataset=dataset,
+        global_batch=GLOBAL_BATCH,
+        virtual_workers=VIRTUAL_WORKERS,
+        seed=0,
+    )
+
+
+def run_once(size_gb: float, streaming: bool, work_dir: str) -> dict:
+    """One 2 -> 3 fit; its figures (or `failed` with the reason)."""
+    job = make_job(width_for(size_gb))
+    steps = 14 if size_gb >= 1 else 20
+    metrics = harness.unique_path(work_dir, ".jsonl")
+    try:
+        job.fit(
+            steps=steps,
+            devices=2,
+            max_devices=3,
+            schedule="1:+1",
+            metrics=metrics,
+            display=False,
+            quiet=True,
+            oversubscribe=True,
+            run_dir=work_dir,
+            timeout_s=120.0,
+            join_stream_mb=None if streaming else 0,
+        )
+    except Exception as error:  # a run that fails is reported, not hidden
+        return {"failed": f"{type(error).__name__}: {str(error)[:300]}"}
+    return figures_of_run(harness.metrics_records(metrics), streaming)
+
+
+def figures_of_run(records: list, streaming: bool) -> dict:
+    """The figures of one run from its metrics records (pure)."""
+    steps = [r for r in records if r["kind"] == "step"]
+    events = [r for r in records if r["kind"] == "event"]
+    joins = [e for e in events if e["event"] == "join"]
+    if not joins:
+        return {"failed": "the joiner never joined (the job ended first)"}
+    join = joins[0]
+    before = [r["step_time_s"] for r in steps if r["step"] < join["step"] and r["step"] >= 1]
+    listening = [r for r in steps if r.get("joining")]
+    contributing = [r for r in steps if len(r["devices"]) == 3 and not r.get("joining")]
+    if not contributing:
+        return {"failed": "the joiner never took VWs (the job ended first)"}
+    first = contributing[0]
+    step_before = median(before) if before else float("nan")
+    during = [r["step_time_s"] for r in listening]
+    extra = sum(max(0.0, time - step_before) for time in during) if before else float("nan")
+    boundary_start = join["time"] - join["stall_s"]
+    result = {
+        "stall_s": join["stall_s"],
+        "lost_s": join["stall_s"] + extra,
+        "time_to_contribute_s": (first["time"] - first["step_time_s"]) - boundary_start,
+        "detail": join["detail"],
+    }
+    if streaming:
+        result["streamed"] = "streamed to" in join["detail"] and any(e["event"] == "stream" for e in events)
+        result["stream_steps"] = len(listening)
+        result["slowdown"] = median(during) / step_before if during and before else float("nan")
+    return result
+
+
+def measure(sizes, rounds: int, work_dir: str) -> dict:
+    runs = {(size, mode): [] for size in sizes for mode in ("stream", "blocking")}
+    for round_number in range(rounds):
+        for size in sizes:
+            for mode in ("stream", "blocking") if round_number % 2 == 0 else ("blocking", "stream"):
+                result = run_once(size, mode == "stream", work_dir)
+                runs[(size, mode)].append(result)
+                progress(f"round {round_number + 1}, {size} GB, {mode}: {result}")
+    return runs
+
+
+def figures(runs: dict, sizes) -> dict:
+    def med(size, mode, key):
+        values = [run[key] for run in runs[(size, mode)] if key in run and not math.isnan(run[key])]
+        return median(values) if values else None
+
+    label = {size: f"{size:g}" for size in sizes}
+    result = {
+        "sizes_gb": [label[size] for size in sizes],
+        "boundary_stall_s": {label[s]: med(s, "stream", "stall_s") for s in sizes},
+        "blocking_stall_s": {label[s]: med(s, "blocking", "stall_s") for s in sizes},
+        "members_lost_s": {mode: {label[s]: med(s, mode, "lost_s") for s in sizes} for mode in ("stream", "blocking")},
+        "member_slowdown": {label[s]: med(s, "stream", "slowdown") for s in sizes},
+        "time_to_contribute_s": {
+            mode: {label[s]: med(s, mode, "time_to_contribute_s") for s in sizes} for mode in ("stream", "blocking")
+        },
+        "stream_steps": {label[s]: med(s, "stream", "stream_steps") for s in sizes},
+        "bitwise_equal": all(run.get("streamed") is True for s in sizes for run in runs[(s, "stream")]),
+        "failed": [
+            f"{s} GB {mode}: {run['failed']}" for (s, mode), items in runs.items() for run in items if "failed" in run
+        ],
+    }
+    small, large = label[sizes[0]], label[sizes[-1]]
+    for key, stalls in (("boundary_stall_growth", "boundary_stall_s"), ("blocking_stall_growth", "blocking_stall_s")):
+        low, high = result[stalls][small], result[stalls][large]
+        result[key] = high / low if low and high is not None else None
+    slowdowns = [value for value in result["member_slowdown"].values() if value is not None]
+    result["member_slowdown_max"] = max(slowdowns) if slowdowns else None
+    stream_lost, blocking_lost = result["members_lost_s"]["stream"][large], result["members_lost_s"]["blocking"][large]
+    result["lost_ratio_largest"] = stream_lost / blocking_lost if stream_lost is not None and blocking_lost else None
+    return result
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [float(size) for size in result["sizes_gb"]]
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for mode, style in (("blocking", "o-"), ("stream", "s-")):
+        values = [result["members_lost_s"][mode][label] for label in result["sizes_gb"]]
+        axes.plot(sizes, [v if v is not None else float("nan") for v in values], style, label=mode)
+    axes.set_xlabel("training state (GB)")
+    axes.set_ylabel("members' time lost to the join (s)")
+    axes.set_title("2 -> 3 CPU devices, AdamW")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main() -> int:
+    parser = harness.base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default: 1 quick, 2 full)")
+    parser.add_argument("--plot", default=None, help="write the PNG of lost time against size here")
+    args = parser.parse_args()
+    sizes = QUICK_SIZES_GB if args.quick else SIZES_GB
+    rounds = args.rounds or (1 if args.quick else 2)
+    with tempfile.TemporaryDirectory(prefix="flexpar-join-stream-") as work_dir:
+        result = figures(measure(sizes, rounds, work_dir), sizes)
+    result.update({"quick": args.quick, "rounds": rounds})
+    harness.write_json(args.json, result)
+    if args.plot:
+        plot(result, args.plot)
+    for key, value in result.items():
+        print(f"{key}: {value}")
+    return 0 if result["bitwise_equal"] and not result["failed"] else 1
+
+
+if __name__ == "__main__":
+    harness.run(main)
