@@ -58,7 +58,7 @@ def refusal(optimizer_classes: Iterable[str]) -> Optional[str]:
         return None
     return (
         f"the optimizer {', '.join(unknown)} is not known to update each parameter from its own gradient and "
-        "state alone, so the state is sent at the boundary (a blocking transfer)"
+        "state alone"
     )
 
 

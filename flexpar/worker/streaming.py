@@ -92,9 +92,9 @@ class Streaming:
         if self.settings.join_stream_mb == 0:
             return "join_stream_mb=0"
         if self.shards is not None:
-            return "sharded optimizer state joins with a blocking transfer"
+            return "sharded optimizer state (shard_optimizer=True)"
         if self.cost_planner is not None:
-            return "sample_cost= plans every device's VWs ahead: it joins with a blocking transfer"
+            return "sample_cost= plans every device's VWs ahead"
         if 0 in stock.receivers:
             return "the joiner would be rank 0"
         if stock.latest_step >= self.settings.total_steps:
@@ -251,7 +251,7 @@ class Streaming:
         if self._listening():
             wait_for_transfers(works, self._peer_lost)
         else:
-            self.stream_sends = list(works)
+            self.stream_sends += works  # an fp16 step skipped has not waited for the last round's yet
         stream.rounds_done += 1
         if self.recent_records:
             stream.step_times.append(float(self.recent_records[-1].get("step_time_s", 0.0)))

@@ -100,7 +100,7 @@ def test_which_optimizers_may_stream():
     assert stream_plan.elementwise(["AdamW", "SGD"])
     assert stream_plan.refusal(["Adafactor"]) is None and not stream_plan.elementwise(["Adafactor"])
     assert "LBFGS" in stream_plan.refusal(["LBFGS"])
-    assert "blocking" in stream_plan.refusal(["MyOptimizer"])
+    assert "MyOptimizer is not known" in stream_plan.refusal(["MyOptimizer"])
 
 
 def test_sender_bytes_follow_the_link_the_step_and_the_cap():
