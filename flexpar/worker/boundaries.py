@@ -91,7 +91,8 @@ class Boundaries:
                     self.committed, self.committed_wall, rank, len(group), self.device, peer_lost, start
                 )
             )
-            if self.shards is not None:
+            if self.shards is not None:  # joiners receive their chunks now (no streaming: streaming.py)
+                self.stream_note = "blocking transfer: sharded optimizer state (shard_optimizer=True)"
                 sent = self._level_sharded(stock, rank, group, len(members), record, peer_lost)
             else:
                 sent = self._level_members(stock, rank, len(members))

@@ -95,15 +95,28 @@ def test_two_joiners_listen_at_once(train, tmp_path):
     _assert_same_bits(streamed, reference)
 
 
-@pytest.mark.parametrize("victim", ["local-2", "local-1"], ids=["the_joiner", "a_sender"])
-def test_a_kill_during_the_stream_loses_nothing(train, tmp_path, victim):
-    """kill -9 of the joiner or of a sender as it posts its first slice: the normal failure path."""
+@pytest.mark.parametrize(
+    "victim,signal",
+    [("local-2", "kill"), ("local-1", "kill"), ("local-2", "term"), ("local-1", "term")],
+    ids=["kill_the_joiner", "kill_a_sender", "sigterm_the_joiner", "sigterm_a_sender"],
+)
+def test_a_failure_or_a_leave_during_the_stream_loses_nothing(train, tmp_path, victim, signal):
+    """kill -9 (a failure) or SIGTERM (a leave at the next boundary) of the joiner or of a sender as it
+    posts its first slice: the stream ends with that generation, and the result keeps every bit."""
     job = RECIPES["adamw_scheduler"]()
     reference = _run(train, tmp_path, "one", dataclasses.replace(job, loss=pieces.Loss()), devices=1)
-    run = _run(train, tmp_path, "kill", job, devices=2, max_devices=3, schedule="1:+1", faults=f"1:{victim}:stream")
-    failures = _events(run[2], "failure")
-    assert failures and victim in failures[0]["detail"], failures
+    faults = f"1:{victim}:stream:{signal}"
+    run = _run(train, tmp_path, "fault", job, devices=2, max_devices=3, schedule="1:+1", faults=faults)
+    changes = _events(run[2], "failure" if signal == "kill" else "leave")
+    assert changes and victim in changes[0]["detail"], _events(run[2], "failure") + _events(run[2], "leave")
     _assert_same_bits(run, reference)
+
+
+def test_a_sharded_job_joins_with_the_blocking_transfer_and_says_why(train, tmp_path):
+    job = pieces.make_job(virtual_workers=6, delay_s=DELAY_S, shard_optimizer=True)
+    _, _, records = _run(train, tmp_path, "sharded", job, steps=12, devices=2, max_devices=3, schedule="1:+1")
+    joins = _events(records, "join")
+    assert joins and "blocking transfer: sharded optimizer state (shard_optimizer=True)" in joins[0]["detail"]
 
 
 def test_a_tampered_slice_stops_the_job_naming_the_tensor(train, tmp_path):
