@@ -146,7 +146,8 @@ def figures_of_run(records: list, streaming: bool) -> dict:
         return {"failed": "the joiner never took VWs (the job ended first)"}
     first = contributing[0]
     step_before = median(before) if before else float("nan")
-    during = [r["step_time_s"] for r in listening]
+    # The first step after the boundary is timed from the commit before it: its time holds the stall.
+    during = [r["step_time_s"] - (join["stall_s"] if r["step"] == join["step"] else 0.0) for r in listening]
     extra = sum(max(0.0, time - step_before) for time in during) if before else float("nan")
     boundary_start = join["time"] - join["stall_s"]
     result = {
