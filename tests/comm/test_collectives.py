@@ -105,7 +105,9 @@ def test_stock_source_is_the_lowest_rank_with_the_latest_step():
     # Ranks 0 and 2 committed step 5, rank 1 only step 4 (a failure mid-sync), rank 3 joins.
     slots = [6.0, 5.0, 6.0, 0.0] + [100.0, 90.0, 101.5, 0.0] + [0.0] * 4
     stock = training_state.stock_of(slots, own_wall=50.0)
-    assert stock == training_state.Stock(source=0, receivers=(1, 3), latest_step=5, last_commit_wall=101.5)
+    assert stock == training_state.Stock(
+        source=0, receivers=(1, 3), latest_step=5, last_commit_wall=101.5, joiners=(3,)
+    )
 
 
 def test_stock_of_members_level_has_no_receivers():
