@@ -17,8 +17,10 @@ element-wise optimizers, a slice per sender per step. Then, step by step:
   that moment (`dist.batch_isend_irecv`, the parameters' own memory: no
   copy) and go on with the next step; they wait for those sends only before
   their next optimizer update, which is the next change of those values. The
-  joiner waits for its slices before the next step, so its own updates keep
-  every received value current: no gradient history, no replay.
+  joiner posts its receives into its own tensors and waits for them before
+  its next update too (the first read of them), so a round overlaps the next
+  step's forward, backward and all-reduce; its own updates keep every
+  received value current: no gradient history, no replay.
 - after the last slice every device checks the joiner's copy of each tensor
   against its sender's (`_check_stream`: a mismatch stops the job naming the
   tensor), rank 0 publishes a `stream` event, and from the next step on the
@@ -221,7 +223,8 @@ class Streaming:
         return [value for rank, value in enumerate(values) if rank not in self.stream.listeners]
 
     def _wait_stream_sends(self) -> None:
-        """Before an optimizer update: the slices sent after the last one have left this device."""
+        """Before an optimizer update: the slices posted after the last one have left this device (a
+        sender) or arrived (a listener)."""
         if self.stream_sends:
             works, self.stream_sends = self.stream_sends, []
             wait_for_transfers(works, self._peer_lost)
@@ -248,10 +251,11 @@ class Streaming:
                     operations += [dist.P2POp(dist.irecv, view, sender) for view in self._views(piece)]
         self._fault_point("stream", step)
         works = collective(lambda: dist.batch_isend_irecv(operations)) if operations else []
-        if self._listening():
-            wait_for_transfers(works, self._peer_lost)
-        else:
-            self.stream_sends += works  # an fp16 step skipped has not waited for the last round's yet
+        # Waited for before this device's next optimizer update (`_wait_stream_sends`): a sender's next
+        # write to what it sends, a listener's first read of what it receives. So a round overlaps the
+        # next step's forward, backward and all-reduce on both sides; an fp16 step that skipped its
+        # update has not waited for the last round's yet.
+        self.stream_sends += works
         stream.rounds_done += 1
         if self.recent_records:
             stream.step_times.append(float(self.recent_records[-1].get("step_time_s", 0.0)))
@@ -261,6 +265,8 @@ class Streaming:
     def _finish_stream(self, step: int) -> None:
         """Every member: the joiners' copies against their senders' (one all-reduce), then they contribute."""
         stream = self.stream
+        if self._listening():  # the last round has landed (a sender's sends only read: no wait)
+            self._wait_stream_sends()
         names = list(stream.tensors)
         sent_by = {name: set() for name in names}
         for piece in stream.plan.slices:
