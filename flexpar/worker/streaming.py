@@ -72,6 +72,7 @@ class Stream:
     step_before_s: float  # the members' median step time before the join
     rounds_done: int = 0
     step_times: list = dataclasses.field(default_factory=list)
+    skippable: bool = True  # every per-parameter state value is a tensor: a listener may skip updates
 
 
 class Streaming:
@@ -159,7 +160,7 @@ class Streaming:
         parameters = self._streamed_parameters()
         classes = [type(self.optimizer).__name__]
         cuttable = stream_plan.elementwise(classes) and all(
-            all(tensor.numel() == parameter.numel() for tensor in self._travelling(parameter))
+            all(tensor.numel() == parameter.numel() for tensor in self._travelling(parameter) if tensor.dim() > 0)
             for parameter in parameters.values()
         )
         tensors = [
@@ -174,6 +175,11 @@ class Streaming:
         plan = stream_plan.plan(tensors, senders, self._sender_bytes(), cuttable)
         steps = [record for record in self.recent_records if record.get("kind") == "step"][-5:]
         measured = sorted(float(record["step_time_s"]) for record in steps)
+        skippable = all(
+            torch.is_tensor(value)
+            for parameter in parameters.values()
+            for value in self.optimizer.state.get(parameter, {}).values()
+        )
         self.stream = Stream(
             plan,
             tuple(stock.receivers),
@@ -181,6 +187,7 @@ class Streaming:
             stock.latest_step,
             time.time(),
             measured[len(measured) // 2] if measured else 0.0,
+            skippable=skippable,
         )
         self.stream_note = (
             f"streamed to {len(stock.receivers)} listener{'s' if len(stock.receivers) > 1 else ''}: "
@@ -318,10 +325,26 @@ class Streaming:
         return {name: parameter for name, parameter in self.model.named_parameters() if parameter.requires_grad}
 
     def _travelling(self, parameter) -> list:
-        """The parameter's values, then its optimizer state's tensors (not the 0-dim scalars), by key."""
+        """The parameter's values, then its optimizer state's tensors by key (0-dim ones, such as Adam's
+        step, travel whole with every piece: a listener skips the updates of what it has not received)."""
         state = self.optimizer.state.get(parameter, {})
-        extra = [state[key] for key in sorted(state) if torch.is_tensor(state[key]) and state[key].dim() > 0]
-        return [parameter.data] + extra
+        return [parameter.data] + [state[key] for key in sorted(state) if torch.is_tensor(state[key])]
+
+    def _skip_unreceived(self) -> None:
+        """A listener's update leaves out the parameters none of whose pieces has landed yet (their
+        slices bring values, moments and step counts as of the moment they are sent): torch's
+        optimizers skip a parameter whose `.grad` is None. Saves the joiner's cores (on a shared host,
+        the members' too) the update of what it does not hold yet. Only where every per-parameter
+        state value is a tensor, so that nothing the listener skips stays behind."""
+        stream = self.stream
+        if stream is None or not self._listening() or not stream.skippable:
+            return
+        landed = {
+            item.name for piece in stream.plan.slices if piece.round < stream.rounds_done for item in piece.pieces
+        }
+        for name, parameter in stream.tensors.items():
+            if name not in landed:
+                parameter.grad = None
 
     def _views(self, piece) -> list:
         """The memory of a slice's pieces: flat element ranges, or whole tensors (not cuttable)."""
@@ -331,7 +354,7 @@ class Streaming:
             for tensor in self._travelling(parameter):
                 flat = tensor.view(-1)
                 whole = item.start == 0 and item.stop == parameter.numel()
-                views.append(flat if whole else flat[item.start : item.stop])
+                views.append(flat if whole or tensor.dim() == 0 else flat[item.start : item.stop])
         return views
 
     def _sender_bytes(self) -> int:
