@@ -43,6 +43,10 @@ def metrics_file(tmp_path):
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
+def _sigint_as_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class CommandLineJob:
     """A `flexpar run` in its own process group; its banner gives the address and the secret file.
 
@@ -70,6 +74,10 @@ class CommandLineJob:
             stderr=open(self.stderr_path, "w"),
             cwd=tmp_path,
             start_new_session=True,
+            # Ctrl-C as a terminal sends it, whoever started the suite: a shell's background job (`cmd &`)
+            # starts with SIGINT ignored, and a Python started so keeps it ignored, so the job would never
+            # see the tests' SIGINT.
+            preexec_fn=_sigint_as_default,
         )
         self.address = self.secret_file = None
 
@@ -86,7 +94,20 @@ class CommandLineJob:
         raise AssertionError("no banner within the time limit:\n" + self.stderr_path.read_text())
 
     def wait(self, timeout_s=120.0):
-        return self.process.wait(timeout=timeout_s)
+        """The driver's exit code; past the time limit, a failure that shows its stderr, with every one of
+        its threads' stacks (`flexpar run` prints them on SIGUSR1), so that a hang says where it waits."""
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            try:
+                os.kill(self.process.pid, signal.SIGUSR1)
+                time.sleep(1.0)
+            except ProcessLookupError:
+                pass
+            raise AssertionError(
+                f"the job did not end within {timeout_s} s; its stderr, then its threads' stacks:\n"
+                + self.stderr_path.read_text()[-20000:]
+            ) from None
 
     def output(self):
         return self.stdout_path.read_text(), self.stderr_path.read_text()

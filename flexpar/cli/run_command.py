@@ -8,7 +8,9 @@ script passes: flexpar/options.py's `command_line_options`).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
+import signal
 import sys
 import traceback
 import types
@@ -150,6 +152,8 @@ def _misplaced_flags(parser: argparse.ArgumentParser, script_arguments: list) ->
 
 
 def command_run(arguments) -> int:
+    # `kill -USR1 <pid>` prints every thread's stack to stderr: how to see where a job that seems stuck waits.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     script_arguments = list(arguments.script_arguments)
     if script_arguments[:1] == ["--"]:
         script_arguments = script_arguments[1:]
