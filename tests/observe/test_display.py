@@ -280,3 +280,24 @@ def test_bad_arguments_are_refused():
     display = LiveDisplay(10, force_terminal=False)
     with pytest.raises(ValueError, match="'kind'"):
         display.update({"kind": "epoch"})
+
+
+def test_a_listening_joiner_shows_as_joining_with_its_share_of_the_state(records):
+    """A streamed join: the device with 0 VWs and a `joining` share reads `joining 45%` in the panel."""
+    from rich.console import Console
+
+    step = [record for record in records if record["kind"] == "step"][-1]
+    devices = [*step["devices"], "local-9"]
+    listening = {
+        **step,
+        "devices": devices,
+        "assignment": [*step["assignment"], 0],
+        "busy_s": [*step["busy_s"], 0.0],
+        "joining": {"local-9": 0.45},
+    }
+    display = LiveDisplay(TOTAL_STEPS, console=Console(file=io.StringIO(), width=120), force_terminal=True)
+    display.update(listening)
+    table = rendered_text(display).split("recent events")[0]
+    display.close()
+    row = next(row for row in table.splitlines() if row.lstrip().startswith("local-9"))
+    assert "joining 45%" in row, row
