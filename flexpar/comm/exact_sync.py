@@ -67,11 +67,11 @@ class ExactSync:
         self.views: list = [None] * len(self.dense)
         self.bucket_of: dict = {}
         self.ranges = []  # each bucket's slice of `flat`
-        self.members: list = []  # each bucket's dense indices
+        self.bucket_indices: list = []  # each bucket's dense indices
         offset = 0
         for number, bucket in enumerate(buckets):
             start = offset
-            self.members.append([self.index_of[id(parameter)] for parameter in bucket])
+            self.bucket_indices.append([self.index_of[id(parameter)] for parameter in bucket])
             for parameter in bucket:
                 index = self.index_of[id(parameter)]
                 self.views[index] = self.flat[offset : offset + parameter.numel()].view(parameter.shape)
@@ -136,7 +136,7 @@ class ExactSync:
             self._launch(self.next_launch)
 
     def _launch(self, number: int) -> None:
-        self._zero_unwritten(self.members[number])
+        self._zero_unwritten(self.bucket_indices[number])
         start, stop, _ = self.ranges[number]
         part = self.flat[start:stop]
         self.works.append(collective(lambda: dist.all_reduce(part, async_op=True)))

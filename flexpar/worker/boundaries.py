@@ -92,7 +92,8 @@ class Boundaries:
                 )
             )
             if self.shards is not None:  # joiners receive their chunks now (no streaming: streaming.py)
-                self.stream_note = "blocking transfer: sharded optimizer state (shard_optimizer=True)"
+                sharded = "blocking transfer: sharded optimizer state (shard_optimizer=True)"
+                self.stream_note = sharded if stock.joiners else ""
                 sent = self._level_sharded(stock, rank, group, len(members), record, peer_lost)
             else:
                 sent = self._level_members(stock, rank, len(members))
@@ -164,7 +165,7 @@ class Boundaries:
         self.stream_note = ""
         if not stock.receivers:
             return 0.0
-        refusal = self._stream_refusal(stock, world_size)
+        refusal = self._stream_refusal(stock)
         if refusal is None:
             return self._level_streamed(stock, rank, world_size)
         if refusal != "not a join":

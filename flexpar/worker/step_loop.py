@@ -147,7 +147,7 @@ class StepLoop(Determinism):
                 self.shards.step()
                 self.parameters_complete = self.shard_partition.everyone_holds_everything
             else:
-                self._wait_stream_sends()  # the last slices sent from these values have left (or landed)
+                self._wait_stream_transfers()  # the last slices sent from these values have left (or landed)
                 self._skip_unreceived()  # a listener does not update what it does not hold yet
                 self.optimizer.step()
             if self.scheduler is not None:

@@ -67,7 +67,6 @@ class Stream:
     plan: stream_plan.Plan
     listeners: tuple  # ranks
     tensors: dict  # the plan's tensor name -> the parameter
-    started_step: int
     started_wall: float
     step_before_s: float  # the members' median step time before the join
     rounds_done: int = 0
@@ -79,12 +78,14 @@ class Streaming:
     """The streamed join's part of the worker (see the module docstring)."""
 
     stream: Optional[Stream] = None
-    stream_sends: list = []  # a sender's sends in flight, waited for before its next optimizer update
+    # This device's sends (a sender) or receives (a listener) in flight, waited for before its next optimizer
+    # update. A tuple: each worker replaces it, never shares it through the class.
+    stream_transfers: tuple = ()
     stream_note: str = ""  # what the join event says of the stream (or why the join was blocking)
 
     # ------------------------------------------------------------ the boundary
 
-    def _stream_refusal(self, stock, world: int) -> Optional[str]:
+    def _stream_refusal(self, stock) -> Optional[str]:
         """None if this boundary's receivers may listen while the state streams; else why not.
 
         A function of what every member holds alike (the stock, the job, the
@@ -120,7 +121,7 @@ class Streaming:
             )
         elif rank in stock.receivers:
             self._restore_small(collective(lambda: training_state.receive_state(stock.source, self.device)))
-        self._begin_stream(stock, rank, world)
+        self._begin_stream(stock, world)
         return collective(lambda: training_state.all_level(world, self.device, sent))
 
     def _small_state(self) -> dict:
@@ -155,7 +156,7 @@ class Streaming:
             self.scheduler.load_state_dict(state["scheduler"])
         self._restore_extra(state)
 
-    def _begin_stream(self, stock, rank: int, world: int) -> None:
+    def _begin_stream(self, stock, world: int) -> None:
         """Every member: the plan of the stream (the same everywhere, from the same inputs)."""
         parameters = self._streamed_parameters()
         classes = [type(self.optimizer).__name__]
@@ -184,7 +185,6 @@ class Streaming:
             plan,
             tuple(stock.receivers),
             parameters,
-            stock.latest_step,
             time.time(),
             measured[len(measured) // 2] if measured else 0.0,
             skippable=skippable,
@@ -200,7 +200,7 @@ class Streaming:
 
         Returns the sends in flight (their works keep the old group alive until it is retired).
         """
-        works, self.stream_sends = self.stream_sends, []
+        works, self.stream_transfers = list(self.stream_transfers), ()
         if self.stream is not None and self.rank in self.stream.listeners:
             self.committed = -1
         self.stream = None
@@ -229,11 +229,11 @@ class Streaming:
             return list(values)
         return [value for rank, value in enumerate(values) if rank not in self.stream.listeners]
 
-    def _wait_stream_sends(self) -> None:
+    def _wait_stream_transfers(self) -> None:
         """Before an optimizer update: the slices posted after the last one have left this device (a
         sender) or arrived (a listener)."""
-        if self.stream_sends:
-            works, self.stream_sends = self.stream_sends, []
+        if self.stream_transfers:
+            works, self.stream_transfers = list(self.stream_transfers), ()
             wait_for_transfers(works, self._peer_lost)
 
     def _stream_round(self, step: int) -> None:
@@ -258,11 +258,11 @@ class Streaming:
                     operations += [dist.P2POp(dist.irecv, view, sender) for view in self._views(piece)]
         self._fault_point("stream", step)
         works = collective(lambda: dist.batch_isend_irecv(operations)) if operations else []
-        # Waited for before this device's next optimizer update (`_wait_stream_sends`): a sender's next
+        # Waited for before this device's next optimizer update (`_wait_stream_transfers`): a sender's next
         # write to what it sends, a listener's first read of what it receives. So a round overlaps the
         # next step's forward, backward and all-reduce on both sides; an fp16 step that skipped its
         # update has not waited for the last round's yet.
-        self.stream_sends += works
+        self.stream_transfers += tuple(works)
         stream.rounds_done += 1
         if self.recent_records:
             stream.step_times.append(float(self.recent_records[-1].get("step_time_s", 0.0)))
@@ -273,7 +273,7 @@ class Streaming:
         """Every member: the joiners' copies against their senders' (one all-reduce), then they contribute."""
         stream = self.stream
         if self._listening():  # the last round has landed (a sender's sends only read: no wait)
-            self._wait_stream_sends()
+            self._wait_stream_transfers()
         names = list(stream.tensors)
         sent_by = {name: set() for name in names}
         for piece in stream.plan.slices:
@@ -361,13 +361,13 @@ class Streaming:
         """`join_stream_mb` if set, else a share of the step time at the link's rate (the same on every member)."""
         if self.settings.join_stream_mb:
             return max(1, int(self.settings.join_stream_mb * (1 << 20)))
-        step_s = self._step_before()
+        step_s = self._predicted_step_s()
         if step_s <= 0:
             return DEFAULT_SENDER_BYTES
         link = LINK_BYTES_PER_S.get(self.settings.backend, LINK_BYTES_PER_S["gloo"])
         return stream_plan.sender_bytes(link, step_s, STREAM_SHARE)
 
-    def _step_before(self) -> float:
+    def _predicted_step_s(self) -> float:
         """The balancer's predicted step time (identical on every member: shared state), 0 if unknown."""
         state = self.balance_state
         seconds = [state.seconds_per_vw.get(device, 0.0) for device in state.device_ids]
