@@ -127,6 +127,8 @@ class Boundaries:
             for kept in self.recent_records:
                 self.link.publish(kept)
             stall = max(0.0, time.time() - stock.last_commit_wall)
+            if self.stream is not None:  # the first streamed step is timed from before this stall
+                self.stream.stall_s = stall
             self._publish_generation_event(record, previous_members, stall)
 
     def _start_digest(self) -> float:

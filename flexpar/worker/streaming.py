@@ -72,6 +72,7 @@ class Stream:
     rounds_done: int = 0
     step_times: list = dataclasses.field(default_factory=list)
     skippable: bool = True  # every per-parameter state value is a tensor: a listener may skip updates
+    stall_s: float = 0.0  # the join boundary's stall (rank 0, which publishes the events)
 
 
 class Streaming:
@@ -263,9 +264,10 @@ class Streaming:
         # next step's forward, backward and all-reduce on both sides; an fp16 step that skipped its
         # update has not waited for the last round's yet.
         self.stream_transfers += tuple(works)
+        if self.recent_records:  # the first step after the boundary is timed from the commit before its stall
+            stall = stream.stall_s if stream.rounds_done == 0 else 0.0
+            stream.step_times.append(float(self.recent_records[-1].get("step_time_s", 0.0)) - stall)
         stream.rounds_done += 1
-        if self.recent_records:
-            stream.step_times.append(float(self.recent_records[-1].get("step_time_s", 0.0)))
         if stream.rounds_done == stream.plan.rounds:
             self._finish_stream(step)
 
