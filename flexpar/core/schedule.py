@@ -134,19 +134,32 @@ class ScheduleTracker:
             self._firing = sum(1 for outcome in self.outcomes if outcome.step < total_steps)
         self._next = 0
 
-    def due(self, committed: int) -> list:
+    def due(self, committed: int, on_their_way: bool = False) -> list:
         """(request_id, delta, at_step) of the entries that fire now that `committed` steps have, in order.
 
         `at_step`: a leave's step, the first its generation trains (`membership.ScaleBy.at_step`); None for a join.
+        `on_their_way`: devices are starting or warm and not admitted yet. A leave cancels those first, and
+        one may still join before the leave's step: a leave then waits for the last moment it can still
+        be exact, one step before its own (its members wait there: `hold`), or until none is on its way.
+        A join puts devices on their way: the entries stop after one, and the caller, having carried it
+        out, asks again with what is on its way now, until none is due.
         """
         fired = []
-        while self._next < self._firing and committed >= self.outcomes[self._next].fire_at:
+        while self._next < self._firing and self._fires(self.outcomes[self._next], committed, on_their_way):
             outcome = self.outcomes[self._next]
+            self._next += 1
             if outcome.status == "pending":  # not one that applied before this driver (`applied_before`)
                 outcome.status = "waiting"
-                fired.append((f"schedule-{self._next}", outcome.delta, outcome.step if outcome.delta < 0 else None))
-            self._next += 1
+                fired.append((f"schedule-{self._next - 1}", outcome.delta, outcome.step if outcome.delta < 0 else None))
+                if outcome.delta > 0:
+                    break
         return fired
+
+    @staticmethod
+    def _fires(outcome: Outcome, committed: int, on_their_way: bool) -> bool:
+        if committed < outcome.fire_at:
+            return False
+        return not (outcome.delta < 0 and on_their_way) or committed >= outcome.step - 1
 
     def applied_before(self, record: dict) -> None:
         """An event record, this run's or its predecessor's: a leave event at the step of a leave that may

@@ -324,10 +324,15 @@ class DriverLoop:
 
     def _fire_schedule(self, committed: int) -> None:
         """The schedule entries due now that `committed` steps have (a leave a few steps ahead of its step)."""
-        for request_id, delta, at_step in self.schedule.due(committed):
-            for action in self.coordinator.apply(membership.ScaleBy(delta, request_id, at_step)):
-                if isinstance(action, membership.Answer):
-                    self._report_schedule(self.schedule.answered(request_id, action))
+        while True:
+            state = self.coordinator.state  # what is on its way now, after the joins just carried out
+            fired = self.schedule.due(committed, on_their_way=bool(state.starting or state.waiting))
+            if not fired:
+                break
+            for request_id, delta, at_step in fired:
+                for action in self.coordinator.apply(membership.ScaleBy(delta, request_id, at_step)):
+                    if isinstance(action, membership.Answer):
+                        self._report_schedule(self.schedule.answered(request_id, action))
         while self.pending_speeds and committed >= self.pending_speeds[0].step:
             change = self.pending_speeds.pop(0)
             tell_devices(self.store, f"speed/local-{change.device}", str(change.speed))

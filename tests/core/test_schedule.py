@@ -64,8 +64,20 @@ def test_entries_fire_in_order_and_a_leave_behind_a_join_at_its_step_is_not_held
     assert fire_points(changes) == [3, 3, 5, 5, 18]
     tracker = ScheduleTracker(changes)
     assert tracker.hold(()) == 4  # 5:-1 fires at its step: it cannot be exact, and nobody waits for it
-    tracker.due(3)
+    assert [entry[1] for entry in tracker.due(3)] == [1]  # a join puts a device on its way: asked again
+    assert [entry[1:] for entry in tracker.due(3, on_their_way=True)] == [(-1, 4)]  # the step before its own
     assert tracker.hold(()) == 20
+
+
+def test_a_leave_waits_for_a_device_on_its_way_until_the_step_before_its_own():
+    # A leave cancels devices on their way first; one that joins before the leave's step is not
+    # cancelled 2 steps ahead, but the leave is still decided in time to be exact.
+    tracker = ScheduleTracker(parse_schedule("2:+1,6:-1,9:+1,12:-1"))
+    (join,) = tracker.due(2)
+    assert tracker.due(4, on_their_way=True) == [] and tracker.hold(()) == 6
+    assert tracker.due(5, on_their_way=True) == [("schedule-1", -1, 6)]
+    (join,) = tracker.due(9)
+    assert tracker.due(10, on_their_way=False) == [("schedule-3", -1, 12)]  # it joined: decided ahead
 
 
 def test_the_hold_stays_until_the_leave_is_published():
