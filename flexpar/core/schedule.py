@@ -105,7 +105,12 @@ class Outcome:
 
 class ScheduleTracker:
     def __init__(
-        self, schedule, after_step: int = -1, total_steps: Optional[int] = None, resumed_at: Optional[int] = None
+        self,
+        schedule,
+        after_step: int = -1,
+        total_steps: Optional[int] = None,
+        resumed_at: Optional[int] = None,
+        not_back: Sequence[str] = (),
     ) -> None:
         """`after_step`: a resumed job's committed steps; the entries at or before it are its earlier run's
         (they are not followed again). `total_steps`: the job's; an entry at or after it never fires
@@ -115,9 +120,12 @@ class ScheduleTracker:
         `resumed_at`: a re-adopted job's (a restarted driver's) step, where its devices train on;
         `after_step` is then the steps its predecessor wrote, whose joins that one fired. A leave after
         `resumed_at` has not applied, whatever the predecessor decided: the generation it published
-        ahead of the leave's step did not outlive it. A leave at `resumed_at` may have (its devices
-        crossed that boundary, or stopped at it when they lost the driver): it fires once the first
-        step of this run has committed, unless the leave event at its step arrived first (`applied_before`).
+        ahead of the leave's step did not outlive it. A leave at `resumed_at` may have: its devices
+        crossed that boundary (the leaver left; the others could not form their generation without a
+        driver: the leaver is among `not_back`, the members that did not come back), or stopped at it
+        when they lost the driver. With a member not back it counts as applied; otherwise it fires once
+        the first step of this run has committed, unless the leave event at its step arrived first
+        (`applied_before`).
         """
         ordered = sorted(schedule, key=lambda change: change.step)
         self.outcomes = []
@@ -125,8 +133,15 @@ class ScheduleTracker:
             if resumed_at is not None and change.delta < 0:
                 if change.step >= resumed_at:
                     unsure = change.step == resumed_at
-                    fire_at = max(fire_at, resumed_at + 1) if unsure else fire_at
-                    self.outcomes.append(Outcome(change.step, change.delta, fire_at, unsure=unsure))
+                    outcome = Outcome(change.step, change.delta, max(fire_at, resumed_at + 1) if unsure else fire_at)
+                    outcome.unsure = unsure
+                    if unsure and not_back:
+                        outcome.status, outcome.applied_step = "on time", outcome.step
+                        outcome.detail = (
+                            f"{outcome.label} applied at step {outcome.step}, taken as done: "
+                            f"{', '.join(not_back)} did not come back to the restarted driver"
+                        )
+                    self.outcomes.append(outcome)
             elif change.step > after_step:
                 self.outcomes.append(Outcome(change.step, change.delta, fire_at))
         self._firing = len(self.outcomes)  # entries before it may fire
@@ -154,6 +169,10 @@ class ScheduleTracker:
                 if outcome.delta > 0:
                     break
         return fired
+
+    def taken_as_done(self) -> list:
+        """The details of the leaves a re-adopted job counts as applied because a member did not come back."""
+        return [outcome.detail for outcome in self.outcomes if outcome.unsure and outcome.status != "pending"]
 
     @staticmethod
     def _fires(outcome: Outcome, committed: int, on_their_way: bool) -> bool:

@@ -107,10 +107,12 @@ class DriverLoop:
         self._acknowledged = -1  # the step the devices were last told they may forget records up to
         self.record_faults = record_faults(options.faults, resumed_from)  # tests' STEP:driver:record
         resumed_at = resumed_from if adopted else None  # where the re-adopted devices train on
+        not_back = ()  # members of the generation before the driver's loss that did not come back
         if adopted:
             resumed_from = last_step["step"] + 1 if last_step is not None else -1
+            not_back = coordinator.published[-1].adopted.not_back if coordinator.published else ()
         self.schedule = ScheduleTracker(
-            options.schedule, after_step=resumed_from, total_steps=total_steps, resumed_at=resumed_at
+            options.schedule, resumed_from, total_steps, resumed_at=resumed_at, not_back=not_back
         )
         for record in self.events_before:  # a leave its predecessor saw apply is not decided again
             self.schedule.applied_before(record)
@@ -130,6 +132,7 @@ class DriverLoop:
             )
             if not self.display.uses_rich:
                 _log_to_stderr()
+        self._report_schedule(self.schedule.taken_as_done())  # a re-adopted job's leave, inferred: said
 
     def run(self, waker: "DriverWaker" = None) -> None:
         """Until the job ends; `waker` wakes the loop when a device or a command sent something.

@@ -107,6 +107,17 @@ def test_a_restarted_driver_decides_again_the_leaves_its_predecessor_published_a
     assert tracker.summary()[0]["status"] == "on time"
 
 
+def test_a_leave_at_the_re_adopted_step_with_a_member_not_back_counts_as_applied():
+    # The members crossed step 8's boundary: the leaver left, the others found no driver to form with.
+    tracker = ScheduleTracker(parse_schedule("8:-1"), after_step=7, resumed_at=8, not_back=("local-2",))
+    assert tracker.due(9) == [] and tracker.hold(()) == NO_HOLD
+    (detail,) = tracker.taken_as_done()
+    assert detail == (
+        "scheduled -1 for step 8 applied at step 8, taken as done: local-2 did not come back to the restarted driver"
+    )
+    assert tracker.summary()[0]["status"] == "on time"
+
+
 def test_an_unsure_leave_decided_again_late_says_why():
     tracker = ScheduleTracker(parse_schedule("8:-1"), after_step=7, resumed_at=8)
     (request,) = tracker.due(9)
