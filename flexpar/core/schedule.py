@@ -171,7 +171,8 @@ class ScheduleTracker:
         return fired
 
     def taken_as_done(self) -> list:
-        """The details of the leaves a re-adopted job counts as applied because a member did not come back."""
+        """The details of the leaves at a re-adopted job's step that it counts as applied before it (a member
+        did not come back, or its metrics file holds their leave event): inferred, so said."""
         return [outcome.detail for outcome in self.outcomes if outcome.unsure and outcome.status != "pending"]
 
     @staticmethod
