@@ -25,7 +25,13 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-devices", type=int, help="the most devices the job may grow to")
     parser.add_argument("--steps", type=int, help="optimizer steps (overrides the script)")
     parser.add_argument("--epochs", type=int, help="epochs (overrides the script)")
-    parser.add_argument("--schedule", help="scripted device changes, e.g. '100:+1,200:-2'")
+    parser.add_argument(
+        "--schedule",
+        help=(
+            "scripted device changes, e.g. '100:+1,200:-2': a leave at step N takes effect at the "
+            "boundary before step N, a join once its new device is warm"
+        ),
+    )
     parser.add_argument("--emulate-speeds", help="emulated relative device speeds, e.g. '1,1,0.5,0.25'")
     parser.add_argument("--host", help="address to listen on (default 127.0.0.1, loopback only)")
     parser.add_argument("--port", type=int, help="port to listen on (default: a free one)")

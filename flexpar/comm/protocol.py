@@ -129,8 +129,8 @@ def tell_driver(store, key: str, value: str) -> None:
     wake_driver(store)
 
 
-# Devices follow a few keys: gen/latest, gen/<G>/dead, stop, finish, speed/<device> and
-# reply/<device>. Whoever writes one of them does so with `tell_devices`, which then
+# Devices follow a few keys: gen/latest, gen/<G>/dead, stop, finish, speed/<device>,
+# reply/<device> and SCHEDULE_HOLD_KEY. Whoever writes one of them does so with `tell_devices`, which then
 # bumps NOTICE_KEY: a follower reads that one counter per poll, and the keys only when
 # it moved. Reading them all at every poll took seven store round trips, 50 times a
 # second; each wakes a thread in the worker and the store's thread in the driver, and
@@ -140,6 +140,11 @@ def tell_driver(store, key: str, value: str) -> None:
 # worker/process.py, keep_freed_memory.) A follower still reads every key each FOLLOW_ALL_S,
 # so a writer that does not tell is seen late, not never.
 NOTICE_KEY = "devices/notice"
+
+# The step of the first scheduled leave the driver has not decided and published yet (-1: none),
+# a key devices follow (flexpar/core/schedule.py, ScheduleTracker.hold): at the boundary before that
+# step the members wait until it moves on, so that the leave takes effect there, whatever the step time.
+SCHEDULE_HOLD_KEY = "schedule/hold"
 
 
 def tell_devices(store, key: str, value: str) -> None:

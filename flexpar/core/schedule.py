@@ -1,12 +1,26 @@
-"""What became of each scripted device change (`--schedule 30:+1,80:-1`).
+"""What became of each scripted device change (`--schedule 30:+1,80:-1`), and when it is decided.
 
-A schedule entry fires when its step has committed; the coordinator then
-accepts it (devices start, or leave at the next boundary) or refuses it (a
-limit). An accepted join still has to wait for its new device to warm up, so
-it may apply many steps after its step; a job may even end first. Nothing of
-that may pass in silence: `ScheduleTracker` follows each entry from firing to
-the step at which the device set really changed, and says when it was late,
-refused, or never applied.
+A join fires when its step has committed; the coordinator then accepts it
+(devices start) or refuses it (a limit). An accepted join still has to wait
+for its new device to warm up, so it may apply many steps after its step; a
+job may even end first.
+
+A leave needs no warm-up (every member holds the whole state), so it is exact:
+a leave at step N takes effect at the boundary before N (its devices train
+the steps before N, not step N), whatever the step time. It fires
+`LEAVE_LEAD_STEPS` ahead of its step, and the coordinator publishes the
+generation without its devices with N as its first step (`ScaleBy.at_step`,
+`Publish.from_step`): the members go on in the current generation until then.
+Should the driver lag behind the steps, the members wait for it at that
+boundary: `ScheduleTracker.hold` is the step of the first leave not decided
+and published yet, which the driver tells the devices (protocol.SCHEDULE_HOLD_KEY).
+A leave can still land late (a join or a failure forming the device set at
+that boundary, or a join at the same step that must fire first) or early (a
+failure re-formed the device set before its step): either is reported.
+
+Nothing of that may pass in silence: `ScheduleTracker` follows each entry
+from firing to the step at which the device set really changed, and says when
+it was late, early, refused, or never applied.
 
 Pure bookkeeping (no store, no clock): the driver loop feeds it the
 coordinator's answers and the job's event records, and writes the reports it
@@ -18,10 +32,32 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-# A change fires once its step has committed, and the step in flight then
-# carries the agreement on it: it applies up to this many steps after its
-# step and still counts as on time. Later than that is reported as late.
+# A join fires once its step has committed, and its device then warms up: it applies up to
+# this many steps after its step and still counts as on time. Later is reported as late.
 ON_TIME_STEPS = 2
+
+# A leave fires once this many steps before its step have committed (the driver has seen step
+# N - 3 commit), so that its generation is usually published before the members reach step N - 1:
+# they wait at that boundary only when the driver lags further behind.
+LEAVE_LEAD_STEPS = 2
+
+# `ScheduleTracker.hold` when no leave is waiting to be decided.
+NO_HOLD = -1
+
+
+def fire_points(changes) -> list:
+    """The committed step count at which each of `changes` (in step order) fires.
+
+    A join at its step, a leave `LEAVE_LEAD_STEPS` ahead of its step, but
+    never before an earlier entry: they fire in order, since a leave may
+    cancel an earlier join's device still warming up.
+    """
+    points, earliest = [], -(10**9)
+    for change in changes:
+        own = change.step - LEAVE_LEAD_STEPS if change.delta < 0 else change.step
+        earliest = max(earliest, own)
+        points.append(earliest)
+    return points
 
 
 def device_change(previous: Sequence[str], current: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -41,7 +77,9 @@ class Outcome:
 
     step: int
     delta: int
-    status: str = "pending"  # pending, waiting (accepted, not applied yet), on time, late, refused, not applied
+    fire_at: int = 0  # the committed step count at which it fires (`fire_points`)
+    unsure: bool = False  # a leave at a re-adopted job's step: it may have applied before (`applied_before`)
+    status: str = "pending"  # pending, waiting (accepted, not applied yet), on time, late, early, refused, not applied
     applied_step: Optional[int] = None
     detail: str = ""
     devices: set = field(default_factory=set)  # devices still to come (join) or go (leave)
@@ -59,24 +97,114 @@ class Outcome:
     def label(self) -> str:
         return f"scheduled {self.delta:+d} for step {self.step}"
 
+    @property
+    def exact(self) -> bool:
+        """A leave decided before its step's boundary: it takes effect at that boundary exactly."""
+        return self.delta < 0 and self.fire_at < self.step
+
 
 class ScheduleTracker:
-    def __init__(self, schedule, after_step: int = -1) -> None:
-        """`after_step`: a resumed job's committed steps; its earlier driver fired the entries at or
-        before it (they are not followed again)."""
+    def __init__(
+        self,
+        schedule,
+        after_step: int = -1,
+        total_steps: Optional[int] = None,
+        resumed_at: Optional[int] = None,
+        not_back: Sequence[str] = (),
+    ) -> None:
+        """`after_step`: a resumed job's committed steps; the entries at or before it are its earlier run's
+        (they are not followed again). `total_steps`: the job's; an entry at or after it never fires
+        (there is no boundary before it to change the device set at) and is reported as never applied
+        when the job ends.
+
+        `resumed_at`: a re-adopted job's (a restarted driver's) step, where its devices train on;
+        `after_step` is then the steps its predecessor wrote, whose joins that one fired. A leave after
+        `resumed_at` has not applied, whatever the predecessor decided: the generation it published
+        ahead of the leave's step did not outlive it. A leave at `resumed_at` may have: its devices
+        crossed that boundary (the leaver left; the others could not form their generation without a
+        driver: the leaver is among `not_back`, the members that did not come back), or stopped at it
+        when they lost the driver. With a member not back it counts as applied; otherwise it fires once
+        the first step of this run has committed, unless the leave event at its step arrived first
+        (`applied_before`).
+        """
         ordered = sorted(schedule, key=lambda change: change.step)
-        self.outcomes = [Outcome(change.step, change.delta) for change in ordered if change.step > after_step]
+        self.outcomes = []
+        for change, fire_at in zip(ordered, fire_points(ordered)):
+            if resumed_at is not None and change.delta < 0:
+                if change.step >= resumed_at:
+                    unsure = change.step == resumed_at
+                    outcome = Outcome(change.step, change.delta, max(fire_at, resumed_at + 1) if unsure else fire_at)
+                    outcome.unsure = unsure
+                    if unsure and not_back:
+                        outcome.status, outcome.applied_step = "on time", outcome.step
+                        outcome.detail = (
+                            f"{outcome.label} applied at step {outcome.step}, taken as done: "
+                            f"{', '.join(not_back)} did not come back to the restarted driver"
+                        )
+                    self.outcomes.append(outcome)
+            elif change.step > after_step:
+                self.outcomes.append(Outcome(change.step, change.delta, fire_at))
+        self._firing = len(self.outcomes)  # entries before it may fire
+        if total_steps is not None:
+            self._firing = sum(1 for outcome in self.outcomes if outcome.step < total_steps)
         self._next = 0
 
-    def due(self, committed: int) -> list:
-        """(request_id, delta) of the entries whose step has now committed, in order."""
+    def due(self, committed: int, on_their_way: bool = False) -> list:
+        """(request_id, delta, at_step) of the entries that fire now that `committed` steps have, in order.
+
+        `at_step`: a leave's step, the first its generation trains (`membership.ScaleBy.at_step`); None for a join.
+        `on_their_way`: devices are starting or warm and not admitted yet. A leave cancels those first, and
+        one may still join before the leave's step: a leave then waits for the last moment it can still
+        be exact, one step before its own (its members wait there: `hold`), or until none is on its way.
+        A join puts devices on their way: the entries stop after one, and the caller, having carried it
+        out, asks again with what is on its way now, until none is due.
+        """
         fired = []
-        while self._next < len(self.outcomes) and committed >= self.outcomes[self._next].step:
+        while self._next < self._firing and self._fires(self.outcomes[self._next], committed, on_their_way):
             outcome = self.outcomes[self._next]
-            outcome.status = "waiting"
-            fired.append((f"schedule-{self._next}", outcome.delta))
             self._next += 1
+            if outcome.status == "pending":  # not one that applied before this driver (`applied_before`)
+                outcome.status = "waiting"
+                fired.append((f"schedule-{self._next - 1}", outcome.delta, outcome.step if outcome.delta < 0 else None))
+                if outcome.delta > 0:
+                    break
         return fired
+
+    def taken_as_done(self) -> list:
+        """The details of the leaves at a re-adopted job's step that it counts as applied before it (a member
+        did not come back, or its metrics file holds their leave event): inferred, so said."""
+        return [outcome.detail for outcome in self.outcomes if outcome.unsure and outcome.status != "pending"]
+
+    @staticmethod
+    def _fires(outcome: Outcome, committed: int, on_their_way: bool) -> bool:
+        if committed < outcome.fire_at:
+            return False
+        return not (outcome.delta < 0 and on_their_way) or committed >= outcome.step - 1
+
+    def applied_before(self, record: dict) -> None:
+        """An event record, this run's or its predecessor's: a leave event at the step of a leave that may
+        have applied before this driver (`resumed_at`) says it did; it does not fire again."""
+        if record.get("event") != "leave":
+            return
+        for outcome in self.outcomes:
+            if outcome.unsure and outcome.status == "pending" and outcome.step == record["step"]:
+                outcome.status, outcome.applied_step = "on time", outcome.step
+                outcome.detail = f"{outcome.label} applied at step {outcome.step}, before the driver was restarted"
+
+    def hold(self, leaving: Sequence[str]) -> int:
+        """The step of the first exact leave not decided and published yet (`NO_HOLD`: none).
+
+        `leaving`: the members the coordinator will drop at its next generation, not published yet
+        (`Membership.leaving`). The members wait at the boundary before that step until it moves on,
+        so that the leave takes effect there whatever the step time.
+        """
+        pending = set(leaving)
+        for outcome in self.outcomes[: self._firing]:
+            if not outcome.exact:
+                continue
+            if outcome.status == "pending" or (outcome.status == "waiting" and outcome.devices & pending):
+                return outcome.step
+        return NO_HOLD
 
     def answered(self, request_id: str, answer) -> list:
         """The coordinator's `membership.Answer` to a fired entry; returns report lines (refusals)."""
@@ -103,6 +231,7 @@ class ScheduleTracker:
 
     def observed(self, previous_devices, record: dict) -> list:
         """An event record changed the device set: returns report lines for entries that applied late."""
+        self.applied_before(record)
         added, removed = device_change(previous_devices, record["devices"])
         reports = []
         for outcome in self.outcomes:
@@ -112,21 +241,9 @@ class ScheduleTracker:
             if outcome.devices:
                 continue
             outcome.applied_step = record["step"]
-            late = outcome.applied_step - outcome.step
-            if late <= ON_TIME_STEPS:
-                outcome.status = "on time"
-                outcome.detail = f"{outcome.label} applied at step {outcome.applied_step}"
-            else:
-                outcome.status = "late"
-                # A leave fires once the driver has seen its step commit; steps faster than that
-                # view (a few ms of polling per record) move on before it reaches a boundary.
-                why = (
-                    " (the new device was warming up)"
-                    if outcome.delta > 0
-                    else " (the steps ran on before the driver's request reached a step boundary)"
-                )
-                outcome.detail = f"{outcome.label} applied at step {outcome.applied_step}, {late} steps late{why}"
-                reports.append(outcome.detail)
+            report = _timeliness(outcome)
+            if report:
+                reports.append(report)
         return reports
 
     def ended(self, final_step: int) -> list:
@@ -146,3 +263,31 @@ class ScheduleTracker:
 
     def summary(self) -> list:
         return [outcome.as_dict() for outcome in self.outcomes]
+
+
+def _timeliness(outcome: Outcome) -> str:
+    """Sets an applied entry's status and detail; returns the detail when it is to be reported."""
+    off = outcome.applied_step - outcome.step
+    slack = ON_TIME_STEPS if outcome.delta > 0 else 0  # a leave is exact; a join waits for its warm-up
+    if 0 <= off <= slack or (off < 0 and outcome.delta > 0):
+        outcome.status = "on time"
+        outcome.detail = f"{outcome.label} applied at step {outcome.applied_step}"
+        return ""
+    if off < 0:
+        outcome.status = "early"
+        outcome.detail = (
+            f"{outcome.label} applied at step {outcome.applied_step}, {-off} steps early "
+            "(a failure re-formed the device set before its step)"
+        )
+        return outcome.detail
+    outcome.status = "late"
+    if outcome.delta > 0:
+        why = "the new device was warming up"
+    elif outcome.unsure:
+        why = "the driver was restarted at its step, and its predecessor's decision did not outlive it"
+    elif not outcome.exact:
+        why = "an earlier entry at its step fired first, so it could not be decided ahead of its step"
+    else:
+        why = "another change of the device set was still forming at its step boundary"
+    outcome.detail = f"{outcome.label} applied at step {outcome.applied_step}, {off} steps late ({why})"
+    return outcome.detail

@@ -349,6 +349,8 @@ class Coordinator:
                     device: self.digest_times[device] for device in action.joined if device in self.digest_times
                 },
             }
+            if action.from_step is not None:  # a scheduled leave: the members train the steps before it first
+                record["from_step"] = action.from_step
             if action.adopted is not None:  # the first generation of a re-adopted job
                 record["adopted"] = dataclasses.asdict(action.adopted)
                 record["restore"] = action.restore

@@ -17,7 +17,13 @@ import time
 
 from flexpar.callbacks import Dispatcher
 from flexpar.comm.channel import Channel
-from flexpar.comm.protocol import ACKNOWLEDGED_KEY, DRIVER_NOTICE_KEY, DRIVER_WAKE_KEY, tell_devices
+from flexpar.comm.protocol import (
+    ACKNOWLEDGED_KEY,
+    DRIVER_NOTICE_KEY,
+    DRIVER_WAKE_KEY,
+    SCHEDULE_HOLD_KEY,
+    tell_devices,
+)
 from flexpar.comm.store import connect
 from flexpar.core import delivery, membership
 from flexpar.core import ledger as sample_ledger
@@ -85,11 +91,13 @@ class DriverLoop:
         last_step = None
         self.delivery = delivery.Delivery()
         self.ledger_steps: set = set()  # steps the ledger file holds (a resumed job's earlier ones)
+        self.events_before: list = []  # a resumed job's event records in its metrics file
         if self.resumed:  # the metrics file goes on where the job's earlier driver stopped
             started, last_step, records = resume_point(metrics_path)
             self.started = started if started is not None else self.started
             self.delivery = delivery.Delivery.of_records(records)
             self.evals = [record for record in records if record["kind"] == "eval"]
+            self.events_before = [record for record in records if record["kind"] == "event"]
             if last_step is not None:
                 self.steps.append(last_step)
                 self.devices, self.generation = list(last_step["devices"]), last_step["generation"]
@@ -98,9 +106,18 @@ class DriverLoop:
                 self.ledger_steps = set(sample_ledger.read(ledger_path))
         self._acknowledged = -1  # the step the devices were last told they may forget records up to
         self.record_faults = record_faults(options.faults, resumed_from)  # tests' STEP:driver:record
+        resumed_at = resumed_from if adopted else None  # where the re-adopted devices train on
+        not_back = ()  # members of the generation before the driver's loss that did not come back
         if adopted:
             resumed_from = last_step["step"] + 1 if last_step is not None else -1
-        self.schedule = ScheduleTracker(options.schedule, after_step=resumed_from)
+            not_back = coordinator.published[-1].adopted.not_back if coordinator.published else ()
+        self.schedule = ScheduleTracker(
+            options.schedule, resumed_from, total_steps, resumed_at=resumed_at, not_back=not_back
+        )
+        for record in self.events_before:  # a leave its predecessor saw apply is not decided again
+            self.schedule.applied_before(record)
+        self._hold = None  # the SCHEDULE_HOLD_KEY last told to the devices
+        self._tell_hold()  # before any generation forms: the members know where to wait from the start
         # The first step this run writes. A job resumed from a checkpoint into a fresh metrics file (a
         # requeued SLURM job's new run directory) gets the checkpoint's kept records of earlier steps
         # from its rank 0 too: they are the earlier run's, in its own file. Into the job's own file,
@@ -115,6 +132,7 @@ class DriverLoop:
             )
             if not self.display.uses_rich:
                 _log_to_stderr()
+        self._report_schedule(self.schedule.taken_as_done())  # a re-adopted job's leave, inferred: said
 
     def run(self, waker: "DriverWaker" = None) -> None:
         """Until the job ends; `waker` wakes the loop when a device or a command sent something.
@@ -136,6 +154,7 @@ class DriverLoop:
                 self.coordinator.step(receive=read)
                 if read:
                     self._relay_metrics()
+                self._tell_hold()  # a scheduled leave fired, or its generation was published
                 # Once rank 0 ended (membership.Finished, then its exit), "done" is read at once: rank 0 wrote
                 # it before it exited, whether or not the notice counter was read after that.
                 gone = self.coordinator.state.rank_0_gone
@@ -218,18 +237,24 @@ class DriverLoop:
                 self._fire_schedule(record["step"] + 1)
             elif record["kind"] == "eval":
                 self._relay_eval(record, new)
-            elif new:
-                self.delivery.add(record)
-                previous = list(self.devices)
-                self.events.append(record)
-                self._emit(record)
-                self._notify("on_event", record)
-                if record["event"] in DEVICE_SET_EVENTS:
-                    self._report_schedule(self.schedule.observed(previous, record))
+            else:
+                if new:
+                    self._relay_event(record)
+                # An event's step is the committed step count: a leave at step 1 fires at the start.
+                self._fire_schedule(record["step"])
         acknowledged = self.delivery.acknowledged()
         if acknowledged > self._acknowledged:  # the devices may forget what they kept up to it (core.delivery)
             self.store.set(ACKNOWLEDGED_KEY, str(acknowledged))
             self._acknowledged = acknowledged
+
+    def _relay_event(self, record: dict) -> None:
+        self.delivery.add(record)
+        previous = list(self.devices)
+        self.events.append(record)
+        self._emit(record)
+        self._notify("on_event", record)
+        if record["event"] in DEVICE_SET_EVENTS:
+            self._report_schedule(self.schedule.observed(previous, record))
 
     def _relay_step(self, record: dict) -> None:
         """A step record not delivered before: ledger, metrics file, display, callbacks, status."""
@@ -302,13 +327,26 @@ class DriverLoop:
             self.display.update(record)
 
     def _fire_schedule(self, committed: int) -> None:
-        for request_id, delta in self.schedule.due(committed):
-            for action in self.coordinator.apply(membership.ScaleBy(delta, request_id)):
-                if isinstance(action, membership.Answer):
-                    self._report_schedule(self.schedule.answered(request_id, action))
+        """The schedule entries due now that `committed` steps have (a leave a few steps ahead of its step)."""
+        while True:
+            state = self.coordinator.state  # what is on its way now, after the joins just carried out
+            fired = self.schedule.due(committed, on_their_way=bool(state.starting or state.waiting))
+            if not fired:
+                break
+            for request_id, delta, at_step in fired:
+                for action in self.coordinator.apply(membership.ScaleBy(delta, request_id, at_step)):
+                    if isinstance(action, membership.Answer):
+                        self._report_schedule(self.schedule.answered(request_id, action))
         while self.pending_speeds and committed >= self.pending_speeds[0].step:
             change = self.pending_speeds.pop(0)
             tell_devices(self.store, f"speed/local-{change.device}", str(change.speed))
+
+    def _tell_hold(self) -> None:
+        """Tell the devices where the next scheduled leave not published yet takes effect (they wait there)."""
+        hold = self.schedule.hold(self.coordinator.state.leaving)
+        if hold != self._hold:  # after the generation it waited for: publishing came first (device_link)
+            tell_devices(self.store, SCHEDULE_HOLD_KEY, str(hold))
+            self._hold = hold
 
     def _report_schedule(self, lines: list) -> None:
         """A schedule entry was late, refused or never applied: log, metrics file, summary."""

@@ -24,7 +24,16 @@ from typing import Optional
 import torch.distributed as dist
 
 from flexpar.comm.channel import Channel
-from flexpar.comm.protocol import ACKNOWLEDGED_KEY, DRIVER_KEY, NOTICE_KEY, adopt_proof, get_json, has, meet
+from flexpar.comm.protocol import (
+    ACKNOWLEDGED_KEY,
+    DRIVER_KEY,
+    NOTICE_KEY,
+    SCHEDULE_HOLD_KEY,
+    adopt_proof,
+    get_json,
+    has,
+    meet,
+)
 from flexpar.comm.store import connect, reconnect
 
 
@@ -86,6 +95,9 @@ class DeviceLink:
         self.speed: Optional[float] = None  # emulated speed set by the driver, if any
         self.acknowledged = -1  # the step up to which the driver delivered every record (core.delivery)
         self.dead_members: frozenset = frozenset()  # peers of the latest generation known dead
+        # The step of the first scheduled leave the driver has not published yet (-1: none): the members
+        # wait for it at the boundary before that step (`await_scheduled_leave`).
+        self.schedule_hold = -1
         self.finish_reason: Optional[str] = None  # the driver asked to stop after the step in flight
         self.driver_lost = False  # the store (and so the driver) is gone, until `rejoin`
         self.lost_at: Optional[float] = None  # wall clock: when this device noticed it
@@ -265,7 +277,7 @@ class DeviceLink:
         except RuntimeError as error:
             raise DriverLost(f"the restarted driver went again ({error})") from None
         self.store, self.events = store, Channel(store, "events")
-        self.finish_reason, self.dead_members = None, frozenset()
+        self.finish_reason, self.dead_members, self.schedule_hold = None, frozenset(), -1
         # Before the follower sends again: records queued for the lost driver would reach the new one
         # ahead of those sent to the lost one and never read, which rank 0 sends again at the re-adopted
         # generation's boundary with every record it keeps, in order (flexpar.core.delivery).
@@ -283,8 +295,12 @@ class DeviceLink:
 
     def _read_followed(self, store) -> None:
         """Read the keys this device follows (written with `tell_devices`)."""
+        # The hold before the generation: the driver publishes a leave's generation before it moves the
+        # hold past its step, so a hold read as moved comes with that generation (`await_scheduled_leave`).
+        hold = int(store.get(SCHEDULE_HOLD_KEY)) if has(store, SCHEDULE_HOLD_KEY) else -1
         if has(store, "gen/latest"):
             self.latest_generation = int(store.get("gen/latest"))
+        self.schedule_hold = hold
         dead_key = f"gen/{self.latest_generation}/dead"
         if has(store, dead_key):
             self.dead_members = frozenset(get_json(store, dead_key))
@@ -382,6 +398,39 @@ class DeviceLink:
             if has(self.store, "finish"):
                 self.finish_reason = self.store.get("finish").decode()
         return self.finish_reason
+
+    def await_scheduled_leave(self, next_step: int, generation: int, members, poll_s: float = 0.001) -> int:
+        """(Main thread, before its step's statistics) Wait until the driver has published the generation of
+        a scheduled leave that takes effect at `next_step`, if one is due there and not published yet.
+
+        Returns the newest generation this read (0: none read): the step's statistics carry at least it,
+        so that every member moves to it at this boundary. Waits only while the driver owes that
+        generation (SCHEDULE_HOLD_KEY is `next_step`) and nothing else decides this boundary first: a
+        newer generation (another change forming here; the leave then lands late), a dead peer, a stop
+        or finish, a reply, a SIGTERM to this device, or a lost driver.
+        """
+        latest = 0
+        if self.schedule_hold < 0 or self.schedule_hold > next_step:  # the follower's view: nothing owed
+            return latest
+        while not (
+            self.reply is not None
+            or self.stop_reason is not None
+            or self.finish_reason is not None
+            or self.driver_lost
+            or self.leave_requested_at is not None
+            or self._closing.is_set()
+            or self.lost_among(generation, members)
+        ):
+            try:  # read here, not by the follower, whose polls are 20 ms apart: the members wait meanwhile
+                hold = int(self.store.get(SCHEDULE_HOLD_KEY)) if has(self.store, SCHEDULE_HOLD_KEY) else -1
+                latest = int(self.store.get("gen/latest")) if has(self.store, "gen/latest") else 0
+            except RuntimeError:
+                self.note_lost()  # the step's statistics say so; the members stop together
+                break
+            if hold != next_step or latest > generation:
+                break
+            time.sleep(poll_s)
+        return latest
 
     def lost_among(self, generation: int, devices) -> Optional[str]:
         """One of `devices` that the coordinator says died in `generation` (the newest it published), if any."""

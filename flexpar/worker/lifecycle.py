@@ -197,6 +197,7 @@ class Worker(
         # Faults aimed at the driver (STEP:driver:PHASE): fired by the device that is rank 0 there.
         self.driver_faults = {(int(fault[0]), fault[2]) for fault in self.settings.faults if fault[1] == "driver"}
         self._step_in_flight: Optional[int] = None  # the step this device computes, until it commits
+        self._generation_records: dict = {}  # a published generation's record the members move to later
         self._warmup_s: Optional[float] = None  # set once warm
 
     def _peer_lost(self) -> Optional[str]:

@@ -89,7 +89,7 @@ class StepLoop(Determinism):
             # generation: every member commits this step, then stops.
             stopping = float(summed[slots.stop]) > 0
             target = int(max(summed[slots.seen].tolist()))
-            upcoming = (target, self.link.generation(target)) if target > self.generation and not stopping else None
+            upcoming = self._upcoming(target, step) if target > self.generation and not stopping else None
             if upcoming is not None and self._skips_last_update(upcoming[1]):
                 return upcoming
             pending = (step, summed, assignment, sets if self.cost_planner is not None else None)
@@ -121,6 +121,20 @@ class StepLoop(Determinism):
         """This step's VWs per member: the balancer's split among the contributors, listeners at 0."""
         contributors = self._contributors()
         return self._with_listeners(balance.next_assignment(self.balance_state, contributors, self.job.virtual_workers))
+
+    def _upcoming(self, target: int, step: int) -> Optional[tuple]:
+        """(target, its record) if the members move to generation `target` after `step`, else None.
+
+        A scheduled leave's generation is published ahead of its first step (its record's
+        `from_step`): the members train on in this one until the boundary before that step. Every
+        member decides alike: the same `target` (the step's statistics), record and step.
+        """
+        record = self._generation_records.get(target)
+        if record is None:
+            record = self.link.generation(target)
+            self._generation_records = {target: record}  # only the newest is asked for again
+        from_step = record.get("from_step")
+        return (target, record) if from_step is None or step + 1 >= from_step else None
 
     def _commit_step(self, step: int, summed: torch.Tensor, assignment: tuple, sets) -> str:
         """Apply step `step` from its summed gradient (in `.grad`) and statistics, and commit it.
@@ -258,6 +272,7 @@ class StepLoop(Determinism):
         scale = self.scaler.scale if self.scaler is not None else 1.0
         pairs, count, first_kind = 0, 0.0, None
         last = virtual_workers[-1] if len(virtual_workers) else None  # a listening joiner runs none
+        published = 0  # a scheduled leave's generation, read before the last VW (await_scheduled_leave)
         for virtual_worker in virtual_workers:
             started = time.perf_counter()
             batch = _to_device(self.loader.batch(step, virtual_worker), self.device)
@@ -267,6 +282,9 @@ class StepLoop(Determinism):
                 ledger[self.loader.loaded_indices] += 1.0
             self._seed_model_randomness(batching.virtual_worker_seed(job.seed, step, virtual_worker))
             if virtual_worker == last:  # send buckets as they fill
+                # Before any bucket is sent (nobody waits in a collective meanwhile): a leave scheduled
+                # for the next step takes effect at this boundary once the driver has published it.
+                published = self.link.await_scheduled_leave(step + 1, self.generation, self.members)
                 exact.arm(world) if exact is not None else self.sync.arm()
             self._fault_point("forward", step)
             with recipes.autocast(job, self.device.type):
@@ -309,7 +327,7 @@ class StepLoop(Determinism):
         stats = torch.zeros(slots.size + buffers.numel(), dtype=torch.float64)
         stats[slots.buffers] = buffers
         stats[slots.busy.start + self.rank] = busy
-        stats[slots.seen.start + self.rank] = self.link.latest_generation
+        stats[slots.seen.start + self.rank] = max(self.link.latest_generation, published)
         stats[slots.loss] = loss_sum
         stats[slots.bad.start + self.rank] = first_bad
         stats[slots.stop] = 1.0 if (self.link.finish_reason is not None or self.link.driver_lost) else 0.0

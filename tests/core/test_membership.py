@@ -61,6 +61,44 @@ def test_planned_leave_drops_the_newest_member():
     assert _published(actions)[0].left == ("local-2",)
 
 
+def test_a_scheduled_leave_publishes_its_generation_from_its_step():
+    # Decided ahead of its step: the generation says where it starts; the members train on until then.
+    state = _started(initial=3)
+    state, actions = _run(state, ms.ScaleBy(-1, "schedule-0", at_step=7))
+    (published,) = _published(actions)
+    assert (published.members, published.left, published.from_step) == (("local-0", "local-1"), ("local-2",), 7)
+    assert state.leaving_from is None
+
+
+def test_an_unscheduled_leave_takes_effect_at_the_next_boundary():
+    state = _started(initial=3)
+    state, actions = _run(state, ms.ScaleBy(-1, "scale-1"))
+    assert _published(actions)[0].from_step is None
+
+
+def test_a_scheduled_leave_decided_while_a_join_forms_keeps_its_step():
+    state = _started()
+    state, actions = _run(state, ms.ScaleBy(1), ms.Ready("local-2"))
+    assert _published(actions)[0].from_step is None  # the join: at the next boundary, as always
+    state, actions = _run(state, ms.ScaleBy(-1, "schedule-1", at_step=9))
+    assert not _published(actions) and state.leaving == ("local-2",) and state.leaving_from == 9
+    state, actions = _run(state, *[ms.Formed(d, 2) for d in ("local-0", "local-1", "local-2")])
+    assert [(p.left, p.from_step) for p in _published(actions)] == [(("local-2",), 9)]
+
+
+def test_a_failure_publishes_at_once_whatever_a_scheduled_leave_waits_for():
+    state = _started(initial=3)
+    state, actions = _run(state, ms.ScaleBy(1), ms.Ready("local-3"))  # generation 2 forming: the leave waits
+    state, _ = _run(state, ms.ScaleBy(-1, "schedule-0", at_step=12))
+    state, actions = _run(
+        state,
+        ms.Exited("local-1", 1.0),
+        *[ms.FailureReported(d, 2, 1.0) for d in ("local-0", "local-2", "local-3")],
+    )
+    (published,) = _published(actions)
+    assert published.failed == ("local-1",) and published.from_step is None and state.leaving_from is None
+
+
 def test_leave_cancels_devices_still_starting_first():
     state = _started()
     state, actions = _run(state, ms.ScaleBy(1), ms.ScaleBy(-1))

@@ -5,7 +5,7 @@ import json
 import pieces
 
 from flexpar.core import membership as ms
-from flexpar.core.schedule import ON_TIME_STEPS, ScheduleTracker
+from flexpar.core.schedule import LEAVE_LEAD_STEPS, NO_HOLD, ON_TIME_STEPS, ScheduleTracker, fire_points
 from flexpar.options import parse_schedule
 
 
@@ -23,13 +23,109 @@ def test_a_late_join_is_reported_with_the_step_it_applied():
     assert tracker.summary() == [{"step": 30, "delta": 1, "status": "late", "applied_step": 154, "detail": report}]
 
 
-def test_a_change_within_the_boundary_slack_is_on_time():
-    tracker = ScheduleTracker(parse_schedule("10:-1"))
+def test_a_join_within_the_boundary_slack_is_on_time():
+    tracker = ScheduleTracker(parse_schedule("10:+1"))
     (request,) = tracker.due(10)
-    tracker.answered(request[0], ms.Answer(request[0], True, "", 1, leaving=("local-1",)))
-    leave = {"kind": "event", "event": "leave", "step": 10 + ON_TIME_STEPS, "devices": ["local-0"]}
-    assert tracker.observed(["local-0", "local-1"], leave) == []
+    tracker.answered(request[0], ms.Answer(request[0], True, "", 3, started=("local-2",)))
+    join = _event(10 + ON_TIME_STEPS, ["local-0", "local-1", "local-2"])
+    assert tracker.observed(["local-0", "local-1"], join) == []
     assert tracker.summary()[0]["status"] == "on time"
+
+
+def _leave(step, devices):
+    return {"kind": "event", "event": "leave", "step": step, "devices": list(devices)}
+
+
+def test_a_leave_fires_ahead_of_its_step_and_is_on_time_only_at_it():
+    tracker = ScheduleTracker(parse_schedule("10:-1"))
+    assert tracker.due(10 - LEAVE_LEAD_STEPS - 1) == []
+    (request,) = tracker.due(10 - LEAVE_LEAD_STEPS)
+    assert request == ("schedule-0", -1, 10)  # the step its generation starts at
+    tracker.answered(request[0], ms.Answer(request[0], True, "", 1, leaving=("local-1",)))
+    assert tracker.observed(["local-0", "local-1"], _leave(10, ["local-0"])) == []
+    assert tracker.summary()[0]["status"] == "on time"
+
+
+def test_a_leave_one_step_late_or_early_is_reported():
+    late, early = ScheduleTracker(parse_schedule("10:-1")), ScheduleTracker(parse_schedule("10:-1"))
+    for tracker, step in ((late, 11), (early, 7)):
+        (request,) = tracker.due(8)
+        tracker.answered(request[0], ms.Answer(request[0], True, "", 1, leaving=("local-1",)))
+        (report,) = tracker.observed(["local-0", "local-1"], _leave(step, ["local-0"]))
+        assert report == tracker.summary()[0]["detail"]
+    assert "applied at step 11, 1 steps late (another change" in late.summary()[0]["detail"]
+    assert "applied at step 7, 3 steps early (a failure" in early.summary()[0]["detail"]
+    assert [late.summary()[0]["status"], early.summary()[0]["status"]] == ["late", "early"]
+
+
+def test_entries_fire_in_order_and_a_leave_behind_a_join_at_its_step_is_not_held():
+    # A leave may cancel an earlier join's device: it never fires before it.
+    changes = parse_schedule("3:+1,4:-1,5:+1,5:-1,20:-1")
+    assert fire_points(changes) == [3, 3, 5, 5, 18]
+    tracker = ScheduleTracker(changes)
+    assert tracker.hold(()) == 4  # 5:-1 fires at its step: it cannot be exact, and nobody waits for it
+    assert [entry[1] for entry in tracker.due(3)] == [1]  # a join puts a device on its way: asked again
+    assert [entry[1:] for entry in tracker.due(3, on_their_way=True)] == [(-1, 4)]  # the step before its own
+    assert tracker.hold(()) == 20
+
+
+def test_a_leave_waits_for_a_device_on_its_way_until_the_step_before_its_own():
+    # A leave cancels devices on their way first; one that joins before the leave's step is not
+    # cancelled 2 steps ahead, but the leave is still decided in time to be exact.
+    tracker = ScheduleTracker(parse_schedule("2:+1,6:-1,9:+1,12:-1"))
+    (join,) = tracker.due(2)
+    assert tracker.due(4, on_their_way=True) == [] and tracker.hold(()) == 6
+    assert tracker.due(5, on_their_way=True) == [("schedule-1", -1, 6)]
+    (join,) = tracker.due(9)
+    assert tracker.due(10, on_their_way=False) == [("schedule-3", -1, 12)]  # it joined: decided ahead
+
+
+def test_the_hold_stays_until_the_leave_is_published():
+    tracker = ScheduleTracker(parse_schedule("6:-1,9:-1"), total_steps=9)
+    assert tracker.hold(()) == 6
+    (request,) = tracker.due(4)
+    tracker.answered(request[0], ms.Answer(request[0], True, "", 2, leaving=("local-2",)))
+    assert tracker.hold(("local-2",)) == 6  # decided, not published: the coordinator's `leaving` holds it
+    assert tracker.hold(()) == NO_HOLD  # published; 9:-1 is the job's end: it never fires, nobody waits
+    assert tracker.due(8) == []
+    assert tracker.ended(9)[-1] == "scheduled -1 for step 9 never applied: the job ended at step 9 first"
+
+
+def test_a_restarted_driver_decides_again_the_leaves_its_predecessor_published_ahead():
+    # Its predecessor wrote steps up to 6 and decided 8:-1 and 9:-1 ahead (gone with it); the re-adopted
+    # devices train on from step 8. 7:+1 it fired; 8:-1 may have applied (the devices crossed step 8's
+    # boundary, or stopped there): decided once step 8 has committed, unless its leave event came first.
+    changes = parse_schedule("5:-1,7:+1,8:-1,9:-1,12:+1")
+    tracker = ScheduleTracker(changes, after_step=7, resumed_at=8)
+    assert [(o["step"], o["delta"]) for o in tracker.summary()] == [(8, -1), (9, -1), (12, 1)]
+    assert tracker.due(8) == [] and tracker.hold(()) == 9  # 8:-1 cannot be exact any more
+    assert tracker.due(9) == [("schedule-0", -1, 8), ("schedule-1", -1, 9)]
+
+    tracker = ScheduleTracker(changes, after_step=7, resumed_at=8)
+    tracker.applied_before({"kind": "event", "event": "leave", "step": 8, "devices": ["local-0"]})
+    assert tracker.due(9) == [("schedule-1", -1, 9)]
+    assert tracker.summary()[0]["status"] == "on time"
+
+
+def test_a_leave_at_the_re_adopted_step_with_a_member_not_back_counts_as_applied():
+    # The members crossed step 8's boundary: the leaver left, the others found no driver to form with.
+    tracker = ScheduleTracker(parse_schedule("8:-1"), after_step=7, resumed_at=8, not_back=("local-2",))
+    assert tracker.due(9) == [] and tracker.hold(()) == NO_HOLD
+    (detail,) = tracker.taken_as_done()
+    assert detail == (
+        "scheduled -1 for step 8 applied at step 8, taken as done: local-2 did not come back to the restarted driver"
+    )
+    assert tracker.summary()[0]["status"] == "on time"
+
+
+def test_an_unsure_leave_decided_again_late_says_why():
+    tracker = ScheduleTracker(parse_schedule("8:-1"), after_step=7, resumed_at=8)
+    (request,) = tracker.due(9)
+    tracker.answered(request[0], ms.Answer(request[0], True, "", 1, leaving=("local-1",)))
+    (report,) = tracker.observed(["local-0", "local-1"], _leave(10, ["local-0"]))
+    assert report.endswith(
+        "2 steps late (the driver was restarted at its step, and its predecessor's decision did not outlive it)"
+    )
 
 
 def test_refused_and_never_applied_changes_are_reported():
@@ -51,7 +147,7 @@ def test_a_leave_that_cancels_a_warming_joiner_says_so():
     tracker = ScheduleTracker(parse_schedule("30:+1,80:-1"))
     (join,) = tracker.due(30)
     tracker.answered(join[0], ms.Answer(join[0], True, "", 3, started=("local-2",)))
-    (leave,) = tracker.due(80)
+    (leave,) = tracker.due(80 - LEAVE_LEAD_STEPS)
     (report,) = tracker.answered(leave[0], ms.Answer(leave[0], True, "", 2, cancelled=("local-2",)))
     assert "scheduled +1 for step 30 never applied: local-2 was still warming up" in report
     assert [o["status"] for o in tracker.summary()] == ["not applied", "on time"]
@@ -73,3 +169,26 @@ def test_a_late_scheduled_join_reaches_the_log_the_metrics_file_and_the_summary(
     assert outcome["detail"] in [e["detail"] for e in summary["events"]]
     assert outcome["detail"] in caplog.text
     pieces.assert_same_parameters(model, pieces.reference(job, 150), atol=1e-6)
+
+
+def test_a_scheduled_leave_takes_effect_exactly_at_its_step(train, metrics_file):
+    # Steps of a few milliseconds: the driver sees each step's record some steps after it committed,
+    # which made a leave land at step 8 or 9. The leaver's last step is 4; the generation without it
+    # trains from step 5 on, and nothing is reported.
+    job = pieces.make_job()
+    model, summary = train(job, steps=8, devices=2, schedule="5:-1")
+    assert summary["schedule"] == [
+        {
+            "step": 5,
+            "delta": -1,
+            "status": "on time",
+            "applied_step": 5,
+            "detail": "scheduled -1 for step 5 applied at step 5",
+        }
+    ]
+    records = [json.loads(line) for line in open(metrics_file)]
+    devices_by_step = {r["step"]: r["devices"] for r in records if r["kind"] == "step"}
+    assert [len(devices_by_step[step]) for step in range(8)] == [2] * 5 + [1] * 3
+    events = [(r["event"], r["step"]) for r in records if r["kind"] == "event" and r["event"] != "rebalance"]
+    assert events == [("start", 0), ("leave", 5)]
+    pieces.assert_same_parameters(model, pieces.reference(job, 8), atol=1e-6)

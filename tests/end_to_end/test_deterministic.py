@@ -75,9 +75,12 @@ def test_the_float_sums_differ_where_exact_sums_agree(train, tmp_path):
 
 
 def test_join_leave_and_kill_keep_the_bits(train, tmp_path):
-    """+1 at step 2, -1 at step 4, kill -9 of local-1 during step 6's backward, against one device."""
+    """+1 at step 2, -1 at step 5, kill -9 of local-1 during step 7's backward, against one device.
+
+    The leave is decided at step 4 at the latest (one step before its own, to be exact): a joiner still
+    on its way then is cancelled. Its step leaves the joiner the two steps it had when leaves came late."""
     job = _mlp_job(delay_s=0.02)
-    steps = 9
+    steps = 10
     reference = _run(train, tmp_path, "one", job, steps, devices=1)
     elastic = _run(
         train,
@@ -86,8 +89,8 @@ def test_join_leave_and_kill_keep_the_bits(train, tmp_path):
         job,
         steps,
         devices=2,
-        schedule="2:+1,4:-1",
-        faults="6:local-1:backward",
+        schedule="2:+1,5:-1",
+        faults="7:local-1:backward",
         max_devices=3,
     )
     counts = [len(record["devices"]) for record in elastic[3]]

@@ -46,8 +46,9 @@ class Calls(flexpar.Callback):
 # them to notice; nobody wrote step 30's record). The faults are 6 steps apart, and 10 steps are left
 # after the last: a loaded host's devices may train a few steps before they notice a loss (a fault due
 # meanwhile would hit a dead driver; a job that ended meanwhile leaves one device waiting, not two).
-# The leave scheduled at step 13 is due just after the second kill: the restarted driver follows it
-# (its dead predecessor never saw step 13 commit), and the joiner leaves. Evaluations every 4 steps:
+# The leave scheduled at step 13 is decided two steps ahead, by the driver killed in step 12: its
+# generation does not outlive it, and the restarted driver decides it again (unless the joiner left
+# at step 13's boundary before the devices noticed the loss), and the joiner leaves. Evaluations every 4 steps:
 # those at 12 and 24 were delivered by a driver that died before the devices forgot them.
 RE_ADOPTED_JOB = """
 import evaluation_pieces

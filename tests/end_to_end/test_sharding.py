@@ -136,7 +136,7 @@ def test_join_kills_and_hand_off_match_the_reference(train, metrics_file):
     assert "leave" not in events, "the leave's hand-off failed; its recovery generation replaced it"
     assert [(r["step"], r["devices"]) for r in failures] == [
         (kill_step + 1, ["local-0", "local-2", "local-3"]),  # step kill_step committed: nothing to redo
-        (leave_step + 1, ["local-2"]),
+        (leave_step, ["local-2"]),  # the leave's boundary is its step's: its hand-off failed there
     ]
     assert "local-1" in failures[0]["detail"] and "local-0" in failures[1]["detail"]
     # The join: the joiner gets every parameter value and the optimizer state of its own chunks

@@ -253,25 +253,28 @@ def test_a_join_ready_during_an_evaluation_changes_nothing(train, metrics_file, 
     _assert_equals_reference(job, evals, model, 8)
 
 
-def test_a_scheduled_leave_landing_during_an_evaluation_waits_for_the_next_step_boundary(train, metrics_file, tmp_path):
-    """schedule "2:-1": the leave is accepted while all three devices evaluate step 2 (which waits for
-    it); that evaluation completes on three devices, the leaver goes at the next step boundary, and
-    nothing is redone or counted twice."""
+def test_a_scheduled_leave_decided_during_an_evaluation_waits_for_its_step_boundary(train, metrics_file, tmp_path):
+    """schedule "4:-1": the leave is decided (LEAVE_LEAD_STEPS ahead of its step) while all three devices
+    evaluate step 2 (which waits for it); that evaluation completes on three devices, steps 2 and 3
+    still train on three, the leaver goes at the boundary before step 4, and nothing is redone or
+    counted twice."""
     port = free_port()
     job = _held_job(str(tmp_path), port, virtual_workers=6, eval_batch=20)
-    model, summary = train(job, steps=6, devices=3, eval_every=2, schedule="2:-1", port=port)
-    # The driver asks for the leave when it reads step 2's record, which rank 0 sends as it starts
-    # evaluating: a device may find the leave accepted before its first evaluation batch (CI saw
-    # local-0 do so). The evaluation cannot end before every device's does (their sums meet in one
-    # all-reduce), so one device held until the leave was accepted is enough for "accepted during
-    # the evaluation"; that it still ran on all three devices is asserted below.
+    model, summary = train(job, steps=6, devices=3, eval_every=2, schedule="4:-1", port=port)
+    # The driver decides the leave when it reads the record that makes 2 steps committed, which rank
+    # 0 sends as it starts evaluating: a device may find it published before its first evaluation
+    # batch (CI saw local-0 do so). The evaluation cannot end before every device's does (their sums
+    # meet in one all-reduce), so one device held until the leave was published is enough for
+    # "decided during the evaluation"; that it still ran on all three devices is asserted below.
     waited = _waited(tmp_path)
     assert waited and set(waited) <= {f"waited-flexpar-local-{index}" for index in range(3)}, waited
     evals = _evals(metrics_file)
     assert [record["step"] for record in evals] == [2, 4, 6], "one record per evaluated step"
     assert [len(record["devices"]) for record in evals] == [3, 2, 2]
+    steps = [record for record in map(json.loads, open(metrics_file)) if record["kind"] == "step"]
+    assert [len(record["devices"]) for record in steps] == [3, 3, 3, 3, 2, 2]
     (leave,) = [event for event in summary["events"] if event["event"] in ("leave", "failure")]
-    assert leave["event"] == "leave" and leave["step"] == 3, leave
+    assert leave["event"] == "leave" and leave["step"] == 4, leave
     assert summary["schedule"][0]["status"] == "on time", summary["schedule"]
     _assert_equals_reference(job, evals, model, 6)
     pieces.assert_same_parameters(model, pieces.reference(job, 6))

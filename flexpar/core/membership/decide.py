@@ -21,6 +21,11 @@ Rules, in one place:
   At least one device always stays.
 - A device that asks to leave (preemption: SIGTERM) leaves at the next
   generation like a planned scale-in; one still on its way is cancelled.
+- A scheduled leave is decided a few steps ahead of its step (`ScaleBy.at_step`,
+  flexpar/core/schedule.py): the generation that drops its devices is published
+  with that step as its first (`Publish.from_step`), and the members commit the
+  steps before it first, so a leave at step N takes effect exactly at the
+  boundary before N. Other planned changes that arrive meanwhile ride with it.
 - A device that died, was evicted or cancelled, or was refused (over
   --max-devices when it announced itself, or at its warm-up: another model,
   another version) never comes back under its id: its process exits on the
@@ -271,6 +276,9 @@ def _shrink(state, event):
     cancelled = tuple(pending[len(pending) - min(remove, len(pending)) :])
     leavers = tuple(staying[len(staying) - (remove - len(cancelled)) :]) if remove > len(cancelled) else ()
     state = _drop(state, leavers, cancelled)
+    if leavers and event.at_step is not None:  # scheduled: the generation trains from that step on
+        earliest = event.at_step if state.leaving_from is None else min(state.leaving_from, event.at_step)
+        state = dataclasses.replace(state, leaving_from=earliest)
     answer = Answer(
         event.request_id,
         True,
@@ -392,7 +400,15 @@ def _advance(state: Membership):
     if state.waiting or state.leaving:
         members = tuple(m for m in state.members if m not in state.leaving) + state.waiting
         departing = state.leaving if state.hand_off else ()
-        return publish(state, members=members, joined=state.waiting, left=state.leaving, failed=(), departing=departing)
+        return publish(
+            state,
+            members=members,
+            joined=state.waiting,
+            left=state.leaving,
+            failed=(),
+            departing=departing,
+            from_step=state.leaving_from,
+        )
     return state, ()
 
 

@@ -72,11 +72,15 @@ class ScaleBy:
     """Add (delta > 0, spawned locally) or remove (delta < 0) devices.
 
     `request_id` names the request in its `Answer` (a `flexpar scale` call,
-    or a schedule entry); empty: nobody waits for an answer.
+    or a schedule entry); empty: nobody waits for an answer. `at_step`: a
+    scheduled leave decided ahead of its step (flexpar/core/schedule.py): its
+    generation takes effect at the boundary before that step (`Publish.from_step`),
+    not at the next one; None: at the next boundary (`flexpar scale`).
     """
 
     delta: int
     request_id: str = ""
+    at_step: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -170,6 +174,9 @@ class Publish:
     adopted: Optional[Adopted] = None
     restore: str = ""
     departing: tuple = ()  # a sharded job's leavers: they hand their state over, then exit
+    # The first step the generation trains (a scheduled leave published ahead of its step): the
+    # members commit the steps before it in the current generation. None: at the next boundary.
+    from_step: Optional[int] = None
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,9 @@ class Membership:
     starting: tuple = ()  # spawned or announced, not yet warm
     waiting: tuple = ()  # warm and accepted, waiting for the next generation
     leaving: tuple = ()  # members to drop at the next generation
+    # A scheduled leave among `leaving` (ScaleBy.at_step): the next generation trains from this step
+    # on; the members commit the steps before it first. None: from the next boundary.
+    leaving_from: Optional[int] = None
     departing: tuple = ()  # hand_off: leavers of the current generation handing their state over
     survivors: tuple = ()  # members that reported the current generation failed
     dead: frozenset = frozenset()
@@ -91,10 +94,12 @@ def spawn(state: Membership, count: int) -> tuple:
     return state, [SpawnLocal(ids)]
 
 
-def publish(state: Membership, members, joined, left, failed, departing=()) -> tuple:
+def publish(state: Membership, members, joined, left, failed, departing=(), from_step=None) -> tuple:
     """The next generation: `members` in rank order; who joined, left and failed since the last one.
 
     `departing` (hand_off only): leavers that hand their state over to `members` first, then exit.
+    `from_step`: the first step it trains (a scheduled leave published ahead of its step); None:
+    the members move to it at the first step boundary after they see it.
     """
     state = dataclasses.replace(
         state,
@@ -103,12 +108,13 @@ def publish(state: Membership, members, joined, left, failed, departing=()) -> t
         formed=frozenset(),
         waiting=(),
         leaving=(),
+        leaving_from=None,
         departing=tuple(departing),
         survivors=(),
         failure_since=None,
     )
     action = Publish(state.generation, state.members, tuple(joined), tuple(left), tuple(failed))
-    return state, (dataclasses.replace(action, departing=state.departing),)
+    return state, (dataclasses.replace(action, departing=state.departing, from_step=from_step),)
 
 
 def stop(state: Membership, reason: str) -> tuple:
