@@ -156,12 +156,14 @@ class StepLoop(Determinism):
         if world > 1:  # the contributors' mean (a listening joiner adds zeros)
             self._set_buffers(summed[slots.buffers] / len(self._contributors()))
         grad_norm, skip = self._verdict_on_gradient(summed, slots, step)
+        # The last slices sent from these values have left (or landed); waited for even where an fp16 step
+        # skips its update, so that the transfers in flight are only ever one round's (streaming.py).
+        self._wait_stream_transfers()
         if not skip:
             if self.shards is not None:  # the chunks this device holds; the others arrive by broadcast
                 self.shards.step()
                 self.parameters_complete = self.shard_partition.everyone_holds_everything
             else:
-                self._wait_stream_transfers()  # the last slices sent from these values have left (or landed)
                 self._skip_unreceived()  # a listener does not update what it does not hold yet
                 self.optimizer.step()
             if self.scheduler is not None:
