@@ -116,6 +116,7 @@ class Plan:
     slices: tuple
     sender_bytes: int
     oversize: tuple = ()
+    cuttable: bool = False  # pieces are element ranges that may be cut again (a re-plan's smaller slices)
 
     @property
     def rounds(self) -> int:
@@ -170,11 +171,16 @@ def plan(tensors: Sequence[Tensor], senders: Sequence[str], sender_bytes: int, c
         raise ValueError("a stream needs at least one sender")
     if sender_bytes < 1:
         raise ValueError(f"sender_bytes={sender_bytes} must be >= 1")
-    return _pack(pieces_of(tensors, sender_bytes, cuttable), tuple(senders), sender_bytes, first_round=0)
+    packed = _pack(pieces_of(tensors, sender_bytes, cuttable), tuple(senders), sender_bytes, first_round=0)
+    return dataclasses.replace(packed, cuttable=cuttable)
 
 
 def replan(
-    previous: Plan, rounds_done: int, survivors: Sequence[str], last_round_from: Optional[Iterable[str]] = None
+    previous: Plan,
+    rounds_done: int,
+    survivors: Sequence[str],
+    last_round_from: Optional[Iterable[str]] = None,
+    sender_bytes: Optional[int] = None,
 ) -> Plan:
     """The rest of `previous` after `rounds_done` rounds, among `survivors`, from round `rounds_done`.
 
@@ -182,7 +188,8 @@ def replan(
     (of every sender, lost or not) are packed again, in their order. With
     `last_round_from`, the last of those rounds (`rounds_done - 1`, cut off by
     a failure before the listener waited for it) landed only from these
-    senders: its other slices are undelivered too.
+    senders: its other slices are undelivered too. `sender_bytes`: the rest's
+    bytes per sender per round (default: the previous plan's).
     """
     if not survivors:
         raise ValueError("no sender is left to stream from: the join falls back to the blocking transfer")
@@ -196,8 +203,47 @@ def replan(
     kept = tuple(piece for piece in previous.slices if delivered(piece))
     rest = [item for piece in previous.slices if not delivered(piece) for item in piece.pieces]
     rest.sort(key=_model_order(previous))
-    packed = _pack(rest, tuple(survivors), previous.sender_bytes, first_round=rounds_done)
-    return Plan(kept + packed.slices, previous.sender_bytes, previous.oversize)
+    limit = previous.sender_bytes if sender_bytes is None else sender_bytes
+    if limit < 1:
+        raise ValueError(f"sender_bytes={limit} must be >= 1")
+    if previous.cuttable:  # smaller slices than before: cut the pieces again
+        rest = [part for item in rest for part in _cut(item, limit)]
+    packed = _pack(rest, tuple(survivors), limit, first_round=rounds_done)
+    undelivered = set(rest)
+    delivered_oversize = tuple(item for item in previous.oversize if item not in undelivered)
+    return Plan(kept + packed.slices, limit, delivered_oversize + packed.oversize, previous.cuttable)
+
+
+def _cut(piece: Piece, limit: int) -> list:
+    """`piece` as element ranges of at most `limit` bytes (at least one element each)."""
+    elements = piece.stop - piece.start
+    per_element = piece.size // max(1, elements)
+    if piece.size <= limit or elements <= 1 or per_element < 1:
+        return [piece]
+    step = max(1, limit // per_element)
+    return [
+        Piece(piece.name, start, min(piece.stop, start + step), (min(piece.stop, start + step) - start) * per_element)
+        for start in range(piece.start, piece.stop, step)
+    ]
+
+
+def resized(sender_bytes: int, before_s: float, during_s: float, share: float, floor: int) -> int:
+    """The next rounds' bytes per sender, from the members' step time before the join and now.
+
+    The goal is a step about `share` longer than before. Halved while the
+    step is more than twice that much longer, doubled while it is less than
+    half of it longer (at most doubling a round: one large round is one slow
+    step), never below `floor`. Pure, so every member resizes alike from the
+    same summed step times.
+    """
+    if before_s <= 0 or during_s <= 0 or not 0 < share <= 1:
+        return sender_bytes
+    slowdown = during_s / before_s - 1.0
+    if slowdown > 2 * share:
+        return max(floor, sender_bytes // 2)
+    if slowdown < share / 2:
+        return max(floor, sender_bytes * 2)
+    return max(floor, sender_bytes)
 
 
 def continuation(

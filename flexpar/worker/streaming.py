@@ -60,6 +60,9 @@ LANDED_WAIT_S = 0.05
 """How long a listener waits, at a failure, for each receive of the round in flight before it counts as lost."""
 
 DEFAULT_SENDER_BYTES = 64 << 20
+
+MIN_SENDER_BYTES = 1 << 20
+"""The smallest slice a sender's round shrinks to without `join_stream_mb` (a stream must end)."""
 """A sender's bytes per step while no step time is measured yet."""
 
 
@@ -85,6 +88,9 @@ class Stream:
     # A listener's receives in flight, by sender: (sender, its works), waited for before the next update.
     receipts: tuple = ()
     broken_off: bool = False  # a failure or a new generation interrupted it (`_suspend_stream`)
+    adaptive: bool = False  # the slices' size follows the members' step times (no join_stream_mb)
+    member_step_s: tuple = ()  # every member's previous step time, from the last step's statistics
+    before_s: float = 0.0  # the members' median step time before the join, from those statistics
     landed_mask: int = 0  # a listener, broken off: the senders (bits by place) whose last slices landed
 
     def identity(self) -> float:
@@ -209,6 +215,7 @@ class Streaming:
             skippable=skippable,
             plan_generation=generation,
             senders=senders,
+            adaptive=self.settings.join_stream_mb is None,
         )
         self.stream_note = (
             f"streamed to {len(stock.receivers)} listener{'s' if len(stock.receivers) > 1 else ''}: "
@@ -330,6 +337,7 @@ class Streaming:
 
     def _stream_round(self, step: int) -> None:
         """After step `step`'s update: this round's slices, from each sender to each listener."""
+        self._resize_stream()
         stream = self.stream
         number = stream.rounds_done
         operations = []
@@ -369,6 +377,29 @@ class Streaming:
         stream.rounds_done += 1
         if stream.rounds_done >= stream.plan.rounds:  # (>: a re-plan found everything landed already)
             self._finish_stream(step)
+
+    def _resize_stream(self) -> None:
+        """Without `join_stream_mb`, the next rounds' slices follow the members' step times
+        (`stream_plan.resized`): the same on every member, from the same summed statistics.
+
+        The first streamed step's statistics carry the step before the join (the baseline); the
+        second's carry the first streamed step, which holds the join's stall (left out).
+        """
+        stream = self.stream
+        if not stream.adaptive or not stream.member_step_s:
+            return
+        times = sorted(value for value in self._without_listeners(stream.member_step_s) if value > 0)
+        if not times:
+            return
+        median = times[len(times) // 2]
+        if stream.rounds_done == 0:
+            stream.before_s = median
+            return
+        if stream.rounds_done < 2:
+            return
+        size = stream_plan.resized(stream.plan.sender_bytes, stream.before_s, median, STREAM_SHARE, MIN_SENDER_BYTES)
+        if size != stream.plan.sender_bytes:
+            stream.plan = stream_plan.replan(stream.plan, stream.rounds_done, stream.senders, sender_bytes=size)
 
     def _finish_stream(self, step: int) -> None:
         """Every member: the joiners' copies against their senders' (one all-reduce), then they contribute."""

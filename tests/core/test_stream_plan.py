@@ -93,6 +93,33 @@ def test_a_replan_after_a_broken_round_resends_what_did_not_land(tensors, sender
     _assert_covers_once(second, tensors)
 
 
+@settings(max_examples=60, deadline=None)
+@given(tensors_strategy, senders_strategy, st.integers(100, 40000), st.integers(100, 40000), st.booleans(), st.data())
+def test_a_resized_plan_sends_the_rest_in_slices_of_the_new_size(tensors, senders, limit, new_limit, cuttable, data):
+    first = stream_plan.plan(tensors, senders, limit, cuttable)
+    rounds_done = data.draw(st.integers(0, first.rounds))
+    second = stream_plan.replan(first, rounds_done, senders, sender_bytes=new_limit)
+    assert [piece for piece in second.slices if piece.round < rounds_done] == [
+        piece for piece in first.slices if piece.round < rounds_done
+    ]
+    _assert_covers_once(second, tensors)
+    assert second.size == first.size and second.sender_bytes == new_limit
+    oversize = set(second.oversize)
+    for piece in (piece for piece in second.slices if piece.round >= rounds_done):
+        # Within the new size, but for a piece alone that may not be cut (or is one element).
+        assert piece.size <= new_limit or (len(piece.pieces) == 1 and piece.pieces[0] in oversize)
+        if cuttable:
+            assert all(item.size <= new_limit or item.stop - item.start == 1 for item in piece.pieces)
+
+
+def test_slices_halve_while_the_members_are_slowed_and_double_while_they_are_not():
+    assert stream_plan.resized(8 << 20, 1.0, 1.5, 0.1, 1 << 20) == 4 << 20  # 50 % slower: halve
+    assert stream_plan.resized(8 << 20, 1.0, 1.1, 0.1, 1 << 20) == 8 << 20  # on target: keep
+    assert stream_plan.resized(8 << 20, 1.0, 1.01, 0.1, 1 << 20) == 16 << 20  # hardly slower: double
+    assert stream_plan.resized(1 << 20, 1.0, 3.0, 0.1, 1 << 20) == 1 << 20  # never below the floor
+    assert stream_plan.resized(8 << 20, 0.0, 1.0, 0.1, 1 << 20) == 8 << 20  # no baseline: keep
+
+
 def test_a_stream_goes_on_only_where_every_member_holds_it_and_the_listeners_are_level():
     identity = 3 * (1 << 20) + 5.0
     # Ranks 0 and 1 send, rank 2 listens at step 7 (it reports no committed step: the only receiver).
