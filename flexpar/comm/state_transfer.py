@@ -68,6 +68,11 @@ class Stock:
     `differing`: before the first step, the members at step 0 whose trainable
     values differ from the source's (flexpar/core/factory_checks.py): they get
     the source's model too. `joiners`: the ranks that hold no committed step.
+    A streamed join broken off by a failure or a leave (flexpar/worker/streaming.py),
+    by rank: `stream_identities` (the stream each member holds, 0: none),
+    `listening_steps` (a listener's step, -1: not a listener; a listener reports
+    no committed step) and `landed_masks` (a listener's senders whose slices of
+    the last round landed, as bits of their place in the plan).
     """
 
     source: int
@@ -76,6 +81,9 @@ class Stock:
     last_commit_wall: float
     differing: tuple = ()
     joiners: tuple = ()  # the ranks that hold no committed state (-1): joiners
+    stream_identities: tuple = ()
+    listening_steps: tuple = ()
+    landed_masks: tuple = ()
 
 
 def take_stock(
@@ -86,6 +94,7 @@ def take_stock(
     device,
     peer_lost=None,
     start_digest: float = 0.0,
+    stream: tuple = (0.0, -1, 0),
 ) -> Stock:
     """Who holds the latest state, who must receive it, and when the last member committed.
 
@@ -102,11 +111,17 @@ def take_stock(
     `start_digest`: a member that holds the untrained model (step 0) puts
     `factory_checks.start_digest` of its trainable part here, so that the
     usual case, every factory deterministic, costs no collective of its own.
+    `stream`: this member's (identity, listening step, landed mask) of a streamed
+    join in flight (Stock's fields); (0, -1, 0) without one.
     """
-    slots = torch.zeros(3 * world_size, dtype=torch.float64, device=device)
+    slots = torch.zeros(STOCK_GROUPS * world_size, dtype=torch.float64, device=device)
     slots[rank] = committed_step + 1
     slots[world_size + rank] = committed_wall if committed_step >= 0 else 0.0
     slots[2 * world_size + rank] = start_digest
+    identity, listening_step, landed_mask = stream
+    slots[3 * world_size + rank] = identity
+    slots[4 * world_size + rank] = listening_step + 1
+    slots[5 * world_size + rank] = landed_mask
     _sum(slots, world_size, peer_lost)
     return stock_of(slots.tolist(), committed_wall)
 
@@ -121,12 +136,18 @@ def _sum(tensor: torch.Tensor, world_size: int, peer_lost) -> None:
         wait_for_collective(dist.all_reduce(tensor, async_op=True), peer_lost)
 
 
+STOCK_GROUPS = 6
+"""take_stock's slots: a group of one per rank for each of step + 1, commit time, start digest, stream
+identity, listening step + 1, landed mask."""
+
+
 def stock_of(slots: list, own_wall: float) -> Stock:
-    """Read the summed slots of `take_stock`: steps + 1 by rank, commit times by rank, start digests by rank.
+    """Read the summed slots of `take_stock`: steps + 1 by rank, commit times by rank, start digests by rank,
+    then the streamed join's identities, listening steps + 1 and landed masks by rank.
 
     With no member holding a commit (a fresh set), `own_wall` stands in.
     """
-    world_size = len(slots) // 3
+    world_size = len(slots) // STOCK_GROUPS
     steps = [round(value) - 1 for value in slots[:world_size]]
     latest = max(steps)
     source = steps.index(latest)
@@ -143,7 +164,19 @@ def stock_of(slots: list, own_wall: float) -> Stock:
             if latest == 0 and digest and r not in receivers and digest != digests[source]
         ),
         joiners=tuple(r for r, step in enumerate(steps) if step < 0),
+        **_stream_fields(slots[3 * world_size :], world_size),
     )
+
+
+def _stream_fields(slots: list, world_size: int) -> dict:
+    """Stock's streamed-join fields, or none (their defaults) where no member reports a stream."""
+    if not any(slots[:world_size]):
+        return {}
+    return {
+        "stream_identities": tuple(slots[:world_size]),
+        "listening_steps": tuple(round(value) - 1 for value in slots[world_size : 2 * world_size]),
+        "landed_masks": tuple(round(value) for value in slots[2 * world_size :]),
+    }
 
 
 def all_level(world_size: int, device, sent_bytes: float = 0.0, peer_lost=None) -> float:

@@ -19,7 +19,9 @@ class StatsLayout:
     of the counts of (loss_sum, count) losses, how many VWs returned such a
     pair, and - fp16 - how many devices' own gradients overflowed: any makes
     every device skip the step); each device's optimizer-state KiB, one slot
-    per rank (for the step record); then, with `Job(deterministic=True)`
+    per rank (for the step record); each device's previous step time (wall
+    seconds, one slot per rank: a streamed join sizes its slices by the
+    members' step times, flexpar/worker/streaming.py); then, with `Job(deterministic=True)`
     (`virtual_workers` and `tensors` > 0), each VW's loss term and count in its
     own slot (summed in VW order afterwards: the same float sum on any device
     set), each rank's largest |VW gradient| per tensor (the exact sums'
@@ -39,7 +41,8 @@ class StatsLayout:
         self.pairs = 3 * world + 3
         self.overflow = 3 * world + 4
         self.optimizer = slice(3 * world + 5, 4 * world + 5)
-        end = 4 * world + 5
+        self.previous_step_s = slice(4 * world + 5, 5 * world + 5)
+        end = 5 * world + 5
         self.world, self.tensors = world, tensors
         self.virtual_worker_loss = slice(end, end + virtual_workers)
         self.virtual_worker_count = slice(end + virtual_workers, end + 2 * virtual_workers)

@@ -1,6 +1,6 @@
 """The plan of a streamed join: which part of the training state travels in which slice, from whom, when.
 
-A streamed join (issue 37; the plan only, not wired into the step loop yet:
+A streamed join (issue 37; the worker's part is flexpar/worker/streaming.py,
 docs/internals.md "Streamed joins") lets the joiner listen to the members'
 steps while the members send it the training state a slice per step: the
 running devices never stop for the whole transfer. This module decides the
@@ -27,7 +27,9 @@ when a sender fails.
   travels alone in a round of its own sender (`Plan.oversize` names it).
 - A sender lost (`replan`): the pieces not yet delivered are planned again
   among the survivors; delivered pieces stay delivered, because the
-  listener's own updates keep them current.
+  listener's own updates keep them current. `continuation` decides, from
+  what every member of the new generation reports, whether the stream goes
+  on at all (else the listener is a joiner again).
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ class Plan:
     slices: tuple
     sender_bytes: int
     oversize: tuple = ()
+    cuttable: bool = False  # pieces are element ranges that may be cut again (a re-plan's smaller slices)
 
     @property
     def rounds(self) -> int:
@@ -168,22 +171,102 @@ def plan(tensors: Sequence[Tensor], senders: Sequence[str], sender_bytes: int, c
         raise ValueError("a stream needs at least one sender")
     if sender_bytes < 1:
         raise ValueError(f"sender_bytes={sender_bytes} must be >= 1")
-    return _pack(pieces_of(tensors, sender_bytes, cuttable), tuple(senders), sender_bytes, first_round=0)
+    packed = _pack(pieces_of(tensors, sender_bytes, cuttable), tuple(senders), sender_bytes, first_round=0)
+    return dataclasses.replace(packed, cuttable=cuttable)
 
 
-def replan(previous: Plan, rounds_done: int, survivors: Sequence[str]) -> Plan:
-    """The rest of `previous` after `rounds_done` rounds landed, among `survivors`, from round `rounds_done`.
+def replan(
+    previous: Plan,
+    rounds_done: int,
+    survivors: Sequence[str],
+    last_round_from: Optional[Iterable[str]] = None,
+    sender_bytes: Optional[int] = None,
+) -> Plan:
+    """The rest of `previous` after `rounds_done` rounds, among `survivors`, from round `rounds_done`.
 
     Delivered slices stay in the plan as they were; the undelivered pieces
-    (of every sender, lost or not) are packed again, in their order.
+    (of every sender, lost or not) are packed again, in their order. With
+    `last_round_from`, the last of those rounds (`rounds_done - 1`, cut off by
+    a failure before the listener waited for it) landed only from these
+    senders: its other slices are undelivered too. `sender_bytes`: the rest's
+    bytes per sender per round (default: the previous plan's).
     """
     if not survivors:
         raise ValueError("no sender is left to stream from: the join falls back to the blocking transfer")
-    kept = tuple(piece for piece in previous.slices if piece.round < rounds_done)
-    rest = [item for piece in previous.slices if piece.round >= rounds_done for item in piece.pieces]
+    landed_last = None if last_round_from is None else set(last_round_from)
+
+    def delivered(piece: Slice) -> bool:
+        if piece.round >= rounds_done:
+            return False
+        return landed_last is None or piece.round < rounds_done - 1 or piece.sender in landed_last
+
+    kept = tuple(piece for piece in previous.slices if delivered(piece))
+    rest = [item for piece in previous.slices if not delivered(piece) for item in piece.pieces]
     rest.sort(key=_model_order(previous))
-    packed = _pack(rest, tuple(survivors), previous.sender_bytes, first_round=rounds_done)
-    return Plan(kept + packed.slices, previous.sender_bytes, previous.oversize)
+    limit = previous.sender_bytes if sender_bytes is None else sender_bytes
+    if limit < 1:
+        raise ValueError(f"sender_bytes={limit} must be >= 1")
+    if previous.cuttable:  # smaller slices than before: cut the pieces again
+        rest = [part for item in rest for part in _cut(item, limit)]
+    packed = _pack(rest, tuple(survivors), limit, first_round=rounds_done)
+    undelivered = set(rest)
+    delivered_oversize = tuple(item for item in previous.oversize if item not in undelivered)
+    return Plan(kept + packed.slices, limit, delivered_oversize + packed.oversize, previous.cuttable)
+
+
+def _cut(piece: Piece, limit: int) -> list:
+    """`piece` as element ranges of at most `limit` bytes (at least one element each)."""
+    elements = piece.stop - piece.start
+    per_element = piece.size // max(1, elements)
+    if piece.size <= limit or elements <= 1 or per_element < 1:
+        return [piece]
+    step = max(1, limit // per_element)
+    return [
+        Piece(piece.name, start, min(piece.stop, start + step), (min(piece.stop, start + step) - start) * per_element)
+        for start in range(piece.start, piece.stop, step)
+    ]
+
+
+def resized(sender_bytes: int, before_s: float, during_s: float, share: float, floor: int) -> int:
+    """The next rounds' bytes per sender, from the members' step time before the join and now.
+
+    The goal is a step about `share` longer than before. Halved while the
+    step is more than twice that much longer, doubled while it is less than
+    half of it longer (at most doubling a round: one large round is one slow
+    step), never below `floor`. Pure, so every member resizes alike from the
+    same summed step times.
+    """
+    if before_s <= 0 or during_s <= 0 or not 0 < share <= 1:
+        return sender_bytes
+    slowdown = during_s / before_s - 1.0
+    if slowdown > 2 * share:
+        return max(floor, sender_bytes // 2)
+    if slowdown < share / 2:
+        return max(floor, sender_bytes * 2)
+    return max(floor, sender_bytes)
+
+
+def continuation(
+    identities: Sequence[float], listening_steps: Sequence[int], latest_step: int, receivers: Sequence[int]
+) -> Optional[tuple]:
+    """The listeners' ranks if a stream broken off by a failure or a leave goes on, else None.
+
+    Every member of the new generation reports the identity of the stream it
+    holds (0: none) and, a listener, the step its state is at (-1: not a
+    listener); the listeners report no committed step, so they are the
+    `receivers` behind `latest_step`. The stream goes on only where nothing
+    else needs levelling: every member holds the same stream (nobody new, no
+    plan that differs), the listeners are exactly the receivers and at the
+    members' latest step, and at least one member is not a listener (a sender).
+    """
+    listeners = tuple(rank for rank, step in enumerate(listening_steps) if step >= 0)
+    if not identities or identities[0] == 0 or any(identity != identities[0] for identity in identities):
+        return None
+    if not listeners or len(listeners) == len(identities) or tuple(sorted(receivers)) != listeners:
+        return None
+    if any(listening_steps[rank] != latest_step for rank in listeners):
+        return None
+    return listeners
 
 
 def _model_order(previous: Plan):

@@ -73,7 +73,8 @@ class Boundaries:
         def peer_lost():
             return self.link.lost_among(generation, group)
 
-        abandoned = self._abandon_stream()  # a stream in flight ends here (flexpar/worker/streaming.py)
+        # A stream in flight breaks off here; the stock says whether it goes on (flexpar/worker/streaming.py).
+        abandoned = self._suspend_stream()
         with fresh_group(
             self.reaper.retire(self.sync.release_works() + abandoned),
             self.settings.backend,
@@ -86,17 +87,20 @@ class Boundaries:
                 self.link.send("formed", generation=generation)
             # Every wait of a boundary watches for a peer the coordinator reports dead (killed or hung).
             start = self._start_digest() if self.committed == 0 else 0.0
+            held, report = self._held_step(), self._stream_report()
             stock = collective(
                 lambda: training_state.take_stock(
-                    self.committed, self.committed_wall, rank, len(group), self.device, peer_lost, start
+                    held, self.committed_wall, rank, len(group), self.device, peer_lost, start, report
                 )
             )
+            self.stream_note = ""
+            streaming = self._settle_stream(stock, generation, group)
             if self.shards is not None:  # joiners receive their chunks now (no streaming: streaming.py)
                 sharded = "blocking transfer: sharded optimizer state (shard_optimizer=True)"
                 self.stream_note = sharded if stock.joiners else ""
                 sent = self._level_sharded(stock, rank, group, len(members), record, peer_lost)
             else:
-                sent = self._level_members(stock, rank, len(members))
+                sent = 0.0 if streaming else self._level_members(stock, rank, generation, group)
             if stock.differing:
                 sent += self._align_start(stock, rank, group, peer_lost)
             self.boundary_bytes = int(sent)  # the state this boundary sent, all senders (the event's)
@@ -124,12 +128,29 @@ class Boundaries:
             # The previous rank 0 (or driver) may have died with records unsent or unread, or this
             # device may have been brought level without committing the last ones: send again every
             # record the driver has not acknowledged, in order (it drops those it has: core.delivery).
+            self._complete_last_digest()
             for kept in self.recent_records:
                 self.link.publish(kept)
             stall = max(0.0, time.time() - stock.last_commit_wall)
             if self.stream is not None:  # the first streamed step is timed from before this stall
                 self.stream.stall_s = stall
             self._publish_generation_event(record, previous_members, stall)
+
+    def _complete_last_digest(self) -> None:
+        """A new rank 0 (the last one died, maybe before its record of the last step left) puts the
+        digest in its own record of that step: only rank 0 computes digests, and the state it holds
+        now is that step's (flexpar/worker/determinism.py)."""
+        last = self.recent_records[-1] if self.recent_records else None
+        if (
+            self.exact is not None
+            and last is not None
+            and last.get("kind") == "step"
+            and "digest" not in last
+            and last.get("step") == self.committed - 1  # the state held is after that step
+            and self.parameters_complete
+            and not self._listening()
+        ):
+            self._exact_record(last["step"])
 
     def _start_digest(self) -> float:
         """What this device reports of its untrained trainable part (flexpar/core/factory_checks.py)."""
@@ -161,18 +182,17 @@ class Boundaries:
                 pass
         return total
 
-    def _level_members(self, stock: training_state.Stock, rank: int, world_size: int) -> float:
+    def _level_members(self, stock: training_state.Stock, rank: int, generation: int, group: tuple) -> float:
         """Bring the members level: joiners listen while the state streams where that applies, else
         the whole state is sent now (the join event says which, and why)."""
-        self.stream_note = ""
         if not stock.receivers:
             return 0.0
         refusal = self._stream_refusal(stock)
         if refusal is None:
-            return self._level_streamed(stock, rank, world_size)
+            return self._level_streamed(stock, rank, generation, group)
         if refusal != "not a join":
             self.stream_note = f"blocking transfer: {refusal}"
-        return self._level(stock, rank, world_size)
+        return self._level(stock, rank, len(group))
 
     def _level(self, stock: training_state.Stock, rank: int, world_size: int) -> float:
         """Send the latest state from the source to the members behind it; returns the bytes sent."""

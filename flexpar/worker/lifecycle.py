@@ -240,8 +240,9 @@ class Worker(
                     self.recovering = True
                     # Sharded: a step whose gradient every member holds may still be finished (shard_levelling.py).
                     self._zero_grad(keep_gradient=self.pending_commit is not None)
-                    streamed = self._abandon_stream()  # a listening joiner holds no committed state
-                    self.link.send("failure", generation=generation, step=self.committed, error=str(failure)[:500])
+                    # A stream in flight breaks off; the next boundary decides whether it goes on (streaming.py).
+                    streamed = self._suspend_stream()
+                    self.link.send("failure", generation=generation, step=self._held_step(), error=str(failure)[:500])
                 # Outside the except block, whose traceback holds the broken group's works.
                 self.reaper.retire(self.sync.release_works() + streamed)()
                 generation, record = self.link.wait_for_generation(generation, joining=False)

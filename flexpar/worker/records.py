@@ -79,15 +79,19 @@ class WorkerRecords:
         if record.get("adopted"):  # the first generation of a restarted driver: one record says what came back
             self._publish_adoption(record, stall)
             record = dict(record, failed=[])
+        # A stream that goes on past a failure or a leave says so in its event (flexpar/worker/streaming.py).
+        goes_on = f"; {self.stream_note}" if self.stream_note.startswith("the stream") else ""
         if record["failed"]:
-            self._publish_event("failure", "failed: " + ", ".join(record["failed"]), stall, sent)
+            self._publish_event("failure", "failed: " + ", ".join(record["failed"]) + goes_on, stall, sent)
         if record["left"] and recovered and not record["failed"]:
             # A planned leave ends gracefully at a boundary and breaks no collective; this
             # generation follows a broken one, so a leaver died on the way (its grace ran
             # out, or a second SIGTERM): the others lost the step in flight, as in a failure.
-            self._publish_event("failure", "failed: " + ", ".join(record["left"]) + " (while leaving)", stall, sent)
+            self._publish_event(
+                "failure", "failed: " + ", ".join(record["left"]) + " (while leaving)" + goes_on, stall, sent
+            )
         elif record["left"]:
-            self._publish_event("leave", "left: " + ", ".join(record["left"]), stall, sent)
+            self._publish_event("leave", "left: " + ", ".join(record["left"]) + goes_on, stall, sent)
         if record["joined"]:
             kind = "start" if self.generation == 1 else "join"
             joined = record["joined"]

@@ -156,12 +156,14 @@ class StepLoop(Determinism):
         if world > 1:  # the contributors' mean (a listening joiner adds zeros)
             self._set_buffers(summed[slots.buffers] / len(self._contributors()))
         grad_norm, skip = self._verdict_on_gradient(summed, slots, step)
+        # The last slices sent from these values have left (or landed); waited for even where an fp16 step
+        # skips its update, so that the transfers in flight are only ever one round's (streaming.py).
+        self._wait_stream_transfers()
         if not skip:
             if self.shards is not None:  # the chunks this device holds; the others arrive by broadcast
                 self.shards.step()
                 self.parameters_complete = self.shard_partition.everyone_holds_everything
             else:
-                self._wait_stream_transfers()  # the last slices sent from these values have left (or landed)
                 self._skip_unreceived()  # a listener does not update what it does not hold yet
                 self.optimizer.step()
             if self.scheduler is not None:
@@ -178,6 +180,8 @@ class StepLoop(Determinism):
         )
         record = self._step_record(step, loss, step_time, busy, assignment, grad_norm)
         record["optimizer_bytes"] = [int(round(value)) * 1024 for value in summed[slots.optimizer].tolist()]
+        if self.stream is not None:  # every member's previous step time: a streamed join's slice size follows it
+            self.stream.member_step_s = tuple(summed[slots.previous_step_s].tolist())
         self._keep(record)
         if self.settings.sample_ledger:
             record["ledger"] = self._step_samples
@@ -335,6 +339,8 @@ class StepLoop(Determinism):
         stats[slots.pairs] = pairs
         # This device's optimizer-state bytes (KiB: exact in a float32 carrier up to 16 GiB), for the record.
         stats[slots.optimizer.start + self.rank] = self.optimizer_bytes() // 1024
+        if self.recent_records and self.recent_records[-1].get("kind") == "step":
+            stats[slots.previous_step_s.start + self.rank] = float(self.recent_records[-1]["step_time_s"])
         if self.scaler is not None:  # fp16: this device's own gradient overflowed (all skip the step)
             overflowed = (
                 exact.nonfinite if exact is not None else recipes.has_nonfinite(self.sync.dense, self.sync.sparse)

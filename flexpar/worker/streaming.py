@@ -34,6 +34,7 @@ at the next boundary), so that boundary brings it level as any joiner.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import time
 from typing import Optional
 
@@ -52,7 +53,16 @@ STREAM_SHARE = 0.1
 LINK_BYTES_PER_S = {"gloo": 1.0e9, "nccl": 1.0e10}
 """What a sender's link is taken to carry (bytes/s): gloo over TCP, NCCL within a node."""
 
+MASK_BITS = 52
+"""Senders a listener can name in its landed mask (a float64 slot of the stock holds 52 bits exactly)."""
+
+LANDED_WAIT_S = 0.05
+"""How long a listener waits, at a failure, for each receive of the round in flight before it counts as lost."""
+
 DEFAULT_SENDER_BYTES = 64 << 20
+
+MIN_SENDER_BYTES = 1 << 20
+"""The smallest slice a sender's round shrinks to without `join_stream_mb` (a stream must end)."""
 """A sender's bytes per step while no step time is measured yet."""
 
 
@@ -73,6 +83,20 @@ class Stream:
     step_times: list = dataclasses.field(default_factory=list)
     skippable: bool = True  # every per-parameter state value is a tensor: a listener may skip updates
     stall_s: float = 0.0  # the join boundary's stall (rank 0, which publishes the events)
+    plan_generation: int = 0  # the generation whose boundary made the plan (a re-plan makes it anew)
+    senders: tuple = ()  # the plan's senders (device ids), in the plan's order
+    # A listener's receives in flight, by sender: (sender, its works), waited for before the next update.
+    receipts: tuple = ()
+    broken_off: bool = False  # a failure or a new generation interrupted it (`_suspend_stream`)
+    adaptive: bool = False  # the slices' size follows the members' step times (no join_stream_mb)
+    member_step_s: tuple = ()  # every member's previous step time, from the last step's statistics
+    before_s: float = 0.0  # the members' median step time before the join, from those statistics
+    landed_mask: int = 0  # a listener, broken off: the senders (bits by place) whose last slices landed
+
+    def identity(self) -> float:
+        """The same on every member holding this stream in this state (0 is no stream): its plan's
+        generation and the rounds posted."""
+        return float(self.plan_generation * (1 << 20) + self.rounds_done + 1)
 
 
 class Streaming:
@@ -112,7 +136,7 @@ class Streaming:
                 return f"parameter {name!r} or its optimizer state is not contiguous in memory"
         return None
 
-    def _level_streamed(self, stock, rank: int, world: int) -> float:
+    def _level_streamed(self, stock, rank: int, generation: int, group: tuple) -> float:
         """The small state from the source to the joiners, and the plan; returns the bytes sent."""
         sent = 0
         if rank == stock.source:
@@ -122,8 +146,8 @@ class Streaming:
             )
         elif rank in stock.receivers:
             self._restore_small(collective(lambda: training_state.receive_state(stock.source, self.device)))
-        self._begin_stream(stock, world)
-        return collective(lambda: training_state.all_level(world, self.device, sent))
+        self._begin_stream(stock, generation, group)
+        return collective(lambda: training_state.all_level(len(group), self.device, sent))
 
     def _small_state(self) -> dict:
         """The training state without what streams: trainable parameters and their optimizer tensors."""
@@ -157,7 +181,7 @@ class Streaming:
             self.scheduler.load_state_dict(state["scheduler"])
         self._restore_extra(state)
 
-    def _begin_stream(self, stock, world: int) -> None:
+    def _begin_stream(self, stock, generation: int, group: tuple) -> None:
         """Every member: the plan of the stream (the same everywhere, from the same inputs)."""
         parameters = self._streamed_parameters()
         classes = [type(self.optimizer).__name__]
@@ -173,7 +197,7 @@ class Streaming:
             )
             for name, parameter in parameters.items()
         ]
-        senders = [str(other) for other in range(world) if other not in stock.receivers]
+        senders = tuple(device for other, device in enumerate(group) if other not in stock.receivers)
         plan = stream_plan.plan(tensors, senders, self._sender_bytes(), cuttable)
         steps = [record for record in self.recent_records if record.get("kind") == "step"][-5:]
         measured = sorted(float(record["step_time_s"]) for record in steps)
@@ -189,6 +213,9 @@ class Streaming:
             time.time(),
             measured[len(measured) // 2] if measured else 0.0,
             skippable=skippable,
+            plan_generation=generation,
+            senders=senders,
+            adaptive=self.settings.join_stream_mb is None,
         )
         self.stream_note = (
             f"streamed to {len(stock.receivers)} listener{'s' if len(stock.receivers) > 1 else ''}: "
@@ -197,15 +224,84 @@ class Streaming:
         )
 
     def _abandon_stream(self) -> list:
-        """A new generation drops the stream in flight: a listener holds no committed state.
+        """Drop the stream (a lost driver, or a boundary where it cannot go on): a listener holds no
+        committed state.
 
-        Returns the sends in flight (their works keep the old group alive until it is retired).
+        Returns the transfers in flight (their works keep the old group alive until it is retired).
         """
-        works, self.stream_transfers = list(self.stream_transfers), ()
+        works = self._suspend_stream()
         if self.stream is not None and self.rank in self.stream.listeners:
             self.committed = -1
         self.stream = None
         return works
+
+    def _suspend_stream(self) -> list:
+        """A failure or a new generation breaks the stream off; the next boundary decides whether it
+        goes on (`_settle_stream`). A listener notes which senders' slices of the last round landed:
+        it waits for them only briefly (a sender that died sends nothing more).
+
+        Returns the transfers in flight, to retire with the old group.
+        """
+        works, self.stream_transfers = list(self.stream_transfers), ()
+        stream = self.stream
+        if stream is None or stream.broken_off:
+            return works
+        mask = 0
+        known = all(device is not None for device, _ in stream.receipts) and len(stream.senders) <= MASK_BITS
+        if self._listening() and known:
+            for place, sender in enumerate(stream.senders):
+                received = [work for device, work in stream.receipts if device == sender]
+                if all(_landed(work) for work in received):
+                    mask |= 1 << place
+        self.stream = dataclasses.replace(stream, broken_off=True, landed_mask=mask, receipts=())
+        return works
+
+    def _stream_report(self) -> tuple:
+        """What this device puts in the boundary's stock of a stream in flight (Stock's stream fields)."""
+        stream = self.stream
+        if stream is None:
+            return (0.0, -1, 0)
+        listening = self.committed if self._listening() else -1
+        return (stream.identity(), listening, stream.landed_mask if self._listening() else 0)
+
+    def _held_step(self) -> int:
+        """The committed step this device reports as holding: none (-1) while it listens."""
+        return -1 if self._listening() else self.committed
+
+    def _settle_stream(self, stock, generation: int, group: tuple) -> bool:
+        """At a boundary, after the stock: does a stream broken off go on? If so, re-plan what did not
+        land among the surviving senders (every member alike); if not, drop it (a listener is a joiner
+        again: it reported no committed step). Sharded streams do not go on (they start again)."""
+        if self.stream is None:
+            return False
+        listeners = None
+        if self.shards is None and self.cost_planner is None and stock.stream_identities:
+            listeners = stream_plan.continuation(
+                stock.stream_identities, stock.listening_steps, stock.latest_step, stock.receivers
+            )
+        if listeners is None or stock.latest_step >= self.settings.total_steps:
+            self._abandon_stream()
+            return False
+        stream = self.stream
+        mask = -1
+        for rank in listeners:
+            mask &= stock.landed_masks[rank]
+        survivors = tuple(device for rank, device in enumerate(group) if rank not in listeners)
+        landed_from = [sender for place, sender in enumerate(stream.senders) if mask >> place & 1]
+        plan = stream_plan.replan(stream.plan, stream.rounds_done, survivors, last_round_from=landed_from)
+        self.stream = dataclasses.replace(
+            stream,
+            plan=plan,
+            listeners=tuple(listeners),
+            senders=survivors,
+            plan_generation=generation,
+            broken_off=False,
+            landed_mask=0,
+        )
+        left = plan.size - round(plan.delivered_share(stream.rounds_done) * plan.size)
+        names = ", ".join(group[rank] for rank in listeners)
+        self.stream_note = f"the stream to {names} goes on from {', '.join(survivors)}: {left} bytes left"
+        return True
 
     # ------------------------------------------------------------ the step loop
 
@@ -233,20 +329,24 @@ class Streaming:
     def _wait_stream_transfers(self) -> None:
         """Before an optimizer update: the slices posted after the last one have left this device (a
         sender) or arrived (a listener)."""
-        if self.stream_transfers:
-            works, self.stream_transfers = list(self.stream_transfers), ()
-            wait_for_transfers(works, self._peer_lost)
+        if self.stream_transfers:  # kept until they are waited for: a failure here leaves them unlanded
+            wait_for_transfers(list(self.stream_transfers), self._peer_lost)
+            self.stream_transfers = ()
+        if self.stream is not None:
+            self.stream.receipts = ()
 
     def _stream_round(self, step: int) -> None:
         """After step `step`'s update: this round's slices, from each sender to each listener."""
+        self._resize_stream()
         stream = self.stream
         number = stream.rounds_done
         operations = []
         # Tests' STEP:DEVICE:stream:tamper: this sender sends one value changed (the check must see it).
         due = [key for key, name in self.faults.items() if key[1] == "stream" and key[0] <= step and name == "tamper"]
         tamper = bool(due) and self.faults.pop(due[0]) == "tamper"
+        receipts = []  # a listener's: the sender of each receive, in order
         for piece in (piece for piece in stream.plan.slices if piece.round == number):
-            sender = int(piece.sender)
+            sender = self.members.index(piece.sender)
             for listener in stream.listeners:
                 if self.rank == sender:
                     views = self._views(piece)
@@ -256,9 +356,16 @@ class Streaming:
                         tamper = False
                     operations += [dist.P2POp(dist.isend, view, listener) for view in views]
                 elif self.rank == listener:
-                    operations += [dist.P2POp(dist.irecv, view, sender) for view in self._views(piece)]
+                    views = self._views(piece)
+                    operations += [dist.P2POp(dist.irecv, view, sender) for view in views]
+                    receipts += [piece.sender] * len(views)
         self._fault_point("stream", step)
         works = collective(lambda: dist.batch_isend_irecv(operations)) if operations else []
+        # gloo: a work per operation, so a failure can tell which senders' slices landed (`_suspend_stream`);
+        # otherwise (NCCL coalesces them) none of the round counts as landed.
+        if receipts:
+            known = len(works) == len(receipts)
+            stream.receipts += tuple(zip(receipts, works)) if known else tuple((None, work) for work in works)
         # Waited for before this device's next optimizer update (`_wait_stream_transfers`): a sender's next
         # write to what it sends, a listener's first read of what it receives. So a round overlaps the
         # next step's forward, backward and all-reduce on both sides; an fp16 step that skipped its
@@ -268,8 +375,31 @@ class Streaming:
             stall = stream.stall_s if stream.rounds_done == 0 else 0.0
             stream.step_times.append(float(self.recent_records[-1].get("step_time_s", 0.0)) - stall)
         stream.rounds_done += 1
-        if stream.rounds_done == stream.plan.rounds:
+        if stream.rounds_done >= stream.plan.rounds:  # (>: a re-plan found everything landed already)
             self._finish_stream(step)
+
+    def _resize_stream(self) -> None:
+        """Without `join_stream_mb`, the next rounds' slices follow the members' step times
+        (`stream_plan.resized`): the same on every member, from the same summed statistics.
+
+        The first streamed step's statistics carry the step before the join (the baseline); the
+        second's carry the first streamed step, which holds the join's stall (left out).
+        """
+        stream = self.stream
+        if not stream.adaptive or not stream.member_step_s:
+            return
+        times = sorted(value for value in self._without_listeners(stream.member_step_s) if value > 0)
+        if not times:
+            return
+        median = times[len(times) // 2]
+        if stream.rounds_done == 0:
+            stream.before_s = median
+            return
+        if stream.rounds_done < 2:
+            return
+        size = stream_plan.resized(stream.plan.sender_bytes, stream.before_s, median, STREAM_SHARE, MIN_SENDER_BYTES)
+        if size != stream.plan.sender_bytes:
+            stream.plan = stream_plan.replan(stream.plan, stream.rounds_done, stream.senders, sender_bytes=size)
 
     def _finish_stream(self, step: int) -> None:
         """Every member: the joiners' copies against their senders' (one all-reduce), then they contribute."""
@@ -278,9 +408,10 @@ class Streaming:
             self._wait_stream_transfers()
         names = list(stream.tensors)
         sent_by = {name: set() for name in names}
-        for piece in stream.plan.slices:
+        for piece in stream.plan.slices:  # a sender lost since its slices landed: a surviving one checks
+            sender = piece.sender if piece.sender in self.members else stream.senders[0]
             for item in piece.pieces:
-                sent_by[item.name].add(int(piece.sender))
+                sent_by[item.name].add(self.members.index(sender))
         world = len(self.members)
         rows = torch.zeros(world, len(names), dtype=torch.float64)
         for index, name in enumerate(names):  # a listener checks all, a sender what it sent
@@ -376,3 +507,13 @@ class Streaming:
         if not state.assignment or not seconds or min(seconds) <= 0:
             return 0.0
         return balance.predicted_step_seconds(state.assignment, seconds)
+
+
+def _landed(work) -> bool:
+    """Whether a receive work of a broken-off round completed (waited for briefly: its sender may be dead)."""
+    if work is None:
+        return False
+    try:
+        return bool(work.wait(datetime.timedelta(seconds=LANDED_WAIT_S)))
+    except RuntimeError:  # the sender died (closed connection) or did not send in time
+        return False

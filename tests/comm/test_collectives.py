@@ -90,6 +90,11 @@ def test_fresh_group_that_cannot_form_is_a_peer_failure():
     assert not dist.is_initialized()
 
 
+def _with_no_stream(slots: list) -> list:
+    """take_stock's first three groups of slots, with the streamed join's three (none reported)."""
+    return list(slots) + [0.0] * len(slots)
+
+
 def test_stock_of_one_member_is_its_own():
     stock = training_state.take_stock(7, 1234.5, 0, 1, "cpu")
     assert stock == training_state.Stock(source=0, receivers=(), latest_step=7, last_commit_wall=1234.5)
@@ -104,14 +109,14 @@ def test_stock_of_a_joiner_alone_keeps_its_wall():
 def test_stock_source_is_the_lowest_rank_with_the_latest_step():
     # Ranks 0 and 2 committed step 5, rank 1 only step 4 (a failure mid-sync), rank 3 joins.
     slots = [6.0, 5.0, 6.0, 0.0] + [100.0, 90.0, 101.5, 0.0] + [0.0] * 4
-    stock = training_state.stock_of(slots, own_wall=50.0)
+    stock = training_state.stock_of(_with_no_stream(slots), own_wall=50.0)
     assert stock == training_state.Stock(
         source=0, receivers=(1, 3), latest_step=5, last_commit_wall=101.5, joiners=(3,)
     )
 
 
 def test_stock_of_members_level_has_no_receivers():
-    stock = training_state.stock_of([3.0, 3.0, 10.0, 12.0, 0.0, 0.0], own_wall=0.0)
+    stock = training_state.stock_of(_with_no_stream([3.0, 3.0, 10.0, 12.0, 0.0, 0.0]), own_wall=0.0)
     assert stock.receivers == () and stock.source == 0 and stock.last_commit_wall == 12.0
 
 
@@ -119,12 +124,12 @@ def test_stock_before_the_first_step_names_the_members_whose_start_differs_from_
     # Ranks 0-2 hold the untrained model (step 0); rank 2's factory built other values; rank 3 joins
     # (it receives the source's state anyway and reports no digest).
     slots = [1.0, 1.0, 1.0, 0.0] + [5.0, 5.0, 5.0, 0.0] + [7.0, 7.0, 9.0, 0.0]
-    stock = training_state.stock_of(slots, own_wall=0.0)
+    stock = training_state.stock_of(_with_no_stream(slots), own_wall=0.0)
     assert stock.source == 0 and stock.receivers == (3,) and stock.differing == (2,)
     # A deterministic factory: every start the same, nothing to send.
-    assert training_state.stock_of([1.0, 1.0] + [5.0, 5.0] + [7.0, 7.0], own_wall=0.0).differing == ()
+    assert training_state.stock_of(_with_no_stream([1.0, 1.0] + [5.0, 5.0] + [7.0, 7.0]), own_wall=0.0).differing == ()
     # After the first step nobody reports: nothing to compare.
-    assert training_state.stock_of([2.0, 2.0, 5.0, 5.0, 0.0, 0.0], own_wall=0.0).differing == ()
+    assert training_state.stock_of(_with_no_stream([2.0, 2.0, 5.0, 5.0, 0.0, 0.0]), own_wall=0.0).differing == ()
 
 
 # ------------------------------------------------------------ the statistics' sum across two devices

@@ -74,6 +74,64 @@ def test_a_replan_after_a_lost_sender_keeps_what_landed_and_covers_the_rest(tens
     assert second.size == first.size
 
 
+@settings(max_examples=60, deadline=None)
+@given(tensors_strategy, senders_strategy, st.integers(100, 40000), st.booleans(), st.data())
+def test_a_replan_after_a_broken_round_resends_what_did_not_land(tensors, senders, limit, cuttable, data):
+    """A failure cut off the last round posted: its slices landed only from some senders."""
+    first = stream_plan.plan(tensors, senders, limit, cuttable)
+    rounds_done = data.draw(st.integers(min(1, first.rounds), first.rounds))
+    landed_from = data.draw(st.lists(st.sampled_from(senders), unique=True))
+    survivors = data.draw(st.lists(st.sampled_from(senders), min_size=1, unique=True))
+    second = stream_plan.replan(first, rounds_done, survivors, last_round_from=landed_from)
+    kept = [
+        piece
+        for piece in first.slices
+        if piece.round < rounds_done - 1 or (piece.round == rounds_done - 1 and piece.sender in landed_from)
+    ]
+    assert [piece for piece in second.slices if piece.round < rounds_done] == kept
+    assert {piece.sender for piece in second.slices if piece.round >= rounds_done} <= set(survivors)
+    _assert_covers_once(second, tensors)
+
+
+@settings(max_examples=60, deadline=None)
+@given(tensors_strategy, senders_strategy, st.integers(100, 40000), st.integers(100, 40000), st.booleans(), st.data())
+def test_a_resized_plan_sends_the_rest_in_slices_of_the_new_size(tensors, senders, limit, new_limit, cuttable, data):
+    first = stream_plan.plan(tensors, senders, limit, cuttable)
+    rounds_done = data.draw(st.integers(0, first.rounds))
+    second = stream_plan.replan(first, rounds_done, senders, sender_bytes=new_limit)
+    assert [piece for piece in second.slices if piece.round < rounds_done] == [
+        piece for piece in first.slices if piece.round < rounds_done
+    ]
+    _assert_covers_once(second, tensors)
+    assert second.size == first.size and second.sender_bytes == new_limit
+    oversize = set(second.oversize)
+    for piece in (piece for piece in second.slices if piece.round >= rounds_done):
+        # Within the new size, but for a piece alone that may not be cut (or is one element).
+        assert piece.size <= new_limit or (len(piece.pieces) == 1 and piece.pieces[0] in oversize)
+        if cuttable:
+            assert all(item.size <= new_limit or item.stop - item.start == 1 for item in piece.pieces)
+
+
+def test_slices_halve_while_the_members_are_slowed_and_double_while_they_are_not():
+    assert stream_plan.resized(8 << 20, 1.0, 1.5, 0.1, 1 << 20) == 4 << 20  # 50 % slower: halve
+    assert stream_plan.resized(8 << 20, 1.0, 1.1, 0.1, 1 << 20) == 8 << 20  # on target: keep
+    assert stream_plan.resized(8 << 20, 1.0, 1.01, 0.1, 1 << 20) == 16 << 20  # hardly slower: double
+    assert stream_plan.resized(1 << 20, 1.0, 3.0, 0.1, 1 << 20) == 1 << 20  # never below the floor
+    assert stream_plan.resized(8 << 20, 0.0, 1.0, 0.1, 1 << 20) == 8 << 20  # no baseline: keep
+
+
+def test_a_stream_goes_on_only_where_every_member_holds_it_and_the_listeners_are_level():
+    identity = 3 * (1 << 20) + 5.0
+    # Ranks 0 and 1 send, rank 2 listens at step 7 (it reports no committed step: the only receiver).
+    assert stream_plan.continuation([identity] * 3, [-1, -1, 7], 7, (2,)) == (2,)
+    assert stream_plan.continuation([identity, identity, 0.0], [-1, -1, 7], 7, (2,)) is None, "a newcomer"
+    assert stream_plan.continuation([identity, identity + 1, identity], [-1, -1, 7], 7, (2,)) is None, "plans differ"
+    assert stream_plan.continuation([identity] * 3, [-1, -1, 6], 7, (2,)) is None, "the listener is behind"
+    assert stream_plan.continuation([identity] * 3, [-1, -1, 7], 7, (1, 2)) is None, "a member is behind too"
+    assert stream_plan.continuation([identity] * 2, [7, 7], 7, (0, 1)) is None, "no sender left"
+    assert stream_plan.continuation([0.0] * 3, [-1, -1, -1], 7, ()) is None, "no stream"
+
+
 def test_striping_spreads_a_round_over_the_senders():
     tensors = [Tensor(f"layer{index}", 1000, 12) for index in range(6)]  # 12 kB each
     plan = stream_plan.plan(tensors, ["local-0", "local-1", "local-2"], 24_000, cuttable=False)

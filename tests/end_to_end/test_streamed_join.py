@@ -122,6 +122,25 @@ def test_a_failure_or_a_leave_during_the_stream_loses_nothing(train, tmp_path, v
     _assert_same_bits(run, reference)
 
 
+@pytest.mark.parametrize("victim", ["local-1", "local-0"], ids=["a_sender", "rank_0"])
+def test_a_sender_lost_during_the_stream_leaves_its_slices_to_the_others(train, tmp_path, victim):
+    """kill -9 of a sender (rank 0 too) as it posts a round: the stream goes on from the survivors (the
+    joiner keeps what landed, the rest is planned again among them), and the result keeps every bit."""
+    reference = _reference(train, tmp_path, "adamw_scheduler")
+    job = RECIPES["adamw_scheduler"]()
+    options = {"devices": 3, "max_devices": 4, "schedule": "1:+1", "faults": f"3:{victim}:stream:kill"}
+    run = _run(train, tmp_path, "replan", job, **options)
+    records = run[2]
+    survivors = ", ".join(device for device in ("local-0", "local-1", "local-2") if device != victim)
+    failures = _events(records, "failure")
+    assert failures and f"the stream to local-3 goes on from {survivors}" in failures[0]["detail"], failures
+    shares = [record["joining"]["local-3"] for record in _steps(records) if record.get("joining")]
+    assert shares == sorted(shares) and shares[-1] > 0, f"the joiner kept what had landed: {shares}"
+    assert len(_events(records, "stream")) == 1 and len(_events(records, "join")) == 1
+    _assert_streamed(records, joiner="local-3")
+    _assert_same_bits(run, reference)
+
+
 def test_a_sharded_job_joins_with_the_blocking_transfer_and_says_why(train, tmp_path):
     job = pieces.make_job(virtual_workers=6, delay_s=DELAY_S, shard_optimizer=True)
     _, _, records = _run(train, tmp_path, "sharded", job, steps=12, devices=2, max_devices=3, schedule="1:+1")
