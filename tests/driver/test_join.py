@@ -3,6 +3,7 @@ and a joiner on another (emulated) host in its own network namespace."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -99,6 +100,7 @@ def test_refusals_scale_and_status(tmp_path):
         display=False,
         quiet=True,
         oversubscribe=True,
+        join_stream_mb=0.0002,  # about 200 bytes a step: the joiner listens for tens of steps
     )
     address = f"127.0.0.1:{port}"
     _wait_for_step(metrics, 1)
@@ -110,6 +112,11 @@ def test_refusals_scale_and_status(tmp_path):
     other = _start_flexpar("join", address, "--script", _other_model_script(tmp_path), env={"FLEXPAR_SECRET": secret})
     scaled = _flexpar("scale", address, "--devices", "+1", env={"FLEXPAR_SECRET": secret})
     assert scaled.returncode == 0, scaled.stderr
+    # While the state streams to it, status lists the new device as joining, with its share.
+    deadline, seen = time.time() + 120, ""
+    while time.time() < deadline and "(streaming, " not in seen:
+        seen = _flexpar("status", address).stdout
+    assert re.search(r"joining: local-1 \(streaming, \d+% of the state\)", seen), seen
     assert wrong.wait(timeout=120) == 3 and "secret" in wrong.stderr.read()
     assert other.wait(timeout=120) == 3 and "the model differs" in other.stderr.read()
     model, summary = background.wait()
