@@ -148,6 +148,25 @@ def test_a_sharded_job_joins_with_the_blocking_transfer_and_says_why(train, tmp_
     assert joins and "blocking transfer: sharded optimizer state (shard_optimizer=True)" in joins[0]["detail"]
 
 
+class StepwiseSGD(torch.optim.SGD):
+    """An optimizer class flexpar does not know (a user's own): it may read other parameters' state."""
+
+
+def stepwise_sgd(parameters):
+    return StepwiseSGD(parameters, lr=0.05, momentum=0.9)
+
+
+def test_an_optimizer_not_known_to_be_per_parameter_joins_blocking_and_says_why(train, tmp_path):
+    job = pieces.make_job(optimizer=stepwise_sgd, virtual_workers=6, delay_s=DELAY_S)
+    model, _, records = _run(train, tmp_path, "unknown", job, steps=12, devices=2, max_devices=3, schedule="1:+1")
+    joins = _events(records, "join")
+    assert (
+        joins
+        and "blocking transfer: the optimizer StepwiseSGD is not known to update each parameter" in (joins[0]["detail"])
+    ), joins
+    assert all(min(r["assignment"]) >= 1 for r in _steps(records)), "nobody listened"
+
+
 def test_a_tampered_slice_stops_the_job_naming_the_tensor(train, tmp_path):
     job = RECIPES["sgd_momentum"]()
     with pytest.raises(TrainingError, match=r"streamed join after step \d+: local-2's copy of '0\.weight'"):
