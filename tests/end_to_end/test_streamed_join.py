@@ -12,11 +12,16 @@ the same bits), and a float job against the plain single-process loop.
 from __future__ import annotations
 
 import dataclasses
+import re
+import time
 
+import conftest
 import pieces
 import pytest
+import test_driver_loss as driver_loss
 import test_recipes as recipe_pieces
 import torch
+import torch.distributed as dist
 
 from flexpar.errors import TrainingError
 
@@ -28,7 +33,8 @@ DELAY_S = 0.02  # per VW: steps long enough for the joiner to warm up while the 
 def _run(train, tmp_path, name, job, **options):
     path = tmp_path / f"{name}.jsonl"
     options.setdefault("steps", STEPS)
-    model, summary = train(job, metrics=str(path), join_stream_mb=STREAM_MB, **options)
+    options.setdefault("join_stream_mb", STREAM_MB)
+    model, summary = train(job, metrics=str(path), **options)
     records = pieces.metrics_records(path)
     return model, summary, records
 
@@ -120,6 +126,141 @@ def test_a_failure_or_a_leave_during_the_stream_loses_nothing(train, tmp_path, v
     changes = _events(run[2], "failure" if signal == "kill" else "leave")
     assert changes and victim in changes[0]["detail"], _events(run[2], "failure") + _events(run[2], "leave")
     _assert_same_bits(run, reference)
+
+
+class SlowUntilJoined:
+    """`loss(model, batch)` after `waiting_s` of sleep per call until this device has trained in a group
+    of `devices`, `delay_s` from then on: however long a joiner takes to warm up on a loaded host, it
+    joins well before a leave scheduled a dozen steps after its join (the bits do not depend on it)."""
+
+    def __init__(self, loss, devices: int, delay_s: float = DELAY_S, waiting_s: float = 0.2):
+        self.loss, self.devices, self.delay_s, self.waiting_s = loss, devices, delay_s, waiting_s
+        self.joined = False
+
+    def __call__(self, model, batch):
+        self.joined = self.joined or (dist.is_initialized() and dist.get_world_size() >= self.devices)
+        time.sleep(self.delay_s if self.joined else self.waiting_s)
+        return self.loss(model, batch)
+
+
+LEAVE_STEP = 16  # 14 steps of 0.4 s after the scheduled join: the joiners' headroom (test_elastic's is 6 s)
+LONG_STREAM_MB = 0.0002  # about 200 bytes per sender per step: a stream outlasts the leave by far
+
+
+@pytest.mark.parametrize(
+    "devices,schedule,leavers",
+    [(3, f"1:+1,{LEAVE_STEP}:-2", ["local-2", "local-3"]), (2, f"1:+2,{LEAVE_STEP}:-1", ["local-3"])],
+    ids=["the_joiner_and_a_sender", "one_of_two_joiners"],
+)
+def test_a_scheduled_leave_during_the_stream_keeps_every_bit(train, tmp_path, devices, schedule, leavers):
+    """A scheduled -K takes the newest members first: the joiner (with a sender, for -2), or the newer of
+    two joiners, leave exactly at their step while the stream is in flight. The stream ends with that
+    generation: a joiner that leaves never held the state (no `stream` event); one that stays is levelled
+    again at the leave's boundary as any joiner, and listens to a stream that starts over."""
+    reference = _reference(train, tmp_path, "adamw_scheduler")
+    job = dataclasses.replace(RECIPES["adamw_scheduler"](), loss=SlowUntilJoined(pieces.Loss(), devices=4))
+    options = {"devices": devices, "max_devices": 4, "schedule": schedule, "join_stream_mb": LONG_STREAM_MB}
+    run = _run(train, tmp_path, "leave", job, **options)
+    _, summary, records = run
+    assert [(entry["status"], entry["applied_step"]) for entry in summary["schedule"]][1] == ("on time", LEAVE_STEP)
+    joiners = [f"local-{index}" for index in range(devices, 4)]
+    before, after = (next(r for r in _steps(records) if r["step"] == step) for step in (LEAVE_STEP - 1, LEAVE_STEP))
+    assert before["devices"][-len(joiners) :] == joiners and before["assignment"][-len(joiners) :] == [0] * len(joiners)
+    assert set(before["joining"]) == set(joiners) and all(0 < share < 1 for share in before["joining"].values())
+    leaves = _events(records, "leave")
+    assert [(event["step"], event["detail"]) for event in leaves] == [(LEAVE_STEP, "left: " + ", ".join(leavers))]
+    assert not _events(records, "stream"), "no joiner came to hold the state"
+    staying = [device for device in before["devices"] if device not in leavers]
+    assert all(r["devices"] == staying for r in _steps(records) if r["step"] >= LEAVE_STEP)
+    if "local-2" in staying:  # the other joiner listens again, to a stream that starts over at the boundary
+        assert after["assignment"][-1] == 0 and after["joining"] == {"local-2": 0.0}, after
+    _assert_same_bits(run, reference)
+
+
+# About 10 steps a stream: the devices go on for a step or two before they notice the driver's loss (the
+# stream must still be in flight then), and the stream that starts over ends well before the last step.
+DRIVER_KILLED_STREAM_MB = 0.001
+# RECIPES["adamw_scheduler"] under `flexpar run` (a driver of its own, which a test can kill), whose driver
+# dies as rank 0 posts the stream's first slice (a STEP:driver:stream fault fires at a stream's round).
+DRIVER_KILLED_JOB = """
+import os
+import torch
+if __name__ == "__main__":
+    job = pieces.make_job(
+        optimizer=pieces.adamw, virtual_workers=6, lr_scheduler=pieces.step_decay, delay_s={delay_s},
+        deterministic=True,
+    )
+    model, summary = job.fit(
+        steps={steps}, devices=2, max_devices=3, port=int(os.environ["TEST_PORT"]), schedule="1:+1",
+        faults="1:driver:stream", driver_grace_s=60, join_stream_mb={stream_mb},
+    )
+    torch.save(model.state_dict(), "final.pt")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_driver_killed_during_the_stream_re_adopts_the_joiner_as_a_joiner(
+    train, tmp_path, command_line_job, monkeypatch
+):
+    """kill -9 of the driver as the first slice leaves: the devices wait, the driver restarted with the
+    resume command they printed re-adopts the members, and the listener (which holds no committed state)
+    as a joiner: it is levelled at the adoption's boundary, listens to a stream that starts over, then
+    takes VWs. Every step is recorded once, with the one-device run's digests and final bits."""
+    reference = _reference(train, tmp_path, "adamw_scheduler")
+    monkeypatch.setenv("TEST_PORT", str(conftest.free_port()))
+    script = DRIVER_KILLED_JOB.format(delay_s=DELAY_S, steps=STEPS, stream_mb=DRIVER_KILLED_STREAM_MB)
+    drivers, records, said = driver_loss._restart_until_done(tmp_path, command_line_job, script, 1)
+    assert re.search(r"fault: driver gets SIGKILL at step \d+ \(stream\)", said), said
+    model = pieces.make_model()
+    model.load_state_dict(torch.load(tmp_path / "final.pt", weights_only=True))
+    assert [r["step"] for r in _steps(records)] == list(range(STEPS)), "every step recorded once"
+    _assert_same_bits((model, None, records), reference)
+    # The listener said it held no committed state, was re-adopted, and listened again from the start.
+    assert "device local-2: the job's driver is gone;" in said and "holds no committed state yet" in said, said
+    assert "device local-2: re-adopted by the restarted driver" in said, said
+    (adopted,) = _events(records, "adopt")
+    joins = _events(records, "join")
+    assert len(joins) == 1 and joins[0]["step"] < adopted["step"], joins
+    again = next(r for r in _steps(records) if r["step"] == adopted["step"])
+    assert again["assignment"][-1] == 0 and again["joining"] == {"local-2": 0.0}, again
+    (streamed,) = _events(records, "stream")
+    assert streamed["step"] > adopted["step"] and "local-2 holds the training state" in streamed["detail"]
+    working = [r["step"] for r in _steps(records) if r["assignment"][-1] > 0 and "local-2" in r["devices"]]
+    assert working and min(working) == streamed["step"], working
+
+
+LORA_STEPS = 16
+
+
+@pytest.mark.timeout(180)
+def test_a_lora_model_streams_only_its_adapters(train, tmp_path):
+    """test_fine_tuning's peft LoRA GPT-2 (frozen base weights): the join streams the adapters and their
+    AdamW state only, and the run keeps every bit of the one-device run."""
+    pytest.importorskip("peft", reason="peft is not installed (flexpar[hf])")
+    from flexpar.examples import hf_gpt, lora_gpt
+
+    folder = lora_gpt.write_pretrained(str(tmp_path / "pretrained"), layers=2, width=32, heads=2, context=32)
+    dataset, _ = hf_gpt.load_splits(context=32, max_bytes=30_000)
+
+    def job_with(loss):  # fp32, as test_fine_tuning's
+        job = lora_gpt.build_job(
+            folder, LORA_STEPS, 12, 6, dataset=dataset, mixed_precision=None, max_grad_norm=0.5, rank=4, loss=loss
+        )
+        return dataclasses.replace(job, deterministic=True)
+
+    one = _run(train, tmp_path, "lora-one", job_with(hf_gpt.loss_fn), steps=LORA_STEPS, devices=1)
+    job = job_with(SlowUntilJoined(hf_gpt.loss_fn, devices=3))  # the joiner imports transformers: seconds
+    streamed = _run(train, tmp_path, "lora", job, steps=LORA_STEPS, devices=2, max_devices=3, schedule="1:+1")
+    _assert_streamed(streamed[2])
+    _assert_same_bits(streamed, one)
+    model = lora_gpt.PretrainedLoRA(folder, rank=4)()
+    adapters = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    (join,), (stream,) = _events(streamed[2], "join"), _events(streamed[2], "stream")
+    # The stream: the adapters with their two AdamW moments (and the step count) and nothing else; the
+    # boundary: the small state (no tensor of the 139 kB base model).
+    assert 3 * adapters <= stream["state_bytes_sent"] < 4 * adapters, (adapters, stream)
+    assert join["state_bytes_sent"] < frozen / 10, (frozen, join)
 
 
 def test_a_sharded_job_joins_with_the_blocking_transfer_and_says_why(train, tmp_path):
