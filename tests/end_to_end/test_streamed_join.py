@@ -204,8 +204,8 @@ def test_a_driver_killed_during_the_stream_re_adopts_the_joiner_as_a_joiner(
 ):
     """kill -9 of the driver as the first slice leaves: the devices wait, the driver restarted with the
     resume command they printed re-adopts the members, and the listener (which holds no committed state)
-    as a joiner: it is levelled at the adoption's boundary, listens to a stream that starts over, then
-    takes VWs. Every step is recorded once, with the one-device run's digests and final bits."""
+    as a joiner (flexpar/core/adoption.py): it joins at the adoption's boundary, listens to a stream that
+    starts over, then takes VWs. Every step is recorded once, with the one-device run's digests and final bits."""
     reference = _reference(train, tmp_path, "adamw_scheduler")
     monkeypatch.setenv("TEST_PORT", str(conftest.free_port()))
     script = DRIVER_KILLED_JOB.format(delay_s=DELAY_S, steps=STEPS, stream_mb=DRIVER_KILLED_STREAM_MB)
@@ -215,12 +215,17 @@ def test_a_driver_killed_during_the_stream_re_adopts_the_joiner_as_a_joiner(
     model.load_state_dict(torch.load(tmp_path / "final.pt", weights_only=True))
     assert [r["step"] for r in _steps(records)] == list(range(STEPS)), "every step recorded once"
     _assert_same_bits((model, None, records), reference)
-    # The listener said it held no committed state, was re-adopted, and listened again from the start.
+    # The listener said it held no committed state, was re-adopted as a joiner and listened again from the start.
     assert "device local-2: the job's driver is gone;" in said and "holds no committed state yet" in said, said
     assert "device local-2: re-adopted by the restarted driver" in said, said
+    assert "re-adopted 2 devices (local-0, local-1) holding step" in drivers[-1].output()[0], drivers[-1].output()
+    assert "joining with them: local-2" in drivers[-1].output()[0], drivers[-1].output()
     (adopted,) = _events(records, "adopt")
-    joins = _events(records, "join")
-    assert len(joins) == 1 and joins[0]["step"] < adopted["step"], joins
+    assert adopted["detail"].startswith("re-adopted by a restarted driver: local-0, local-1 (generation")
+    assert adopted["detail"].endswith("; joined: local-2"), adopted
+    first, again_joined = _events(records, "join")
+    assert first["step"] < adopted["step"] == again_joined["step"], (first, adopted, again_joined)
+    assert again_joined["detail"].startswith("joined: local-2") and "; streamed to 1 listener" in again_joined["detail"]
     again = next(r for r in _steps(records) if r["step"] == adopted["step"])
     assert again["assignment"][-1] == 0 and again["joining"] == {"local-2": 0.0}, again
     (streamed,) = _events(records, "stream")
