@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import time
 
 import conftest
 import pieces
@@ -21,7 +20,6 @@ import pytest
 import test_driver_loss as driver_loss
 import test_recipes as recipe_pieces
 import torch
-import torch.distributed as dist
 
 from flexpar.errors import TrainingError
 
@@ -128,22 +126,7 @@ def test_a_failure_or_a_leave_during_the_stream_loses_nothing(train, tmp_path, v
     _assert_same_bits(run, reference)
 
 
-class SlowUntilJoined:
-    """`loss(model, batch)` after `waiting_s` of sleep per call until this device has trained in a group
-    of `devices`, `delay_s` from then on: however long a joiner takes to warm up on a loaded host, it
-    joins well before a leave scheduled a dozen steps after its join (the bits do not depend on it)."""
-
-    def __init__(self, loss, devices: int, delay_s: float = DELAY_S, waiting_s: float = 0.2):
-        self.loss, self.devices, self.delay_s, self.waiting_s = loss, devices, delay_s, waiting_s
-        self.joined = False
-
-    def __call__(self, model, batch):
-        self.joined = self.joined or (dist.is_initialized() and dist.get_world_size() >= self.devices)
-        time.sleep(self.delay_s if self.joined else self.waiting_s)
-        return self.loss(model, batch)
-
-
-LEAVE_STEP = 16  # 14 steps of 0.4 s after the scheduled join: the joiners' headroom (test_elastic's is 6 s)
+LEAVE_STEP = 16  # 14 steps of 0.6 s after the scheduled join: the joiners' headroom (test_elastic's is 6 s)
 LONG_STREAM_MB = 0.0002  # about 200 bytes per sender per step: a stream outlasts the leave by far
 
 
@@ -158,7 +141,7 @@ def test_a_scheduled_leave_during_the_stream_keeps_every_bit(train, tmp_path, de
     generation: a joiner that leaves never held the state (no `stream` event); one that stays is levelled
     again at the leave's boundary as any joiner, and listens to a stream that starts over."""
     reference = _reference(train, tmp_path, "adamw_scheduler")
-    job = dataclasses.replace(RECIPES["adamw_scheduler"](), loss=SlowUntilJoined(pieces.Loss(), devices=4))
+    job = dataclasses.replace(RECIPES["adamw_scheduler"](), loss=pieces.SlowUntilJoined(pieces.Loss(), devices=4))
     options = {"devices": devices, "max_devices": 4, "schedule": schedule, "join_stream_mb": LONG_STREAM_MB}
     run = _run(train, tmp_path, "leave", job, **options)
     _, summary, records = run
@@ -183,13 +166,16 @@ DRIVER_KILLED_STREAM_MB = 0.001
 # RECIPES["adamw_scheduler"] under `flexpar run` (a driver of its own, which a test can kill), whose driver
 # dies as rank 0 posts the stream's first slice (a STEP:driver:stream fault fires at a stream's round).
 DRIVER_KILLED_JOB = """
+import dataclasses
 import os
 import torch
 if __name__ == "__main__":
     job = pieces.make_job(
-        optimizer=pieces.adamw, virtual_workers=6, lr_scheduler=pieces.step_decay, delay_s={delay_s},
-        deterministic=True,
+        optimizer=pieces.adamw, virtual_workers=6, lr_scheduler=pieces.step_decay, deterministic=True
     )
+    # The joiner joins a step or two after it is warm, however long that takes: its stream outlasts
+    # the devices' notice of the driver's loss, and the one that starts over ends before the last step.
+    job = dataclasses.replace(job, loss=pieces.SlowUntilJoined(pieces.Loss(), devices=3))
     model, summary = job.fit(
         steps={steps}, devices=2, max_devices=3, port=int(os.environ["TEST_PORT"]), schedule="1:+1",
         faults="1:driver:stream", driver_grace_s=60, join_stream_mb={stream_mb},
@@ -208,7 +194,7 @@ def test_a_driver_killed_during_the_stream_re_adopts_the_joiner_as_a_joiner(
     starts over, then takes VWs. Every step is recorded once, with the one-device run's digests and final bits."""
     reference = _reference(train, tmp_path, "adamw_scheduler")
     monkeypatch.setenv("TEST_PORT", str(conftest.free_port()))
-    script = DRIVER_KILLED_JOB.format(delay_s=DELAY_S, steps=STEPS, stream_mb=DRIVER_KILLED_STREAM_MB)
+    script = DRIVER_KILLED_JOB.format(steps=STEPS, stream_mb=DRIVER_KILLED_STREAM_MB)
     drivers, records, said = driver_loss._restart_until_done(tmp_path, command_line_job, script, 1)
     assert re.search(r"fault: driver gets SIGKILL at step \d+ \(stream\)", said), said
     model = pieces.make_model()
@@ -254,7 +240,7 @@ def test_a_lora_model_streams_only_its_adapters(train, tmp_path):
         return dataclasses.replace(job, deterministic=True)
 
     one = _run(train, tmp_path, "lora-one", job_with(hf_gpt.loss_fn), steps=LORA_STEPS, devices=1)
-    job = job_with(SlowUntilJoined(hf_gpt.loss_fn, devices=3))  # the joiner imports transformers: seconds
+    job = job_with(pieces.SlowUntilJoined(hf_gpt.loss_fn, devices=3))  # the joiner imports transformers: seconds
     streamed = _run(train, tmp_path, "lora", job, steps=LORA_STEPS, devices=2, max_devices=3, schedule="1:+1")
     _assert_streamed(streamed[2])
     _assert_same_bits(streamed, one)
