@@ -141,6 +141,25 @@ class Loss:
         return nn.functional.cross_entropy(model(inputs), labels)
 
 
+class SlowUntilJoined:
+    """`loss(model, batch)` after `waiting_s` of sleep per call until this device has trained in a group
+    of at least `devices`, after `delay_s` from then on (per process: a device that saw the group keeps
+    the short delay after a leave). However long a joiner takes to warm up on a loaded host, the steps
+    before it joins are slow, so that it joins a step or two after it is warm, well ahead of a change
+    scheduled a dozen steps later. The bits do not depend on it."""
+
+    def __init__(self, loss, devices: int, delay_s: float = 0.02, waiting_s: float = 0.3):
+        self.loss, self.devices, self.delay_s, self.waiting_s = loss, devices, delay_s, waiting_s
+        self.joined = False
+
+    def __call__(self, model, batch):
+        import torch.distributed as dist
+
+        self.joined = self.joined or (dist.is_initialized() and dist.get_world_size() >= self.devices)
+        time.sleep(self.delay_s if self.joined else self.waiting_s)
+        return self.loss(model, batch)
+
+
 def make_job(optimizer=sgd, virtual_workers=4, global_batch=48, delay_s=0.0, dataset=None, **extra):
     return flexpar.Job(
         model=extra.pop("model", make_model),

@@ -135,7 +135,9 @@ class Outcome:
     `members`: adopted, in their old rank order (empty: nothing to adopt, the job resumes from
     its checkpoint); `not_back`: members of the newest generation that never reported (died with
     the driver, or since); `stale`: devices of an older generation (refused); `warm_joiners` /
-    `cold_joiners`: joiners that finished / had not finished their warm-up; `from_generation`:
+    `cold_joiners`: joiners that finished / had not finished their warm-up (a member of the newest
+    generation that holds no committed step, a joiner still listening to a streamed join, is a
+    warm joiner: it comes back as the joiner it is, never as the job's state); `from_generation`:
     the newest generation; `next_generation`: the number the adopted set forms under, above every
     number any device saw; `step`: the latest committed step among the adopted; `lost_at`: the
     first device's notice of the loss; `steps_lost`: 1 when a device holding that step broke off
@@ -158,7 +160,10 @@ def outcome(adoption: Adoption, dead: frozenset = frozenset()) -> Outcome:
     reports = {d: r for d, r in adoption.by_device().items() if d not in dead}
     generation, members = newest_generation(adoption.reports)
     current = {d for d, r in reports.items() if r.final and is_current(r, generation, members)}
-    adopted = tuple(d for d in members if d in current)
+    # A member that holds no committed step (a joiner still listening to a streamed join,
+    # flexpar/worker/streaming.py) comes back as the warm joiner it is: it holds nothing to adopt.
+    listeners = [d for d in members if d in current and reports[d].committed < 0]
+    adopted = tuple(d for d in members if d in current and d not in listeners)
     stale = tuple(sorted(d for d, r in reports.items() if is_stale(r, generation, members)))
     joiners = [r for r in adoption.reports if r.generation == 0 and r.device_id in reports]
     latest = max((reports[d].committed for d in adopted), default=-1)
@@ -167,7 +172,7 @@ def outcome(adoption: Adoption, dead: frozenset = frozenset()) -> Outcome:
         members=adopted,
         not_back=tuple(d for d in members if d not in current),
         stale=stale,
-        warm_joiners=tuple(r.device_id for r in joiners if r.warm),
+        warm_joiners=tuple(r.device_id for r in joiners if r.warm) + tuple(listeners),
         cold_joiners=tuple(r.device_id for r in joiners if not r.warm),
         from_generation=generation,
         next_generation=seen + 1,

@@ -206,6 +206,20 @@ def test_joiners_stay_joiners_and_a_late_member_joins_like_one():
     assert not actions and "hostb-1" in state.waiting
 
 
+def test_a_member_holding_no_committed_step_comes_back_as_a_joiner():
+    """A joiner still listening to a streamed join (flexpar/worker/streaming.py) is a member of the newest
+    generation that holds no committed step: it is re-adopted as a joiner (levelled at the boundary), and
+    alone it is nothing to adopt."""
+    listener = _report("hostb-1", committed=-1)
+    state, actions = _run(_window(), *[_report(d) for d in MEMBERS[:2]], listener, ms.Tick(0.6))
+    (publish,) = [a for a in actions if isinstance(a, ms.Publish)]
+    assert publish.members == MEMBERS and publish.joined == ("hostb-1",) and publish.failed == ()
+    assert publish.adopted == ad.Adopted(6, 41, 100.0, 0, ())
+    state, actions = _run(_window(checkpoint_step=30), listener, ms.Tick(2.5))
+    assert [type(a) for a in actions] == [ms.Refuse, ms.NothingToAdopt, ms.SpawnLocal], actions
+    assert "join it again" in actions[0].reason and actions[1].checkpoint == "/ckpt/step-00000030.pt"
+
+
 def test_no_member_back_means_the_checkpoint_fresh_devices_and_every_reporter_refused():
     joiner = ms.Reported(ad.DeviceReport("hostc-2", warm=True, seen=3), 0.1)
     old_member = ms.Reported(ad.DeviceReport("local-3", 0, (), 3), 0.1)  # a joiner of the old driver, cold

@@ -196,7 +196,14 @@ def test_a_killed_driver_restarted_with_resume_re_adopts_the_devices(tmp_path, c
     left = joined + devices[joined:].index(DEVICES)
     assert set(devices[:joined]) == set(devices[left:]) == {DEVICES}, devices
     assert set(devices[joined:left]) == {DEVICES + (JOINER,)}, devices
-    assert [event["event"] for event in events if event["event"] in ("join", "leave")] == ["join", "leave"], events
+    # Where the devices noticed the loss before the joiner's streamed join ended (it holds no committed step
+    # yet), the joiner is re-adopted as a joiner: it joins again at that adoption (flexpar/core/adoption.py).
+    joins = [event for event in events if event["event"] == "join"]
+    assert all(event["step"] in {adoption["step"] for adoption in adopted} for event in joins[1:]), events
+    assert all(event["detail"].startswith(f"joined: {JOINER}") for event in joins), events
+    assert [event["event"] for event in events if event["event"] in ("join", "leave")] == ["join"] * len(joins) + [
+        "leave"
+    ], events
     for device in DEVICES:  # each member was re-adopted by every restarted driver
         assert said.count(f"device {device}: re-adopted by the restarted driver") == len(drivers) - 1, said
 

@@ -12,9 +12,12 @@ the same bits), and a float job against the plain single-process loop.
 from __future__ import annotations
 
 import dataclasses
+import re
 
+import conftest
 import pieces
 import pytest
+import test_driver_loss as driver_loss
 import test_recipes as recipe_pieces
 import torch
 
@@ -28,7 +31,8 @@ DELAY_S = 0.02  # per VW: steps long enough for the joiner to warm up while the 
 def _run(train, tmp_path, name, job, **options):
     path = tmp_path / f"{name}.jsonl"
     options.setdefault("steps", STEPS)
-    model, summary = train(job, metrics=str(path), join_stream_mb=STREAM_MB, **options)
+    options.setdefault("join_stream_mb", STREAM_MB)
+    model, summary = train(job, metrics=str(path), **options)
     records = pieces.metrics_records(path)
     return model, summary, records
 
@@ -139,6 +143,145 @@ def test_a_sender_lost_during_the_stream_leaves_its_slices_to_the_others(train, 
     assert len(_events(records, "stream")) == 1 and len(_events(records, "join")) == 1
     _assert_streamed(records, joiner="local-3")
     _assert_same_bits(run, reference)
+
+
+LEAVE_STEP = 16  # 14 steps of 0.6 s after the scheduled join: the joiners' headroom (test_elastic's is 6 s)
+LONG_STREAM_MB = 0.0002  # about 200 bytes per sender per step: a stream outlasts the leave by far
+
+
+@pytest.mark.parametrize(
+    "devices,leaving",
+    [(3, 2), (2, 1)],
+    ids=["the_joiner_and_a_sender", "one_of_two_joiners"],
+)
+def test_a_scheduled_leave_during_the_stream_keeps_every_bit(train, tmp_path, devices, leaving):
+    """A scheduled -K takes the newest members first: the joiner with a sender (devices=3, +1, -2), or the
+    newer of two joiners (devices=2, +2, -1), leave exactly at their step while the stream is in flight.
+    A joiner that leaves never held the state; where no listener stays the stream ends with that
+    generation (no `stream` event); a joiner that stays keeps what landed and its stream goes on (the
+    leave event says so), and the run keeps every bit."""
+    reference = _reference(train, tmp_path, "adamw_scheduler")
+    job = dataclasses.replace(RECIPES["adamw_scheduler"](), loss=pieces.SlowUntilJoined(pieces.Loss(), devices=4))
+    schedule = f"1:+{4 - devices},{LEAVE_STEP}:-{leaving}"
+    options = {"devices": devices, "max_devices": 4, "schedule": schedule, "join_stream_mb": LONG_STREAM_MB}
+    run = _run(train, tmp_path, "leave", job, **options)
+    _, summary, records = run
+    assert [(entry["status"], entry["applied_step"]) for entry in summary["schedule"]][1] == ("on time", LEAVE_STEP)
+    joiners = {f"local-{index}" for index in range(devices, 4)}  # in the order they warmed up
+    before, after = (next(r for r in _steps(records) if r["step"] == step) for step in (LEAVE_STEP - 1, LEAVE_STEP))
+    assert set(before["devices"][devices:]) == joiners and before["assignment"][devices:] == [0] * len(joiners)
+    assert set(before["joining"]) == joiners and all(0 <= share < 1 for share in before["joining"].values()), before
+    leavers = before["devices"][-leaving:]
+    staying = [device for device in before["devices"] if device not in leavers]
+    assert all(r["devices"] == staying for r in _steps(records) if r["step"] >= LEAVE_STEP)
+    listening = [device for device in staying if device in joiners]
+    (leave,) = _events(records, "leave")
+    assert leave["step"] == LEAVE_STEP and leave["detail"].startswith("left: " + ", ".join(leavers)), leave
+    if listening:  # the other joiner keeps what landed: its stream goes on from the members
+        (joiner,) = listening
+        senders = ", ".join(device for device in staying if device != joiner)
+        assert f"; the stream to {joiner} goes on from {senders}: " in leave["detail"], leave
+        assert after["assignment"][-1] == 0 and after["joining"][joiner] >= before["joining"][joiner], after
+        shares = [r["joining"][joiner] for r in _steps(records) if joiner in r.get("joining", {})]
+        assert shares == sorted(shares), f"{joiner}'s stream never started over: {shares}"
+    else:
+        assert leave["detail"] == "left: " + ", ".join(leavers), leave
+        assert not _events(records, "stream"), "no joiner came to hold the state"
+    _assert_same_bits(run, reference)
+
+
+# About 10 steps a stream: the devices go on for a step or two before they notice the driver's loss (the
+# stream must still be in flight then), and the stream that starts over ends well before the last step.
+DRIVER_KILLED_STREAM_MB = 0.001
+# RECIPES["adamw_scheduler"] under `flexpar run` (a driver of its own, which a test can kill), whose driver
+# dies as rank 0 posts the stream's first slice (a STEP:driver:stream fault fires at a stream's round).
+DRIVER_KILLED_JOB = """
+import dataclasses
+import os
+import torch
+if __name__ == "__main__":
+    job = pieces.make_job(
+        optimizer=pieces.adamw, virtual_workers=6, lr_scheduler=pieces.step_decay, deterministic=True
+    )
+    # The joiner joins a step or two after it is warm, however long that takes: its stream outlasts
+    # the devices' notice of the driver's loss, and the one that starts over ends before the last step.
+    job = dataclasses.replace(job, loss=pieces.SlowUntilJoined(pieces.Loss(), devices=3))
+    model, summary = job.fit(
+        steps={steps}, devices=2, max_devices=3, port=int(os.environ["TEST_PORT"]), schedule="1:+1",
+        faults="1:driver:stream", driver_grace_s=60, join_stream_mb={stream_mb},
+    )
+    torch.save(model.state_dict(), "final.pt")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_driver_killed_during_the_stream_re_adopts_the_joiner_as_a_joiner(
+    train, tmp_path, command_line_job, monkeypatch
+):
+    """kill -9 of the driver as the first slice leaves: the devices wait, the driver restarted with the
+    resume command they printed re-adopts the members, and the listener (which holds no committed state)
+    as a joiner (flexpar/core/adoption.py): it joins at the adoption's boundary, listens to a stream that
+    starts over, then takes VWs. Every step is recorded once, with the one-device run's digests and final bits."""
+    reference = _reference(train, tmp_path, "adamw_scheduler")
+    monkeypatch.setenv("TEST_PORT", str(conftest.free_port()))
+    script = DRIVER_KILLED_JOB.format(steps=STEPS, stream_mb=DRIVER_KILLED_STREAM_MB)
+    drivers, records, said = driver_loss._restart_until_done(tmp_path, command_line_job, script, 1)
+    assert re.search(r"fault: driver gets SIGKILL at step \d+ \(stream\)", said), said
+    model = pieces.make_model()
+    model.load_state_dict(torch.load(tmp_path / "final.pt", weights_only=True))
+    assert [r["step"] for r in _steps(records)] == list(range(STEPS)), "every step recorded once"
+    _assert_same_bits((model, None, records), reference)
+    # The listener said it held no committed state, was re-adopted as a joiner and listened again from the start.
+    assert "device local-2: the job's driver is gone;" in said and "holds no committed state yet" in said, said
+    assert "device local-2: re-adopted by the restarted driver" in said, said
+    assert "re-adopted 2 devices (local-0, local-1) holding step" in drivers[-1].output()[0], drivers[-1].output()
+    assert "joining with them: local-2" in drivers[-1].output()[0], drivers[-1].output()
+    (adopted,) = _events(records, "adopt")
+    assert adopted["detail"].startswith("re-adopted by a restarted driver: local-0, local-1 (generation")
+    assert adopted["detail"].endswith("; joined: local-2"), adopted
+    first, again_joined = _events(records, "join")
+    assert first["step"] < adopted["step"] == again_joined["step"], (first, adopted, again_joined)
+    assert again_joined["detail"].startswith("joined: local-2") and "; streamed to 1 listener" in again_joined["detail"]
+    again = next(r for r in _steps(records) if r["step"] == adopted["step"])
+    assert again["assignment"][-1] == 0 and again["joining"] == {"local-2": 0.0}, again
+    (streamed,) = _events(records, "stream")
+    assert streamed["step"] > adopted["step"] and "local-2 holds the training state" in streamed["detail"]
+    working = [r["step"] for r in _steps(records) if r["assignment"][-1] > 0 and "local-2" in r["devices"]]
+    assert working and min(working) == streamed["step"], working
+
+
+LORA_STEPS = 16
+
+
+@pytest.mark.timeout(180)
+def test_a_lora_model_streams_only_its_adapters(train, tmp_path):
+    """test_fine_tuning's peft LoRA GPT-2 (frozen base weights): the join streams the adapters and their
+    AdamW state only, and the run keeps every bit of the one-device run."""
+    pytest.importorskip("peft", reason="peft is not installed (flexpar[hf])")
+    from flexpar.examples import hf_gpt, lora_gpt
+
+    folder = lora_gpt.write_pretrained(str(tmp_path / "pretrained"), layers=2, width=32, heads=2, context=32)
+    dataset, _ = hf_gpt.load_splits(context=32, max_bytes=30_000)
+
+    def job_with(loss):  # fp32, as test_fine_tuning's
+        job = lora_gpt.build_job(
+            folder, LORA_STEPS, 12, 6, dataset=dataset, mixed_precision=None, max_grad_norm=0.5, rank=4, loss=loss
+        )
+        return dataclasses.replace(job, deterministic=True)
+
+    one = _run(train, tmp_path, "lora-one", job_with(hf_gpt.loss_fn), steps=LORA_STEPS, devices=1)
+    job = job_with(pieces.SlowUntilJoined(hf_gpt.loss_fn, devices=3))  # the joiner imports transformers: seconds
+    streamed = _run(train, tmp_path, "lora", job, steps=LORA_STEPS, devices=2, max_devices=3, schedule="1:+1")
+    _assert_streamed(streamed[2])
+    _assert_same_bits(streamed, one)
+    model = lora_gpt.PretrainedLoRA(folder, rank=4)()
+    adapters = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    (join,), (stream,) = _events(streamed[2], "join"), _events(streamed[2], "stream")
+    # The stream: the adapters with their two AdamW moments (and the step count) and nothing else; the
+    # boundary: the small state (no tensor of the 139 kB base model).
+    assert 3 * adapters <= stream["state_bytes_sent"] < 4 * adapters, (adapters, stream)
+    assert join["state_bytes_sent"] < frozen / 10, (frozen, join)
 
 
 def test_a_sharded_job_joins_with_the_blocking_transfer_and_says_why(train, tmp_path):
