@@ -80,7 +80,11 @@ class WorkerRecords:
             self._publish_adoption(record, stall)
             record = dict(record, failed=[])
         # A stream that goes on past a failure or a leave says so in its event (flexpar/worker/streaming.py).
-        goes_on = f"; {self.stream_note}" if self.stream_note.startswith("the stream") else ""
+        goes_on = ""
+        if self.stream_note.startswith("the stream"):  # goes on from the members left
+            goes_on = f"; {self.stream_note}"
+        elif self.stream_note.startswith("streamed to") and not record["joined"]:  # a listener that stayed
+            goes_on = f"; the stream starts over, {self.stream_note}"
         if record["failed"]:
             self._publish_event("failure", "failed: " + ", ".join(record["failed"]) + goes_on, stall, sent)
         if record["left"] and recovered and not record["failed"]:
