@@ -227,23 +227,50 @@ def _cut(piece: Piece, limit: int) -> list:
     ]
 
 
-def resized(sender_bytes: int, before_s: float, during_s: float, share: float, floor: int) -> int:
-    """The next rounds' bytes per sender, from the members' step time before the join and now.
+@dataclasses.dataclass(frozen=True)
+class Sizing:
+    """The slices' size while a stream runs, and what the last change of it is waiting to show.
 
-    The goal is a step about `share` longer than before. Halved while the
-    step is more than twice that much longer, doubled while it is less than
-    half of it longer (at most doubling a round: one large round is one slow
-    step), never below `floor`. Pure, so every member resizes alike from the
-    same summed step times.
+    `halved_from`: the slowdown measured before the last halving, and `halved_at` the round whose
+    slices were the first smaller ones (their cost shows in the statistics two rounds later);
+    `settled`: halving did not help, so the size no longer shrinks (the slowdown is not the
+    transfer's: on a shared host, the listener's own work).
     """
-    if before_s <= 0 or during_s <= 0 or not 0 < share <= 1:
-        return sender_bytes
-    slowdown = during_s / before_s - 1.0
-    if slowdown > 2 * share:
-        return max(floor, sender_bytes // 2)
+
+    sender_bytes: int
+    floor: int
+    halved_from: Optional[float] = None
+    halved_at: int = -1
+    settled: bool = False
+
+
+RESIZE_LAG = 2
+"""A round's slices overlap the next step; that step's time reaches every member in the statistics of
+the step after it: a size chosen at round r is measured at round r + 2."""
+
+
+def resized(sizing: Sizing, slowdown: float, round_number: int, share: float) -> Sizing:
+    """The next rounds' size, from the members' step slowdown (their step / the one before the join, - 1).
+
+    The goal is a step about `share` longer than before. Halved while the step
+    is more than twice that much longer, as long as halving helps: a halving
+    that did not take away half of the excess is undone and the size settles.
+    Doubled while the step is less than half of `share` longer. Never below
+    `floor`. Pure, so every member resizes alike from the same summed step times.
+    """
+    if sizing.halved_from is not None:
+        if round_number < sizing.halved_at + RESIZE_LAG:
+            return sizing  # the smaller slices' cost is not measured yet
+        if slowdown > sizing.halved_from - (sizing.halved_from - share) / 2:  # it did not help enough
+            return Sizing(sizing.sender_bytes * 2, sizing.floor, settled=True)
+        sizing = dataclasses.replace(sizing, halved_from=None, halved_at=-1)
+    if slowdown > 2 * share and not sizing.settled and sizing.sender_bytes // 2 >= sizing.floor:
+        return dataclasses.replace(
+            sizing, sender_bytes=sizing.sender_bytes // 2, halved_from=slowdown, halved_at=round_number
+        )
     if slowdown < share / 2:
-        return max(floor, sender_bytes * 2)
-    return max(floor, sender_bytes)
+        return dataclasses.replace(sizing, sender_bytes=sizing.sender_bytes * 2)
+    return sizing
 
 
 def continuation(

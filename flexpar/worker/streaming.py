@@ -88,7 +88,7 @@ class Stream:
     # A listener's receives in flight, by sender: (sender, its works), waited for before the next update.
     receipts: tuple = ()
     broken_off: bool = False  # a failure or a new generation interrupted it (`_suspend_stream`)
-    adaptive: bool = False  # the slices' size follows the members' step times (no join_stream_mb)
+    sizing: Optional[stream_plan.Sizing] = None  # the slices follow the members' step times (no join_stream_mb)
     member_step_s: tuple = ()  # every member's previous step time, from the last step's statistics
     before_s: float = 0.0  # the members' median step time before the join, from those statistics
     landed_mask: int = 0  # a listener, broken off: the senders (bits by place) whose last slices landed
@@ -215,7 +215,7 @@ class Streaming:
             skippable=skippable,
             plan_generation=generation,
             senders=senders,
-            adaptive=self.settings.join_stream_mb is None,
+            sizing=None if self.settings.join_stream_mb else stream_plan.Sizing(plan.sender_bytes, self._floor(plan)),
         )
         self.stream_note = (
             f"streamed to {len(stock.receivers)} listener{'s' if len(stock.receivers) > 1 else ''}: "
@@ -386,7 +386,7 @@ class Streaming:
         second's carry the first streamed step, which holds the join's stall (left out).
         """
         stream = self.stream
-        if not stream.adaptive or not stream.member_step_s:
+        if stream.sizing is None or not stream.member_step_s:
             return
         times = sorted(value for value in self._without_listeners(stream.member_step_s) if value > 0)
         if not times:
@@ -395,11 +395,14 @@ class Streaming:
         if stream.rounds_done == 0:
             stream.before_s = median
             return
-        if stream.rounds_done < 2:
+        if stream.rounds_done < 2 or stream.before_s <= 0:
             return
-        size = stream_plan.resized(stream.plan.sender_bytes, stream.before_s, median, STREAM_SHARE, MIN_SENDER_BYTES)
-        if size != stream.plan.sender_bytes:
-            stream.plan = stream_plan.replan(stream.plan, stream.rounds_done, stream.senders, sender_bytes=size)
+        sizing = stream_plan.resized(stream.sizing, median / stream.before_s - 1.0, stream.rounds_done, STREAM_SHARE)
+        if sizing.sender_bytes != stream.plan.sender_bytes:
+            stream.plan = stream_plan.replan(
+                stream.plan, stream.rounds_done, stream.senders, sender_bytes=sizing.sender_bytes
+            )
+        stream.sizing = sizing
 
     def _finish_stream(self, step: int) -> None:
         """Every member: the joiners' copies against their senders' (one all-reduce), then they contribute."""
@@ -499,6 +502,12 @@ class Streaming:
             return DEFAULT_SENDER_BYTES
         link = LINK_BYTES_PER_S.get(self.settings.backend, LINK_BYTES_PER_S["gloo"])
         return stream_plan.sender_bytes(link, step_s, STREAM_SHARE)
+
+    @staticmethod
+    def _floor(plan) -> int:
+        """The smallest slices a stream shrinks to: an eighth of its first size, at least MIN_SENDER_BYTES
+        (never below the first size)."""
+        return min(plan.sender_bytes, max(MIN_SENDER_BYTES, plan.sender_bytes // 8))
 
     def _predicted_step_s(self) -> float:
         """The balancer's predicted step time (identical on every member: shared state), 0 if unknown."""

@@ -112,12 +112,35 @@ def test_a_resized_plan_sends_the_rest_in_slices_of_the_new_size(tensors, sender
             assert all(item.size <= new_limit or item.stop - item.start == 1 for item in piece.pieces)
 
 
-def test_slices_halve_while_the_members_are_slowed_and_double_while_they_are_not():
-    assert stream_plan.resized(8 << 20, 1.0, 1.5, 0.1, 1 << 20) == 4 << 20  # 50 % slower: halve
-    assert stream_plan.resized(8 << 20, 1.0, 1.1, 0.1, 1 << 20) == 8 << 20  # on target: keep
-    assert stream_plan.resized(8 << 20, 1.0, 1.01, 0.1, 1 << 20) == 16 << 20  # hardly slower: double
-    assert stream_plan.resized(1 << 20, 1.0, 3.0, 0.1, 1 << 20) == 1 << 20  # never below the floor
-    assert stream_plan.resized(8 << 20, 0.0, 1.0, 0.1, 1 << 20) == 8 << 20  # no baseline: keep
+def test_slices_halve_while_the_members_are_slowed_and_halving_helps():
+    start = stream_plan.Sizing(8 << 20, 1 << 20)
+    halved = stream_plan.resized(start, 0.5, 2, 0.1)  # 50 % slower: halve
+    assert halved.sender_bytes == 4 << 20 and halved.halved_from == 0.5
+    assert stream_plan.resized(halved, 0.5, 3, 0.1) == halved, "the smaller slices' cost is not measured yet"
+    helped = stream_plan.resized(halved, 0.25, 4, 0.1)  # down by more than half the excess: halve again
+    assert helped.sender_bytes == 2 << 20 and helped.halved_from == 0.25
+    undone = stream_plan.resized(halved, 0.45, 4, 0.1)  # hardly better: the slowdown is not the transfer's
+    assert undone.sender_bytes == 8 << 20 and undone.settled
+    assert stream_plan.resized(undone, 0.9, 9, 0.1) == undone, "settled: no more halving"
+    assert stream_plan.resized(start, 0.1, 2, 0.1) == start  # on target: keep
+    assert stream_plan.resized(start, 0.01, 2, 0.1).sender_bytes == 16 << 20  # hardly slower: double
+    floor = stream_plan.Sizing(1 << 20, 1 << 20)
+    assert stream_plan.resized(floor, 2.0, 2, 0.1) == floor, "never below the floor"
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(-0.5, 3.0), min_size=1, max_size=30), st.integers(1, 64))
+def test_a_stream_never_shrinks_below_its_floor_and_settles_when_halving_never_helps(slowdowns, first_mb):
+    floor = min(first_mb, 1) << 20
+    noisy = stream_plan.Sizing(first_mb << 20, floor)
+    steady, halvings = noisy, 0
+    for round_number, slowdown in enumerate(slowdowns, start=2):
+        noisy = stream_plan.resized(noisy, slowdown, round_number, 0.1)
+        assert noisy.sender_bytes >= floor
+        before = steady.sender_bytes
+        steady = stream_plan.resized(steady, 0.6, round_number, 0.1)  # 60 % slower, whatever the size
+        halvings += steady.sender_bytes < before
+    assert halvings <= 1, "a halving that did not help is not tried again"
 
 
 def test_a_stream_goes_on_only_where_every_member_holds_it_and_the_listeners_are_level():
