@@ -91,10 +91,8 @@ class Boundaries:
                     self.committed, self.committed_wall, rank, len(group), self.device, peer_lost, start
                 )
             )
-            if self.shards is not None:  # joiners receive their chunks now (no streaming: streaming.py)
-                sharded = "blocking transfer: sharded optimizer state (shard_optimizer=True)"
-                self.stream_note = sharded if stock.joiners else ""
-                sent = self._level_sharded(stock, rank, group, len(members), record, peer_lost)
+            if self.shards is not None:  # joiners listen while their chunks stream where that applies
+                sent = self._level_sharded_join(stock, rank, group, len(members), record, peer_lost)
             else:
                 sent = self._level_members(stock, rank, len(members))
             if stock.differing:

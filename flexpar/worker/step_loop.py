@@ -105,14 +105,17 @@ class StepLoop(Determinism):
                 self.link.publish(self.recent_records[-1])
                 if moved:  # a planned rate moved past the noise: the plans of later steps change
                     self._publish_event("rebalance", moved, 0.0)
-            if self.rank == 0 or self.shards is not None:  # sharded: every member writes its part
+            if self.rank == 0 or (self.shards is not None and not self._listening()):  # sharded: each its part
                 self._maybe_checkpoint()
             if stopping:
                 return StopEarly()
             if upcoming is not None:
                 return upcoming
             if self.stream is not None and self.committed < self.settings.total_steps:
-                self._stream_round(step)  # a streamed join's next slice (flexpar/worker/streaming.py)
+                if self.shards is not None:  # flexpar/worker/shard_streaming.py
+                    self._shard_stream_round(step)
+                else:
+                    self._stream_round(step)  # a streamed join's next slice (flexpar/worker/streaming.py)
         if self._evaluation_due():  # after the last step
             self.evaluate(ask_driver=False)
         return None
@@ -158,6 +161,7 @@ class StepLoop(Determinism):
         grad_norm, skip = self._verdict_on_gradient(summed, slots, step)
         if not skip:
             if self.shards is not None:  # the chunks this device holds; the others arrive by broadcast
+                self._land_streamed_pieces()  # a sharded stream's pieces posted since the last update
                 self.shards.step()
                 self.parameters_complete = self.shard_partition.everyone_holds_everything
             else:

@@ -202,6 +202,8 @@ class Streaming:
         Returns the sends in flight (their works keep the old group alive until it is retired).
         """
         works, self.stream_transfers = list(self.stream_transfers), ()
+        if self.stream is not None and self.shards is not None:  # flexpar/worker/shard_streaming.py
+            self._abandon_shard_stream()
         if self.stream is not None and self.rank in self.stream.listeners:
             self.committed = -1
         self.stream = None
