@@ -11,8 +11,10 @@ take stock of who holds the latest committed step, and level:
   (flexpar/comm/state_transfer.py);
 - sharded (`Job(shard_optimizer=True)`): the plan of
   flexpar/worker/shard_levelling.py moves chunks of optimizer state and
-  parameter values; planned leavers (`record["departing"]`) take part in a
-  hand-off group first, then leave, and the members form the training group.
+  parameter values (a join streams them where it can:
+  flexpar/worker/shard_streaming.py); planned leavers (`record["departing"]`)
+  take part in a hand-off group first, then leave, and the members form the
+  training group.
 
 Before the first step, the members that hold the untrained model also put a
 digest of its trainable part in the stock (`_start_digest`); those whose

@@ -68,6 +68,11 @@ class ShardStream(Stream):
     sending: list = dataclasses.field(default_factory=list)  # tensors posted to send, kept until waited for
     abandoned: bool = False
 
+    @property
+    def bytes_sent(self) -> int:
+        """Each move goes to one receiver."""
+        return self.plan.size
+
 
 class ShardStreaming:
     """The sharded streamed join's part of the worker (see the module docstring)."""
@@ -118,7 +123,7 @@ class ShardStreaming:
         for piece in shards.slices.values():
             state = shards.optimizer.state.get(piece, {})
             values = list(state.values())
-            if not values or not all(torch.is_tensor(value) and value.is_contiguous() for value in values):
+            if not values or not all(value is None or _contiguous(value) for value in values):
                 streamable = 0
             size = sum(value.element_size() for value in values if torch.is_tensor(value) and value.dim() > 0)
             per_element = max(per_element, size)
@@ -221,7 +226,7 @@ class ShardStreaming:
         for move in moves:
             if move.source == self.rank:
                 tensors = self._piece_to_send(move)
-                if tamper:  # a test's STEP:DEVICE:stream:tamper: one value changed (the check must see it)
+                if tamper and tensors:  # a test's STEP:DEVICE:stream:tamper: one value changed (the check must see it)
                     tensors[0] = tensors[0].clone()
                     tensors[0].view(-1)[0] += 1.0
                     tamper = False
@@ -230,7 +235,8 @@ class ShardStreaming:
             elif move.destination == self.rank:
                 state = self._allocated(move)
                 stream.arriving.append((move.segment, state))
-                operations += [dist.P2POp(dist.irecv, state[key].view(-1), move.source) for key in sorted(state)]
+                received = [state[key] for key in sorted(state) if state[key] is not None]
+                operations += [dist.P2POp(dist.irecv, tensor.view(-1), move.source) for tensor in received]
         self._fault_point("stream", step)
         works = collective(lambda: dist.batch_isend_irecv(operations)) if operations else []
         self.stream_transfers += tuple(works)  # waited for before the next update (`_land_streamed_pieces`)
@@ -253,13 +259,15 @@ class ShardStreaming:
                 f"streamed join: the optimizer state of {self.shards.names[move.parameter]!r} changed its layout "
                 f"during the stream ({sorted(state)}); the join cannot complete"
             )
-        return [state[key].contiguous() for key in sorted(state)]
+        return [state[key].contiguous() for key in sorted(state) if state[key] is not None]
 
     def _allocated(self, move) -> dict:
         """Memory for a received move's state, as the source announced it (not touched until it lands)."""
         length = move.stop - move.start
         state = {
-            key: torch.empty((length,) if per_element else (), dtype=getattr(torch, dtype), device=self.device)
+            key: None
+            if dtype is None  # a value that is None on the source (SGD's momentum_buffer without momentum)
+            else torch.empty((length,) if per_element else (), dtype=getattr(torch, dtype), device=self.device)
             for key, dtype, per_element in self.stream.layouts[move.parameter]
         }
         if self.shards.by == "parameters":  # a whole parameter: its state in the parameter's shape
@@ -275,9 +283,8 @@ class ShardStreaming:
         for index, move in enumerate(moves):
             if self.rank in (move.source, move.destination):
                 state = shards.piece(*move.segment, copy=False)
-                rows[self.rank, index] = float(
-                    sum(parameter_checksums([state[key] for key in sorted(state)])) % (1 << 52)
-                )
+                tensors = [state[key] for key in sorted(state) if state[key] is not None]
+                rows[self.rank, index] = float(sum(parameter_checksums(tensors)) % (1 << 52))
         if len(self.members) > 1:
             collective(lambda: dist.all_reduce(rows))
         for index, move in enumerate(moves):
@@ -294,8 +301,15 @@ class ShardStreaming:
             self._publish_stream_event(step)
         self.stream = None
 
+    def _abandon_stream(self) -> list:
+        """A new generation: before streaming.py's part (`Streaming._abandon_stream`, later in the
+        worker's bases), a sharded stream's receivers drop what they received."""
+        if isinstance(self.stream, ShardStream):
+            self._abandon_shard_stream()
+        return super()._abandon_stream()
+
     def _abandon_shard_stream(self) -> None:
-        """A new generation: hold exactly the old partition's chunks again (a listener: nothing)."""
+        """Hold exactly the old partition's chunks again (a listener: nothing)."""
         stream = self.stream
         stream.abandoned = True
         stream.arriving, stream.sending = [], []
@@ -311,8 +325,15 @@ class ShardStreaming:
 
 
 def _layout(state: dict) -> list:
-    """[(key, dtype name, per element)] of a piece's state, in key order."""
-    return [[key, str(state[key].dtype).replace("torch.", ""), state[key].dim() > 0] for key in sorted(state)]
+    """[(key, dtype name or None, per element)] of a piece's state, in key order."""
+    return [
+        [key, None, False] if value is None else [key, str(value.dtype).replace("torch.", ""), value.dim() > 0]
+        for key, value in sorted(state.items())
+    ]
+
+
+def _contiguous(value) -> bool:
+    return torch.is_tensor(value) and value.is_contiguous()
 
 
 def _reports_refusal(reports: list, training: int, old: Optional[Partition]) -> Optional[str]:
@@ -326,7 +347,7 @@ def _reports_refusal(reports: list, training: int, old: Optional[Partition]) -> 
     if any(row[3] for row in members):
         return "the optimizer has not stepped yet (nothing to stream)"
     if not all(row[4] for row in members):
-        return "some optimizer state is empty or not made of contiguous tensors"
+        return "some optimizer state is empty (a parameter never stepped) or not made of contiguous tensors"
     for rank, (_, holdings) in enumerate(reports[: len(members)]):
         if merge(holdings) != old.holdings(rank):
             return "the members' chunks are not those of their partition (a rank changed)"

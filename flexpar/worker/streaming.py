@@ -74,6 +74,11 @@ class Stream:
     skippable: bool = True  # every per-parameter state value is a tensor: a listener may skip updates
     stall_s: float = 0.0  # the join boundary's stall (rank 0, which publishes the events)
 
+    @property
+    def bytes_sent(self) -> int:
+        """Every slice goes to every listener."""
+        return self.plan.size * len(self.listeners)
+
 
 class Streaming:
     """The streamed join's part of the worker (see the module docstring)."""
@@ -96,8 +101,6 @@ class Streaming:
             return "not a join"
         if self.settings.join_stream_mb == 0:
             return "join_stream_mb=0"
-        if self.shards is not None:
-            return "sharded optimizer state (shard_optimizer=True)"
         if self.cost_planner is not None:
             return "sample_cost= plans every device's VWs ahead"
         if 0 in stock.receivers:
@@ -202,8 +205,6 @@ class Streaming:
         Returns the sends in flight (their works keep the old group alive until it is retired).
         """
         works, self.stream_transfers = list(self.stream_transfers), ()
-        if self.stream is not None and self.shards is not None:  # flexpar/worker/shard_streaming.py
-            self._abandon_shard_stream()
         if self.stream is not None and self.rank in self.stream.listeners:
             self.committed = -1
         self.stream = None
@@ -319,7 +320,7 @@ class Streaming:
             f"{listeners} holds the training state: {stream.plan.size} bytes streamed over {steps} "
             f"step{'s' if steps != 1 else ''} ({seconds:.2f} s){slower}",
             0.0,
-            stream.plan.size * len(stream.listeners),
+            stream.bytes_sent,
         )
 
     # ------------------------------------------------------------ helpers
