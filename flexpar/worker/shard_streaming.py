@@ -92,7 +92,7 @@ class ShardStreaming:
         if refusal is None:
             self._finish_pending(stock)
             reports = self._stream_reports(group, peer_lost)
-            refusal = _reports_refusal(reports, training, self._old_partition(reports))
+            refusal = _reports_refusal(reports, self._old_partition(reports))
             if refusal is None:
                 return self._level_shard_streamed(reports, rank, group, training, peer_lost)
         self.stream_note = f"blocking transfer: {refusal}"
@@ -336,7 +336,7 @@ def _contiguous(value) -> bool:
     return torch.is_tensor(value) and value.is_contiguous()
 
 
-def _reports_refusal(reports: list, training: int, old: Optional[Partition]) -> Optional[str]:
+def _reports_refusal(reports: list, old: Optional[Partition]) -> Optional[str]:
     """None if the members' reports let the join stream; else why not (the same on every member)."""
     members = [row for row, _ in reports if row[0] >= 0]
     if old is None or any(row[0] >= 0 for row, _ in reports[len(members) :]):
