@@ -175,6 +175,23 @@ def test_a_sharded_join_of_a_fourth_device_moves_members_chunks_too(train, tmp_p
     _assert_same_bits(run, reference)
 
 
+def test_a_checkpoint_written_during_a_sharded_stream_resumes_every_bit(train, tmp_path):
+    """The listener writes no part: the members' parts of their partition are the checkpoint, and a
+    resume on another device count from the last one (written mid-stream) keeps every bit."""
+    reference = _reference(train, tmp_path, "adamw_scheduler")
+    directory = str(tmp_path / "checkpoints")
+    options = {"devices": 2, "max_devices": 3, "schedule": "1:+1", "join_stream_mb": 0.0001}
+    first = _run(
+        train, tmp_path, "first", _sharded(), steps=10, checkpoint_every=1, checkpoint_dir=directory, **options
+    )
+    assert not _events(first[2], "stream") and any(r.get("joining") for r in _steps(first[2])), "still streaming"
+    model, _, records = _run(train, tmp_path, "resumed", _sharded(), devices=3, checkpoint_dir=directory, resume=True)
+    expected = _steps(reference[2])
+    assert [r["digest"] for r in _steps(records)] == [r["digest"] for r in expected[10:]]
+    for (name, got), want in zip(model.state_dict().items(), reference[0].state_dict().values()):
+        assert torch.equal(got, want), name
+
+
 def test_a_tampered_piece_of_a_sharded_stream_stops_the_job_naming_the_tensor(train, tmp_path):
     faults = "1:local-0:stream:tamper,1:local-1:stream:tamper"  # whichever holder sends first
     with pytest.raises(TrainingError, match=r"streamed join after step \d+: local-2's copy of '\d\.(weight|bias)'"):
