@@ -155,7 +155,7 @@ if __name__ == "__main__":
         sample_ledger=True,
         eval_every=spec["eval_every"],
         # About 1 kB per sender per step: a join's state streams over several steps, so the faults drawn
-        # for those steps hit a stream in flight (a sharded job joins with the blocking transfer).
+        # for those steps hit a stream in flight (a sharded job's too: its joiner's chunks stream).
         join_stream_mb=0.001,
     )
     torch.save(model.state_dict(), os.path.join(output, "model.pt"))

@@ -66,6 +66,7 @@ class ShardStream(Stream):
     announced: dict = dataclasses.field(default_factory=dict)  # parameter -> the layout this source announced
     arriving: list = dataclasses.field(default_factory=list)  # [(segment, state)] posted, not yet held
     sending: list = dataclasses.field(default_factory=list)  # tensors posted to send, kept until waited for
+    rank: int = -1  # this device's rank in the stream's generation
     abandoned: bool = False
 
     @property
@@ -150,25 +151,11 @@ class ShardStreaming:
         )
         transfers = [transfer for transfer in levelling.transfers if transfer.state]
         state_bytes = [max(row[5] for row, _ in reports)] * len(shards.spaces)
-        holdings = {rank: intervals for rank, (row, intervals) in enumerate(reports) if row[0] >= 0}
+        holdings = {member: intervals for member, (row, intervals) in enumerate(reports) if row[0] >= 0}
         cuttable = shards.by != "parameters"
         plan = shard_stream_plan.plan(transfers, shards.spaces, state_bytes, reports[0][0][6], cuttable, holdings)
         joiners = levelling.state_receivers
-        outgoing: dict = {}
-        if rank == levelling.state_source:
-            replicated = self._capture_replicated()
-            for joiner in joiners:
-                outgoing[joiner] = {"replicated": replicated}
-        announced = {}
-        for move in plan.moves:
-            if move.source == rank:
-                layout = announced.setdefault(move.parameter, _layout(shards.piece(*move.segment, copy=False)))
-                layouts = outgoing.setdefault(move.destination, {}).setdefault("layouts", {})
-                layouts[move.parameter] = layout
-        incoming = {move.source for move in plan.moves if move.destination == rank}
-        if rank in joiners:
-            incoming.add(levelling.state_source)
-        messages, sent = exchange(outgoing, sorted(incoming), self.device, peer_lost=peer_lost)
+        messages, sent, announced = self._send_layouts(plan, rank, joiners, levelling.state_source, peer_lost)
         if rank in joiners:
             shards.drop()
             self._restore_replicated(messages[levelling.state_source]["replicated"])
@@ -187,6 +174,7 @@ class ShardStreaming:
             new=new,
             layouts={k: v for message in messages.values() for k, v in message.get("layouts", {}).items()},
             announced=announced,
+            rank=rank,
         )
         senders = len({move.source for move in plan.moves})
         members = len({move.destination for move in plan.moves} - set(joiners))
@@ -197,6 +185,28 @@ class ShardStreaming:
             f"sender{'s' if senders != 1 else ''} (sharded{also}; parameter values from every step's broadcast)"
         )
         return total
+
+    def _send_layouts(self, plan, rank: int, joiners: tuple, state_source: int, peer_lost) -> tuple:
+        """One exchange: the replicated state from `state_source` to the joiners, and from each source to
+        each of its receivers the layout of the pieces it will send (keys, dtypes, per element or not).
+
+        Returns (the messages received by source, the bytes this member sent, the layouts it announced).
+        """
+        outgoing: dict = {}
+        if rank == state_source:
+            replicated = self._capture_replicated()
+            for joiner in joiners:
+                outgoing[joiner] = {"replicated": replicated}
+        announced: dict = {}
+        for move in plan.moves:
+            if move.source == rank:
+                layout = announced.setdefault(move.parameter, _layout(self.shards.piece(*move.segment, copy=False)))
+                outgoing.setdefault(move.destination, {}).setdefault("layouts", {})[move.parameter] = layout
+        incoming = {move.source for move in plan.moves if move.destination == rank}
+        if rank in joiners:
+            incoming.add(state_source)
+        messages, sent = exchange(outgoing, sorted(incoming), self.device, peer_lost=peer_lost)
+        return messages, sent, announced
 
     # ------------------------------------------------------------ the step loop
 
@@ -313,13 +323,13 @@ class ShardStreaming:
         stream = self.stream
         stream.abandoned = True
         stream.arriving, stream.sending = [], []
-        if self.rank in stream.listeners:
+        if stream.rank in stream.listeners:
             self.shards.drop()
             self.shard_partition = None
             self.parameters_complete = False
             self.stream_of_pending = None
         else:
-            self.shards.install(stream.old, self.rank)
+            self.shards.install(stream.old, stream.rank)
             self.shard_partition = stream.old
             self.stream_of_pending = stream if self.pending_commit is not None else None
 
