@@ -51,7 +51,6 @@ from flexpar.comm.shard_transfer import exchange, gather_reports
 from flexpar.core import shard_stream_plan, stream_plan
 from flexpar.core.shard_partition import Partition, merge
 from flexpar.core.shard_plan import Report, plan_levelling
-from flexpar.core.shard_state import shaped
 from flexpar.errors import TrainingError
 from flexpar.worker.streaming import Stream, StreamMismatch
 
@@ -200,7 +199,8 @@ class ShardStreaming:
         announced: dict = {}
         for move in plan.moves:
             if move.source == rank:
-                layout = announced.setdefault(move.parameter, _layout(self.shards.piece(*move.segment, copy=False)))
+                state = self.shards.piece(*move.segment, copy=False)
+                layout = announced.setdefault(move.parameter, _layout(state, self.shards.by == "parameters"))
                 outgoing.setdefault(move.destination, {}).setdefault("layouts", {})[move.parameter] = layout
         incoming = {move.source for move in plan.moves if move.destination == rank}
         if rank in joiners:
@@ -264,7 +264,7 @@ class ShardStreaming:
     def _piece_to_send(self, move) -> list:
         """The state tensors of a move, in key order: views of the held state where one slice holds it."""
         state = self.shards.piece(*move.segment, copy=False)
-        if _layout(state) != self.stream.announced[move.parameter]:
+        if _layout(state, self.shards.by == "parameters") != self.stream.announced[move.parameter]:
             raise TrainingError(
                 f"streamed join: the optimizer state of {self.shards.names[move.parameter]!r} changed its layout "
                 f"during the stream ({sorted(state)}); the join cannot complete"
@@ -274,15 +274,14 @@ class ShardStreaming:
     def _allocated(self, move) -> dict:
         """Memory for a received move's state, as the source announced it (not touched until it lands)."""
         length = move.stop - move.start
-        state = {
+        return {
             key: None
-            if dtype is None  # a value that is None on the source (SGD's momentum_buffer without momentum)
-            else torch.empty((length,) if per_element else (), dtype=getattr(torch, dtype), device=self.device)
-            for key, dtype, per_element in self.stream.layouts[move.parameter]
+            if dtype is None  # a value that is None on the source
+            else torch.empty(
+                (length,) if shape == "element" else shape, dtype=getattr(torch, dtype), device=self.device
+            )
+            for key, dtype, shape in self.stream.layouts[move.parameter]
         }
-        if self.shards.by == "parameters":  # a whole parameter: its state in the parameter's shape
-            state = shaped(state, self.shards.parameters[self.shards.sharded[move.parameter]].shape)
-        return state
 
     def _finish_shard_stream(self, step: int) -> None:
         """Every member: each received piece against its source's (one all-reduce), then the new partition."""
@@ -334,10 +333,14 @@ class ShardStreaming:
             self.stream_of_pending = stream if self.pending_commit is not None else None
 
 
-def _layout(state: dict) -> list:
-    """[(key, dtype name or None, per element)] of a piece's state, in key order."""
+def _layout(state: dict, whole: bool) -> list:
+    """[key, dtype name or None, shape] of a piece's state, in key order: the shape is "element" for a
+    tensor of one value per element of a range (cut anywhere), the exact shape for a scalar or a
+    whole parameter's tensors (Adafactor's row and column factors included)."""
     return [
-        [key, None, False] if value is None else [key, str(value.dtype).replace("torch.", ""), value.dim() > 0]
+        [key, None, []]
+        if value is None
+        else [key, str(value.dtype).replace("torch.", ""), list(value.shape) if whole or not value.dim() else "element"]
         for key, value in sorted(state.items())
     ]
 
