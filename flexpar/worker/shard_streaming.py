@@ -215,8 +215,10 @@ class ShardStreaming:
         return isinstance(self.stream, ShardStream) and not self.stream.abandoned
 
     def _land_streamed_pieces(self) -> None:
-        """Before an update: the pieces this device sent have left and those it receives have landed;
-        it holds (and from now on steps) the latter."""
+        """Before a step's update: the pieces this device sent have left and those it receives have
+        landed; it holds (and from now on steps) the latter. Called before the step's gradient is
+        confirmed (`_confirm_gradient`): a peer lost in this wait fails the step before it is pending,
+        never between a member's confirmation and its commit."""
         if not self._shard_streaming():
             return
         stream = self.stream

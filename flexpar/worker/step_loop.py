@@ -94,6 +94,7 @@ class StepLoop(Determinism):
                 return upcoming
             pending = (step, summed, assignment, sets if self.cost_planner is not None else None)
             if self.shards is not None:  # sharded: every member holds this gradient before any applies it
+                self._land_streamed_pieces()  # a sharded stream's pieces in flight: before the step is pending
                 self._confirm_gradient(pending)
             moved = self._commit_step(*pending)
             if self.shards is not None:
@@ -161,7 +162,6 @@ class StepLoop(Determinism):
         grad_norm, skip = self._verdict_on_gradient(summed, slots, step)
         if not skip:
             if self.shards is not None:  # the chunks this device holds; the others arrive by broadcast
-                self._land_streamed_pieces()  # a sharded stream's pieces posted since the last update
                 self.shards.step()
                 self.parameters_complete = self.shard_partition.everyone_holds_everything
             else:
