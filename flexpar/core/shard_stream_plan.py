@@ -17,6 +17,12 @@ alone). Each piece comes from the least loaded of the members that hold it
 (not only the levelling plan's source), so all holders send at once and the
 rounds' count is about the state's bytes / (holders x `sender_bytes`).
 Every member computes the same plan from the same inputs.
+
+`refusal` says, from what every device reports at the boundary (`MemberReport`),
+whether the join may stream at all: the old members must keep the partition
+they had (ranks 0.., each at the latest step with its values complete and
+exactly its chunks), the joiners follow them, and every piece of state must
+be made of tensors whose layout the receivers can be told in advance.
 """
 
 from __future__ import annotations
@@ -24,7 +30,42 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Optional, Sequence
 
-from flexpar.core.shard_partition import Space, segments_of, subtract
+from flexpar.core.shard_partition import Partition, Space, merge, segments_of, subtract
+
+
+@dataclasses.dataclass(frozen=True)
+class MemberReport:
+    """What one device of a sharded join boundary reports (its rank is its position in the reports)."""
+
+    committed: int  # -1: a joiner
+    complete: bool = True  # its sharded parameter values are all at `committed`
+    holdings: tuple = ()  # (space, start, stop) intervals whose optimizer state it holds
+    pristine: bool = False  # its optimizer never stepped
+    streamable: bool = True  # every slice it holds has a state of contiguous tensors (or None values)
+    state_bytes: int = 1  # optimizer-state bytes per element of what it holds (the widest slice's)
+    sender_bytes: int = 1  # the bytes per sender and step it would plan
+
+
+def refusal(reports: Sequence[MemberReport], old: Optional[Partition]) -> Optional[str]:
+    """None if a join with these reports may stream; else why not.
+
+    `old`: the partition of the members (the devices that hold a committed
+    step), which they must still hold exactly, in rank order.
+    """
+    members = [report for report in reports if report.committed >= 0]
+    if old is None or not members or any(report.committed >= 0 for report in reports[len(members) :]):
+        return "the joiners are not the last ranks"
+    latest = max(report.committed for report in members)
+    if any(report.committed != latest or not report.complete for report in members):
+        return "a member is behind the latest step"
+    if any(report.pristine for report in members):
+        return "the optimizer has not stepped yet (nothing to stream)"
+    if not all(report.streamable for report in members):
+        return "some optimizer state is empty (a parameter never stepped) or not made of contiguous tensors"
+    for rank, report in enumerate(members):
+        if merge(report.holdings) != old.holdings(rank):
+            return "the members' chunks are not those of their partition (a rank changed)"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)

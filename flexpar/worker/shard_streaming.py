@@ -49,7 +49,7 @@ from flexpar.comm.collectives import collective
 from flexpar.comm.exact_sync import parameter_checksums
 from flexpar.comm.shard_transfer import exchange, gather_reports
 from flexpar.core import shard_stream_plan, stream_plan
-from flexpar.core.shard_partition import Partition, merge
+from flexpar.core.shard_partition import Partition
 from flexpar.core.shard_plan import Report, plan_levelling
 from flexpar.errors import TrainingError
 from flexpar.worker.streaming import Stream, StreamMismatch
@@ -92,7 +92,7 @@ class ShardStreaming:
         if refusal is None:
             self._finish_pending(stock)
             reports = self._stream_reports(group, peer_lost)
-            refusal = _reports_refusal(reports, self._old_partition(reports))
+            refusal = shard_stream_plan.refusal(reports, self._old_partition(reports))
             if refusal is None:
                 return self._level_shard_streamed(reports, rank, group, training, peer_lost)
         self.stream_note = f"blocking transfer: {refusal}"
@@ -132,10 +132,13 @@ class ShardStreaming:
         numbers = [self.committed, int(self.parameters_complete), 1, int(shards.pristine), streamable, per_element]
         numbers.append(sender_bytes)
         rows = gather_reports(numbers, holdings, len(group), self.device, peer_lost)
-        return [(row, tuple(intervals)) for row, intervals in rows]
+        return [
+            shard_stream_plan.MemberReport(row[0], bool(row[1]), tuple(intervals), bool(row[3]), bool(row[4]), *row[5:])
+            for row, intervals in rows
+        ]
 
     def _old_partition(self, reports: list) -> Optional[Partition]:
-        members = sum(1 for row, _ in reports if row[0] >= 0)
+        members = sum(1 for report in reports if report.committed >= 0)
         return self._target_partition(members) if members else None
 
     def _level_shard_streamed(self, reports: list, rank: int, group: tuple, training: int, peer_lost) -> float:
@@ -144,15 +147,17 @@ class ShardStreaming:
         old = self._old_partition(reports)
         new = self._target_partition(training)
         levelling = plan_levelling(
-            [Report(row[0], bool(row[1]), intervals, True) for row, intervals in reports],
+            [Report(report.committed, report.complete, report.holdings, True) for report in reports],
             new,
             [space.element_bytes for space in shards.spaces],
         )
         transfers = [transfer for transfer in levelling.transfers if transfer.state]
-        state_bytes = [max(row[5] for row, _ in reports)] * len(shards.spaces)
-        holdings = {member: intervals for member, (row, intervals) in enumerate(reports) if row[0] >= 0}
+        state_bytes = [max(report.state_bytes for report in reports)] * len(shards.spaces)
+        holdings = {member: report.holdings for member, report in enumerate(reports) if report.committed >= 0}
         cuttable = shards.by != "parameters"
-        plan = shard_stream_plan.plan(transfers, shards.spaces, state_bytes, reports[0][0][6], cuttable, holdings)
+        plan = shard_stream_plan.plan(
+            transfers, shards.spaces, state_bytes, reports[0].sender_bytes, cuttable, holdings
+        )
         joiners = levelling.state_receivers
         messages, sent, announced = self._send_layouts(plan, rank, joiners, levelling.state_source, peer_lost)
         if rank in joiners:
@@ -349,21 +354,3 @@ def _layout(state: dict, whole: bool) -> list:
 
 def _contiguous(value) -> bool:
     return torch.is_tensor(value) and value.is_contiguous()
-
-
-def _reports_refusal(reports: list, old: Optional[Partition]) -> Optional[str]:
-    """None if the members' reports let the join stream; else why not (the same on every member)."""
-    members = [row for row, _ in reports if row[0] >= 0]
-    if old is None or any(row[0] >= 0 for row, _ in reports[len(members) :]):
-        return "the joiners are not the last ranks"
-    latest = max(row[0] for row in members)
-    if any(row[0] != latest or not row[1] for row in members):
-        return "a member is behind the latest step"
-    if any(row[3] for row in members):
-        return "the optimizer has not stepped yet (nothing to stream)"
-    if not all(row[4] for row in members):
-        return "some optimizer state is empty (a parameter never stepped) or not made of contiguous tensors"
-    for rank, (_, holdings) in enumerate(reports[: len(members)]):
-        if merge(holdings) != old.holdings(rank):
-            return "the members' chunks are not those of their partition (a rank changed)"
-    return None

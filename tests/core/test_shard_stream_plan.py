@@ -1,5 +1,7 @@
 """The rounds of a sharded streamed join (flexpar/core/shard_stream_plan.py) for random models and joins."""
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -83,3 +85,39 @@ def _parameter_size(spaces, parameter) -> int:
             position = space.parameters.index(parameter)
             return space.offsets[position + 1] - space.offsets[position]
     raise AssertionError(parameter)
+
+
+SPACES = spaces_of([100, 60], ["float32", "float32"], [4, 4])
+OLD = partition(SPACES, 2, 2)
+MEMBERS = [shard_stream_plan.MemberReport(7, holdings=OLD.holdings(rank)) for rank in range(2)]
+JOINER = shard_stream_plan.MemberReport(-1)
+
+
+def test_a_join_streams_when_the_members_hold_their_partition_at_the_latest_step():
+    assert shard_stream_plan.refusal([*MEMBERS, JOINER], OLD) is None
+    assert shard_stream_plan.refusal([*MEMBERS, JOINER, JOINER], OLD) is None
+
+
+@pytest.mark.parametrize(
+    "reports,reason",
+    [
+        ([MEMBERS[0], JOINER, MEMBERS[1]], "the joiners are not the last ranks"),
+        ([MEMBERS[0], dataclasses.replace(MEMBERS[1], committed=6), JOINER], "a member is behind the latest step"),
+        ([MEMBERS[0], dataclasses.replace(MEMBERS[1], complete=False), JOINER], "a member is behind the latest step"),
+        ([dataclasses.replace(MEMBERS[0], pristine=True), MEMBERS[1], JOINER], "the optimizer has not stepped yet"),
+        ([MEMBERS[0], dataclasses.replace(MEMBERS[1], streamable=False), JOINER], "some optimizer state is empty"),
+        ([MEMBERS[1], MEMBERS[0], JOINER], None),  # at redundancy 2 both hold everything: ranks may swap
+        ([MEMBERS[0], dataclasses.replace(MEMBERS[1], holdings=((0, 0, 96),)), JOINER], "a rank changed"),
+    ],
+)
+def test_a_join_blocks_and_says_why(reports, reason):
+    got = shard_stream_plan.refusal(reports, OLD)
+    assert got is None if reason is None else reason in got, got
+
+
+def test_three_members_at_redundancy_2_must_keep_their_ranks():
+    old = partition(SPACES, 3, 2)
+    members = [shard_stream_plan.MemberReport(7, holdings=old.holdings(rank)) for rank in range(3)]
+    assert shard_stream_plan.refusal([*members, JOINER], old) is None
+    swapped = [members[1], members[0], members[2], JOINER]
+    assert "a rank changed" in shard_stream_plan.refusal(swapped, old)
