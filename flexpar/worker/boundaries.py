@@ -11,8 +11,10 @@ take stock of who holds the latest committed step, and level:
   (flexpar/comm/state_transfer.py);
 - sharded (`Job(shard_optimizer=True)`): the plan of
   flexpar/worker/shard_levelling.py moves chunks of optimizer state and
-  parameter values; planned leavers (`record["departing"]`) take part in a
-  hand-off group first, then leave, and the members form the training group.
+  parameter values (a join streams them where it can:
+  flexpar/worker/shard_streaming.py); planned leavers (`record["departing"]`)
+  take part in a hand-off group first, then leave, and the members form the
+  training group.
 
 Before the first step, the members that hold the untrained model also put a
 digest of its trainable part in the stock (`_start_digest`); those whose
@@ -95,10 +97,8 @@ class Boundaries:
             )
             self.stream_note = ""
             streaming = self._settle_stream(stock, generation, group)
-            if self.shards is not None:  # joiners receive their chunks now (no streaming: streaming.py)
-                sharded = "blocking transfer: sharded optimizer state (shard_optimizer=True)"
-                self.stream_note = sharded if stock.joiners else ""
-                sent = self._level_sharded(stock, rank, group, len(members), record, peer_lost)
+            if self.shards is not None:  # joiners listen while their chunks stream where that applies
+                sent = self._level_sharded_join(stock, rank, group, len(members), record, peer_lost)
             else:
                 sent = 0.0 if streaming else self._level_members(stock, rank, generation, group)
             if stock.differing:

@@ -80,6 +80,7 @@ from flexpar.worker.phase import Phase
 from flexpar.worker.records import RECORDS_KEPT, WorkerRecords
 from flexpar.worker.settings import RunSettings, WorkerArgs
 from flexpar.worker.shard_levelling import ShardLevelling
+from flexpar.worker.shard_streaming import ShardStreaming
 from flexpar.worker.shards import ShardedOptimizer, sharding_by
 from flexpar.worker.state_keeping import WorkerCheckpoints
 from flexpar.worker.step_loop import StepLoop, StopEarly
@@ -114,6 +115,7 @@ class Worker(
     StepLoop,
     Boundaries,
     ShardLevelling,
+    ShardStreaming,
     FaultInjection,
     WorkerCheckpoints,
     WorkerEvaluation,
@@ -384,7 +386,8 @@ class Worker(
         if reason.startswith(CALLBACK_STOP) and self._evaluation_due(final=True):
             self.evaluate(ask_driver=False)  # a callback's stop ends as the last step does
         checkpoint = ""
-        if self.shards is not None and self.settings.checkpoint_dir:  # sharded: every member writes its part
+        # Sharded: every member writes its part (a listening joiner holds none)
+        if self.shards is not None and self.settings.checkpoint_dir and not self._listening():
             checkpoint = self._write_checkpoint(self.settings.checkpoint_dir)
         if self.rank == 0:
             if self.settings.checkpoint_dir and self.shards is None:

@@ -78,11 +78,26 @@ class ShardLevelling:
     def _broadcast_parameters(self, step: int) -> None:
         """Every member gets the updated values of the chunks others stepped (their primaries send)."""
         self._fault_point("update", step)
-        if not self.parameters_complete:
+        if not self.parameters_complete or self._shard_streaming():  # a listener needs every value
             broadcast_chunks(self.shards.flat, self.shard_partition.chunks, self._peer_lost)
             self.parameters_complete = True
 
     # ------------------------------------------------------------ boundaries
+
+    def _finish_pending(self, stock) -> None:
+        """A step whose summed gradient this device holds but did not apply: applied if another member
+        committed it (with the listeners of the stream it was taken in: flexpar/worker/shard_streaming.py)."""
+        if self.pending_commit is None:
+            return
+        pending, self.pending_commit = self.pending_commit, None
+        if stock.latest_step == self.committed + 1:  # another member committed it: finish it here
+            self.stream = self.stream_of_pending
+            try:
+                self._commit_step(*pending)
+            finally:
+                self.stream = None
+        self.stream_of_pending = None
+        self._zero_grad()
 
     def _level_sharded(self, stock, rank: int, group: tuple, training: int, record: dict, peer_lost) -> float:
         """Bring the group's members level onto the partition of its first `training` members.
@@ -90,11 +105,7 @@ class ShardLevelling:
         Returns the bytes the group sent (summed over its members).
         """
         shards = self.shards
-        if self.pending_commit is not None:
-            pending, self.pending_commit = self.pending_commit, None
-            if stock.latest_step == self.committed + 1:  # another member committed it: finish it here
-                self._commit_step(*pending)
-            self._zero_grad()
+        self._finish_pending(stock)
         holdings = () if self.committed < 0 else (shards.everything() if shards.pristine else shards.holdings())
         numbers = [self.committed, int(self.parameters_complete), int(rank < training)]
         rows = gather_reports(numbers, holdings, len(group), self.device, peer_lost)

@@ -94,6 +94,7 @@ class StepLoop(Determinism):
                 return upcoming
             pending = (step, summed, assignment, sets if self.cost_planner is not None else None)
             if self.shards is not None:  # sharded: every member holds this gradient before any applies it
+                self._land_streamed_pieces()  # a sharded stream's pieces in flight: before the step is pending
                 self._confirm_gradient(pending)
             moved = self._commit_step(*pending)
             if self.shards is not None:
@@ -105,14 +106,17 @@ class StepLoop(Determinism):
                 self.link.publish(self.recent_records[-1])
                 if moved:  # a planned rate moved past the noise: the plans of later steps change
                     self._publish_event("rebalance", moved, 0.0)
-            if self.rank == 0 or self.shards is not None:  # sharded: every member writes its part
+            if self.rank == 0 or (self.shards is not None and not self._listening()):  # sharded: each its part
                 self._maybe_checkpoint()
             if stopping:
                 return StopEarly()
             if upcoming is not None:
                 return upcoming
             if self.stream is not None and self.committed < self.settings.total_steps:
-                self._stream_round(step)  # a streamed join's next slice (flexpar/worker/streaming.py)
+                if self.shards is not None:  # flexpar/worker/shard_streaming.py
+                    self._shard_stream_round(step)
+                else:
+                    self._stream_round(step)  # a streamed join's next slice (flexpar/worker/streaming.py)
         if self._evaluation_due():  # after the last step
             self.evaluate(ask_driver=False)
         return None

@@ -98,6 +98,11 @@ class Stream:
         generation and the rounds posted."""
         return float(self.plan_generation * (1 << 20) + self.rounds_done + 1)
 
+    @property
+    def bytes_sent(self) -> int:
+        """Every slice goes to every listener."""
+        return self.plan.size * len(self.listeners)
+
 
 class Streaming:
     """The streamed join's part of the worker (see the module docstring)."""
@@ -120,8 +125,6 @@ class Streaming:
             return "not a join"
         if self.settings.join_stream_mb == 0:
             return "join_stream_mb=0"
-        if self.shards is not None:
-            return "sharded optimizer state (shard_optimizer=True)"
         if self.cost_planner is not None:
             return "sample_cost= plans every device's VWs ahead"
         if 0 in stock.receivers:
@@ -451,7 +454,7 @@ class Streaming:
             f"{listeners} holds the training state: {stream.plan.size} bytes streamed over {steps} "
             f"step{'s' if steps != 1 else ''} ({seconds:.2f} s){slower}",
             0.0,
-            stream.plan.size * len(stream.listeners),
+            stream.bytes_sent,
         )
 
     # ------------------------------------------------------------ helpers

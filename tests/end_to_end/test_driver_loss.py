@@ -240,3 +240,44 @@ def test_a_sharded_job_records_each_step_once_across_driver_kills(tmp_path, comm
         assert re.search(rf"fault: driver gets SIGKILL at step \d+ \({phase}\)", said), said
     job = evaluation_pieces.make_job(shard_optimizer=True)
     _assert_each_record_once(tmp_path, records, said, SHARDED_STEPS, job)
+
+
+SHARDED_STREAM_JOB = """
+import evaluation_pieces
+if __name__ == "__main__":
+    import os, torch
+    model, summary = evaluation_pieces.make_job(delay_s=0.02, shard_optimizer=True, shard_redundancy=2).fit(
+        steps={steps},
+        devices=2,
+        max_devices=3,
+        port=int(os.environ["TEST_PORT"]),
+        schedule="1:+1",
+        join_stream_mb=0.0002,
+        faults="1:driver:stream",
+        driver_grace_s=60,
+        eval_every={eval_every},
+        sample_ledger=True,
+        callbacks=[Calls()],
+    )
+    torch.save(model.state_dict(), "final.pt")
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_driver_killed_during_a_sharded_stream_re_adopts_the_joiner_as_a_joiner(
+    tmp_path, command_line_job, monkeypatch
+):
+    """Sharded optimizer state: the driver dies as rank 0 posts a round of the joiner's chunks. The
+    listener holds no committed state: the restarted driver re-adopts the members and the joiner as a
+    joiner, its join streams again, and every record, ledger entry and parameter is the plain loop's."""
+    monkeypatch.setenv("TEST_PORT", str(free_port()))
+    script = CALLS + SHARDED_STREAM_JOB.format(steps=SHARDED_STEPS, eval_every=EVAL_EVERY)
+    _, records, said = _restart_until_done(tmp_path, command_line_job, script, 1)
+    assert re.search(r"fault: driver gets SIGKILL at step \d+ \(stream\)", said), said
+    _assert_each_record_once(tmp_path, records, said, SHARDED_STEPS, evaluation_pieces.make_job(shard_optimizer=True))
+    events = {r["event"]: r for r in records if r["kind"] == "event"}
+    rounds = int(
+        re.search(r"streamed to 1 listener: \d+ bytes of optimizer state in (\d+) steps", events["join"]["detail"])[1]
+    )
+    # The stream in flight was dropped with its generation; the re-adopted generation streamed it all again.
+    assert events["stream"]["step"] >= events["adopt"]["step"] + rounds > events["join"]["step"] + rounds, events

@@ -1,0 +1,356 @@
+"""Streamed joins of a sharded job (Job(shard_optimizer=...)): the joiner listens while its chunks stream.
+
+Part of `flexpar.worker.lifecycle.Worker` (its attributes are the worker's
+own), beside flexpar/worker/streaming.py (the unsharded stream, whose step-loop
+parts it shares: listeners, records, the stream event) and
+flexpar/worker/shard_levelling.py (the blocking levelling it replaces at a
+join). At a join boundary where it applies (`_shard_stream_refusal`, then
+what the members report):
+
+- the members keep the partition they had (`ShardStream.old`: the old
+  members keep their ranks, the joiners come last, hold nothing and are
+  primary of nothing); every member computes the new partition (with the
+  joiners) and the levelling plan from what each member reports, the same
+  everywhere, and its rounds (flexpar/core/shard_stream_plan.py);
+- the joiners receive the replicated state (scheduler, loss scale, buffers,
+  unsharded parameters, ...) and, from each source, the layout of the
+  optimizer-state pieces it will send;
+- every step while the stream runs, every chunk's primary broadcasts its
+  updated parameter values to every member (also where every old member
+  holds everything), so a listener holds every parameter value after its
+  first step without any of them streaming;
+- after each update the sources post the round's pieces (optimizer state of
+  parameter ranges, from the state's own memory where a piece lies in one
+  held slice); a receiver waits for them before its next update, then holds
+  and steps them (`ShardedOptimizer.add`) with every later summed gradient
+  while their old holders step them too;
+- after the last round, a checksum all-reduce compares every received piece
+  with its source's (a mismatch stops the job naming the parameter), and
+  every member installs the new partition at once: the next step runs with
+  it, and the joiners take VWs.
+
+A new generation while the stream runs (a failure, a leave, a join, a driver
+loss) abandons it: every old member drops what it received (it holds exactly
+its old chunks again, at its committed step), a listener holds nothing and
+is a joiner again (committed = -1), and that boundary levels as usual.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from flexpar.comm import state_transfer as training_state
+from flexpar.comm.collectives import collective
+from flexpar.comm.exact_sync import parameter_checksums
+from flexpar.comm.shard_transfer import exchange, gather_reports
+from flexpar.core import shard_stream_plan, stream_plan
+from flexpar.core.shard_partition import Partition
+from flexpar.core.shard_plan import Report, plan_levelling
+from flexpar.errors import TrainingError
+from flexpar.worker.streaming import Stream, StreamMismatch
+
+
+@dataclasses.dataclass
+class ShardStream(Stream):
+    """A sharded stream in flight: `plan` is a flexpar/core/shard_stream_plan.py `Plan`."""
+
+    old: Optional[Partition] = None  # the partition every member keeps working with until the end
+    new: Optional[Partition] = None  # the partition installed after the last round
+    layouts: dict = dataclasses.field(default_factory=dict)  # parameter -> [(key, dtype, per element)] received
+    announced: dict = dataclasses.field(default_factory=dict)  # parameter -> the layout this source announced
+    arriving: list = dataclasses.field(default_factory=list)  # [(segment, state)] posted, not yet held
+    sending: list = dataclasses.field(default_factory=list)  # tensors posted to send, kept until waited for
+    rank: int = -1  # this device's rank in the stream's generation
+    abandoned: bool = False
+
+    @property
+    def bytes_sent(self) -> int:
+        """Each move goes to one receiver."""
+        return self.plan.size
+
+
+class ShardStreaming:
+    """The sharded streamed join's part of the worker (see the module docstring)."""
+
+    stream_of_pending = None  # an abandoned ShardStream whose step `pending_commit` may still finish
+
+    # ------------------------------------------------------------ the boundary
+
+    def _level_sharded_join(self, stock, rank: int, group: tuple, training: int, record: dict, peer_lost) -> float:
+        """A sharded boundary: joiners listen while their chunks stream where that applies, else the
+        blocking levelling (the join event says which, and why). Returns the bytes the group sent."""
+        self.stream_note = ""
+        if not stock.joiners:
+            return self._level_sharded(stock, rank, group, training, record, peer_lost)
+        refusal = "a planned leave hands its state over at this boundary" if len(group) > training else None
+        refusal = refusal or self._shard_stream_refusal(stock)
+        if refusal is None:
+            self._finish_pending(stock)
+            reports = self._stream_reports(group, peer_lost)
+            refusal = shard_stream_plan.refusal(reports, self._old_partition(reports))
+            if refusal is None:
+                return self._level_shard_streamed(reports, rank, group, training, peer_lost)
+        self.stream_note = f"blocking transfer: {refusal}"
+        return self._level_sharded(stock, rank, group, training, record, peer_lost)
+
+    def _shard_stream_refusal(self, stock) -> Optional[str]:
+        """None if the job's kind lets this join stream; else why not (the same on every member)."""
+        if self.settings.join_stream_mb == 0:
+            return "join_stream_mb=0"
+        if self.cost_planner is not None:
+            return "sample_cost= plans every device's VWs ahead"
+        if 0 in stock.joiners:
+            return "the joiner would be rank 0"
+        if stock.latest_step >= self.settings.total_steps:
+            return "the job is at its last step"
+        shards = self.shards
+        if not shards.sharded:
+            return "no parameter is sharded"
+        if any(shards.parameters[index].requires_grad for index in shards.replicated):
+            return "sparse-gradient parameters are replicated, not sharded, in a sharded job"
+        return stream_plan.refusal([type(self.optimizer).__name__])
+
+    def _stream_reports(self, group: tuple, peer_lost) -> list:
+        """Every member's report, with whether its optimizer state may stream and its bytes per element."""
+        shards = self.shards
+        holdings = () if self.committed < 0 else (shards.everything() if shards.pristine else shards.holdings())
+        streamable, per_element = 1, 1
+        for piece in shards.slices.values():
+            state = shards.optimizer.state.get(piece, {})
+            values = list(state.values())
+            if not values or not all(value is None or _contiguous(value) for value in values):
+                streamable = 0
+            size = sum(value.element_size() for value in values if torch.is_tensor(value) and value.dim() > 0)
+            per_element = max(per_element, size)
+        # The bytes per sender and step: rank 0's (a member: a joiner has no step times of its own yet).
+        sender_bytes = self._sender_bytes()
+        numbers = [self.committed, int(self.parameters_complete), 1, int(shards.pristine), streamable, per_element]
+        numbers.append(sender_bytes)
+        rows = gather_reports(numbers, holdings, len(group), self.device, peer_lost)
+        return [
+            shard_stream_plan.MemberReport(row[0], bool(row[1]), tuple(intervals), bool(row[3]), bool(row[4]), *row[5:])
+            for row, intervals in rows
+        ]
+
+    def _old_partition(self, reports: list) -> Optional[Partition]:
+        members = sum(1 for report in reports if report.committed >= 0)
+        return self._target_partition(members) if members else None
+
+    def _level_shard_streamed(self, reports: list, rank: int, group: tuple, training: int, peer_lost) -> float:
+        """The replicated state to the joiners, the pieces' layouts to their receivers, and the plan."""
+        shards = self.shards
+        old = self._old_partition(reports)
+        new = self._target_partition(training)
+        levelling = plan_levelling(
+            [Report(report.committed, report.complete, report.holdings, True) for report in reports],
+            new,
+            [space.element_bytes for space in shards.spaces],
+        )
+        transfers = [transfer for transfer in levelling.transfers if transfer.state]
+        state_bytes = [max(report.state_bytes for report in reports)] * len(shards.spaces)
+        holdings = {member: report.holdings for member, report in enumerate(reports) if report.committed >= 0}
+        cuttable = shards.by != "parameters"
+        plan = shard_stream_plan.plan(
+            transfers, shards.spaces, state_bytes, reports[0].sender_bytes, cuttable, holdings
+        )
+        joiners = levelling.state_receivers
+        messages, sent, announced = self._send_layouts(plan, rank, joiners, levelling.state_source, peer_lost)
+        if rank in joiners:
+            shards.drop()
+            self._restore_replicated(messages[levelling.state_source]["replicated"])
+            self.parameters_complete = False  # every value arrives with the first step's broadcast
+        self.shard_partition = old
+        total = collective(lambda: training_state.all_level(len(group), self.device, sent, peer_lost))
+        steps = [record for record in self.recent_records if record.get("kind") == "step"][-5:]
+        measured = sorted(float(record["step_time_s"]) for record in steps)
+        self.stream = ShardStream(
+            plan,
+            tuple(joiners),
+            {},
+            time.time(),
+            measured[len(measured) // 2] if measured else 0.0,
+            old=old,
+            new=new,
+            layouts={k: v for message in messages.values() for k, v in message.get("layouts", {}).items()},
+            announced=announced,
+            rank=rank,
+        )
+        senders = len({move.source for move in plan.moves})
+        members = len({move.destination for move in plan.moves} - set(joiners))
+        also = f"; new chunks of {members} member{'s' if members != 1 else ''} too" if members else ""
+        self.stream_note = (
+            f"streamed to {len(joiners)} listener{'s' if len(joiners) > 1 else ''}: {plan.size} bytes of "
+            f"optimizer state in {plan.rounds} step{'s' if plan.rounds != 1 else ''} from {senders} "
+            f"sender{'s' if senders != 1 else ''} (sharded{also}; parameter values from every step's broadcast)"
+        )
+        return total
+
+    def _send_layouts(self, plan, rank: int, joiners: tuple, state_source: int, peer_lost) -> tuple:
+        """One exchange: the replicated state from `state_source` to the joiners, and from each source to
+        each of its receivers the layout of the pieces it will send (keys, dtypes, per element or not).
+
+        Returns (the messages received by source, the bytes this member sent, the layouts it announced).
+        """
+        outgoing: dict = {}
+        if rank == state_source:
+            replicated = self._capture_replicated()
+            for joiner in joiners:
+                outgoing[joiner] = {"replicated": replicated}
+        announced: dict = {}
+        for move in plan.moves:
+            if move.source == rank:
+                state = self.shards.piece(*move.segment, copy=False)
+                layout = announced.setdefault(move.parameter, _layout(state, self.shards.by == "parameters"))
+                outgoing.setdefault(move.destination, {}).setdefault("layouts", {})[move.parameter] = layout
+        incoming = {move.source for move in plan.moves if move.destination == rank}
+        if rank in joiners:
+            incoming.add(state_source)
+        messages, sent = exchange(outgoing, sorted(incoming), self.device, peer_lost=peer_lost)
+        return messages, sent, announced
+
+    # ------------------------------------------------------------ the step loop
+
+    def _shard_streaming(self) -> bool:
+        """A sharded stream runs: every primary broadcasts its chunks after every step."""
+        return isinstance(self.stream, ShardStream) and not self.stream.abandoned
+
+    def _land_streamed_pieces(self) -> None:
+        """Before a step's update: the pieces this device sent have left and those it receives have
+        landed; it holds (and from now on steps) the latter. Called before the step's gradient is
+        confirmed (`_confirm_gradient`): a peer lost in this wait fails the step before it is pending,
+        never between a member's confirmation and its commit."""
+        if not self._shard_streaming():
+            return
+        stream = self.stream
+        self._wait_stream_transfers()
+        stream.sending = []
+        if stream.arriving:
+            arriving, stream.arriving = stream.arriving, []
+            self.shards.add(arriving)
+
+    def _shard_stream_round(self, step: int) -> None:
+        """After step `step`'s update and broadcast: this round's pieces, from their sources to their receivers."""
+        stream = self.stream
+        number = stream.rounds_done
+        moves = stream.plan.in_round(number)
+        tamper = any(move.source == self.rank for move in moves) and self._take_tamper(step)
+        operations = []
+        for move in moves:
+            if move.source == self.rank:
+                tensors = self._piece_to_send(move)
+                if tamper and tensors:  # a test's STEP:DEVICE:stream:tamper: one value changed (the check must see it)
+                    tensors[0] = tensors[0].clone()
+                    tensors[0].view(-1)[0] += 1.0
+                    tamper = False
+                stream.sending += tensors
+                operations += [dist.P2POp(dist.isend, tensor.view(-1), move.destination) for tensor in tensors]
+            elif move.destination == self.rank:
+                state = self._allocated(move)
+                stream.arriving.append((move.segment, state))
+                received = [state[key] for key in sorted(state) if state[key] is not None]
+                operations += [dist.P2POp(dist.irecv, tensor.view(-1), move.source) for tensor in received]
+        self._fault_point("stream", step)
+        works = collective(lambda: dist.batch_isend_irecv(operations)) if operations else []
+        self.stream_transfers += tuple(works)  # waited for before the next update (`_land_streamed_pieces`)
+        if self.recent_records:  # the first step after the boundary is timed from the commit before its stall
+            stall = stream.stall_s if stream.rounds_done == 0 else 0.0
+            stream.step_times.append(float(self.recent_records[-1].get("step_time_s", 0.0)) - stall)
+        stream.rounds_done += 1
+        if stream.rounds_done == stream.plan.rounds:
+            self._finish_shard_stream(step)
+
+    def _take_tamper(self, step: int) -> bool:
+        due = [key for key, name in self.faults.items() if key[1] == "stream" and key[0] <= step and name == "tamper"]
+        return bool(due) and self.faults.pop(due[0]) == "tamper"
+
+    def _piece_to_send(self, move) -> list:
+        """The state tensors of a move, in key order: views of the held state where one slice holds it."""
+        state = self.shards.piece(*move.segment, copy=False)
+        if _layout(state, self.shards.by == "parameters") != self.stream.announced[move.parameter]:
+            raise TrainingError(
+                f"streamed join: the optimizer state of {self.shards.names[move.parameter]!r} changed its layout "
+                f"during the stream ({sorted(state)}); the join cannot complete"
+            )
+        return [state[key].contiguous() for key in sorted(state) if state[key] is not None]
+
+    def _allocated(self, move) -> dict:
+        """Memory for a received move's state, as the source announced it (not touched until it lands)."""
+        length = move.stop - move.start
+        return {
+            key: None
+            if dtype is None  # a value that is None on the source
+            else torch.empty(
+                (length,) if shape == "element" else shape, dtype=getattr(torch, dtype), device=self.device
+            )
+            for key, dtype, shape in self.stream.layouts[move.parameter]
+        }
+
+    def _finish_shard_stream(self, step: int) -> None:
+        """Every member: each received piece against its source's (one all-reduce), then the new partition."""
+        stream, shards = self.stream, self.shards
+        self._land_streamed_pieces()
+        moves = stream.plan.moves
+        rows = torch.zeros(len(self.members), len(moves), dtype=torch.float64)
+        for index, move in enumerate(moves):
+            if self.rank in (move.source, move.destination):
+                state = shards.piece(*move.segment, copy=False)
+                tensors = [state[key] for key in sorted(state) if state[key] is not None]
+                rows[self.rank, index] = float(sum(parameter_checksums(tensors)) % (1 << 52))
+        if len(self.members) > 1:
+            collective(lambda: dist.all_reduce(rows))
+        for index, move in enumerate(moves):
+            if rows[move.destination, index] != rows[move.source, index]:
+                raise StreamMismatch(
+                    f"streamed join after step {step}: {self.members[move.destination]}'s copy of "
+                    f"{shards.names[move.parameter]!r} (elements {move.start}-{move.stop - 1}, its optimizer "
+                    f"state) differs from {self.members[move.source]}'s; the join is not trusted, so the job stops"
+                )
+        shards.install(stream.new, self.rank)  # the same step on every member: the next one runs with it
+        self.shard_partition = stream.new
+        self.parameters_complete = True  # this step's broadcast brought every value
+        if self.rank == 0:
+            self._publish_stream_event(step)
+        self.stream = None
+
+    def _abandon_stream(self) -> list:
+        """A new generation: before streaming.py's part (`Streaming._abandon_stream`, later in the
+        worker's bases), a sharded stream's receivers drop what they received."""
+        if isinstance(self.stream, ShardStream):
+            self._abandon_shard_stream()
+        return super()._abandon_stream()
+
+    def _abandon_shard_stream(self) -> None:
+        """Hold exactly the old partition's chunks again (a listener: nothing)."""
+        stream = self.stream
+        stream.abandoned = True
+        stream.arriving, stream.sending = [], []
+        if stream.rank in stream.listeners:
+            self.shards.drop()
+            self.shard_partition = None
+            self.parameters_complete = False
+            self.stream_of_pending = None
+        else:
+            self.shards.install(stream.old, stream.rank)
+            self.shard_partition = stream.old
+            self.stream_of_pending = stream if self.pending_commit is not None else None
+
+
+def _layout(state: dict, whole: bool) -> list:
+    """[key, dtype name or None, shape] of a piece's state, in key order: the shape is "element" for a
+    tensor of one value per element of a range (cut anywhere), the exact shape for a scalar or a
+    whole parameter's tensors (Adafactor's row and column factors included)."""
+    return [
+        [key, None, []]
+        if value is None
+        else [key, str(value.dtype).replace("torch.", ""), list(value.shape) if whole or not value.dim() else "element"]
+        for key, value in sorted(state.items())
+    ]
+
+
+def _contiguous(value) -> bool:
+    return torch.is_tensor(value) and value.is_contiguous()
