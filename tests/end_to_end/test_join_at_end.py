@@ -42,6 +42,9 @@ def test_a_joiner_on_its_way_at_the_end_exits_quietly(train, tmp_path, metrics_f
     job = pieces.make_job(
         optimizer=pieces.adamw,
         virtual_workers=4,
+        # Steps of about 0.2 s: the driver spawns the joiner at step 1 before the job has ended, however
+        # loaded the host (with steps of milliseconds it read the records late, and refused the +1 instead).
+        delay_s=0.1,
         model=pieces.HeldBackModel(hold, release),
         shard_optimizer=shard,
         shard_redundancy=2 if shard else None,
