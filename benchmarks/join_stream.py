@@ -59,6 +59,7 @@ SIZES_GB = (0.1, 0.5, 1.0, 2.0)
 QUICK_SIZES_GB = (0.1, 0.5)
 VIRTUAL_WORKERS = 4
 JOIN_AT = 6  # the joiner is started after this step; the steps before it time the members alone
+STEPS_AFTER_JOIN = 24  # the joiner's warm-up, a stream of up to about 15 steps, and steps with VWs after it
 GLOBAL_BATCH = 16
 
 
@@ -109,7 +110,7 @@ def make_job(width: int) -> flexpar.Job:
 def run_once(size_gb: float, streaming: bool, work_dir: str) -> dict:
     """One 2 -> 3 fit; its figures (or `failed` with the reason)."""
     job = make_job(width_for(size_gb))
-    steps = JOIN_AT + (12 if size_gb >= 1 else 16)
+    steps = JOIN_AT + STEPS_AFTER_JOIN
     metrics = harness.unique_path(work_dir, ".jsonl")
     try:
         job.fit(
