@@ -209,21 +209,19 @@ def test_a_killed_driver_restarted_with_resume_re_adopts_the_devices(tmp_path, c
 
 
 SHARDED_STEPS = 24
-# Sharded optimizer state: the driver dies in step 4's parameter update (after every member applied its
-# chunks), in step 9's backward and as step 14's record reaches it (10 steps before the end, as above).
+# A sharded job under `flexpar run` whose driver the test kills ({job}: make_job's extra arguments, {fit}: fit's).
 SHARDED_JOB = """
 import evaluation_pieces
 if __name__ == "__main__":
     import os, torch
-    model, summary = evaluation_pieces.make_job(delay_s=0.02, shard_optimizer=True).fit(
+    model, summary = evaluation_pieces.make_job(delay_s=0.02, shard_optimizer=True{job}).fit(
         steps={steps},
-        devices=2,
         port=int(os.environ["TEST_PORT"]),
-        faults="4:driver:update,9:driver:backward,14:driver:record",
         driver_grace_s=60,
         eval_every={eval_every},
         sample_ledger=True,
         callbacks=[Calls()],
+        {fit}
     )
     torch.save(model.state_dict(), "final.pt")
 """
@@ -234,33 +232,15 @@ def test_a_sharded_job_records_each_step_once_across_driver_kills(tmp_path, comm
     """Issue 39 with sharded optimizer state: three driver kills (in an update, a backward, as a record
     arrives): every step recorded once, in order, ledger complete, each evaluation once, the plain loop's parameters."""
     monkeypatch.setenv("TEST_PORT", str(free_port()))
-    script = CALLS + SHARDED_JOB.format(steps=SHARDED_STEPS, eval_every=EVAL_EVERY)
+    # The driver dies in step 4's parameter update (after every member applied its chunks), in step 9's
+    # backward and as step 14's record reaches it (10 steps before the end, as above).
+    fit = 'devices=2, faults="4:driver:update,9:driver:backward,14:driver:record",'
+    script = CALLS + SHARDED_JOB.format(job="", fit=fit, steps=SHARDED_STEPS, eval_every=EVAL_EVERY)
     _, records, said = _restart_until_done(tmp_path, command_line_job, script, 3)
     for phase in ("update", "backward", "record"):
         assert re.search(rf"fault: driver gets SIGKILL at step \d+ \({phase}\)", said), said
     job = evaluation_pieces.make_job(shard_optimizer=True)
     _assert_each_record_once(tmp_path, records, said, SHARDED_STEPS, job)
-
-
-SHARDED_STREAM_JOB = """
-import evaluation_pieces
-if __name__ == "__main__":
-    import os, torch
-    model, summary = evaluation_pieces.make_job(delay_s=0.02, shard_optimizer=True, shard_redundancy=2).fit(
-        steps={steps},
-        devices=2,
-        max_devices=3,
-        port=int(os.environ["TEST_PORT"]),
-        schedule="1:+1",
-        join_stream_mb=0.0002,
-        faults="1:driver:stream",
-        driver_grace_s=60,
-        eval_every={eval_every},
-        sample_ledger=True,
-        callbacks=[Calls()],
-    )
-    torch.save(model.state_dict(), "final.pt")
-"""
 
 
 @pytest.mark.timeout(300)
@@ -271,7 +251,9 @@ def test_a_driver_killed_during_a_sharded_stream_re_adopts_the_joiner_as_a_joine
     listener holds no committed state: the restarted driver re-adopts the members and the joiner as a
     joiner, its join streams again, and every record, ledger entry and parameter is the plain loop's."""
     monkeypatch.setenv("TEST_PORT", str(free_port()))
-    script = CALLS + SHARDED_STREAM_JOB.format(steps=SHARDED_STEPS, eval_every=EVAL_EVERY)
+    fit = 'devices=2, max_devices=3, schedule="1:+1", join_stream_mb=0.0002, faults="1:driver:stream",'
+    job = ", shard_redundancy=2"
+    script = CALLS + SHARDED_JOB.format(job=job, fit=fit, steps=SHARDED_STEPS, eval_every=EVAL_EVERY)
     _, records, said = _restart_until_done(tmp_path, command_line_job, script, 1)
     assert re.search(r"fault: driver gets SIGKILL at step \d+ \(stream\)", said), said
     _assert_each_record_once(tmp_path, records, said, SHARDED_STEPS, evaluation_pieces.make_job(shard_optimizer=True))
