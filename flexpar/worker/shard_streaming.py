@@ -100,14 +100,9 @@ class ShardStreaming:
 
     def _shard_stream_refusal(self, stock) -> Optional[str]:
         """None if the job's kind lets this join stream; else why not (the same on every member)."""
-        if self.settings.join_stream_mb == 0:
-            return "join_stream_mb=0"
-        if self.cost_planner is not None:
-            return "sample_cost= plans every device's VWs ahead"
-        if 0 in stock.joiners:
-            return "the joiner would be rank 0"
-        if stock.latest_step >= self.settings.total_steps:
-            return "the job is at its last step"
+        common = self._common_stream_refusal(stock.joiners, stock.latest_step)
+        if common:
+            return common
         shards = self.shards
         if not shards.sharded:
             return "no parameter is sharded"

@@ -123,20 +123,27 @@ class Streaming:
         """
         if not stock.receivers or set(stock.receivers) != set(stock.joiners):
             return "not a join"
-        if self.settings.join_stream_mb == 0:
-            return "join_stream_mb=0"
-        if self.cost_planner is not None:
-            return "sample_cost= plans every device's VWs ahead"
-        if 0 in stock.receivers:
-            return "the joiner would be rank 0"
-        if stock.latest_step >= self.settings.total_steps:
-            return "the job is at its last step"
+        common = self._common_stream_refusal(stock.receivers, stock.latest_step)
+        if common:
+            return common
         refusal = stream_plan.refusal([type(self.optimizer).__name__])
         if refusal:
             return refusal
         for name, parameter in self._streamed_parameters().items():
             if not all(tensor.is_contiguous() for tensor in self._travelling(parameter)):
                 return f"parameter {name!r} or its optimizer state is not contiguous in memory"
+        return None
+
+    def _common_stream_refusal(self, joiners, latest_step: int) -> Optional[str]:
+        """Why no join of this job may stream at this boundary, sharded or not (None: it may)."""
+        if self.settings.join_stream_mb == 0:
+            return "join_stream_mb=0"
+        if self.cost_planner is not None:
+            return "sample_cost= plans every device's VWs ahead"
+        if 0 in joiners:
+            return "the joiner would be rank 0"
+        if latest_step >= self.settings.total_steps:
+            return "the job is at its last step"
         return None
 
     def _level_streamed(self, stock, rank: int, generation: int, group: tuple) -> float:
