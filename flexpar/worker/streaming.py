@@ -60,10 +60,10 @@ LANDED_WAIT_S = 0.05
 """How long a listener waits, at a failure, for each receive of the round in flight before it counts as lost."""
 
 DEFAULT_SENDER_BYTES = 64 << 20
+"""A sender's bytes per step while no step time is measured yet."""
 
 MIN_SENDER_BYTES = 1 << 20
 """The smallest slice a sender's round shrinks to without `join_stream_mb` (a stream must end)."""
-"""A sender's bytes per step while no step time is measured yet."""
 
 
 class StreamMismatch(TrainingError):
@@ -272,7 +272,7 @@ class Streaming:
         if stream is None:
             return (0.0, -1, 0)
         listening = self.committed if self._listening() else -1
-        return (stream.identity(), listening, stream.landed_mask if self._listening() else 0)
+        return (stream.identity(), listening, stream.landed_mask)  # the mask: a listener's only
 
     def _held_step(self) -> int:
         """The committed step this device reports as holding: none (-1) while it listens."""
