@@ -65,7 +65,6 @@ class ShardStream(Stream):
     announced: dict = dataclasses.field(default_factory=dict)  # parameter -> the layout this source announced
     arriving: list = dataclasses.field(default_factory=list)  # [(segment, state)] posted, not yet held
     sending: list = dataclasses.field(default_factory=list)  # tensors posted to send, kept until waited for
-    rank: int = -1  # this device's rank in the stream's generation
     abandoned: bool = False
 
     @property

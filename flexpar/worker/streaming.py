@@ -90,6 +90,7 @@ class Stream:
     broken_off: bool = False  # a failure or a new generation interrupted it (`_suspend_stream`)
     sizing: Optional[stream_plan.Sizing] = None  # the slices follow the members' step times (no join_stream_mb)
     member_step_s: tuple = ()  # every member's previous step time, from the last step's statistics
+    rank: int = -1  # this device's rank in the stream's generation (`self.rank` only once its boundary ends)
     before_s: float = 0.0  # the members' median step time before the join, from those statistics
     landed_mask: int = 0  # a listener, broken off: the senders (bits by place) whose last slices landed
 
@@ -225,6 +226,7 @@ class Streaming:
             skippable=skippable,
             plan_generation=generation,
             senders=senders,
+            rank=group.index(self.args.device_id),
             sizing=None if self.settings.join_stream_mb else stream_plan.Sizing(plan.sender_bytes, self._floor(plan)),
         )
         self.stream_note = (
@@ -240,7 +242,7 @@ class Streaming:
         Returns the transfers in flight (their works keep the old group alive until it is retired).
         """
         works = self._suspend_stream()
-        if self.stream is not None and self.rank in self.stream.listeners:
+        if self._listening():
             self.committed = -1
         self.stream = None
         return works
@@ -307,6 +309,7 @@ class Streaming:
             plan_generation=generation,
             broken_off=False,
             landed_mask=0,
+            rank=group.index(self.args.device_id),
         )
         left = plan.size - round(plan.delivered_share(stream.rounds_done) * plan.size)
         names = ", ".join(group[rank] for rank in listeners)
@@ -316,7 +319,10 @@ class Streaming:
     # ------------------------------------------------------------ the step loop
 
     def _listening(self) -> bool:
-        return self.stream is not None and self.rank in self.stream.listeners
+        """This device listens to the stream: by its rank in the stream's generation, which a boundary
+        broken off after the stream began never made `self.rank` (a joiner that restored the small
+        state there reported it as a member's committed step, and trained from garbage: soak seed 1316)."""
+        return self.stream is not None and self.stream.rank in self.stream.listeners
 
     def _contributors(self) -> tuple:
         """The members that run VWs this step: all but the listeners."""
