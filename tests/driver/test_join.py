@@ -100,7 +100,8 @@ def test_refusals_scale_and_status(tmp_path):
         display=False,
         quiet=True,
         oversubscribe=True,
-        join_stream_mb=0.0002,  # about 200 bytes a step: the joiner listens for tens of steps
+        join_stream_mb=0.0001,  # about 100 bytes a step: the joiner listens for over a hundred steps (a loaded
+        # host answers a status call in seconds: a stream of tens of steps ended between two in a fresh-clone run)
     )
     address = f"127.0.0.1:{port}"
     _wait_for_step(metrics, 1)
