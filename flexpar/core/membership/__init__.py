@@ -1,7 +1,8 @@
 """Who trains in which generation: membership decisions of the control plane, as pure data.
 
 `decide(state, event) -> (state, actions)` (decide.py, with the rules) is the
-whole policy; events and actions are events.py's. This package's face is
+whole policy (scale requests are answered in scaling.py); events and
+actions are events.py's. This package's face is
 what the coordinator and the tests call: `from flexpar.core import membership
 as ms; ms.decide(ms.Membership(...), ms.Start(2))`.
 """

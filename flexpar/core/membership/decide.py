@@ -18,7 +18,7 @@ Rules, in one place:
 - A scale request is carried out whole or refused whole, and answered either
   way (`Answer`): it must fit under `max_devices`, and devices this host starts
   must fit under `local_capacity` (its cores or GPUs; None with oversubscribe).
-  At least one device always stays.
+  At least one device always stays (scaling.py answers scale requests).
 - A device that asks to leave (preemption: SIGTERM) leaves at the next
   generation like a planned scale-in; one still on its way is cancelled.
 - A scheduled leave is decided a few steps ahead of its step (`ScaleBy.at_step`,
@@ -65,10 +65,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from flexpar.core.membership import readoption
+from flexpar.core.membership import readoption, scaling
 from flexpar.core.membership.events import (
     Announced,
-    Answer,
     Event,
     Evict,
     Exited,
@@ -186,124 +185,6 @@ def _on_exited(state, event):
     return state, []
 
 
-def _on_scale(state, event):
-    if state.adoption is not None:
-        return _refusal(state, event, readoption.SCALING_REFUSAL)
-    if state.ended:
-        return _refusal(state, event, "the job has ended (its last step is committed)")
-    if state.finishing:
-        return _refusal(state, event, "the job is stopping after the step in flight")
-    if event.delta == 0:
-        return state, [
-            Answer(
-                event.request_id,
-                True,
-                f"already at {_devices(state.device_count)}; nothing changes",
-                state.device_count,
-            )
-        ]
-    if event.delta > 0:
-        return _grow(state, event)
-    return _shrink(state, event)
-
-
-def _devices(count: int) -> str:
-    return f"{count} device" + ("" if count == 1 else "s")
-
-
-def _more(count: int) -> str:
-    return f"{count} more device{' does' if count == 1 else 's do'} not fit"
-
-
-def _refusal(state, event, reason):
-    answer = Answer(event.request_id, False, reason, state.device_count)
-    return state, [answer, Note(f"refused to scale by {event.delta:+d}: {reason}")]
-
-
-def _grow(state, event):
-    room = state.max_devices - state.device_count
-    if event.delta > room:
-        return _refusal(
-            state,
-            event,
-            (
-                f"the job has {_devices(state.device_count)} and may grow to {state.max_devices} "
-                f"(--max-devices {state.max_devices}), so {_more(event.delta)}; start the job "
-                "with a larger --max-devices"
-            ),
-        )
-    if state.local_capacity is not None and state.local_count + event.delta > state.local_capacity:
-        return _refusal(
-            state,
-            event,
-            (
-                f"this host runs {_devices(state.local_count)} and has room for {state.local_capacity} "
-                f"(its cores or GPUs), so {_more(event.delta)}; pass --oversubscribe to the job "
-                "to run more CPU processes than cores, or add devices from other hosts with `flexpar join`"
-            ),
-        )
-    state, actions = spawn(state, event.delta)
-    started = actions[0].device_ids
-    target = state.device_count
-    answer = Answer(
-        event.request_id,
-        True,
-        f"{target - event.delta} -> {target} devices: starting {', '.join(started)}; "
-        "each joins at a step boundary once warm",
-        target,
-        started=started,
-    )
-    return state, actions + [answer]
-
-
-def _shrink(state, event):
-    # Devices still on their way leave first (they hold nothing yet), then the most
-    # recently joined members: ranks 0.. stay stable.
-    staying = [m for m in state.members if m not in state.leaving]
-    pending = list(state.waiting) + list(state.starting)
-    remove = -event.delta
-    if remove > len(staying) + len(pending) - 1:
-        return _refusal(
-            state,
-            event,
-            (
-                f"the job has {_devices(state.device_count)} and at least one must stay; "
-                f"ask for at most {-(len(staying) + len(pending) - 1)}"
-                if len(staying) + len(pending) > 1
-                else f"the job has {_devices(state.device_count)} and at least one must stay"
-            ),
-        )
-    cancelled = tuple(pending[len(pending) - min(remove, len(pending)) :])
-    leavers = tuple(staying[len(staying) - (remove - len(cancelled)) :]) if remove > len(cancelled) else ()
-    state = _drop(state, leavers, cancelled)
-    if leavers and event.at_step is not None:  # scheduled: the generation trains from that step on
-        earliest = event.at_step if state.leaving_from is None else min(state.leaving_from, event.at_step)
-        state = dataclasses.replace(state, leaving_from=earliest)
-    answer = Answer(
-        event.request_id,
-        True,
-        f"{state.device_count + remove} -> {state.device_count} devices"
-        + (f"; {', '.join(leavers)} leave at the next step boundary" if leavers else "")
-        + (f"; cancelled {', '.join(cancelled)}, still starting" if cancelled else ""),
-        state.device_count,
-        leaving=leavers,
-        cancelled=cancelled,
-    )
-    evictions = [Evict(device, "the job was scaled down before it was admitted") for device in cancelled]
-    return state, evictions + [answer]
-
-
-def _drop(state, leavers, cancelled):
-    """Members `leavers` leave at the next generation; devices `cancelled`, still on their way, never join."""
-    return dataclasses.replace(
-        state,
-        leaving=state.leaving + tuple(leavers),
-        waiting=tuple(d for d in state.waiting if d not in cancelled),
-        starting=tuple(d for d in state.starting if d not in cancelled),
-        dead=state.dead | set(cancelled),
-    )
-
-
 def _on_leave_requested(state, event):
     device = event.device_id
     if state.adoption is not None and device in state.adoption.by_device():
@@ -311,7 +192,7 @@ def _on_leave_requested(state, event):
     if state.finishing:
         return state, [Note(f"{device} got SIGTERM; the job stops at the next step boundary anyway")]
     if device in state.waiting or device in state.starting:
-        state = _drop(state, (), (device,))
+        state = scaling.drop(state, (), (device,))
         return state, [
             Evict(device, "it was asked to stop (SIGTERM) before it was admitted"),
             Note(f"{device} got SIGTERM before it was admitted: cancelled"),
@@ -323,7 +204,7 @@ def _on_leave_requested(state, event):
         # Nobody can take its VWs over: the job stops at the next step boundary, as
         # after a SIGTERM to the driver (final checkpoint when checkpointing is on).
         return _on_finish_requested(state, FinishRequested(f"its last device, {device}, got SIGTERM"))
-    return _drop(state, (device,), ()), [Note(f"{device} got SIGTERM: it leaves at the next step boundary")]
+    return scaling.drop(state, (device,), ()), [Note(f"{device} got SIGTERM: it leaves at the next step boundary")]
 
 
 def _on_finish_requested(state, event):
@@ -367,7 +248,7 @@ _HANDLERS = {
     FailureReported: _on_failure,
     HandedOff: _on_handed_off,
     Exited: _on_exited,
-    ScaleBy: _on_scale,
+    ScaleBy: scaling.on_scale,
     LeaveRequested: _on_leave_requested,
     FinishRequested: _on_finish_requested,
     Finished: _on_finished,
