@@ -59,7 +59,7 @@ def recovery_notice_seconds() -> float:
     The chain runs through two polls, each waited half its period on average:
     the device's follower thread (it reads the published generation), and the
     survivor's own wait loop (it reads what the follower saw). The driver's
-    loop is woken by the reports themselves (control.DriverWaker), so it adds
+    loop is woken by the reports themselves (driver/waker.py, DriverWaker), so it adds
     store round trips only, which (a fraction of a millisecond each) are left
     out. A planned change has no such chain: its generation rides in the
     step's all-reduce.

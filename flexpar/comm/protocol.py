@@ -110,7 +110,7 @@ def has(store, key: str) -> bool:
 # The driver's counterpart of NOTICE_KEY (below): every channel message, and the key
 # "done", bump it after they are written, so the driver's loop reads one counter per
 # pass and its channels only when it moved (driver_loop.DriverLoop.run). They then set
-# DRIVER_WAKE_KEY, which a thread of the driver waits for in the store (DriverWaker):
+# DRIVER_WAKE_KEY, which a thread of the driver waits for in the store (driver/waker.py):
 # the driver's loop sleeps until something was sent, instead of polling the store 100
 # times a second on cores that compute.
 DRIVER_NOTICE_KEY = "driver/notice"

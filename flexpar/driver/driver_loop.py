@@ -6,13 +6,10 @@ records rank 0 published, fires due schedule entries, and checks for the end.
 
 from __future__ import annotations
 
-import datetime
 import json
-import logging
 import os
 import statistics
 import sys
-import threading
 import time
 
 from flexpar.callbacks import Dispatcher
@@ -20,27 +17,33 @@ from flexpar.comm.channel import Channel
 from flexpar.comm.protocol import (
     ACKNOWLEDGED_KEY,
     DRIVER_NOTICE_KEY,
-    DRIVER_WAKE_KEY,
     SCHEDULE_HOLD_KEY,
     tell_devices,
 )
-from flexpar.comm.store import connect
 from flexpar.core import delivery, membership
 from flexpar.core import ledger as sample_ledger
 from flexpar.core.schedule import ScheduleTracker
+from flexpar.driver import stop_messages
+from flexpar.driver.waker import DriverWaker
 from flexpar.errors import TrainingError
-from flexpar.observe.display import LiveDisplay
-from flexpar.observe.metrics import DEVICE_SET_EVENTS, LOGGER_NAME, MetricsWriter, resume_point
+from flexpar.observe.display import LiveDisplay, log_to_stderr
+from flexpar.observe.metrics import DEVICE_SET_EVENTS, MetricsWriter, resume_point
 from flexpar.worker.fault_injection import die_before_writing, record_faults
-from flexpar.worker.settings import EXIT_MAIN_GUARD, MAIN_GUARD_MESSAGE
 
-# The loop runs when something was sent (DriverWaker, below), and at least this often for
+# The loop runs when something was sent (DriverWaker, waker.py), and at least this often for
 # what nobody sends: local processes' exits, heartbeats, the grace of a failure, the display.
 _HOUSEKEEPING_S = 0.1
 _READ_ALL_EVERY = 10  # passes between readings of the channels and "done" that no notice asked for
 
 
 class DriverLoop:
+    """The driver's one loop: it moves the coordinator on, relays the devices' records and ends the job.
+
+    Each record reaches the metrics file, the ledger, the display and the callbacks once; schedule
+    entries fire at the step that makes them due; the loop returns once rank 0 wrote "done" and
+    raises `TrainingError` (worded in stop_messages.py) when the job stops otherwise.
+    """
+
     def __init__(
         self,
         store,
@@ -131,10 +134,10 @@ class DriverLoop:
                 total_steps, log_every=options.log_every, force_terminal=False if options.display is False else None
             )
             if not self.display.uses_rich:
-                _log_to_stderr()
+                log_to_stderr()
         self._report_schedule(self.schedule.taken_as_done())  # a re-adopted job's leave, inferred: said
 
-    def run(self, waker: "DriverWaker" = None) -> None:
+    def run(self, waker: DriverWaker = None) -> None:
         """Until the job ends; `waker` wakes the loop when a device or a command sent something.
 
         Without one (tests) the loop polls every 10 ms.
@@ -166,12 +169,13 @@ class DriverLoop:
                     return
                 self._check_errors()
                 if gone:  # ...and it is not there: rank 0 ended after the last step without handing it over
-                    raise TrainingError(
-                        "the job stopped: its devices ended after the last step, but rank 0 never handed the "
-                        "trained model over (it failed while finishing); resume from the latest checkpoint, if any"
-                    )
+                    raise TrainingError(stop_messages.RANK_0_GONE)
                 if self.coordinator.stop_reason is not None:
-                    raise TrainingError(self._stop_message(self.coordinator.stop_reason))
+                    raise TrainingError(
+                        stop_messages.stop_message(
+                            self.coordinator.stop_reason, self.exit_codes(), self.coordinator.refused
+                        )
+                    )
                 if self.coordinator.declined is not None:
                     raise TrainingError(self.coordinator.declined)
                 if waker is None:
@@ -188,41 +192,18 @@ class DriverLoop:
             if self.display is not None:
                 self.display.close()
 
-    def _stop_message(self, reason: str) -> str:
-        if EXIT_MAIN_GUARD in self.exit_codes().values():
-            return MAIN_GUARD_MESSAGE
-        if reason == membership.NO_DEVICE_STARTED and self.coordinator.refused:
-            # Each refusal was said in its own line, with its reason: the `__main__` hint is not the cause.
-            # In id order: the refusals came in whatever order the devices said they were ready.
-            refused = sorted(self.coordinator.refused, key=membership.id_order)
-            return f"the job stopped: no device could start ({' and '.join(refused)} refused, above)"
-        return f"the job stopped: {reason}"
-
     def _check_errors(self) -> None:
         members = set(self.coordinator.state.members)
         for message in self.coordinator.errors:
             if message["device_id"] in members or self.coordinator.state.generation == 0:
                 tell_devices(self.store, "stop", "a device reported an error")
-                raise TrainingError(self._device_error(message))
+                raise TrainingError(stop_messages.device_error(message, self.run_dir, self.options.verbose))
             print(
                 f"flexpar: joining device {message['device_id']} failed and was dropped: {message['message']}",
                 file=sys.stderr,
                 flush=True,
             )
         self.coordinator.errors.clear()
-
-    def _device_error(self, message: dict) -> str:
-        """The device's message once; its traceback in the run directory (and here with --verbose)."""
-        detail = message.get("traceback", "").strip()
-        if not detail:  # an error said in full in its message (a sharded job's lost state)
-            return f"device {message['device_id']}: {message['message']}"
-        path = os.path.join(self.run_dir, "error.log")
-        with open(path, "a", encoding="utf-8") as handle:
-            handle.write(f"device {message['device_id']}: {message['message']}\n\n{detail}\n\n")
-        text = f"device {message['device_id']}: {message['message']}"
-        if self.options.verbose:
-            return f"{text}\n\n--- the device's traceback ---\n{detail}"
-        return f"{text}\n(the device's traceback is in {path}; --verbose shows it here)"
 
     def _relay_metrics(self, writers_done: bool = False) -> None:
         for record in self.metrics.receive(writers_done):
@@ -393,70 +374,3 @@ class DriverLoop:
                 {"step": self.evals[-1]["step"], "metrics": dict(self.evals[-1]["metrics"])} if self.evals else None
             ),
         }
-
-
-def _log_to_stderr() -> None:
-    """Plain log lines of the "flexpar" logger go to stderr, or to the user's logging set-up.
-
-    Without any handler configured, one of ours prints the bare lines; with
-    one, the lines go through it. Either way progress (INFO) is not dropped
-    by logging's default WARNING level, unless the user set a level on the
-    "flexpar" logger.
-    """
-    logger = logging.getLogger(LOGGER_NAME)
-    if logger.level == logging.NOTSET:
-        logger.setLevel(logging.INFO)
-    if not logger.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        logger.addHandler(handler)
-        logger.propagate = False
-
-
-class DriverWaker:
-    """A thread of the driver that waits in the store for DRIVER_WAKE_KEY and sets `woken`.
-
-    TCPStore's `wait` answers when the key is set (the store's own server
-    holds the waiter: no polling). The thread deletes the key before it sets
-    the event, and writers bump DRIVER_NOTICE_KEY before they set the key, so
-    no message is missed: one sent while the loop runs either moved the
-    counter the loop reads next, or sets the key again. `close()` sets the key
-    itself to let the thread end.
-    """
-
-    # A wait that long never times out in practice; if it does, the thread waits again on
-    # a fresh connection (a client whose wait timed out may still get the late answer).
-    _WAIT = datetime.timedelta(days=7)
-
-    def __init__(self, host: str, port: int, timeout_s: float, store):
-        self.store = store
-        self.woken = threading.Event()
-        self._closing = threading.Event()
-        self._client = connect(host, port, timeout_s)
-        self._thread = threading.Thread(
-            target=self._run, args=(host, port, timeout_s), name="flexpar-waker", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, host: str, port: int, timeout_s: float) -> None:
-        client = self._client
-        while not self._closing.is_set():
-            try:
-                client.wait([DRIVER_WAKE_KEY], self._WAIT)
-                client.delete_key(DRIVER_WAKE_KEY)
-            except RuntimeError:
-                if self._closing.is_set():
-                    return
-                try:
-                    client = connect(host, port, timeout_s)
-                except RuntimeError:
-                    return  # the store is gone: the driver is ending
-            self.woken.set()
-
-    def close(self) -> None:
-        self._closing.set()
-        try:
-            self.store.set(DRIVER_WAKE_KEY, "1")
-        except RuntimeError:
-            pass
-        self._thread.join(timeout=5.0)

@@ -21,7 +21,8 @@ from flexpar.comm import state_transfer as training_state
 from flexpar.comm.protocol import JOB_ENDED, get_blob, tell_devices
 from flexpar.core import frozen, membership
 from flexpar.driver import readopt
-from flexpar.driver.driver_loop import DriverLoop, DriverWaker
+from flexpar.driver.driver_loop import DriverLoop
+from flexpar.driver.waker import DriverWaker
 from flexpar.errors import TrainingError
 from flexpar.options import FitOptions
 from flexpar.worker import checkpoints

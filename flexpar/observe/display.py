@@ -347,3 +347,21 @@ class LiveDisplay:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def log_to_stderr() -> None:
+    """Plain log lines of the "flexpar" logger go to stderr, or to the user's logging set-up.
+
+    Without any handler configured, one of ours prints the bare lines; with
+    one, the lines go through it. Either way progress (INFO) is not dropped
+    by logging's default WARNING level, unless the user set a level on the
+    "flexpar" logger.
+    """
+    logger = logging.getLogger(LOGGER_NAME)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
