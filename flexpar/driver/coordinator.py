@@ -1,8 +1,9 @@
 """The coordinator: the driver's half of the control plane, carrying out `membership.decide`.
 
 It turns what devices send (flexpar/comm/channel.py), process exits and
-heartbeats into membership events, and carries out the decided actions in
-the store (flexpar/comm/protocol.py's keys). The device half is
+heartbeats into membership events (whether a device's message lets it in
+is decided in flexpar/core/admission.py), and carries out the decided actions
+in the store (flexpar/comm/protocol.py's keys). The device half is
 flexpar/worker/device_link.py.
 
 A driver restarted with `--resume` starts with the membership's adoption
@@ -24,7 +25,7 @@ from typing import Callable, Iterable, Optional
 
 from flexpar.comm.channel import Channel
 from flexpar.comm.protocol import adopt_proof, get_json, has, join_proof, scale_proof, tell_devices
-from flexpar.core import adoption, factory_checks, frozen
+from flexpar.core import admission, adoption
 from flexpar.core import membership as ms
 
 # How often the coordinator reads the devices' heartbeats (they beat every 0.5 s).
@@ -173,7 +174,7 @@ class Coordinator:
         kind = message.get("type")
         device = message.get("device_id", "")
         if kind in ("announce", "ready", "scale", "leave") and not self._proof_ok(message):
-            reason = "wrong job secret: pass the job's secret (--secret-file, FLEXPAR_SECRET or FLEXPAR_SECRET_FILE)"
+            reason = admission.WRONG_SECRET
             if kind == "scale":
                 self.on_note(f"refused a scale request: {reason}")
                 request_id = str((message.get("request") or {}).get("id", ""))
@@ -217,7 +218,7 @@ class Coordinator:
             return ms.Exited(device, now)
         if kind == "scale":
             request = message.get("request") or {}
-            return ms.ScaleBy(self._scale_delta(message), str(request.get("id", "")))
+            return ms.ScaleBy(admission.scale_delta(request, self.state.device_count), str(request.get("id", "")))
         if kind == "leave":
             return ms.LeaveRequested(device)
         return None
@@ -229,14 +230,7 @@ class Coordinator:
         final = message.get("type") == "adopt"
         if not proof_ok and not final:
             return None  # a notice proves nothing yet; its report will
-        problem = (
-            ""
-            if proof_ok
-            else (
-                "its proof does not match this job's secret: restart the driver with the job's secret "
-                "(--secret-file, FLEXPAR_SECRET or FLEXPAR_SECRET_FILE)"
-            )
-        )
+        problem = "" if proof_ok else admission.ADOPTION_PROOF_MISMATCH
         if final and not problem:
             problem = self._ready_problem(message) or adoption.fingerprint_problem(
                 self.fingerprint, message.get("fingerprint") or {}
@@ -246,18 +240,7 @@ class Coordinator:
         if final or device not in self.reports:
             self.reports[device] = message
         self.heartbeats.setdefault(device, (None, now))
-        report = adoption.DeviceReport(
-            device,
-            int(message.get("generation", 0)),
-            tuple(message.get("members", ())),
-            int(message.get("seen", 0)),
-            int(message.get("committed", -1)),
-            bool(message.get("warm", False)),
-            float(message.get("lost_at", 0.0)),
-            bool(message.get("abandoned", False)),
-            final,
-        )
-        return ms.Reported(report, now, problem)
+        return ms.Reported(admission.device_report(message), now, problem)
 
     def _adopt_locals(self, members) -> None:
         """This host's devices among `members`, started by the old driver: taken over by pid."""
@@ -286,33 +269,14 @@ class Coordinator:
         return hmac.compare_digest(expected, str(message.get("proof", "")))
 
     def _ready_problem(self, message: dict) -> str:
-        if message.get("version") != self.version:
-            return (
-                f"flexpar version {message.get('version')} differs from the job's {self.version}; "
-                f"install flexpar=={self.version} on the joining host"
-            )
-        if message.get("digest") != self.job_digest:
-            shapes = message.get("shapes")
-            problem = ""
-            if self.job_shapes is not None and isinstance(shapes, list):
-                problem = factory_checks.shape_problem(self.job_shapes, shapes, f"device {message.get('device_id')}")
-            return problem or (
-                "the model differs from the job's (parameter names, shapes or dtypes do not match): "
-                "join with the same script and model code"
-            )
-        reference = self.frozen_reference() if self.frozen_reference is not None else None
-        if reference is not None and message.get("frozen_digest") != frozen.combined_digest(reference):
-            reported = message.get("frozen_digests")
-            if not isinstance(reported, dict):
-                return "the device did not report its frozen weights' digests: install the job's flexpar version"
-            return frozen.frozen_problem(reference, reported, where=f"device {message.get('device_id', '?')}")
-        return ""
-
-    def _scale_delta(self, message: dict) -> int:
-        request = message["request"]
-        if "delta" in request:
-            return int(request["delta"])
-        return int(request["devices"]) - self.state.device_count
+        """Why a warm device cannot train with this job ("" when it can): core/admission.py's checks."""
+        return admission.ready_problem(
+            message,
+            self.version,
+            self.job_digest,
+            self.job_shapes,
+            self.frozen_reference if self.frozen_reference is not None else lambda: None,
+        )
 
     def _silent_devices(self, now: float) -> list:
         silent = []
