@@ -30,7 +30,8 @@ from .model import (
 from .policies import POLICY_NAMES, BalanceSettings, Policy, make_policy
 from .results import SimulationEvent, SimulationResult
 from .scalability import ScalabilityResult, scalability, scaled_scenario
-from .scenario import DeviceSpec, Event, ScalabilitySpec, Scenario, load_scenario, parse_scenario, shipped_scenarios
+from .scenario import DeviceSpec, Event, ScalabilitySpec, Scenario
+from .scenario_file import load_scenario, parse_scenario, shipped_scenarios
 
 __all__ = [
     "BalanceSettings",

@@ -15,7 +15,7 @@ from .engine import simulate_all
 from .plot import plot_comparison, plot_scalability
 from .report import comparison_summary, comparison_table, scalability_table, write_json
 from .scalability import scalability
-from .scenario import load_scenario, shipped_scenarios
+from .scenario_file import load_scenario, shipped_scenarios
 
 
 def _default_plot_path(scenario_name: str, suffix: str) -> Path:

@@ -1,6 +1,6 @@
 """Reading a TOML table field by field: typed getters with defaults, each error naming the field's path.
 
-Scenario files (scenario.py) are read through `TableFields`, so a wrong or
+Scenario files (scenario_file.py) are read through `TableFields`, so a wrong or
 unknown field is reported as `devices[2].seconds_per_vw: expected a
 positive number, got 'fast'`, never as a KeyError.
 """
