@@ -1,9 +1,10 @@
-"""The timeline plot of a metrics file: ``plot_timeline`` and its helpers.
+"""The timeline plot of a metrics file: ``plot_timeline`` and its panels.
 
 Reads the records with ``flexpar.observe.metrics.read_records`` and draws stacked
-panels over wall time. ``matplotlib`` is imported only when a plot is drawn
-(``flexpar[plot]``); the figure is drawn on an Agg canvas directly, so pyplot's
-global backend is never touched.
+panels over wall time; what they show (step spans, pauses, per-device series,
+labelled events) is worked out in timeline.py. ``matplotlib`` is imported only
+when a plot is drawn (``flexpar[plot]``); the figure is drawn on an Agg canvas
+directly, so pyplot's global backend is never touched.
 """
 
 from __future__ import annotations
@@ -11,7 +12,18 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
-from flexpar.observe.metrics import DEVICE_SET_EVENTS, eval_means, event_label, read_records
+from flexpar.observe.metrics import eval_means, read_records
+from flexpar.observe.timeline import (
+    broken_line,
+    device_order,
+    generation_spans,
+    labelled_events,
+    per_device_series,
+    rebalance_times,
+    stall_gaps,
+    step_outline,
+    step_spans,
+)
 
 # ---------------------------------------------------------------------------
 # Timeline plot
@@ -29,98 +41,6 @@ def _import_matplotlib():
     except ImportError:
         raise ImportError('plot_timeline needs matplotlib: pip install -e ".[plot]" in flexpar\'s checkout') from None
     return Figure, FigureCanvasAgg
-
-
-def _device_order(steps: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Device ids in order of first appearance (stable colours and stacking)."""
-    seen: dict[str, None] = {}
-    for record in steps:
-        for device_id in record["devices"]:
-            seen.setdefault(device_id, None)
-    return list(seen)
-
-
-def _per_device_series(
-    steps: Sequence[Mapping[str, Any]], devices: Sequence[str], field: str, absent: float
-) -> list[list[float]]:
-    """For each device, `field` per step; `absent` where the device was not in the step."""
-    series = {device_id: [absent] * len(steps) for device_id in devices}
-    for position, record in enumerate(steps):
-        for device_id, value in zip(record["devices"], record[field]):
-            series[device_id][position] = float(value)
-    return [series[device_id] for device_id in devices]
-
-
-def step_spans(steps: Sequence[Mapping[str, Any]]) -> list[tuple[float, float]]:
-    """(start, end) wall seconds of each step: end is its commit, start end - step_time_s.
-
-    A start is clamped to the previous end, so spans never overlap even when a
-    step's own clock read slightly more than the wall time between commits.
-    """
-    spans: list[tuple[float, float]] = []
-    previous_end = -math.inf
-    for record in steps:
-        end = record["elapsed_s"]
-        start = max(end - record["step_time_s"], min(previous_end, end))
-        spans.append((start, end))
-        previous_end = end
-    return spans
-
-
-def stall_gaps(spans: Sequence[tuple[float, float]]) -> list[bool]:
-    """For each step after the first: did training pause before it?
-
-    A pause is a gap between the previous commit and this step's start longer
-    than a quarter of this step (stalls, checkpoints, a hung peer). Lines and
-    areas are broken there instead of being drawn across time nothing ran.
-    """
-    gaps = []
-    for (_, previous_end), (start, end) in zip(spans, spans[1:]):
-        gaps.append(start - previous_end > 0.25 * max(end - start, 1e-9))
-    return gaps
-
-
-def _broken_line(times: Sequence[float], values: Sequence[float], gaps: Sequence[bool]):
-    """x, y with a NaN point inserted at every gap, which matplotlib draws as a break."""
-    xs, ys = [times[0]], [values[0]]
-    for position in range(1, len(times)):
-        if gaps[position - 1]:
-            xs.append(0.5 * (times[position - 1] + times[position]))
-            ys.append(math.nan)
-        xs.append(times[position])
-        ys.append(values[position])
-    return xs, ys
-
-
-def _step_outline(spans, values: Sequence[float], gaps: Sequence[bool]):
-    """x, y tracing a piecewise constant value over each step's span, NaN across gaps."""
-    xs: list[float] = []
-    ys: list[float] = []
-    for position, ((start, end), value) in enumerate(zip(spans, values)):
-        if position > 0 and gaps[position - 1]:
-            xs.append(0.5 * (spans[position - 1][1] + start))
-            ys.append(math.nan)
-        xs.extend((start, end))
-        ys.extend((value, value))
-    return xs, ys
-
-
-def _labelled_events(records: Sequence[Mapping[str, Any]]) -> list[tuple[Mapping[str, Any], str]]:
-    """(event, label) for each join/leave/failure, labelled against the set before it."""
-    labelled = []
-    devices: Sequence[str] = ()
-    for record in records:
-        if record["kind"] == "event" and record["event"] in DEVICE_SET_EVENTS:
-            labelled.append((record, event_label(record, devices)))
-        devices = record["devices"]
-    return labelled
-
-
-def rebalance_times(records: Sequence[Mapping[str, Any]], origin: float) -> list[float]:
-    """Wall seconds since the start (``time - origin``) of each rebalance event, in file order."""
-    return [
-        record["time"] - origin for record in records if record["kind"] == "event" and record["event"] == "rebalance"
-    ]
 
 
 def plot_timeline(metrics_path, output_path) -> None:
@@ -153,9 +73,9 @@ def plot_timeline(metrics_path, output_path) -> None:
     times = [record["elapsed_s"] for record in steps]
     spans = step_spans(steps)
     gaps = stall_gaps(spans)
-    devices = _device_order(steps)
+    devices = device_order(steps)
     colors = _device_colors(devices)
-    events = _labelled_events(records)
+    events = labelled_events(records)
 
     figure = Figure(figsize=(11, 11.5), dpi=110, layout="constrained")
     FigureCanvasAgg(figure)
@@ -165,9 +85,9 @@ def plot_timeline(metrics_path, output_path) -> None:
 
     end = max([times[-1]] + [event["time"] - origin for event, _ in events])
     assignment_axis.set_xlim(0.0, end * 1.01 if end > 0 else 1.0)
-    generation_spans = _generation_spans(steps, spans)
-    _shade_generations(axes, generation_spans)
-    _draw_strip(strip_axis, generation_spans, end)
+    generation_runs = generation_spans(steps, spans)
+    _shade_generations(axes, generation_runs)
+    _draw_strip(strip_axis, generation_runs, end)
     _draw_throughput(throughput_axis, times, steps, gaps)
     _draw_loss(loss_axis, times, steps, gaps)
     _draw_busy(busy_axis, times, steps, gaps, devices, colors)
@@ -191,17 +111,6 @@ def _device_colors(devices: Sequence[str]) -> dict[str, Any]:
 
     palette = colormaps["tab10" if len(devices) <= 10 else "tab20"]
     return {device_id: palette(position % palette.N) for position, device_id in enumerate(devices)}
-
-
-def _generation_spans(steps, spans) -> list[tuple[int, float, float]]:
-    """(generation, first step start, last step end) for each run of one generation."""
-    result: list[tuple[int, float, float]] = []
-    for record, (start, end) in zip(steps, spans):
-        if result and result[-1][0] == record["generation"]:
-            result[-1] = (result[-1][0], result[-1][1], end)
-        else:
-            result.append((record["generation"], start, end))
-    return result
 
 
 def _shade_generations(axes, generation_spans) -> None:
@@ -239,7 +148,7 @@ def _draw_strip(axis, generation_spans, end: float) -> None:
 
 def _draw_throughput(axis, times, steps, gaps) -> None:
     values = [record["samples_per_s"] for record in steps]
-    axis.plot(*_broken_line(times, values, gaps), color="#1f77b4", linewidth=1.4, **_markers(len(steps)))
+    axis.plot(*broken_line(times, values, gaps), color="#1f77b4", linewidth=1.4, **_markers(len(steps)))
     axis.set_ylim(bottom=0.0, top=max(values) * 1.1 if max(values) > 0 else 1.0)
     _style(axis, "throughput\n(samples/s)")
 
@@ -247,7 +156,7 @@ def _draw_throughput(axis, times, steps, gaps) -> None:
 def _draw_loss(axis, times, steps, gaps) -> None:
     values = [record["loss"] for record in steps]
     finite = [value for value in values if math.isfinite(value)]
-    axis.plot(*_broken_line(times, values, gaps), color="#9467bd", linewidth=1.4, **_markers(len(steps)))
+    axis.plot(*broken_line(times, values, gaps), color="#9467bd", linewidth=1.4, **_markers(len(steps)))
     # Loss curves spanning decades read better on a log scale.
     if finite and min(finite) > 0 and max(finite) / min(finite) > 20:
         axis.set_yscale("log")
@@ -259,10 +168,10 @@ _MOST_DEVICE_LINES = 16
 
 def _draw_busy(axis, times, steps, gaps, devices, colors) -> None:
     if len(devices) <= _MOST_DEVICE_LINES:
-        series = _per_device_series(steps, devices, "busy_s", math.nan)
+        series = per_device_series(steps, devices, "busy_s", math.nan)
         for device_id, values in zip(devices, series):
             axis.plot(
-                *_broken_line(times, values, gaps),
+                *broken_line(times, values, gaps),
                 color=colors[device_id],
                 linewidth=1.2,
                 label=device_id,
@@ -272,15 +181,15 @@ def _draw_busy(axis, times, steps, gaps, devices, colors) -> None:
         # Dozens of overlapping lines say nothing; the spread across devices does.
         lowest = [min(record["busy_s"]) for record in steps]
         highest = [max(record["busy_s"]) for record in steps]
-        xs, lows = _broken_line(times, lowest, gaps)
-        _, highs = _broken_line(times, highest, gaps)
+        xs, lows = broken_line(times, lowest, gaps)
+        _, highs = broken_line(times, highest, gaps)
         axis.fill_between(
             xs, lows, highs, color="#1f77b4", alpha=0.3, linewidth=0, label=f"min-max of {len(devices)} devices"
         )
         medians = [sorted(record["busy_s"])[len(record["busy_s"]) // 2] for record in steps]
-        axis.plot(*_broken_line(times, medians, gaps), color="#1f77b4", linewidth=1.0, label="median device")
+        axis.plot(*broken_line(times, medians, gaps), color="#1f77b4", linewidth=1.0, label="median device")
     axis.plot(
-        *_broken_line(times, [record["step_time_s"] for record in steps], gaps),
+        *broken_line(times, [record["step_time_s"] for record in steps], gaps),
         color="black",
         linestyle=(0, (3, 2)),
         linewidth=1.0,
@@ -303,12 +212,12 @@ def _draw_busy(axis, times, steps, gaps, devices, colors) -> None:
 def _draw_assignment(axis, spans, steps, gaps, devices, colors) -> None:
     from matplotlib.ticker import MaxNLocator
 
-    series = _per_device_series(steps, devices, "assignment", 0.0)
+    series = per_device_series(steps, devices, "assignment", 0.0)
     baseline = [0.0] * len(steps)
     for device_id, values in zip(devices, series):
         top = [low + count for low, count in zip(baseline, values)]
-        xs, lows = _step_outline(spans, baseline, gaps)
-        _, highs = _step_outline(spans, top, gaps)
+        xs, lows = step_outline(spans, baseline, gaps)
+        _, highs = step_outline(spans, top, gaps)
         axis.fill_between(xs, lows, highs, color=colors[device_id], alpha=0.85, linewidth=0)
         baseline = top
     axis.set_ylim(0.0, max(baseline) * 1.1)  # headroom for the rebalance ticks at the top
