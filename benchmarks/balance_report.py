@@ -81,7 +81,7 @@ def summarise(config: Config, rounds: List[dict]) -> dict:
     }
 
 
-# Issue 20's goals, measured side by side in one run.
+# The balancing goals (whole-VW ceiling, against the uniform split, imbalance), measured side by side in one run.
 GOALS = (
     ("efficiency_vs_ideal", ">= 0.95"),
     ("speedup_vs_uniform", ">= 2.6"),

@@ -1,4 +1,4 @@
-"""Job(deterministic=True): bit-for-bit equality on any device set, and what it costs (issue 36).
+"""Job(deterministic=True): bit-for-bit equality on any device set, and what it costs (exact gradient sums).
 
 Figures (``--json PATH``):
 

@@ -1,4 +1,4 @@
-"""Losing the driver (issue 30): a restarted driver re-adopts the running devices, vs today's full restart.
+"""Losing the driver: a restarted driver re-adopts the running devices, vs today's full restart.
 
 Per round, alternating the two paths on the same job (benchmarks/driver_loss_job.py: 2 CPU devices,
 a 2.8M-parameter MLP with Adam): start the job under `flexpar run`; at a step drawn at random, kill -9
@@ -11,7 +11,7 @@ One run without a driver loss gives the reference for `max_rel_err`.
 
 Figures: `driver_loss_resume_s` / `driver_loss_restart_s` (medians: from the new driver's start to the
 first step it commits), `driver_start_s` (from its start to its banner: its own start-up, adopt rounds),
-`resume_after_start_s` (per adopt round, resume_s less its own start-up; the issue's goal: <= 1 s),
+`resume_after_start_s` (per adopt round, resume_s less its own start-up; re-adoption's goal: <= 1 s),
 `driver_loss_steps_lost` (committed steps lost, max over the adopt rounds), `max_rel_err` (final
 parameters against the run without a loss, max over every round and tensor).
 """
@@ -36,7 +36,7 @@ from harness.folders import run_folder  # noqa: E402
 from harness.records import metrics_records  # noqa: E402
 
 JOB = os.path.join(HERE, "driver_loss_job.py")
-RESTART_DELAY_S = 2.0  # the issue's: the driver is restarted 2 s after its death
+RESTART_DELAY_S = 2.0  # re-adoption's goal is measured with the driver restarted 2 s after its death
 NOTE = {"adopt": "restart it with: ", "restart": "Resume with: "}
 
 

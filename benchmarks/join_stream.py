@@ -1,4 +1,4 @@
-"""Streamed joins against the blocking transfer, by the size of the training state (issue 37).
+"""Streamed joins against the blocking transfer, by the size of the training state.
 
 A 2 -> 3 CPU-device AdamW job on an MLP whose width sets the training state's
 size (parameters + AdamW's two moments, 12 bytes a parameter: about 0.1, 0.5, 1

@@ -1,4 +1,4 @@
-"""Sharded optimizer state (issue 27): memory, step time, joins and failures vs the same job unsharded.
+"""Sharded optimizer state: memory, step time, joins and failures vs the same job unsharded.
 
     python benchmarks/sharding.py [--json PATH] [--quick] [--rounds N]
 
@@ -13,7 +13,7 @@ and sharded at redundancy 1.
 Fixed device set (alternating rounds unsharded, r2, r1; medians over rounds):
 - `optimizer_bytes_ratio_r2`, `optimizer_bytes_ratio_r1`: the largest device's
   optimizer-state bytes (the step records' `optimizer_bytes`) / the unsharded
-  device's. `optimizer_bytes_ratio` is the r2 figure (the issue's headline, at
+  device's. `optimizer_bytes_ratio` is the r2 figure (sharding's headline, at
   the default redundancy). Goals <= 0.55 (r2), <= 0.30 (r1).
 - `peak_rss_ratio`: the largest worker's peak resident memory (VmHWM, read by
   harness.PeakMemoryWatcher), sharded r1 / unsharded (goal <= 0.85);

@@ -13,7 +13,7 @@ from typing import Mapping, Optional, Sequence
 
 from harness import median, median_of, ratio
 
-# The goals of issue 27 on 4 devices: (figure, "<=" or ">=", bound).
+# The goals of sharded optimizer state on 4 devices: (figure, "<=" or ">=", bound).
 GOALS = (
     ("optimizer_bytes_ratio_r2", "<=", 0.55),
     ("optimizer_bytes_ratio_r1", "<=", 0.30),
@@ -190,7 +190,8 @@ def figures(rounds: Mapping[str, Sequence[Mapping]], elastic: Mapping[str, Mappi
 
 
 def goal_verdicts(result: Mapping) -> dict:
-    """figure -> its goal and verdict, e.g. "<= 0.55: met" ("missed", "not measured"), for issue 27's goals."""
+    """figure -> its goal and verdict, e.g. "<= 0.55: met" ("missed", "not measured"), for sharded optimizer
+    state's goals."""
     verdicts = {}
     for key, sense, bound in GOALS:
         value = result.get(key)

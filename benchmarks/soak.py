@@ -367,7 +367,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=30.0, help="the jobs' collective timeout (s)")
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0, help="the jobs' heartbeat timeout (s)")
-    parser.add_argument("--shard", action="store_true", help="shard the job's optimizer state (issue 27)")
+    parser.add_argument("--shard", action="store_true", help="shard the job's optimizer state")
     arguments = parser.parse_args()
     faults = 12 if arguments.quick else arguments.faults
     result = run_soak(

@@ -75,7 +75,7 @@ def step_record(step, clock, loss, generation, devices, assignment) -> dict:
         "imbalance": (max(busy) - min(busy)) / max(busy),
         "lr": 0.001,
     }
-    if "grad_norm" in STEP_KEYS:  # issue 17's field, where the schema has it
+    if "grad_norm" in STEP_KEYS:  # the recipes' field (gradient clipping), where the schema has it
         record["grad_norm"] = 0.5
     return {key: record[key] for key in STEP_KEYS}
 

@@ -61,7 +61,7 @@ def make_wider_model():
 class UnseededModel:
     """make_model with values drawn from a generator the OS seeds: every process builds other ones.
 
-    The mistake of issue 35 (`torch.Generator().seed()` in a factory). Each
+    The mistake of a factory that is not deterministic (`torch.Generator().seed()`). Each
     build writes its values to `directory`/<pid>.pt, so a test can start the
     plain loop from the values a device built.
     """

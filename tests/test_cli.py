@@ -85,7 +85,7 @@ def test_bad_flag_is_refused_before_the_script_runs(tmp_path):
     assert run.returncode != 0 and "is not STEP:+N" in run.stderr and "the script ran" not in run.stderr
 
 
-# ------------------------------------------------------------ launcher conventions (issue 19)
+# ------------------------------------------------------------ launcher conventions
 
 
 def test_flexpar_flags_after_the_script_are_refused_with_the_right_command(tmp_path):
@@ -130,7 +130,7 @@ def test_status_and_join_read_the_address_from_the_cluster_environment():
     assert "FLEXPAR_ADDRESS" in join.stderr and "PET_RDZV_ENDPOINT" in join.stderr
 
 
-# ------------------------------------------------------------ scale answers, limits, SIGTERM (issue 22)
+# ------------------------------------------------------------ scale answers, limits, SIGTERM
 
 LONG_JOB = """
 if __name__ == "__main__":

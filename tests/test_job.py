@@ -199,7 +199,7 @@ def test_checkpoint_and_resume(train, tmp_path):
 
 
 def test_a_resume_from_a_checkpoint_records_and_calls_back_each_step_and_evaluation_once(train, tmp_path):
-    """Issue 35 item 4: the resumed job redoes steps 3-5 and evaluates steps 3 and 6 again; its metrics
+    """Each record delivered once: the resumed job redoes steps 3-5 and evaluates steps 3 and 6 again; its metrics
     file (appended) and its callbacks get each step and evaluation once."""
     import evaluation_pieces
 
@@ -217,8 +217,8 @@ def test_a_resume_from_a_checkpoint_records_and_calls_back_each_step_and_evaluat
 
 
 def test_a_record_fault_is_the_drivers_own():
-    """STEP:driver:record (tests, issue 39): the driver dies as that step's record arrives; no device has
-    that phase."""
+    """STEP:driver:record (tests of each record delivered once): the driver dies as that step's record
+    arrives; no device has that phase."""
     from flexpar.options import parse_faults
 
     assert [(f.step, f.device, f.phase) for f in parse_faults("8:driver:record")] == [(8, "driver", "record")]

@@ -1,6 +1,6 @@
 """The plan of a streamed join: which part of the training state travels in which slice, from whom, when.
 
-A streamed join (issue 37; the worker's part is flexpar/worker/streaming.py,
+A streamed join (the worker's part is flexpar/worker/streaming.py,
 docs/internals.md "Streamed joins") lets the joiner listen to the members'
 steps while the members send it the training state a slice per step: the
 running devices never stop for the whole transfer. This module decides the

@@ -146,9 +146,9 @@ def _a_timed_out_handshake(port: int) -> None:
 
 
 def test_a_reconnecting_device_shows_its_own_lines_and_none_of_c10d_s_frame_dumps(capfd):
-    """Issue 39: a handshake that times out inside `reconnect` (a driver between its listen and its store)
-    logs c10d's error with a C++ frame dump straight to descriptor 2: quieted; every other line written
-    meanwhile is kept, in order; c10's log level is back afterwards."""
+    """A quiet wait for a restarted driver: a handshake that times out inside `reconnect` (a driver between
+    its listen and its store) logs c10d's error with a C++ frame dump straight to descriptor 2: quieted;
+    every other line written meanwhile is kept, in order; c10's log level is back afterwards."""
     level = _c10_log_level()
     assert level is not None, "torch's libc10 no longer exposes FLAGS_caffe2_log_level: c10d's dumps would show"
     before = level.value

@@ -1,4 +1,4 @@
-"""The reports a device writes while it waits for a restarted driver, as `flexpar status` reads them (issue 30)."""
+"""The reports a device writes while it waits for a restarted driver, as `flexpar status` reads them."""
 
 import subprocess
 import sys

@@ -629,7 +629,7 @@ def test_a_move_goes_to_that_split_and_only_for_a_gain_beyond_the_threshold(prob
 
 
 def test_a_near_tie_inside_the_noise_fills_the_slowest_device():
-    # Issue 20: speeds 1, 1, 0.5, 0.245 (per-VW 1, 1, 2, 4.08), V = 32. The fastest
+    # Balance to the whole-VW ceiling: speeds 1, 1, 0.5, 0.245 (per-VW 1, 1, 2, 4.08), V = 32. The fastest
     # split (12, 12, 6, 2) leaves the slowest device idle a third of the step;
     # (12, 11, 6, 3) is 2% slower. Inside the noise it is chosen, outside it is not.
     seconds = [1.0, 1.0, 2.0, 4.08]
@@ -658,7 +658,7 @@ def test_a_gain_below_the_floor_is_taken_once_every_device_involved_is_measured(
 
 def test_nominal_speeds_with_noise_settle_on_the_most_even_fastest_split():
     # The balance benchmark's devices: speeds 1, 1, 0.5, 0.25, +-2% noise. Every
-    # split of 12 units is as fast; the rule before issue 20 followed the noise to
+    # split of 12 units is as fast; the rule before balancing to the whole-VW ceiling followed the noise to
     # (12, 12, 6, 2) in about half the runs (imbalance 1/3), this one to an even
     # one (imbalance 1/12) in all 100 of a sample.
     speeds, nominal = [1.0, 1.0, 0.5, 0.25], [1.0, 1.0, 2.0, 4.0]
@@ -673,7 +673,7 @@ def test_a_split_one_vw_off_the_optimum_is_corrected_once_measured():
     # V = 128: the first placement (3 raw times, the noise large) may land on a
     # 48-unit split, 2.1% slower than (47, 47, 23, 11) and within the 5% floor;
     # the 1% floor of measured devices corrects it once the noise is resolved.
-    # The rule before issue 20 kept such a split for good (21 of 100 runs here).
+    # The rule before balancing to the whole-VW ceiling kept such a split for good (21 of 100 runs here).
     speeds = [1.0, 1.0, 0.5, 0.25]
     for seed in range(20):
         history, _ = simulate(speeds, 128, 100, uniform_noise(0.02), seed)
@@ -738,7 +738,7 @@ def within_one_vw(assignment, target):
     noise=st.sampled_from(sorted(NOISES)),
 )
 def test_equal_devices_with_noisy_timings_keep_their_split(seed, device_count, virtual_workers, noise):
-    # Issue 22: two equal CPU devices on a busy host switched split 1,462 times
+    # Quiet rebalancing: two equal CPU devices on a busy host switched split 1,462 times
     # in 5,000 steps under the fixed 5% hysteresis.
     history, _ = simulate([1.0] * device_count, virtual_workers, 1000, NOISES[noise], seed)
     assert changes(history) <= 5

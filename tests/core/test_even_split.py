@@ -80,7 +80,7 @@ def test_larger_cases_stay_within_the_tolerance(seconds, extra, tolerance):
 
 
 def test_a_near_tie_fills_the_slowest_device():
-    # Issue 20's case: speeds 1, 1, 0.5, 0.245. (12, 12, 6, 2) takes 12 units and
+    # The whole-VW ceiling's case: speeds 1, 1, 0.5, 0.245. (12, 12, 6, 2) takes 12 units and
     # leaves the slowest device idle a third of the step; (12, 11, 6, 3) takes
     # 12.24 (2% longer) and leaves nobody idle for more than 1/12.
     seconds = [1.0, 1.0, 2.0, 4.08]

@@ -1,5 +1,5 @@
 """flexpar/core/factory_checks.py: the start digest, what differs, and the words for a factory that is not
-deterministic (issue 35)."""
+deterministic."""
 
 import torch
 from torch import nn

@@ -123,12 +123,12 @@ def test_parameters_equal_the_reference(balanced_run):
 
 
 def test_two_equal_devices_rebalance_rarely(train):
-    """Issue 22: the split follows speeds, not noise. Two equal devices used to flip it every
+    """Quiet rebalancing: the split follows speeds, not noise. Two equal devices used to flip it every
     1-3 steps (1,462 rebalances in 5,000 steps); the noise-aware threshold keeps it to a handful.
     The summary counts rebalances instead of listing them."""
     # VWs of ~2 ms, as real ones are at least: with VWs of 0.3 ms (no delay) a 0.3 ms hiccup of this
     # shared VM is a 2x slowdown that lasts two steps, a real (if short) change of speed, followed
-    # and undone (0-8 such pairs in 300 steps, before and after issue 20's balancing changes).
+    # and undone (0-8 such pairs in 300 steps, before and after balancing to the whole-VW ceiling).
     job = pieces.make_job(virtual_workers=16, global_batch=64, delay_s=0.002)
     model, summary = train(job, steps=300, devices=2)
     # ~90 in 300 steps before the noise-aware threshold; a handful now.

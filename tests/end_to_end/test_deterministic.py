@@ -1,4 +1,4 @@
-"""Job(deterministic=True): bit-for-bit the same training on any device set and schedule (issue 36).
+"""Job(deterministic=True): bit-for-bit the same training on any device set and schedule (exact gradient sums).
 
 Every comparison here is exact (torch.equal, equal digests), never a tolerance:
 the exact sums make the applied gradient the same bits whichever devices

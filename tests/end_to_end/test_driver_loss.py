@@ -1,11 +1,11 @@
-"""Losing the driver (issue 30): the devices wait, and a driver restarted with --resume re-adopts them.
+"""Losing the driver: the devices wait, and a driver restarted with --resume re-adopts them.
 
 One process test checks several things at once (the suite's time budget): the driver killed at each
 phase (a join's state transfer, a step's record on its way, a forward, a sync, a backward, a checkpoint;
 a sharded job's update), each time restarted with the resume command the devices printed; the result
 equals the uninterrupted run; no worker restarted; the joiner that was receiving the state stays a
 joiner and joins; the metrics file continues with every step, evaluation, ledger entry and callback
-call exactly once (issues 35 and 39).
+call exactly once (each record delivered once).
 """
 
 import json
@@ -26,7 +26,7 @@ STEPS = 40
 EVAL_EVERY = 4
 
 # The driver's callback: one line per call, in a file every restarted driver appends to (each record's
-# callbacks run once across the job's drivers: issue 35 item 4, issue 39).
+# callbacks run once across the job's drivers: each record delivered once).
 CALLS = """
 import flexpar
 
@@ -121,9 +121,9 @@ def _restart_until_done(tmp_path, command_line_job, script: str, kills: int, dur
 
 
 def _assert_each_record_once(tmp_path, records, said, steps: int, job) -> None:
-    """Issue 39 and issue 35 item 4: every committed step has one step record, one ledger entry and one
-    on_step call, in order; every evaluation one record and one on_eval call; the devices' terminals
-    show no C++ frame dump while they wait; the parameters are the plain loop's."""
+    """Each record delivered once across driver kills: every committed step has one step record, one
+    ledger entry and one on_step call, in order; every evaluation one record and one on_eval call; the
+    devices' terminals show no C++ frame dump while they wait; the parameters are the plain loop's."""
     assert [r["step"] for r in records if r["kind"] == "step"] == list(range(steps))
     evaluated = sorted({*range(EVAL_EVERY, steps, EVAL_EVERY), steps})
     assert [r["step"] for r in records if r["kind"] == "eval"] == evaluated
@@ -229,8 +229,9 @@ if __name__ == "__main__":
 
 @pytest.mark.timeout(300)
 def test_a_sharded_job_records_each_step_once_across_driver_kills(tmp_path, command_line_job, monkeypatch):
-    """Issue 39 with sharded optimizer state: three driver kills (in an update, a backward, as a record
-    arrives): every step recorded once, in order, ledger complete, each evaluation once, the plain loop's parameters."""
+    """Each record delivered once, with sharded optimizer state: three driver kills (in an update, a
+    backward, as a record arrives): every step recorded once, in order, ledger complete, each evaluation
+    once, the plain loop's parameters."""
     monkeypatch.setenv("TEST_PORT", str(free_port()))
     # The driver dies in step 4's parameter update (after every member applied its chunks), in step 9's
     # backward and as step 14's record reaches it (10 steps before the end, as above).

@@ -1,4 +1,4 @@
-"""Fine-tuning with frozen weights (issue 28): a frozen "pretrained" trunk and a peft LoRA GPT-2.
+"""Fine-tuning with frozen weights: a frozen "pretrained" trunk and a peft LoRA GPT-2.
 
 Each job goes through a schedule (kill -9, +1, -1) and must end with the
 parameters of the plain single-process reference; the frozen part never

@@ -1,4 +1,4 @@
-"""A model factory that builds other things in other processes (issue 35): other values, other shapes."""
+"""A model factory that builds other things in other processes: other values, other shapes."""
 
 import dataclasses
 import functools
@@ -12,7 +12,7 @@ from flexpar.errors import TrainingError
 
 
 def test_a_factory_that_is_not_deterministic_starts_every_device_from_rank_0s_values(train, tmp_path, capfd):
-    """Issue 35: a factory drawing from torch.Generator().seed() built other values on each device, which
+    """A factory drawing from torch.Generator().seed() built other values on each device, which
     then trained different models in silence. Every device now starts from one device's values (as DDP
     broadcasts rank 0's), and one warning names the difference."""
     built = tmp_path / "built"
@@ -46,8 +46,9 @@ def _built_from(state):
 
 
 def test_a_factory_whose_shapes_differ_by_process_is_refused_naming_the_tensor_in_one_line_each(train, capfd):
-    """Issue 35: five lines said to join with the same script and named the `__main__` guard; the refusal
-    names the first differing tensor with its two shapes and the likely cause, once per device."""
+    """Shapes that differ by process: five lines said to join with the same script and named the
+    `__main__` guard; the refusal names the first differing tensor with its two shapes and the likely
+    cause, once per device."""
     job = pieces.make_job(model=pieces.ShapeByProcess(os.getpid()))
     with pytest.raises(TrainingError, match=r"no device could start \(local-0 and local-1 refused, above\)"):
         train(job, steps=2, devices=2)

@@ -74,7 +74,8 @@ def restarted_driver_run() -> list:
 
 
 def test_the_eta_after_a_driver_restart_uses_the_pace_since_the_restart(caplog):
-    """Issue 35 item 5: 30 steps remain at 1 s a step; the hour without a driver is no part of the pace."""
+    """The remaining time after a driver restart: 30 steps remain at 1 s a step; the hour without a
+    driver is no part of the pace."""
     run_plain(restarted_driver_run(), caplog, log_every=10)
     lines = [entry.getMessage() for entry in flexpar_lines(caplog) if entry.getMessage().startswith("step ")]
     assert lines[-1].startswith("step 30/60") and lines[-1].endswith("ETA 0:00:30"), lines
