@@ -1,7 +1,7 @@
 """One command for a host with a CUDA GPU: what the CPU-only development machine cannot measure, in one JSON file.
 
-Run from the repository's root, on a host with one CUDA GPU, torch with CUDA
-and flexpar (with its test extras: pytest) installed; no network is needed:
+Run from a checkout of the repository (any folder), on a host with one CUDA GPU, torch with CUDA,
+flexpar and pytest installed (the tests need nothing else); no network is needed:
 
     python benchmarks/gpu_check.py [--json PATH] [--dry-run]
 
@@ -298,7 +298,7 @@ def headline(name: str, result) -> dict:
     if name == "determinism_cost_cuda":
         return {
             "step_time_ratio_16vw": result.get("step_time_ratios", {}).get("16vw"),
-            "peak_memory_ratio_16vw": result.get("peak_memory_ratios", {}).get("16vw"),
+            "peak_rss_ratio_16vw": result.get("peak_memory_ratios", {}).get("16vw"),  # host memory, not the GPU's
         }
     if name == "join_stream_cpu":
         sizes = result.get("sizes_gb") or [None]
