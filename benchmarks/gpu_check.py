@@ -209,24 +209,32 @@ def host_info() -> dict:
         "flexpar_commit": _run_quietly(["git", "rev-parse", "--short", "HEAD"]),
     }
     if info["cuda_available"]:
-        for index in range(torch.cuda.device_count()):
-            properties = torch.cuda.get_device_properties(index)
-            info["gpus"].append(
-                {
-                    "name": properties.name,
-                    "memory_bytes": properties.total_memory,
-                    "capability": f"{properties.major}.{properties.minor}",
-                }
-            )
-        info["cudnn"] = torch.backends.cudnn.version()
         try:
-            version = torch.cuda.nccl.version()
-            info["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
-        except Exception:  # a torch built without NCCL
-            info["nccl"] = None
-        driver = _run_quietly(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
-        info["nvidia_driver"] = driver.splitlines()[0] if driver else None
+            _describe_gpus(info, torch)
+        except Exception as error:  # a broken driver: say so, and let the parts show what runs
+            info["gpu_error"] = f"{type(error).__name__}: {error}"
     return info
+
+
+def _describe_gpus(info: dict, torch) -> None:
+    """The GPUs, cuDNN, NCCL and the driver into `info`."""
+    for index in range(torch.cuda.device_count()):
+        properties = torch.cuda.get_device_properties(index)
+        info["gpus"].append(
+            {
+                "name": properties.name,
+                "memory_bytes": properties.total_memory,
+                "capability": f"{properties.major}.{properties.minor}",
+            }
+        )
+    info["cudnn"] = torch.backends.cudnn.version()
+    try:
+        version = torch.cuda.nccl.version()
+        info["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+    except Exception:  # a torch built without NCCL
+        info["nccl"] = None
+    driver = _run_quietly(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    info["nvidia_driver"] = driver.splitlines()[0] if driver else None
 
 
 def describe_host(info: dict) -> str:

@@ -131,3 +131,25 @@ def test_the_commands_parse_with_the_benchmarks_own_command_lines(dry_run):
     assert cost.device == "cuda" and cost.cost_only and cost.rounds == gpu_check.ROUNDS
     assert parsed["join_stream_cpu"].quick and parsed["join_stream_cpu"].sizes_gb == join_stream.QUICK_SIZES_GB
     assert sum(part.budget_s for part in gpu_check.PARTS) < gpu_check.TOTAL_BUDGET_S <= 8 * 60 - 20
+
+
+def test_the_host_names_its_gpus_and_versions_where_torch_sees_them():
+    """The GPU side of the host's description with a stand-in for torch.cuda (this machine has no GPU)."""
+    from types import SimpleNamespace
+
+    properties = SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=80 << 30, major=9, minor=0)
+    fake = SimpleNamespace(
+        cuda=SimpleNamespace(
+            device_count=lambda: 1,
+            get_device_properties=lambda _: properties,
+            nccl=SimpleNamespace(version=lambda: (2, 27, 3)),
+        ),
+        backends=SimpleNamespace(cudnn=SimpleNamespace(version=lambda: 91000)),
+    )
+    info = {**gpu_check.host_info(), "cuda_available": True, "torch_cuda": "12.8"}
+    gpu_check._describe_gpus(info, fake)
+    assert info["gpus"] == [{"name": "NVIDIA H100 80GB HBM3", "memory_bytes": 80 << 30, "capability": "9.0"}]
+    assert info["nccl"] == "2.27.3" and info["cudnn"] == 91000
+    line = gpu_check.describe_host(info)
+    assert "1 GPU (NVIDIA H100 80GB HBM3, 80 GiB)" in line and "CUDA 12.8" in line and "NCCL 2.27.3" in line
+    assert f"{info['cpu_cores']} cores" in line
