@@ -45,6 +45,9 @@ one round) whatever the core count, so that the subprocesses, budgets and the
 JSON's assembly are exercised. A dry run's figures are not the check's.
 
 Exit status: 0 when no part failed or ran past its budget, else 1.
+
+The pieces: gpu_check_host.py (the host's description), gpu_check_run.py (one
+part run with its budget, and its record).
 """
 
 from __future__ import annotations
@@ -52,17 +55,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import os
-import platform
-import shutil
-import subprocess
 import sys
 import time
-import xml.etree.ElementTree as ElementTree
 from typing import Callable, Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_check_host
+import gpu_check_run
 import harness
 
 BENCHMARKS = os.path.dirname(os.path.abspath(__file__))
@@ -72,7 +72,6 @@ TOTAL_BUDGET_S = 460.0  # all parts together; with start-up and the host's descr
 MIN_PART_S = 15.0  # a part is not started with less than this left of the total budget
 ROUNDS = 3  # alternating rounds of the two CUDA comparisons (overhead.py's full run has 5)
 MIN_CORES_FOR_JOIN_STREAM = 8
-TAIL_CHARS = 4000
 STARTED = time.monotonic()
 
 progress = harness.progress("gpu_check")
@@ -153,145 +152,7 @@ PARTS = (
 )
 
 
-# ---------------------------------------------------------------- the host
-
-
-def _run_quietly(command: List[str], timeout_s: float = 10.0) -> Optional[str]:
-    """A short command's stdout, stripped; None when it is missing, fails or hangs."""
-    if shutil.which(command[0]) is None:
-        return None
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip() if done.returncode == 0 else None
-
-
-def _cpu_model() -> Optional[str]:
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
-
-
-def _memory_bytes() -> Optional[int]:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def host_info() -> dict:
-    """What the figures were measured on: GPUs, cores, memory, the versions of torch, CUDA and flexpar."""
-    import torch
-
-    import flexpar
-
-    info = {
-        "cpu_cores": harness.cpu_count(),  # the cores this process may run on (what flexpar counts)
-        "cpu_cores_online": os.cpu_count(),
-        "cpu_model": _cpu_model(),
-        "memory_bytes": _memory_bytes(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,  # the CUDA torch was built with (None: a CPU-only torch)
-        "cuda_available": torch.cuda.is_available(),
-        "gpus": [],
-        "cudnn": None,
-        "nccl": None,
-        "nvidia_driver": None,
-        "flexpar": flexpar.__version__,
-        "flexpar_commit": _run_quietly(["git", "rev-parse", "--short", "HEAD"]),
-    }
-    if info["cuda_available"]:
-        try:
-            _describe_gpus(info, torch)
-        except Exception as error:  # a broken driver: say so, and let the parts show what runs
-            info["gpu_error"] = f"{type(error).__name__}: {error}"
-    return info
-
-
-def _describe_gpus(info: dict, torch) -> None:
-    """The GPUs, cuDNN, NCCL and the driver into `info`."""
-    for index in range(torch.cuda.device_count()):
-        properties = torch.cuda.get_device_properties(index)
-        info["gpus"].append(
-            {
-                "name": properties.name,
-                "memory_bytes": properties.total_memory,
-                "capability": f"{properties.major}.{properties.minor}",
-            }
-        )
-    info["cudnn"] = torch.backends.cudnn.version()
-    try:
-        version = torch.cuda.nccl.version()
-        info["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
-    except Exception:  # a torch built without NCCL
-        info["nccl"] = None
-    driver = _run_quietly(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
-    info["nvidia_driver"] = driver.splitlines()[0] if driver else None
-
-
-def describe_host(info: dict) -> str:
-    """The host in one line."""
-    gib = 1 << 30
-    if info["gpus"]:
-        names = sorted({gpu["name"] for gpu in info["gpus"]})
-        gpus = f"{len(info['gpus'])} GPU ({', '.join(names)}, {info['gpus'][0]['memory_bytes'] / gib:.0f} GiB)"
-    else:
-        gpus = "no CUDA GPU visible"
-    memory = f"{info['memory_bytes'] / gib:.0f} GiB memory" if info["memory_bytes"] else "memory unknown"
-    return (
-        f"{gpus}; {info['cpu_cores']} cores ({info['cpu_model']}); {memory}; torch {info['torch']}, "
-        f"CUDA {info['torch_cuda']}, cuDNN {info['cudnn']}, NCCL {info['nccl']}, driver {info['nvidia_driver']}; "
-        f"flexpar {info['flexpar']} ({info['flexpar_commit']})"
-    )
-
-
-# ---------------------------------------------------------------- one part
-
-
-def _tail(path: str) -> str:
-    try:
-        with open(path, "rb") as handle:
-            handle.seek(0, os.SEEK_END)
-            handle.seek(max(0, handle.tell() - TAIL_CHARS))
-            return handle.read().decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _read_json(path: str):
-    try:
-        with open(path) as handle:
-            return json.load(handle)
-    except (OSError, ValueError):
-        return None
-
-
-def pytest_counts(junit_path: str) -> Optional[dict]:
-    """Passed, failed, errors and skipped from pytest's JUnit XML, and the skips' reasons; None without it."""
-    try:
-        root = ElementTree.parse(junit_path).getroot()
-    except (OSError, ElementTree.ParseError):
-        return None
-    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-    counts = {
-        key: sum(int(suite.get(key, 0)) for suite in suites) for key in ("tests", "failures", "errors", "skipped")
-    }
-    reasons = sorted({skip.get("message", "") for skip in root.iter("skipped")})
-    return {
-        "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
-        "failed": counts["failures"],
-        "errors": counts["errors"],
-        "skipped": counts["skipped"],
-        "skip_reasons": reasons,
-    }
+# ---------------------------------------------------------------- the check
 
 
 def headline(name: str, result) -> dict:
@@ -321,70 +182,6 @@ def headline(name: str, result) -> dict:
             "bitwise_equal": result.get("bitwise_equal"),
         }
     return {}
-
-
-def run_part(
-    name: str,
-    arguments: List[str],
-    budget_s: float,
-    work_dir: str,
-    result_path: str,
-    env: Optional[dict] = None,
-    pytest: bool = False,
-) -> dict:
-    """Run `sys.executable arguments...` in its own process group for at most `budget_s`; its record.
-
-    The record: status (ok, failed or timed_out), error, exit_status, wall_s,
-    the output's tail, and `result`, the JSON the part wrote to `result_path`
-    (`pytest`: the counts of the JUnit XML pytest wrote there).
-    """
-    command = [sys.executable, *arguments]
-    log_path = os.path.join(work_dir, f"{name}.log")
-    started = time.monotonic()
-    with open(log_path, "wb") as log:
-        try:
-            exit_status = harness.run_in_own_group(
-                command, budget_s, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT
-            )
-        except OSError as error:  # the interpreter or a folder is missing
-            exit_status, log_error = -1, f"could not start: {error}"
-        else:
-            log_error = None
-    record = {
-        "command": command,
-        "budget_s": round(budget_s, 1),
-        "wall_s": round(time.monotonic() - started, 1),
-        "exit_status": exit_status,
-        "output_tail": _tail(log_path),
-    }
-    record["result"] = pytest_counts(result_path) if pytest else _read_json(result_path)
-    if log_error is not None:
-        record.update(status="failed", error=log_error)
-    elif exit_status is None:
-        record.update(status="timed_out", error=f"ran past its budget of {budget_s:.0f} s and was killed")
-    elif pytest:
-        record.update(_tests_status(exit_status, record["result"]))
-    elif exit_status != 0:
-        record.update(status="failed", error=f"exit status {exit_status} (the output's tail says why)")
-    elif record["result"] is None:
-        record.update(status="failed", error="it exited 0 but wrote no JSON")
-    else:
-        record["status"] = "ok"
-    record["headline"] = headline(name, record["result"])
-    return record
-
-
-def _tests_status(exit_status: int, counts: Optional[dict]) -> dict:
-    if counts is None:
-        return {"status": "failed", "error": f"pytest exited {exit_status} and wrote no report"}
-    if exit_status != 0 or counts["failed"] or counts["errors"]:
-        return {
-            "status": "failed",
-            "error": f"pytest exited {exit_status}: {counts['failed']} failed, {counts['errors']} errors",
-        }
-    if counts["passed"] == 0:
-        return {"status": "skipped", "reason": "pytest skipped every test: " + "; ".join(counts["skip_reasons"])}
-    return {"status": "ok"}
 
 
 # ---------------------------------------------------------------- the check
@@ -430,10 +227,18 @@ def run_parts(
             build = part.dry_arguments if dry_run else part.arguments
             record = {
                 "what": part.what,
-                **run_part(
-                    part.name, build(result_path), min(part.budget_s, left), work_dir, result_path, env, part.pytest
+                **gpu_check_run.run_part(
+                    part.name,
+                    build(result_path),
+                    min(part.budget_s, left),
+                    work_dir,
+                    result_path,
+                    env,
+                    part.pytest,
+                    ROOT,
                 ),
             }
+            record["headline"] = headline(part.name, record["result"])
             if dry_run:
                 record["dry_run_form"] = "no GPU visible, the tiny form where there is one: not the check's figures"
         records[part.name] = record
@@ -480,8 +285,8 @@ def main() -> int:
     arguments = parse_arguments()
     deadline = STARTED + TOTAL_BUDGET_S
     started_utc = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    host = host_info()
-    print(f"gpu_check{' (dry run)' if arguments.dry_run else ''}: {describe_host(host)}", flush=True)
+    host = gpu_check_host.host_info()
+    print(f"gpu_check{' (dry run)' if arguments.dry_run else ''}: {gpu_check_host.describe_host(host)}", flush=True)
     if not host["cuda_available"] and not arguments.dry_run:
         print("gpu_check: torch sees no CUDA GPU: the CUDA parts will be skipped (a CPU-only torch?)", flush=True)
     report = {

@@ -19,6 +19,7 @@ sys.path.insert(0, BENCHMARKS)
 
 import determinism  # noqa: E402
 import gpu_check  # noqa: E402
+import gpu_check_host  # noqa: E402
 import join_stream  # noqa: E402
 import overhead  # noqa: E402
 
@@ -35,8 +36,13 @@ def test_the_dry_run_writes_every_part_and_the_host(tmp_path):
         timeout=150,
     )
     wall = time.monotonic() - started
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(path.read_text())
+    statuses = {name: record["status"] for name, record in report["parts"].items()}
+    # Exit status 1 exactly when a part failed: here only join_stream's tiny run may, when on a loaded
+    # machine its job ends before the joiner joins (join_stream.py's own verdict, recorded with its JSON).
+    failed = {name for name, status in statuses.items() if status in ("failed", "timed_out")}
+    assert failed <= {"join_stream_cpu"}, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == (1 if failed else 0), (statuses, done.stderr[-3000:])
     assert set(report) == {"dry_run", "started_utc", "total_budget_s", "host", "parts", "complete", "wall_s"}
     assert report["dry_run"] is True and report["complete"] is True
     assert 0 < report["wall_s"] <= wall
@@ -62,8 +68,9 @@ def test_the_dry_run_writes_every_part_and_the_host(tmp_path):
     assert any("CUDA" in reason for reason in tests["result"]["skip_reasons"])
     stream = parts["join_stream_cpu"]  # the tiny form, whatever the core count
     assert "--sizes" in stream["command"] and stream["dry_run_form"]
-    assert stream["status"] in ("ok", "failed"), stream  # a tiny join may miss its window under load
     assert stream["result"]["sizes_gb"] == ["0.01"], stream["output_tail"]
+    if stream["status"] == "failed":  # the benchmark's verdict (exit status 1), its figures all the same
+        assert stream["exit_status"] == 1 and stream["result"]["failed"], stream["output_tail"]
     assert set(stream["headline"]) >= {"members_lost_s_stream", "member_slowdown_max", "bitwise_equal"}
     for record in (tests, stream):
         assert record["wall_s"] <= record["budget_s"] and record["output_tail"]
@@ -146,10 +153,10 @@ def test_the_host_names_its_gpus_and_versions_where_torch_sees_them():
         ),
         backends=SimpleNamespace(cudnn=SimpleNamespace(version=lambda: 91000)),
     )
-    info = {**gpu_check.host_info(), "cuda_available": True, "torch_cuda": "12.8"}
-    gpu_check._describe_gpus(info, fake)
+    info = {**gpu_check_host.host_info(), "cuda_available": True, "torch_cuda": "12.8"}
+    gpu_check_host.describe_gpus(info, fake)
     assert info["gpus"] == [{"name": "NVIDIA H100 80GB HBM3", "memory_bytes": 80 << 30, "capability": "9.0"}]
     assert info["nccl"] == "2.27.3" and info["cudnn"] == 91000
-    line = gpu_check.describe_host(info)
+    line = gpu_check_host.describe_host(info)
     assert "1 GPU (NVIDIA H100 80GB HBM3, 80 GiB)" in line and "CUDA 12.8" in line and "NCCL 2.27.3" in line
     assert f"{info['cpu_cores']} cores" in line
