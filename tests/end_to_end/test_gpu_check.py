@@ -1,8 +1,8 @@
 """benchmarks/gpu_check.py: its dry run end to end (no GPU used), and how it records a part that fails,
 runs past its budget or is left out.
 
-The dry run takes about 25 s on a loaded 2-core machine: pytest on test_cuda.py (every test skips
-itself) and join_stream.py's tiny form; the CUDA parts are skipped.
+The dry run takes 20-40 s on the 2-core machine (quiet to loaded): pytest on test_cuda.py (every
+test skips itself) and join_stream.py's tiny form; the CUDA parts are skipped.
 """
 
 import json
