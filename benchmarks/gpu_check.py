@@ -18,12 +18,12 @@ most what is left of it.
    pytest's reasons for skips, the output's tail.
 2. ``overhead_cuda``: ``overhead.py --device cuda``: flexpar on one GPU with
    16 VWs against the hand-written accumulation loop on the same GPU
-   (``accumulation_ratio``, goal >= 0.97), alternating rounds.
+   (``accumulation_ratio``, goal >= 0.97), 3 alternating rounds (``ROUNDS``).
 3. ``determinism_cost_cuda``: ``determinism.py --cost-only --device cuda``:
    float sums against exact int64 sums on one GPU with 16 VWs
    (``step_time_ratio``: float step time / exact's, 1.0 when exact sums are
-   free): the figure that decides whether ``deterministic=True`` can be the
-   default.
+   free), 3 alternating rounds: the figure that decides whether
+   ``deterministic=True`` can be the default.
 4. ``join_stream_cpu``: where the host has 8 cores or more,
    ``join_stream.py --quick`` with CPU devices: the members' lost time and
    slowdown while a state streams to a joiner, without three processes
@@ -33,9 +33,9 @@ The JSON: ``host`` (GPUs, CPU cores and model, memory, torch, CUDA, cuDNN,
 NCCL and driver versions, flexpar's version and commit), ``parts`` (name ->
 ``status``: ok, failed, timed_out or skipped; ``reason`` or ``error``;
 ``command``, ``budget_s``, ``wall_s``, ``exit_status``, ``output_tail``,
-``result``: the part's own JSON, ``headline``: its deciding figures),
-``dry_run``, ``started_utc``, ``wall_s``, ``complete``. A skipped part says
-why and holds no figure.
+``result``: the part's own JSON, ``headline``: its deciding figures; in a
+dry run ``dry_run_form``), ``dry_run``, ``started_utc``, ``total_budget_s``,
+``wall_s``, ``complete``. A skipped part says why and holds no figure.
 
 ``--dry-run``: the same check end to end with no GPU used (every part's
 process sees ``CUDA_VISIBLE_DEVICES=""``), for a CPU machine: the CUDA
@@ -162,8 +162,13 @@ def headline(name: str, result) -> dict:
     if name == "tests":  # pytest's counts
         return {key: result.get(key) for key in ("passed", "failed", "errors", "skipped")}
     if name == "overhead_cuda":
-        keys = ("accumulation_ratio", "accumulation_ratio_best_rounds", "flexpar_16x_samples_per_s")
-        return {key: result.get(key) for key in keys + ("loop_16x_samples_per_s",)}
+        keys = (
+            "accumulation_ratio",
+            "accumulation_ratio_best_rounds",
+            "flexpar_16x_samples_per_s",
+            "loop_16x_samples_per_s",
+        )
+        return {key: result.get(key) for key in keys}
     if name == "determinism_cost_cuda":
         return {
             "step_time_ratio_16vw": result.get("step_time_ratios", {}).get("16vw"),
