@@ -28,7 +28,15 @@ model, fewer steps). CPU devices: a deterministic job's devices run one
 intra-op thread each, the float job's ``cores // devices``; the step time
 ratio includes that difference.
 
-Run: ``python benchmarks/determinism.py [--quick] [--json PATH]``
+On a GPU (``--device cuda``): the cost part's one-device comparison (16
+VWs) with flexpar on the first GPU over NCCL (a deterministic job's worker sets
+``torch.use_deterministic_algorithms`` and the cuBLAS workspace there); the
+2-device comparison takes two GPUs and stays on CPU devices.
+``--cost-only`` runs the cost part alone (benchmarks/gpu_check.py: the
+figure that decides whether ``deterministic=True`` can be the default).
+
+Run: ``python benchmarks/determinism.py [--quick] [--cost-only] [--device cpu|cuda] [--rounds N] [--json PATH]``
+(``--rounds``: the cost part's alternating rounds instead of overhead.py's 5, 1 with ``--quick``)
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import dataclasses
 import os
 import sys
 import tempfile
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness
@@ -116,28 +125,36 @@ def measure_equality(quick: bool, work_dir: str) -> dict:
     }
 
 
-def measure_cost(quick: bool, work_dir: str) -> dict:
+def measure_cost(quick: bool, work_dir: str, device: str = "cpu", rounds: Optional[int] = None) -> dict:
+    """Float against exact sums on overhead.py's job: 2 devices with 2 VWs (CPU only) and 1 device with 16 VWs."""
     config = QUICK if quick else FULL
-    rounds = config.repeats
+    rounds = rounds or config.repeats
     sides = {
-        "float_2dev": lambda _: overhead.flexpar_run(config, 2, 2, config.per_device_batch * 2, work_dir),
-        "exact_2dev": lambda _: overhead.flexpar_run(
-            config, 2, 2, config.per_device_batch * 2, work_dir, deterministic=True
-        ),
-        "float_16vw": lambda _: overhead.flexpar_run(config, 1, 16, config.micro_batch * 16, work_dir),
+        "float_16vw": lambda _: overhead.flexpar_run(config, 1, 16, config.micro_batch * 16, work_dir, device=device),
         "exact_16vw": lambda _: overhead.flexpar_run(
-            config, 1, 16, config.micro_batch * 16, work_dir, deterministic=True
+            config, 1, 16, config.micro_batch * 16, work_dir, device=device, deterministic=True
         ),
     }
+    kinds = ("16vw",)
+    if device == "cpu":
+        kinds = ("2dev", "16vw")
+        sides = {
+            "float_2dev": lambda _: overhead.flexpar_run(config, 2, 2, config.per_device_batch * 2, work_dir),
+            "exact_2dev": lambda _: overhead.flexpar_run(
+                config, 2, 2, config.per_device_batch * 2, work_dir, deterministic=True
+            ),
+            **sides,
+        }
     results = alternate(sides, rounds)
-    figures = {"step_time_ratios": {}, "peak_memory_ratios": {}}
-    for kind in ("2dev", "16vw"):
+    figures = {"step_time_ratios": {}, "peak_memory_ratios": {}, "device": device}
+    for kind in kinds:
         float_rate = harness.median_of(results[f"float_{kind}"], "samples_per_s")
         exact_rate = harness.median_of(results[f"exact_{kind}"], "samples_per_s")
         figures["step_time_ratios"][kind] = harness.ratio(exact_rate, float_rate)  # = float step time / exact's
         float_peak = max(run["peak_rss_bytes"] for run in results[f"float_{kind}"])
         exact_peak = max(run["peak_rss_bytes"] for run in results[f"exact_{kind}"])
         figures["peak_memory_ratios"][kind] = harness.ratio(exact_peak, float_peak)
+    figures["samples_per_s"] = {name: harness.median_of(runs, "samples_per_s") for name, runs in results.items()}
     figures["step_time_ratio"] = min(figures["step_time_ratios"].values())
     figures["peak_memory_ratio"] = max(figures["peak_memory_ratios"].values())
     figures["rounds"] = rounds
@@ -181,21 +198,48 @@ def measure_agreement(quick: bool) -> dict:
     }
 
 
-def main() -> int:
+def parse_arguments(argv=None):
+    """The command line (argv: None for sys.argv; benchmarks/gpu_check.py checks its commands with it)."""
     parser = harness.base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--skip-cost", action="store_true", help="leave out the step time and memory comparison")
-    args = parser.parse_args()
-    result = {"quick": args.quick, "fp32_agreement": measure_agreement(args.quick)}
-    progress(f"fp32_agreement: {result['fp32_agreement']}")
+    parts = parser.add_mutually_exclusive_group()
+    parts.add_argument("--skip-cost", action="store_true", help="leave out the step time and memory comparison")
+    parts.add_argument("--cost-only", action="store_true", help="only the step time and memory comparison")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="the cost part's devices: cpu (default) or cuda (flexpar on the first GPU, the 16-VW comparison alone)",
+    )
+    parser.add_argument("--rounds", type=int, default=None, help="the cost part's alternating rounds (default: 5)")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and args.skip_cost:
+        parser.error("--device cuda applies to the cost part, which --skip-cost leaves out")
+    if args.rounds is not None and args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: at least 1")
+    return args
+
+
+def main() -> int:
+    args = parse_arguments()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("determinism.py --device cuda: no CUDA GPU is visible to torch", file=sys.stderr)
+        return 2
+    result = {"quick": args.quick}
+    if not args.cost_only:
+        result["fp32_agreement"] = measure_agreement(args.quick)
+        progress(f"fp32_agreement: {result['fp32_agreement']}")
     with tempfile.TemporaryDirectory(prefix="flexpar-determinism-") as work_dir:
-        result.update(measure_equality(args.quick, work_dir))
-        progress(f"bitwise_equal: {result['bitwise_equal']}, default {result['max_rel_err_default']:.3g}")
+        if not args.cost_only:
+            result.update(measure_equality(args.quick, work_dir))
+            progress(f"bitwise_equal: {result['bitwise_equal']}, default {result['max_rel_err_default']:.3g}")
         if not args.skip_cost:
-            result.update(measure_cost(args.quick, work_dir))
+            result.update(measure_cost(args.quick, work_dir, args.device, args.rounds))
+    if args.device == "cuda":
+        result["gpu"] = torch.cuda.get_device_name(0)
     harness.write_json(args.json, result)
     for key, value in result.items():
         print(f"{key}: {value}")
-    return 0 if all(result["bitwise_equal"].values()) else 1
+    return 0 if all(result.get("bitwise_equal", {}).values()) else 1
 
 
 if __name__ == "__main__":

@@ -31,7 +31,10 @@ compute compete for them, so ``member_slowdown`` includes the senders' share
 of the copy work that a separate link (RDMA, NVLink) would do beside the
 compute.
 
-Run: ``python benchmarks/join_stream.py [--quick] [--rounds N] [--json PATH] [--plot PATH]``
+The devices are CPU processes over gloo on any host, a host with GPUs too.
+
+Run: ``python benchmarks/join_stream.py [--quick] [--rounds N] [--sizes GB,GB] [--json PATH] [--plot PATH]``
+(``--sizes``: the training states' sizes instead of the defaults, e.g. ``0.01`` for a smoke test)
 """
 
 from __future__ import annotations
@@ -125,6 +128,7 @@ def run_once(size_gb: float, streaming: bool, work_dir: str) -> dict:
             run_dir=work_dir,
             timeout_s=120.0,
             join_stream_mb=None if streaming else 0,
+            backend="gloo",  # CPU devices, also on a host with GPUs
         )
     except Exception as error:  # a run that fails is reported, not hidden
         return {"failed": f"{type(error).__name__}: {str(error)[:300]}"}
@@ -227,16 +231,35 @@ def plot(result: dict, path: str) -> None:
     figure.savefig(path, dpi=120)
 
 
-def main() -> int:
+def parse_arguments(argv=None):
+    """The command line, with `sizes` (GB) resolved (argv: None for sys.argv; gpu_check.py checks its commands)."""
     parser = harness.base_parser(__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default: 1 quick, 2 full)")
     parser.add_argument("--plot", default=None, help="write the PNG of lost time against size here")
-    args = parser.parse_args()
-    sizes = QUICK_SIZES_GB if args.quick else SIZES_GB
+    parser.add_argument(
+        "--sizes",
+        default=None,
+        help="training states' sizes in GB, comma-separated (default 0.1,0.5,1,2; quick 0.1,0.5)",
+    )
+    args = parser.parse_args(argv)
+    args.sizes_gb = QUICK_SIZES_GB if args.quick else SIZES_GB
+    if args.sizes:
+        try:
+            args.sizes_gb = tuple(float(size) for size in args.sizes.split(","))
+        except ValueError:
+            parser.error(f"--sizes {args.sizes}: give sizes in GB separated by commas, e.g. 0.1,0.5")
+        if not all(size > 0 for size in args.sizes_gb):
+            parser.error(f"--sizes {args.sizes}: every size must be positive")
+    return args
+
+
+def main() -> int:
+    args = parse_arguments()
+    sizes = args.sizes_gb
     rounds = args.rounds or (1 if args.quick else 2)
     with tempfile.TemporaryDirectory(prefix="flexpar-join-stream-") as work_dir:
         result = figures(measure(sizes, rounds, work_dir), sizes)
-    result.update({"quick": args.quick, "rounds": rounds})
+    result.update({"quick": args.quick, "rounds": rounds, "cores": harness.cpu_count()})
     harness.write_json(args.json, result)
     if args.plot:
         plot(result, args.plot)

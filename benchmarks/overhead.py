@@ -52,8 +52,17 @@ A high-water mark only rises, so the last value read before a worker exits
 misses at most the growth of its last 50 ms, in which it only sends the model
 back and exits.
 
-Run: ``python benchmarks/overhead.py [--quick] [--recipes-only] [--json PATH]``
-(``--recipes-only``: the last two comparisons alone).
+On a GPU (``--device cuda``): the one-device comparison alone,
+``accumulation_ratio`` (flexpar on the first GPU, NCCL, 16 VWs, against the
+same loop on that GPU: the model and each micro-batch moved to it, a commit
+stamped after ``torch.cuda.synchronize()``, as flexpar's worker waits for its
+device before it commits). The others stay on CPU devices: DDP and clipping
+take two devices, the memory ratio reads host RSS, and bf16 is left out to
+keep a one-GPU check short (benchmarks/gpu_check.py runs this).
+
+Run: ``python benchmarks/overhead.py [--quick] [--recipes-only] [--device cpu|cuda] [--rounds N] [--json PATH]``
+(``--recipes-only``: the last two comparisons alone; ``--rounds``: alternating
+rounds instead of the configuration's 5, 1 with ``--quick``).
 
 The pieces: overhead_workload.py (the MLP job and the sizes of a run),
 overhead_baselines.py (torch DDP, the accumulation loop).
@@ -67,6 +76,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness
+import torch
 from harness import PeakMemoryWatcher, alternate, cpu_count, median_of, ratio_of_medians
 from overhead_baselines import accumulation_loop_run, ddp_run
 from overhead_workload import (
@@ -83,15 +93,25 @@ from overhead_workload import (
 import flexpar
 
 ACCUMULATION = 16  # VWs (micro-batches) per step in the accumulation comparison
+BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # --device: flexpar's backend (CPU processes or GPUs)
 CLIP_NORM = 1e-3  # max_grad_norm of the clip comparison: below the gradient's norm, so every step clips
 
 
 # ---------------------------------------------------------------- flexpar side
 
 
-def flexpar_run(config: Config, devices: int, virtual_workers: int, global_batch: int, work_dir: str, **recipe) -> dict:
+def flexpar_run(
+    config: Config,
+    devices: int,
+    virtual_workers: int,
+    global_batch: int,
+    work_dir: str,
+    device: str = "cpu",
+    **recipe,
+) -> dict:
     """One flexpar fit(); returns steady samples/s and the largest worker peak RSS.
 
+    `device`: "cpu" (CPU processes over gloo) or "cuda" (GPUs over NCCL).
     `recipe`: Job fields such as max_grad_norm= or mixed_precision=; with
     max_grad_norm, the fraction of timed steps whose gradient was clipped.
     """
@@ -107,7 +127,15 @@ def flexpar_run(config: Config, devices: int, virtual_workers: int, global_batch
     )
     metrics_path = harness.unique_path(work_dir, ".jsonl")
     with PeakMemoryWatcher() as watcher:
-        job.fit(steps=config.steps, devices=devices, metrics=metrics_path, display=False, quiet=True, run_dir=work_dir)
+        job.fit(
+            steps=config.steps,
+            devices=devices,
+            metrics=metrics_path,
+            display=False,
+            quiet=True,
+            run_dir=work_dir,
+            backend=BACKENDS[device],
+        )
     steps = harness.step_records(metrics_path)
     commit_times = [record["time"] for record in steps]
     result = {**throughput(commit_times, config.skip, global_batch), "peak_rss_bytes": watcher.largest()}
@@ -176,6 +204,29 @@ def measure(config: Config, work_dir: str) -> dict:
     return figures
 
 
+def measure_on_gpu(config: Config, work_dir: str) -> dict:
+    """accumulation_ratio on the first GPU: flexpar's 16 VWs against the loop on the same GPU, alternating."""
+    accumulation = alternate(
+        {
+            "flexpar_16x": lambda _: flexpar_run(
+                config, 1, ACCUMULATION, config.micro_batch * ACCUMULATION, work_dir, device="cuda"
+            ),
+            "loop_16x": lambda _: accumulation_loop_run(config, ACCUMULATION, work_dir, device="cuda"),
+        },
+        config.repeats,
+    )
+    figures = ratio_of_medians(
+        accumulation,
+        "samples_per_s",
+        ("flexpar_16x", "flexpar_16x_samples_per_s"),
+        ("loop_16x", "loop_16x_samples_per_s"),
+        "accumulation_ratio",
+        best_rounds=True,
+    )
+    figures["runs"] = {"accumulation_comparison": accumulation}
+    return figures
+
+
 def measure_recipes(config: Config, work_dir: str) -> dict:
     """clip_ratio and bf16_vs_reference (module docstring), each side by side, alternating; medians."""
     devices = 2
@@ -219,30 +270,36 @@ def measure_recipes(config: Config, work_dir: str) -> dict:
     return figures
 
 
-def report(figures: dict, config: Config) -> None:
+def report(figures: dict, config: Config, device: str = "cpu") -> None:
     mib = 1 << 20
 
     def in_mib(value):
         return None if value is None else value / mib
 
-    rows = (
-        []
-        if "ddp_ratio" not in figures
-        else [
+    rows = []
+    if "ddp_ratio" in figures:
+        rows.append(
             {
                 "comparison": "samples/s: flexpar 2 devices / DDP 2 ranks",
                 "flexpar": figures["flexpar_2dev_samples_per_s"],
                 "baseline": figures["ddp_2dev_samples_per_s"],
                 "ratio": figures["ddp_ratio"],
                 "goal": ">= 0.97",
-            },
+            }
+        )
+    if "accumulation_ratio" in figures:
+        on = " (on the GPU)" if device == "cuda" else ""
+        rows.append(
             {
-                "comparison": "samples/s: flexpar 1 device 16 VWs / accumulation loop",
+                "comparison": f"samples/s: flexpar 1 device 16 VWs / accumulation loop{on}",
                 "flexpar": figures["flexpar_16x_samples_per_s"],
                 "baseline": figures["loop_16x_samples_per_s"],
                 "ratio": figures["accumulation_ratio"],
                 "goal": ">= 0.97",
-            },
+            }
+        )
+    if "memory_ratio_16x" in figures:
+        rows += [
             {
                 "comparison": "peak RSS MiB: flexpar worker 16x / 1x global batch",
                 "flexpar": in_mib(figures["flexpar_16x_peak_rss_bytes"]),
@@ -258,7 +315,6 @@ def report(figures: dict, config: Config) -> None:
                 "goal": "",
             },
         ]
-    )
     if "clip_ratio" in figures:
         rows += [
             {
@@ -279,28 +335,57 @@ def report(figures: dict, config: Config) -> None:
     title = (
         f"flexpar overhead: MLP of {config.parameter_count() / 1e6:.1f}M parameters, "
         f"{config.repeats} alternating rounds, medians, steps {config.skip}..{config.steps - 1} timed, "
-        f"{cpu_count()} cores"
+        f"{cpu_count()} cores" + (f", {figures['gpu']}" if device == "cuda" else "")
     )
     for row in rows:  # numerator / denominator columns
         row["numerator"], row["denominator"] = row.pop("flexpar"), row.pop("baseline")
     harness.print_table(rows, ["comparison", "numerator", "denominator", "ratio", "goal"], title)
 
 
-def main() -> None:
+def parse_arguments(argv=None):
+    """The command line (argv: None for sys.argv; benchmarks/gpu_check.py checks its commands with it)."""
     parser = harness.base_parser(__doc__.split("\n\n")[0])
     parser.add_argument(
         "--recipes-only",
         action="store_true",
         help="only clip_ratio and bf16_vs_reference (skip the DDP, accumulation and memory runs)",
     )
-    arguments = parser.parse_args()
+    parser.add_argument(
+        "--device",
+        choices=sorted(BACKENDS),
+        default="cpu",
+        help="cpu (default: every comparison, CPU processes over gloo) or cuda (the one-device accumulation "
+        "comparison alone, flexpar and the loop on the first GPU)",
+    )
+    parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default: 5, 1 with --quick)")
+    arguments = parser.parse_args(argv)
+    if arguments.device == "cuda" and arguments.recipes_only:
+        parser.error("--recipes-only runs on CPU devices (clipping takes 2 devices); leave out --device cuda")
+    if arguments.rounds is not None and arguments.rounds < 1:
+        parser.error(f"--rounds {arguments.rounds}: at least 1")
+    return arguments
+
+
+def main() -> int:
+    arguments = parse_arguments()
     config = QUICK if arguments.quick else FULL
+    if arguments.rounds is not None:
+        config = dataclasses.replace(config, repeats=arguments.rounds)
+    if arguments.device == "cuda" and not torch.cuda.is_available():
+        print("overhead.py --device cuda: no CUDA GPU is visible to torch", file=sys.stderr)
+        return 2
     load_before = os.getloadavg()
     with harness.run_folder("flexpar-overhead-") as work_dir:
-        figures = {} if arguments.recipes_only else measure(config, work_dir)
-        figures.update(measure_recipes(config, work_dir))
+        if arguments.device == "cuda":
+            figures = measure_on_gpu(config, work_dir)
+        else:
+            figures = {} if arguments.recipes_only else measure(config, work_dir)
+            figures.update(measure_recipes(config, work_dir))
     figures["load_average_before_after"] = [load_before[0], os.getloadavg()[0]]
-    report(figures, config)
+    figures["device"] = arguments.device
+    if arguments.device == "cuda":  # asked only now: this process holds no CUDA context while the runs are timed
+        figures["gpu"] = torch.cuda.get_device_name(0)
+    report(figures, config, arguments.device)
     best = [
         f"{name} {figures[key]:.3f}"
         for name, key in (
@@ -311,15 +396,20 @@ def main() -> None:
         )
         if figures.get(key) is not None
     ]
+    clipped = (
+        f"; steps clipped with max_grad_norm on: {figures['clipped_fraction']:.0%}"
+        if figures.get("clipped_fraction") is not None
+        else ""
+    )
     print(
         f"load average (1 min) before/after: {load_before[0]:.2f} / {os.getloadavg()[0]:.2f}; "
-        f"ratios of the best rounds: {', '.join(best)}; steps clipped with max_grad_norm on: "
-        f"{figures['clipped_fraction']:.0%}"
+        f"ratios of the best rounds: {', '.join(best)}{clipped}"
     )
     figures["config"] = dataclasses.asdict(config)
     figures["parameters"] = config.parameter_count()
     figures["cores"] = cpu_count()
     harness.write_json(arguments.json, figures)
+    return 0
 
 
 if __name__ == "__main__":

@@ -139,13 +139,16 @@ def kill_group(pid: int) -> None:
         pass
 
 
-def run_in_own_group(command: Sequence[str], timeout_s: float, stdout, stderr) -> Optional[int]:
+def run_in_own_group(
+    command: Sequence[str], timeout_s: float, stdout, stderr, env: Optional[dict] = None, cwd: Optional[str] = None
+) -> Optional[int]:
     """Run `command` in a session of its own: its exit status, or None when it ran past `timeout_s`.
 
     Its own session, so that no terminal signal reaches it and its whole group
-    can be killed; that happens when it ends, in every case.
+    can be killed; that happens when it ends, in every case. `env`, `cwd`: as
+    subprocess.Popen's (None: this process's).
     """
-    process = subprocess.Popen(list(command), stdout=stdout, stderr=stderr, start_new_session=True)
+    process = subprocess.Popen(list(command), stdout=stdout, stderr=stderr, start_new_session=True, env=env, cwd=cwd)
     try:
         return process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
