@@ -68,6 +68,7 @@ class _GroupReader:
     source: GroupSource
     filler: ChunkFiller
     chunks: dict = field(default_factory=dict)  # step -> the group's items of that step
+    places: dict = field(default_factory=dict)  # step -> their (pass, index in the group's pass) pairs
     positions: dict = field(default_factory=dict)  # step -> Position at the boundary before it
     pass_ends: list = field(default_factory=list)
     iterator: Any = None
@@ -81,6 +82,7 @@ class _GroupReader:
         filler = self.filler
         filler.begin()
         held: list = []
+        places: list = []
         while not filler.full:
             try:
                 item = next(self.iterator)
@@ -88,13 +90,14 @@ class _GroupReader:
                 ended, drop = filler.end()
                 self.pass_ends.append(ended)
                 if drop:
-                    held = []
+                    held, places = [], []
                 self.iterator = self.source.open(filler.pass_)
                 continue
-            filler.item()
+            places.append(filler.item())
             held.append(item)
         step = filler.step
         self.chunks[step] = held
+        self.places[step] = places
         self.positions[step + 1] = filler.finish(self.source.state())
 
     def chunk(self, step: int) -> list:
@@ -111,6 +114,7 @@ class _GroupReader:
 
     def forget_before(self, step: int) -> None:
         self.chunks = {s: items for s, items in self.chunks.items() if s >= step}
+        self.places = {s: places for s, places in self.places.items() if s >= step}
         self.positions = {s: where for s, where in self.positions.items() if s >= step}
 
     def close(self) -> None:
@@ -249,6 +253,15 @@ class VirtualWorkerStreams:
             raise KeyError(f"virtual worker {virtual_worker} is not held here (held: {list(self._held)})")
         reader = self._readers[self.split.group_of(virtual_worker)]
         return lane_items(reader.chunk(step), self.split.lane_of(virtual_worker), self.split.lanes)
+
+    def item_ids(self, step: int, virtual_worker: int) -> list:
+        """What `items(step, virtual_worker)` are, as `(group, pass, index)` triples: the index in the
+        group's stream of that pass (the dataset's order without shards; its shards one after another
+        with). The sample ledger's names for streamed items, matching `PassEnd.left_out`."""
+        group = self.split.group_of(virtual_worker)
+        self.items(step, virtual_worker)
+        places = lane_items(self._readers[group].places[step], self.split.lane_of(virtual_worker), self.split.lanes)
+        return [(group, pass_, index) for pass_, index in places]
 
     def batch(self, step: int, virtual_worker: int):
         """The batch of `virtual_worker` at `step`, collated under its data seed (as the map-style path)."""

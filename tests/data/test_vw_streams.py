@@ -125,6 +125,23 @@ def test_a_pass_rollover_drops_the_unfinished_step_and_says_which_items():
     assert reader.source.dataset.epochs_set == []  # set_epoch is called on the readers' copies, not the user's
 
 
+def test_item_ids_name_each_item_by_group_pass_and_index():
+    """The ledger's names: every item of a pass is trained (item_ids) or left out (PassEnd), once."""
+    reader = VirtualWorkerStreams(sp.ShardedStream([5, 7]), 4, 1)  # 2 groups (a shard each) of 2 lanes
+    reader.hold(range(4), 0)
+    named = [reader.item_ids(step, v) for step in range(6) for v in range(4)]
+    for step in range(6):
+        for v in range(4):
+            items = [(dict(item)["shard"], dict(item)["pass"], dict(item)["index"]) for item in reader.items(step, v)]
+            assert items == reader.item_ids(step, v)  # group g reads shard g alone: the index is the shard's
+    flat = [name for names in named for name in names]
+    assert len(flat) == len(set(flat))
+    for ended in reader.pass_ends():
+        in_pass = {i for g, p, i in flat if (g, p) == (ended.group, ended.pass_)}
+        left = set(range(*ended.left_out)) if ended.left_out else set()
+        assert in_pass | left == set(range(ended.items)) and not in_pass & left
+
+
 def test_carry_fills_the_step_from_the_next_pass():
     expected, reader = sp.reference_items(sp.CountingStream([14, 14]), 2, 3, 4, pass_end="carry")
     ends = reader.pass_ends()
