@@ -142,14 +142,15 @@ def plain(item):
     return item
 
 
-def reference_items(dataset, virtual_workers, batch, steps, pass_end="drop"):
+def reference_items(dataset, virtual_workers, batch, steps, pass_end="drop", num_workers=0):
     """Each step's items, VW by VW, from one reader holding every VW."""
-    reader = VirtualWorkerStreams(dataset, virtual_workers, batch, pass_end=pass_end)
+    reader = VirtualWorkerStreams(dataset, virtual_workers, batch, pass_end=pass_end, num_workers=num_workers)
     reader.hold(range(virtual_workers), 0)
     result = []
     for step in range(steps):
         result.append([[plain(item) for item in reader.items(step, v)] for v in range(virtual_workers)])
         reader.commit(step + 1)
+    reader.close()  # its pass ends stay known
     return result, reader
 
 
@@ -177,18 +178,22 @@ def _random_holdings(rng, virtual_workers, devices):
 _EVENTS = ("rebalance", "failure", "none", "resume", "rebalance", "failure", "none")
 
 
-def schedule_items(dataset, virtual_workers, batch, steps, seed, pass_end="drop", lost_positions=False):
+def schedule_items(
+    dataset, virtual_workers, batch, steps, seed, pass_end="drop", lost_positions=False, num_workers=0, events=None
+):
     """Each step's items, VW by VW, under a random schedule of moves, joins, leaves, failures and a resume,
     and how many of each event it played (a Counter).
 
     lost_positions: a failed device's groups are restored from the pass ends alone
     (`position_at`), as when their positions were not replicated (skip kinds only).
+    events: the cycle of events played at the boundaries ("rebalance", "failure", "resume", "none").
     """
     rng = random.Random(seed)
+    cycle = events or _EVENTS
     events = collections.Counter()
 
     def reader():
-        return VirtualWorkerStreams(dataset, virtual_workers, batch, pass_end=pass_end)
+        return VirtualWorkerStreams(dataset, virtual_workers, batch, pass_end=pass_end, num_workers=num_workers)
 
     devices = []  # [reader, held VWs]
     for held in _random_holdings(rng, virtual_workers, rng.randint(1, min(4, virtual_workers))):
@@ -199,7 +204,7 @@ def schedule_items(dataset, virtual_workers, batch, steps, seed, pass_end="drop"
     pass_ends = []
     result = []
     for step in range(steps):
-        event = _EVENTS[(step + seed) % len(_EVENTS)] if step else "none"
+        event = cycle[(step + seed) % len(cycle)] if step else "none"
         if event == "rebalance":  # a rebalance, with joins and leaves: VWs move by state() -> load()
             holder = {v: device for device, held in devices for v in held}
             new = _random_holdings(rng, virtual_workers, rng.randint(1, min(4, virtual_workers)))
@@ -224,7 +229,8 @@ def schedule_items(dataset, virtual_workers, batch, steps, seed, pass_end="drop"
                     device.items(step, v)
             events["failure"] += 1
             dead = rng.randrange(len(devices))
-            _, orphans = devices.pop(dead)
+            lost, orphans = devices.pop(dead)
+            lost.close()  # its DataLoader processes die with it
             if not devices or rng.random() < 0.3:
                 devices.append([reader(), set()])  # a replacement joins
             for v in orphans:

@@ -51,7 +51,9 @@ pass). Every VW of a group has its group's position.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
@@ -117,6 +119,13 @@ def split_stream(virtual_workers: int, shards: Optional[int] = None) -> StreamSp
     if shards < 0:
         raise ValueError(f"shards={shards} must be >= 0")
     return StreamSplit(virtual_workers, math.gcd(shards, virtual_workers), shards)
+
+
+def pass_seed(seed: int, group: int, pass_: int) -> int:
+    """A 63-bit seed for pass `pass_` of `group`'s stream (its DataLoader's processes draw from it)."""
+    words = (0x5354524541, seed, group, pass_)  # a domain tag ("STREA") apart from batching's seed streams
+    packed = struct.pack("<4Q", *(int(word) & 0xFFFFFFFFFFFFFFFF for word in words))
+    return int.from_bytes(hashlib.blake2b(packed, digest_size=8).digest(), "little") >> 1
 
 
 def lane_items(chunk: Sequence, lane: int, lanes: int) -> list:

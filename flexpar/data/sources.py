@@ -50,17 +50,30 @@ or the `RANK`/`WORLD_SIZE`/`LOCAL_RANK` environment variables is refused.
 from __future__ import annotations
 
 import copy
+import multiprocessing
 import sys
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
-from flexpar.core.stream_split import StreamSplit
+import torch
+from torch.utils.data import DataLoader
+
+from flexpar.core.stream_split import StreamSplit, pass_seed
 from flexpar.errors import ArgumentError
 
 _RANK_NAMES = frozenset({"get_rank", "get_world_size", "get_node_local_rank"})
 _RANK_VARIABLES = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"})
 _LIBRARY_MODULES = ("torch.", "datasets.", "webdataset.", "torchdata.", "builtins")
+
+
+_LOADER_CONTEXT = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+"""DataLoader processes are forked from the device's process, so they end with it (as worker/loader.py's)."""
+
+
+def _identity(item):
+    """The DataLoader's collate_fn with batch_size=None: items as the dataset yields them."""
+    return item
 
 
 def _pass_through(source):
@@ -77,6 +90,9 @@ class GroupSource:
     fresh_per_pass: bool
     prepare: Optional[Callable[[Any, int], None]] = None  # called with (dataset, pass) before iterating
     skippable: bool = True  # a position is reached by skipping from the pass start (passes independent)
+    num_workers: int = 0  # > 0: the stream is a DataLoader's over the dataset with that many processes
+    group: int = 0
+    seed: int = 0  # the job's: with num_workers, pass p's loader processes are seeded from (seed, group, p)
     _live: Any = None
 
     def open(self, pass_: int, state: Any = None) -> Iterator:
@@ -91,7 +107,21 @@ class GroupSource:
             self.prepare(dataset, pass_)
         if state is not None:
             dataset.load_state_dict(state)
-        return iter(dataset)
+        if not self.num_workers:
+            return iter(dataset)
+        # The DataLoader's own order: its worker processes take turns, one item each, an exhausted
+        # one dropping out; the same on every run for the same dataset and num_workers.
+        loader = DataLoader(
+            dataset,
+            batch_size=None,
+            num_workers=self.num_workers,
+            collate_fn=_identity,
+            multiprocessing_context=_LOADER_CONTEXT,
+            # Its processes seed torch and random from a draw of this generator: the device's own
+            # generator would give each device, and each run, other random streams.
+            generator=torch.Generator().manual_seed(pass_seed(self.seed, self.group, pass_)),
+        )
+        return iter(loader)
 
     def state(self) -> Any:
         """The open dataset's state (after the last item it yielded), or None without a complete one."""
@@ -110,14 +140,19 @@ class StreamSource:
     stateful: bool  # positions carry the dataset's state_dict (else: skipped to)
     note: str = ""  # what flexpar changed in the pipeline, to say so once
 
-    def group(self, split: StreamSplit, group: int) -> GroupSource:
-        """The source of `group`'s stream under `split`."""
+    def group(self, split: StreamSplit, group: int, num_workers: int = 0, seed: int = 0) -> GroupSource:
+        """The source of `group`'s stream under `split` (behind a DataLoader of `num_workers` processes)."""
+        loading = {"num_workers": num_workers, "group": group, "seed": seed}
         if self.kind == "webdataset":
-            return GroupSource(_webdataset_group(self.dataset, split, group), False, True, _webdataset_epoch)
+            return GroupSource(_webdataset_group(self.dataset, split, group), False, True, _webdataset_epoch, **loading)
         if self.kind in ("huggingface", "sharded") and split.sharded:
             template = self.dataset.shard(num_shards=split.groups, index=group)
         else:
             template = self.dataset
+        if num_workers:
+            # Each worker process iterates its own copy: the state of the one in this process says
+            # nothing, and each pass starts from it, as in a plain loop over a DataLoader.
+            return GroupSource(_copy(template), False, True, **loading)
         # A stateful dataset of the user's may carry state from pass to pass (a packing dataset's leftover
         # tokens): its passes cannot be reached by skipping from a fresh copy. Hugging Face's cannot.
         skippable = self.kind == "huggingface" or not self.stateful

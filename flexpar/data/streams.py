@@ -91,6 +91,7 @@ class _GroupReader:
                 self.pass_ends.append(ended)
                 if drop:
                     held, places = [], []
+                self.close()
                 self.iterator = self.source.open(filler.pass_)
                 continue
             places.append(filler.item())
@@ -118,9 +119,10 @@ class _GroupReader:
         self.positions = {s: where for s, where in self.positions.items() if s >= step}
 
     def close(self) -> None:
-        close = getattr(self.iterator, "close", None)
-        if callable(close):
-            close()
+        for name in ("close", "_shutdown_workers"):  # a generator's; a DataLoader iterator's processes
+            close = getattr(self.iterator, name, None)
+            if callable(close):
+                close()
         self.iterator = None
 
 
@@ -164,7 +166,9 @@ class VirtualWorkerStreams:
     batch:           items per VW per step (global_batch / V)
     seed:            the job's seed (each VW's batch is collated under its data seed, as map-style batches)
     collate_fn:      as Job(collate_fn=...); default: torch's default_collate
-    num_workers:     DataLoader worker processes: only 0 for now (refused otherwise)
+    num_workers:     DataLoader worker processes per stream group read here (0: read in this process).
+                     With k > 0 a group's stream is the order of DataLoader(group's dataset, batch_size=None,
+                     num_workers=k): the same on every device for the job's k, positioned by skipping
     pass_end:        "drop" (default) or "carry": flexpar/core/stream_split.py
     virtual_worker_ids, step: the VWs held from the boundary before `step` (default: none yet; `hold`)
     """
@@ -182,11 +186,8 @@ class VirtualWorkerStreams:
         step: int = 0,
         source: Optional[StreamSource] = None,
     ):
-        if num_workers:
-            raise ArgumentError(
-                f"num_workers={num_workers} with an iterable dataset is not supported yet: use num_workers=0 "
-                "(each device reads its streams itself)"
-            )
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ArgumentError(f"num_workers={num_workers!r} must be a whole number >= 0")
         if pass_end not in PASS_ENDS:
             raise ArgumentError(f"pass_end={pass_end!r} must be one of {', '.join(PASS_ENDS)}")
         if batch < 1 or virtual_workers < 1:
@@ -198,8 +199,10 @@ class VirtualWorkerStreams:
         self.seed = seed
         self.collate = collate_fn or default_collate
         self.pass_end = pass_end
+        self.num_workers = num_workers
         self.restores: list = []  # Restore records, in order (the caller reports and clears them)
         self._readers: dict = {}
+        self._retired_ends: list = []  # pass ends met by group readers closed since
         self._loaded: dict = {}  # group -> Position loaded, not yet opened
         self._held: tuple = ()
         self._committed = step
@@ -224,14 +227,14 @@ class VirtualWorkerStreams:
         groups = set(self.split.groups_of(wanted))
         for group in list(self._readers):
             if group not in groups:
-                self._readers.pop(group).close()
+                self._retire(group)
         for group in sorted(groups):
             reader = self._readers.get(group)
             if reader is not None and (step in reader.positions or step in reader.chunks):
                 self._loaded.pop(group, None)
                 continue
             if reader is not None:
-                reader.close()
+                self._retire(group)
             position = self._loaded.pop(group, None)
             if position is None or position.step != step:
                 if step != 0:
@@ -240,7 +243,9 @@ class VirtualWorkerStreams:
                         f"at step {step}: load() it from the device that held it, or from position_at()"
                     )
                 position = start(group)
-            reader, restore = _open_at(self.source.group(self.split, group), position, self.chunk, self.pass_end)
+            reader, restore = _open_at(
+                self.source.group(self.split, group, self.num_workers, self.seed), position, self.chunk, self.pass_end
+            )
             self._readers[group] = reader
             self.restores.append(restore)
         self._held = wanted
@@ -334,7 +339,7 @@ class VirtualWorkerStreams:
             if known is not None and known.same_place(position):
                 continue
             if reader is not None:
-                self._readers.pop(position.group).close()
+                self._retire(position.group)
             self._loaded[position.group] = position
 
     def pass_ends(self) -> list:
@@ -343,7 +348,8 @@ class VirtualWorkerStreams:
         Every device reading a group meets its pass ends: the records are the same
         data wherever they come from, so a ledger keeps one per (group, pass).
         """
-        unique = {(ended.group, ended.pass_): ended for reader in self._readers.values() for ended in reader.pass_ends}
+        met = [ended for reader in self._readers.values() for ended in reader.pass_ends] + self._retired_ends
+        unique = {(ended.group, ended.pass_): ended for ended in met}
         return sorted(unique.values(), key=lambda ended: (ended.step, ended.group, ended.pass_))
 
     def position_at(self, group: int, step: int, pass_ends: Sequence[PassEnd]) -> dict:
@@ -360,7 +366,12 @@ class VirtualWorkerStreams:
             "groups": [position.to_dict()],
         }
 
+    def _retire(self, group: int) -> None:
+        reader = self._readers.pop(group)
+        self._retired_ends.extend(reader.pass_ends)
+        reader.close()
+
     def close(self) -> None:
-        for reader in self._readers.values():
-            reader.close()
-        self._readers.clear()
+        """Close every stream read here (and the DataLoader processes behind them)."""
+        for group in list(self._readers):
+            self._retire(group)

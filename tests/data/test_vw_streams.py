@@ -102,6 +102,19 @@ def test_lost_positions_come_back_from_the_pass_ends_alone(kind, tar_paths):
     assert items == expected and events["failure"], events
 
 
+def test_num_workers_streams_are_the_same_on_any_schedule(tmp_path):
+    """Each group's stream behind a DataLoader of 2 processes (its order: the loader's), moved,
+    failed over and resumed (by skipping: a worker process's dataset state is not this process's)."""
+    dataset = sp.webdataset_stream(sp.write_tar_shards(tmp_path, [4, 5, 3, 4]))  # V=2: 2 groups of 2 shards
+    expected, reference = sp.reference_items(dataset, 2, 2, 6, num_workers=2)
+    plain_order, _ = sp.reference_items(dataset, 2, 2, 6)
+    assert expected != plain_order  # the processes interleave their shards: another order, fixed for the job
+    assert reference.pass_ends()
+    cycle = ("rebalance", "failure", "resume")
+    items, events = sp.schedule_items(dataset, 2, 2, 6, 0, num_workers=2, events=cycle)
+    assert items == expected and events["moved"] and events["failure"] and events["resume"], events
+
+
 def test_round_robin_step_s_trains_items_s_b_to_s_plus_1_b_of_the_datasets_order():
     dataset = sp.CountingStream([1000])
     order = [item["index"] for item in dataset]
