@@ -170,6 +170,11 @@ def describe(dataset) -> StreamSource:
     """What `dataset` is to the split; ArgumentError (one line: what to remove) for what is refused."""
     if not callable(getattr(dataset, "__iter__", None)):
         raise ArgumentError(f"dataset= must be iterable (got {type(dataset).__name__})")
+    if callable(getattr(dataset, "__next__", None)):
+        raise ArgumentError(
+            f"dataset= is an iterator ({type(dataset).__name__}), which can be read once: pass an iterable "
+            "whose iter() starts the stream anew (e.g. a torch IterableDataset whose __iter__ is a generator)"
+        )
     hf = sys.modules.get("datasets")
     if hf is not None and isinstance(dataset, getattr(hf, "IterableDataset", ())):
         return _describe_huggingface(dataset)
@@ -196,21 +201,37 @@ def _describe_huggingface(dataset) -> StreamSource:
             "dataset= was split by node (datasets.distributed.split_dataset_by_node): pass the dataset "
             "before that call; flexpar splits it by virtual worker itself"
         )
+    _refuse_huggingface_rank_reading(dataset)
     return StreamSource(dataset, "huggingface", int(dataset.n_shards), _huggingface_state_complete(dataset))
 
 
-def _huggingface_state_complete(dataset) -> bool:
-    """False where the dataset's state_dict() does not restore the same stream (a shuffle buffer, a batched map)."""
-    pending = [getattr(dataset, "_ex_iterable", None)]
+def _refuse_huggingface_rank_reading(dataset) -> None:
+    """The functions of the dataset's .map()/.filter() steps must not read the rank either."""
+    for node in _huggingface_chain(dataset):
+        function = getattr(node, "function", None)
+        if isinstance(function, types.FunctionType):
+            _refuse_rank_reading_code(function.__code__, f"the .map()/.filter() function {function.__qualname__}")
+
+
+def _huggingface_chain(dataset) -> list:
+    """The examples iterables a Hugging Face IterableDataset is made of (its pipeline, outermost first)."""
+    chain, pending = [], [getattr(dataset, "_ex_iterable", None)]
     while pending:
         node = pending.pop()
         if node is None:
             continue
+        chain.append(node)
+        pending.append(getattr(node, "ex_iterable", None))
+        pending.extend(getattr(node, "ex_iterables", None) or ())
+    return chain
+
+
+def _huggingface_state_complete(dataset) -> bool:
+    """False where the dataset's state_dict() does not restore the same stream (a shuffle buffer, a batched map)."""
+    for node in _huggingface_chain(dataset):
         name = type(node).__name__
         if "BufferShuffled" in name or (name.startswith("Mapped") and getattr(node, "batched", False)):
             return False
-        pending.append(getattr(node, "ex_iterable", None))
-        pending.extend(getattr(node, "ex_iterables", None) or ())
     return True
 
 

@@ -66,8 +66,20 @@ def test_kinds_shards_and_state(tmp_path):
         (lambda paths: sp.webdataset_stream(paths).shuffle(10), "no seed"),
         (lambda paths: __import__("webdataset").WebDataset(paths, shardshuffle=False).map(_rank_stage), "get_rank"),
         (lambda paths: _split_by_node(sp.huggingface_stream(rows=12, shards=4)), "split_dataset_by_node"),
+        (lambda paths: sp.huggingface_stream(rows=12, shards=4).map(_rank_stage), "get_rank"),
+        (lambda paths: iter(sp.CountingStream([5])), "iterator"),
     ],
-    ids=["get_rank", "RANK", "n_shards-only", "wds-split_by_node", "wds-unseeded-shuffle", "wds-stage", "hf-split"],
+    ids=[
+        "get_rank",
+        "RANK",
+        "n_shards-only",
+        "wds-split_by_node",
+        "wds-unseeded-shuffle",
+        "wds-stage",
+        "hf-split",
+        "hf-map",
+        "iterator",
+    ],
 )
 def test_pipelines_that_split_by_rank_or_differ_by_device_are_refused_in_one_line(make, says, tmp_path):
     paths = sp.write_tar_shards(tmp_path, [2, 2])
