@@ -129,7 +129,7 @@ class _GroupReader:
 def _open_at(source: GroupSource, position: Position, chunk: int, pass_end: str) -> tuple:
     """A reader of `source` at `position`, and how it got there."""
     began = time.perf_counter()
-    if source.stateful and position.source is None and not source.skippable and (position.pass_ or position.consumed):
+    if source.stateful and position.source is None and not source.skippable and position.pass_ > 0:
         raise ValueError(
             f"stream group {position.group}'s position at step {position.step} has no dataset state, and this "
             "dataset's passes are not independent (its state carries from one to the next): load a position "
@@ -311,14 +311,7 @@ class VirtualWorkerStreams:
                     f"stream group {group} has no position at step {step} here (known: {sorted(reader.positions)})"
                 )
             positions.append(reader.positions[step].to_dict())
-        return {
-            "format": STATE_FORMAT,
-            "split": self.split.to_dict(),
-            "batch": self.batch_size,
-            "pass_end": self.pass_end,
-            "step": step,
-            "groups": positions,
-        }
+        return {**self._header(), "step": step, "groups": positions}
 
     def load(self, state: dict) -> None:
         """Take the positions in `state` (from `state()` here or on another device).
@@ -328,10 +321,10 @@ class VirtualWorkerStreams:
         """
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"stream state format {state.get('format')!r}, expected {STATE_FORMAT}")
-        mine = {"split": self.split.to_dict(), "batch": self.batch_size, "pass_end": self.pass_end}
-        theirs = {key: state[key] for key in mine}
+        mine = self._header()
+        theirs = {key: state.get(key) for key in mine}
         if theirs != mine:
-            raise ValueError(f"the stream state is of another split: {theirs}, here {mine}")
+            raise ValueError(f"the stream state is of another split or stream: {theirs}, here {mine}")
         for data in state["groups"]:
             position = Position.from_dict(data)
             reader = self._readers.get(position.group)
@@ -357,13 +350,18 @@ class VirtualWorkerStreams:
         source state: loading it skips from the pass start). For a group whose reader was lost."""
         lengths = [ended.items for ended in sorted(pass_ends, key=lambda e: e.pass_) if ended.group == group]
         position = position_at(group, step, lengths, self.chunk, self.pass_end)
+        return {**self._header(), "step": step, "groups": [position.to_dict()]}
+
+    def _header(self) -> dict:
+        """What a position means: the split, the chunk, the pass-end rule, and the stream's order
+        (which num_workers, and with it the seed of the loader processes, decides)."""
         return {
             "format": STATE_FORMAT,
             "split": self.split.to_dict(),
             "batch": self.batch_size,
             "pass_end": self.pass_end,
-            "step": step,
-            "groups": [position.to_dict()],
+            "num_workers": self.num_workers,
+            "seed": self.seed if self.num_workers else None,
         }
 
     def _retire(self, group: int) -> None:

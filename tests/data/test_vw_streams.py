@@ -204,6 +204,19 @@ def test_a_complete_state_restores_without_skipping(make, how):
     assert [sp.plain(i) for i in moved.items(3, 0)] == [sp.plain(i) for i in reader.items(3, 0)]
 
 
+def test_a_dataset_whose_passes_hand_on_state_needs_its_state_beyond_the_first_pass():
+    expected, reference = sp.reference_items(_packing(), 1, 4, 30)
+    (ended, *_) = reference.pass_ends()
+    reader = VirtualWorkerStreams(_packing(), 1, 4)
+    reader.load(reader.position_at(0, ended.step - 1, []))  # still in pass 0: skipping is exact
+    reader.hold([0], ended.step - 1)
+    assert [sp.plain(i) for i in reader.items(ended.step - 1, 0)] == expected[ended.step - 1][0]
+    late = VirtualWorkerStreams(_packing(), 1, 4)
+    late.load(late.position_at(0, ended.step + 1, [ended]))
+    with pytest.raises(ValueError, match="passes are not independent"):
+        late.hold([0], ended.step + 1)
+
+
 def test_huggingface_shuffled_state_is_not_complete_and_flexpar_skips_instead():
     """HF's state_dict() leaves the shuffle buffer out: restored from it, the stream goes on with other items."""
     dataset = _huggingface_shuffled()
@@ -233,5 +246,7 @@ def test_state_of_another_split_is_refused():
     state = reader.state(0)
     with pytest.raises(ValueError, match="another split"):
         VirtualWorkerStreams(_plain(), 4, 2).load(state)
+    with pytest.raises(ValueError, match="another split"):
+        VirtualWorkerStreams(_plain(), 4, 3, num_workers=1).load(state)  # another order
     with pytest.raises(RuntimeError, match="no position"):
         VirtualWorkerStreams(_plain(), 4, 3).hold([0], 5)
