@@ -154,7 +154,8 @@ class StreamSource:
             # nothing, and each pass starts from it, as in a plain loop over a DataLoader.
             return GroupSource(_copy(template), False, True, **loading)
         # A stateful dataset of the user's may carry state from pass to pass (a packing dataset's leftover
-        # tokens): its passes cannot be reached by skipping from a fresh copy. Hugging Face's cannot.
+        # tokens): its later passes cannot be reached by skipping from a fresh copy. Hugging Face's
+        # passes carry nothing (set_epoch starts each anew).
         skippable = self.kind == "huggingface" or not self.stateful
         return GroupSource(_copy(template), self.stateful, not self.stateful, skippable=skippable)
 
