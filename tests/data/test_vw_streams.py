@@ -238,6 +238,8 @@ def test_a_batch_is_collated_like_a_map_style_batch():
     expected = default_collate(reader.items(0, 2))
     assert set(batch) == {"index", "x"} and torch.equal(batch["index"], expected["index"])
     assert [v for v, _ in reader.batches(0)] == [0, 1, 2, 3]
+    packed = VirtualWorkerStreams(_packing(), 3, 2, virtual_worker_ids=[1])
+    assert packed.batch(0, 1).shape == (2, 8)  # two token sequences
 
 
 def test_state_of_another_split_is_refused():
