@@ -1,0 +1,267 @@
+"""Iterable datasets of every kind flexpar/data reads, and a harness that moves VWs between simulated devices.
+
+`schedule_items` plays a job's data side in one process: "devices" are
+`VirtualWorkerStreams` readers over VW subsets that change at random step
+boundaries (VWs moved by `state` on the old holder and `load` on the new one),
+devices that fail in the middle of a step (their VWs restored from the
+positions gathered at the last commit, or from the pass ends alone), joiners
+and a resume of every device from a checkpointed state. It returns each
+step's items, VW by VW, to compare with one reader holding every VW.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import torch
+from torch.utils.data import IterableDataset
+
+from flexpar.data import VirtualWorkerStreams
+
+
+class CountingStream(IterableDataset):
+    """No shards, no state: pass p yields its own order of `lengths[p]` numbered items (set_epoch picks p)."""
+
+    def __init__(self, lengths):
+        self.lengths = list(lengths)
+        self.epoch = 0
+        self.epochs_set = []
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+        self.epochs_set.append(epoch)
+
+    def __iter__(self):
+        length = self.lengths[min(self.epoch, len(self.lengths) - 1)]
+        order = list(range(length))
+        random.Random(self.epoch).shuffle(order)
+        for index in order:
+            yield {"pass": self.epoch, "index": index, "x": float(index)}
+
+
+class ShardedStream(IterableDataset):
+    """flexpar's shard protocol: `n_shards` and `shard(num_shards, index)`; shards of the given sizes."""
+
+    def __init__(self, sizes, shards=None):
+        self.sizes = list(sizes)
+        self.shards = list(range(len(sizes))) if shards is None else list(shards)
+        self.epoch = 0
+
+    @property
+    def n_shards(self):
+        return len(self.shards)
+
+    def shard(self, num_shards, index):
+        per = len(self.shards) // num_shards
+        return ShardedStream(self.sizes, self.shards[index * per : (index + 1) * per])
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        shards = self.shards if self.epoch % 2 == 0 else self.shards[::-1]  # the pass changes the shard order
+        for shard in shards:
+            for index in range(self.sizes[shard]):
+                yield {"pass": self.epoch, "shard": shard, "index": index}
+
+
+class PackingStream(IterableDataset):
+    """Documents of random length packed into fixed-length token sequences; the leftover tokens are state.
+
+    The leftover of one pass starts the next (so its passes are not independent);
+    `state_dict()` is the position after the last sequence yielded.
+    """
+
+    def __init__(self, documents=40, sequence=8, seed=0):
+        self.documents, self.sequence, self.seed = documents, sequence, seed
+        self._epoch, self._document, self._leftover = 0, 0, []
+
+    def set_epoch(self, epoch):
+        if epoch != self._epoch:
+            self._epoch, self._document = epoch, 0
+
+    def _tokens(self, epoch, document):
+        rng = random.Random(self.seed * 1_000_003 + epoch * 10_007 + document)
+        return [epoch * 100_000 + document * 100 + k for k in range(rng.randint(1, 3 * self.sequence))]
+
+    def __iter__(self):
+        while True:
+            while len(self._leftover) < self.sequence:
+                if self._document >= self.documents:
+                    return
+                self._leftover = self._leftover + self._tokens(self._epoch, self._document)
+                self._document += 1
+            sequence, self._leftover = self._leftover[: self.sequence], self._leftover[self.sequence :]
+            yield torch.tensor(sequence)
+
+    def state_dict(self):
+        return {"epoch": self._epoch, "document": self._document, "leftover": list(self._leftover)}
+
+    def load_state_dict(self, state):
+        self._epoch, self._document, self._leftover = state["epoch"], state["document"], list(state["leftover"])
+
+
+def huggingface_stream(rows=120, shards=4, shuffle_buffer=None, seed=7):
+    from datasets import Dataset
+
+    dataset = Dataset.from_dict({"index": list(range(rows)), "x": [float(i) for i in range(rows)]})
+    dataset = dataset.to_iterable_dataset(num_shards=shards)
+    if shuffle_buffer:
+        dataset = dataset.shuffle(seed=seed, buffer_size=shuffle_buffer)
+    return dataset
+
+
+def write_tar_shards(directory, sizes):
+    """WebDataset tar shards of the given sample counts; returns their paths."""
+    import webdataset as wds
+
+    paths = []
+    for shard, size in enumerate(sizes):
+        path = str(directory / f"shard-{shard:03d}.tar")
+        with wds.TarWriter(path) as writer:
+            for index in range(size):
+                writer.write({"__key__": f"s{shard:03d}_{index:05d}", "txt": f"{shard}:{index}"})
+        paths.append(path)
+    return paths
+
+
+def webdataset_stream(paths, **options):
+    import webdataset as wds
+
+    options.setdefault("shardshuffle", False)
+    return wds.WebDataset(paths, empty_check=False, **options).decode()
+
+
+def plain(item):
+    """An item as comparable Python data."""
+    if isinstance(item, torch.Tensor):
+        return item.tolist()
+    if isinstance(item, dict):
+        return tuple(sorted((key, plain(value)) for key, value in item.items()))
+    return item
+
+
+def reference_items(dataset, virtual_workers, batch, steps, pass_end="drop", num_workers=0):
+    """Each step's items, VW by VW, from one reader holding every VW."""
+    reader = VirtualWorkerStreams(dataset, virtual_workers, batch, pass_end=pass_end, num_workers=num_workers)
+    reader.hold(range(virtual_workers), 0)
+    result = []
+    for step in range(steps):
+        result.append([[plain(item) for item in reader.items(step, v)] for v in range(virtual_workers)])
+        reader.commit(step + 1)
+    reader.close()  # its pass ends stay known
+    return result, reader
+
+
+def merge_states(states):
+    """The positions of several readers at one boundary, one per group (what the worker would gather)."""
+    merged = dict(states[0])
+    groups = {}
+    for state in states:
+        assert state["step"] == merged["step"]
+        for position in state["groups"]:
+            groups.setdefault(position["group"], position)
+    merged["groups"] = [groups[group] for group in sorted(groups)]
+    return merged
+
+
+def _random_holdings(rng, virtual_workers, devices):
+    """VW sets for `devices` devices, each non-empty, together all VWs (random, not contiguous)."""
+    order = list(range(virtual_workers))
+    rng.shuffle(order)
+    cuts = sorted(rng.sample(range(1, virtual_workers), devices - 1)) if devices > 1 else []
+    bounds = [0, *cuts, virtual_workers]
+    return [set(order[bounds[i] : bounds[i + 1]]) for i in range(devices)]
+
+
+_EVENTS = ("rebalance", "failure", "none", "resume", "rebalance", "failure", "none")
+
+
+def schedule_items(
+    dataset, virtual_workers, batch, steps, seed, pass_end="drop", lost_positions=False, num_workers=0, events=None
+):
+    """Each step's items, VW by VW, under a random schedule of moves, joins, leaves, failures and a resume,
+    and how many of each event it played (a Counter).
+
+    lost_positions: a failed device's groups are restored from the pass ends alone
+    (`position_at`), as when their positions were not replicated (skip kinds only).
+    events: the cycle of events played at the boundaries ("rebalance", "failure", "resume", "none").
+    """
+    rng = random.Random(seed)
+    cycle = events or _EVENTS
+    events = collections.Counter()
+
+    def reader():
+        return VirtualWorkerStreams(dataset, virtual_workers, batch, pass_end=pass_end, num_workers=num_workers)
+
+    devices = []  # [reader, held VWs]
+    for held in _random_holdings(rng, virtual_workers, rng.randint(1, min(4, virtual_workers))):
+        device = reader()
+        device.hold(held, 0)
+        devices.append([device, held])
+    committed = None
+    pass_ends = []
+    result = []
+    for step in range(steps):
+        event = cycle[(step + seed) % len(cycle)] if step else "none"
+        if event == "rebalance":  # a rebalance, with joins and leaves: VWs move by state() -> load()
+            holder = {v: device for device, held in devices for v in held}
+            new = _random_holdings(rng, virtual_workers, rng.randint(1, min(4, virtual_workers)))
+            kept = [device for device, _ in devices]
+            rng.shuffle(kept)
+            devices = []
+            for held in new:  # every state is taken before any device lets go of a VW
+                device = kept.pop() if kept and rng.random() < 0.8 else reader()
+                for v in sorted(held):
+                    if holder[v] is not device:
+                        device.load(holder[v].state(step, [v]))
+                devices.append([device, held])
+            for device, held in devices:
+                device.hold(held, step)
+            for left in kept:
+                left.close()
+            events["rebalance"] += 1
+            events["moved"] += sum(1 for (device, held) in devices for v in held if holder[v] is not device)
+        elif event == "failure":  # a failure in the middle of the step: survivors redo it from the commit
+            for device, held in devices:
+                for v in sorted(held)[: rng.randint(0, len(held))]:
+                    device.items(step, v)
+            events["failure"] += 1
+            dead = rng.randrange(len(devices))
+            lost, orphans = devices.pop(dead)
+            lost.close()  # its DataLoader processes die with it
+            if not devices or rng.random() < 0.3:
+                devices.append([reader(), set()])  # a replacement joins
+            for v in orphans:
+                device, held = devices[rng.randrange(len(devices))]
+                held.add(v)
+            for device, held in devices:
+                if lost_positions:
+                    for group in device.split.groups_of(held):
+                        device.load(device.position_at(group, step, pass_ends))
+                else:
+                    device.load(committed)
+                device.hold(held, step)
+        elif event == "resume":  # every device replaced: a resume from a checkpoint
+            events["resume"] += 1
+            for device, _ in devices:
+                device.close()
+            devices = []
+            for held in _random_holdings(rng, virtual_workers, rng.randint(1, min(4, virtual_workers))):
+                device = reader()
+                device.load(committed)
+                device.hold(held, step)
+                devices.append([device, held])
+        holder = {v: device for device, held in devices for v in held}
+        result.append([[plain(item) for item in holder[v].items(step, v)] for v in range(virtual_workers)])
+        for device, _ in devices:
+            device.commit(step + 1)
+        committed = merge_states([device.state(step + 1) for device, _ in devices])
+        ends = {(e.group, e.pass_): e for device, _ in devices for e in device.pass_ends()}
+        known = {(e.group, e.pass_) for e in pass_ends}
+        pass_ends += [e for key, e in ends.items() if key not in known]
+        events["passes"] = len(pass_ends)
+    for device, _ in devices:
+        device.close()
+    return result, events
