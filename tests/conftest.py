@@ -15,6 +15,41 @@ import time
 import processes
 import pytest
 
+# ------------------------------------------------------------ the edit loop's tier
+
+# Modules whose every test starts processes (a job, a `flexpar` command, a real cluster): slow.
+_SLOW_FOLDERS = ("end_to_end",)
+_SLOW_MODULES = (
+    "test_cli.py",
+    "test_recipes.py",
+    "test_join.py",
+    "test_join_start.py",
+    "test_fork_server.py",
+    "test_examples.py",
+    "test_tiny_lm_variable.py",
+    "test_trackers.py",
+    "test_worker.py",
+    "test_job.py",
+    "test_user_errors.py",
+    "test_sparse_sync.py",
+    "test_collectives.py",
+)
+# Fixtures that start training processes: a test that takes one is slow wherever it is.
+_SLOW_FIXTURES = ("train", "command_line_job")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark `slow` what starts training processes (by folder, module or fixture), so that
+    `pytest -m "not slow"` is a tier of a few minutes for an edit loop; CI runs everything."""
+    for item in items:
+        path = item.path
+        if (
+            path.parent.name in _SLOW_FOLDERS
+            or path.name in _SLOW_MODULES
+            or any(name in _SLOW_FIXTURES for name in getattr(item, "fixturenames", ()))
+        ):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture
 def train(tmp_path):
