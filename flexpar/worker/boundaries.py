@@ -58,7 +58,7 @@ class Boundaries:
         departing = tuple(record.get("departing", ())) if self.shards is not None else ()
         group = members + departing
         rank = group.index(self.args.device_id)
-        self._fault_point("formation", self.committed)
+        self.faults.fire("formation", self.committed, self.members)
         # Forming a gloo group waits for every member inside C++, where a member's
         # death is only seen at the timeout. Meet in the store first, where it is
         # seen at once (the coordinator's death notices), then form in milliseconds.
@@ -103,7 +103,7 @@ class Boundaries:
                 sent = 0.0 if streaming else self._level_members(stock, rank, generation, group)
             if stock.differing:
                 sent += self._align_start(stock, rank, group, peer_lost)
-            self.boundary_bytes = int(sent)  # the state this boundary sent, all senders (the event's)
+            boundary_bytes = int(sent)  # the state this boundary sent, all senders (the event's)
         if rank >= len(members):
             return  # departing: handed over
         if departing:  # the training group, without the departing devices
@@ -119,7 +119,6 @@ class Boundaries:
                 self.settings.timeout_s,
             ):
                 self.link.send("formed", generation=generation)
-        previous_members = self.members
         self.generation, self.members, self.rank = generation, members, rank
         self.link.report_head = (generation, members)  # what it tells a restarted driver, should this one go
         self._step_in_flight = None  # a step broken off before this boundary is redone from here
@@ -129,18 +128,25 @@ class Boundaries:
             # device may have been brought level without committing the last ones: send again every
             # record the driver has not acknowledged, in order (it drops those it has: core.delivery).
             self._complete_last_digest()
-            for kept in self.recent_records:
-                self.link.publish(kept)
+            self.records.publish_all()
             stall = max(0.0, time.time() - stock.last_commit_wall)
             if self.stream is not None:  # the first streamed step is timed from before this stall
                 self.stream.stall_s = stall
-            self._publish_generation_event(record, previous_members, stall)
+            self.records.publish_generation_events(
+                record,
+                stall,
+                boundary_bytes,
+                self.stream_note,
+                step=self.committed,
+                generation=generation,
+                members=members,
+            )
 
     def _complete_last_digest(self) -> None:
         """A new rank 0 (the last one died, maybe before its record of the last step left) puts the
         digest in its own record of that step: only rank 0 computes digests, and the state it holds
         now is that step's (flexpar/worker/determinism.py)."""
-        last = self.recent_records[-1] if self.recent_records else None
+        last = self.records.last
         if (
             self.exact is not None
             and last is not None
@@ -200,7 +206,12 @@ class Boundaries:
         if rank == stock.source:
             state = self._capture()
             sent = collective(
-                lambda: training_state.send_state(state, stock.receivers, self.device, after_size=self._transfer_fault)
+                lambda: training_state.send_state(
+                    state,
+                    stock.receivers,
+                    self.device,
+                    after_size=lambda: self.faults.fire("transfer", self.committed, self.members),
+                )
             )
         elif rank in stock.receivers:
             # A joiner holds nothing committed: it receives the model in place. A member

@@ -134,7 +134,7 @@ class Determinism:
             digest.update(struct.pack("<q", checksum))
         for exponent in self.exact.committed:
             digest.update(struct.pack("<q", -(2**62) if exponent is None else exponent))
-        record = self.recent_records[-1]
+        record = self.records.last
         record["digest"] = digest.hexdigest()[:16]
         record["redone"] = self.exact.redone
 

@@ -153,7 +153,7 @@ class WorkerEvaluation:
         samples = ranges[contributors.index(mine)] if mine in contributors else range(0)
         sums = evaluate_samples(self.job, self.model, samples, keys, self.device)
         vector = torch.tensor(evaluation.metric_vector(sums, keys), dtype=torch.float64, device=self.device)
-        self._fault_point("eval", step)  # tests: a death here breaks the all-reduce below
+        self.faults.fire("eval", step, self.members)  # tests: a death here breaks the all-reduce below
         if len(self.members) > 1:
             work = collective(lambda: dist.all_reduce(vector, async_op=True))
             wait_for_collective(work, self._peer_lost)
@@ -169,7 +169,7 @@ class WorkerEvaluation:
             "samples": len(self.job.eval_dataset),
             "metrics": evaluation.metrics_of(vector.cpu().tolist(), keys),
         }
-        self._keep(record)
+        self.records.keep(record)
         if self.rank == 0:
             self.link.publish(record)
         if not ask_driver:

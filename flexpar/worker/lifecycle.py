@@ -43,7 +43,6 @@ scheduled faults, fault_injection.py.
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import pickle
@@ -71,13 +70,13 @@ from flexpar.worker.cost_planner import CostPlanner
 from flexpar.worker.determinism import make_deterministic
 from flexpar.worker.device_link import DeviceLink, DriverLost, Evicted
 from flexpar.worker.evaluator import WorkerEvaluation
-from flexpar.worker.fault_injection import FaultInjection, faults_of
+from flexpar.worker.fault_injection import FaultSchedule
 from flexpar.worker.frozen_part import FrozenPart
 from flexpar.worker.loader import VirtualWorkerLoader, load_batch
 from flexpar.worker.loader import to_device as _to_device
 from flexpar.worker.orphan import WorkerOrphan
 from flexpar.worker.phase import Phase
-from flexpar.worker.records import RECORDS_KEPT, WorkerRecords
+from flexpar.worker.records import RecordQueue
 from flexpar.worker.settings import RunSettings, WorkerArgs
 from flexpar.worker.shard_levelling import ShardLevelling
 from flexpar.worker.shard_streaming import ShardStreaming
@@ -116,10 +115,8 @@ class Worker(
     Boundaries,
     ShardLevelling,
     ShardStreaming,
-    FaultInjection,
     WorkerCheckpoints,
     WorkerEvaluation,
-    WorkerRecords,
     WorkerOrphan,
     Streaming,
 ):
@@ -190,14 +187,8 @@ class Worker(
         self.committed_wall = time.time()
         self.salt = link.store.get("job/salt").decode()
         self.proof = join_proof(args.secret, args.device_id, self.salt)
-        # The records this device published or committed that the driver has not acknowledged
-        # (every device keeps its step and eval records; rank 0 publishes, and keeps its events):
-        # sent again at every boundary, so none is lost with a rank 0 or a driver (core.delivery).
-        self.recent_records: collections.deque = collections.deque(maxlen=RECORDS_KEPT)
-        self.recovering = False  # the next generation follows a failed collective
-        self.faults = faults_of(args.device_id, self.settings.faults)
-        # Faults aimed at the driver (STEP:driver:PHASE): fired by the device that is rank 0 there.
-        self.driver_faults = {(int(fault[0]), fault[2]) for fault in self.settings.faults if fault[1] == "driver"}
+        self.records = RecordQueue(link)  # kept until the driver acknowledges them (records.py)
+        self.faults = FaultSchedule(args.device_id, self.settings.faults, self.settings.driver_pid, args.remote)
         self._step_in_flight: Optional[int] = None  # the step this device computes, until it commits
         self._generation_records: dict = {}  # a published generation's record the members move to later
         self._warmup_s: Optional[float] = None  # set once warm
@@ -239,7 +230,7 @@ class Worker(
                     continue
                 except PeerFailure as failure:
                     self.phase = Phase.RECOVERING
-                    self.recovering = True
+                    self.records.note_failure()
                     # Sharded: a step whose gradient every member holds may still be finished (shard_levelling.py).
                     self._zero_grad(keep_gradient=self.pending_commit is not None)
                     # A stream in flight breaks off; the next boundary decides whether it goes on (streaming.py).
@@ -263,7 +254,7 @@ class Worker(
         announced): cancelled, or, if it was being let in at that moment, a
         member that leaves at its first step boundary.
         """
-        self._fault_point("announce", 0)
+        self.faults.fire("announce", 0, self.members)
         if self.withdrawing:
             raise Evicted("asked to stop before it announced itself")
         try:
@@ -272,18 +263,18 @@ class Worker(
             pass  # it reports to a restarted driver instead, once warm
         finally:
             self.link.announced = True
-        self._fault_point("warmup", 0)
+        self.faults.fire("warmup", 0, self.members)
         if not self.withdrawing:
             self._warmup_s = self.warm_up()
         try:
             if not self.withdrawing:
                 self.link.send("ready", proof=self.proof, **self._identity())
                 self.phase = Phase.WAITING
-                self._fault_point("ready", 0)
+                self.faults.fire("ready", 0, self.members)
             generation, record = self.link.wait_for_generation(0, joining=True)
         except DriverLost:
             return self._orphaned(agreed=False)
-        self._fault_point("admitted", 0)
+        self.faults.fire("admitted", 0, self.members)
         # Devices of generation 1 built the same model from the same seed: step 0 is
         # committed everywhere. Later joiners hold nothing yet and receive the state.
         self.committed = 0 if generation == 1 else -1
@@ -392,10 +383,13 @@ class Worker(
         if self.rank == 0:
             if self.settings.checkpoint_dir and self.shards is None:
                 checkpoint = self._write_checkpoint(self.settings.checkpoint_dir)
-            self._publish_event(
+            self.records.publish_event(
                 "stop",
                 f"{reason}; stopped after step {self.committed}" + (f", checkpoint {checkpoint}" if checkpoint else ""),
                 0.0,
+                step=self.committed,
+                generation=self.generation,
+                members=self.members,
             )
         self.finish(stopped=reason, checkpoint=checkpoint)
 

@@ -52,7 +52,7 @@ class WorkerOrphan:
         holds = self.committed >= 0 and bool(self.members)
         # Faults aimed at the lost driver are spent: a re-adopted rank 0 must not fire them at the next,
         # nor the rescue checkpoint below at the lost one's pid.
-        self.driver_faults = {key for key in self.driver_faults if key[0] > self.committed}
+        self.faults.spend_driver_faults(self.committed)
         # Written while the old group still stands (agreed: every member is there).
         path = self._write_rescue(agreed) if holds else ""
         self.reaper.retire(self.sync.release_works() + streamed)()
@@ -135,6 +135,7 @@ class WorkerOrphan:
         self.salt = salt
         self.proof = join_proof(self.args.secret, self.args.device_id, salt)
         self.settings = dataclasses.replace(RunSettings(**settings), faults=self.settings.faults)
+        self.faults.new_driver(self.settings.driver_pid)
         self.link.configure(self.settings.timeout_s, self.settings.driver_grace_s)
 
     def _gone(self, path: str, why: str) -> str:

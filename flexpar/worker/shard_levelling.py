@@ -77,7 +77,7 @@ class ShardLevelling:
 
     def _broadcast_parameters(self, step: int) -> None:
         """Every member gets the updated values of the chunks others stepped (their primaries send)."""
-        self._fault_point("update", step)
+        self.faults.fire("update", step, self.members)
         if not self.parameters_complete or self._shard_streaming():  # a listener needs every value
             broadcast_chunks(self.shards.flat, self.shard_partition.chunks, self._peer_lost)
             self.parameters_complete = True
@@ -138,7 +138,7 @@ class ShardLevelling:
                     shards.values(transfer.space, transfer.start, transfer.stop)
                 )
         if outgoing:
-            self._fault_point("transfer", self.committed)
+            self.faults.fire("transfer", self.committed, self.members)
         messages, sent = exchange(outgoing, sorted(incoming), self.device, raw_out, raw_in, peer_lost)
         if rank in plan.state_receivers:  # a joiner, or a member whose state is of an older step
             shards.drop()

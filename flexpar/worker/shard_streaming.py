@@ -160,14 +160,12 @@ class ShardStreaming:
             self.parameters_complete = False  # every value arrives with the first step's broadcast
         self.shard_partition = old
         total = collective(lambda: training_state.all_level(len(group), self.device, sent, peer_lost))
-        steps = [record for record in self.recent_records if record.get("kind") == "step"][-5:]
-        measured = sorted(float(record["step_time_s"]) for record in steps)
         self.stream = ShardStream(
             plan,
             tuple(joiners),
             {},
             time.time(),
-            measured[len(measured) // 2] if measured else 0.0,
+            self.records.median_step_time(),
             old=old,
             new=new,
             layouts={k: v for message in messages.values() for k, v in message.get("layouts", {}).items()},
@@ -232,7 +230,7 @@ class ShardStreaming:
         stream = self.stream
         number = stream.rounds_done
         moves = stream.plan.in_round(number)
-        tamper = any(move.source == self.rank for move in moves) and self._take_tamper(step)
+        tamper = any(move.source == self.rank for move in moves) and self.faults.take_tamper(step)
         operations = []
         for move in moves:
             if move.source == self.rank:
@@ -248,19 +246,15 @@ class ShardStreaming:
                 stream.arriving.append((move.segment, state))
                 received = [state[key] for key in sorted(state) if state[key] is not None]
                 operations += [dist.P2POp(dist.irecv, tensor.view(-1), move.source) for tensor in received]
-        self._fault_point("stream", step)
+        self.faults.fire("stream", step, self.members)
         works = collective(lambda: dist.batch_isend_irecv(operations)) if operations else []
         self.stream_transfers += tuple(works)  # waited for before the next update (`_land_streamed_pieces`)
-        if self.recent_records:  # the first step after the boundary is timed from the commit before its stall
+        if self.records.last is not None:  # the first step after the boundary is timed from the commit before its stall
             stall = stream.stall_s if stream.rounds_done == 0 else 0.0
-            stream.step_times.append(float(self.recent_records[-1].get("step_time_s", 0.0)) - stall)
+            stream.step_times.append(self.records.last_step_time() - stall)
         stream.rounds_done += 1
         if stream.rounds_done == stream.plan.rounds:
             self._finish_shard_stream(step)
-
-    def _take_tamper(self, step: int) -> bool:
-        due = [key for key, name in self.faults.items() if key[1] == "stream" and key[0] <= step and name == "tamper"]
-        return bool(due) and self.faults.pop(due[0]) == "tamper"
 
     def _piece_to_send(self, move) -> list:
         """The state tensors of a move, in key order: views of the held state where one slice holds it."""

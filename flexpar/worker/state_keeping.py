@@ -9,15 +9,12 @@ does where rank 0 may have gone too (`_write_rescue`)."""
 
 from __future__ import annotations
 
-import collections
-import json
 from typing import Optional
 
 from flexpar.comm import state_transfer as training_state
 from flexpar.core import balance, frozen
 from flexpar.errors import UserCodeError
 from flexpar.worker import checkpoints
-from flexpar.worker.records import RECORDS_KEPT
 
 
 def is_peft(model) -> bool:
@@ -47,7 +44,7 @@ class WorkerCheckpoints:
         extra = {
             "balance": balance.state_to_dict(self.balance_state),
             "committed_wall": self.committed_wall,
-            "recent_records": json.dumps(list(self.recent_records)),
+            "recent_records": self.records.to_json(),
         }
         if self.scaler is not None:  # fp16: the loss scale travels to joiners and into checkpoints
             extra["grad_scaler"] = self.scaler.state_dict()
@@ -89,7 +86,7 @@ class WorkerCheckpoints:
         if "balance" in extra:
             self.balance_state = balance.state_from_dict(extra["balance"])
         self.committed_wall = float(extra.get("committed_wall", self.committed_wall))
-        self.recent_records = collections.deque(json.loads(extra.get("recent_records", "[]")), maxlen=RECORDS_KEPT)
+        self.records.load_json(extra.get("recent_records", "[]"))
         if self.scaler is not None and "grad_scaler" in extra:
             self.scaler.load_state_dict(extra["grad_scaler"])
         if self.cost_planner is not None and "cost_rates" in extra:
@@ -113,7 +110,7 @@ class WorkerCheckpoints:
         before the process exits.
         """
         path = checkpoints.checkpoint_path(directory, self.committed)
-        self._fault_point("checkpoint", self.committed)
+        self.faults.fire("checkpoint", self.committed, self.members)
         # This device wrote this step here already (the last step, then the stop): the same state.
         # A file that is there for any other reason (an earlier try of this run) is replaced, never kept.
         if self._checkpoint_written == (directory, self.committed):

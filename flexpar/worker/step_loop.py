@@ -28,6 +28,7 @@ from flexpar.core import balance, batching
 from flexpar.core import ledger as sample_ledger
 from flexpar.core.step_statistics import StatsLayout, mixed_loss_message, nonfinite_gradient_message
 from flexpar.errors import UserCodeError
+from flexpar.worker import records
 from flexpar.worker.determinism import Determinism
 from flexpar.worker.loader import to_device as _to_device
 from flexpar.worker.user_code import loss_terms, nonfinite_message
@@ -71,7 +72,10 @@ class StepLoop(Determinism):
                     and assignment != self.assignment
                     and tuple(self.balance_state.device_ids) == self._contributors()
                 ):
-                    self._publish_event("rebalance", f"{list(self.assignment)} -> {list(assignment)}", 0.0)
+                    detail = f"{list(self.assignment)} -> {list(assignment)}"
+                    self.records.publish_event(
+                        "rebalance", detail, 0.0, step=self.committed, generation=self.generation, members=self.members
+                    )
                 mine = batching.virtual_workers_of(assignment, self.rank)
             self.assignment = assignment
             step = self.committed
@@ -103,9 +107,11 @@ class StepLoop(Determinism):
                 self._exact_record(step)
             self._zero_grad()
             if self.rank == 0:
-                self.link.publish(self.recent_records[-1])
+                self.link.publish(self.records.last)
                 if moved:  # a planned rate moved past the noise: the plans of later steps change
-                    self._publish_event("rebalance", moved, 0.0)
+                    self.records.publish_event(
+                        "rebalance", moved, 0.0, step=self.committed, generation=self.generation, members=self.members
+                    )
             if self.rank == 0 or (self.shards is not None and not self._listening()):  # sharded: each its part
                 self._maybe_checkpoint()
             if stopping:
@@ -182,11 +188,26 @@ class StepLoop(Determinism):
             self._without_listeners(assignment),
             self._without_listeners(busy),
         )
-        record = self._step_record(step, loss, step_time, busy, assignment, grad_norm)
+        record = records.step_record(
+            step,
+            loss,
+            step_time,
+            busy,
+            assignment,
+            grad_norm,
+            wall=self.committed_wall,
+            global_batch=self.job.global_batch,
+            generation=self.generation,
+            members=self.members,
+            contributors_busy=self._without_listeners(busy),
+            lr=float(self.optimizer.param_groups[0]["lr"]),
+        )
+        if self.stream is not None:  # a streamed join: how much of the state each listener holds
+            record["joining"] = self._listener_shares()
         record["optimizer_bytes"] = [int(round(value)) * 1024 for value in summed[slots.optimizer].tolist()]
         if self.stream is not None:  # every member's previous step time: a streamed join's slice size follows it
             self.stream.member_step_s = tuple(summed[slots.previous_step_s].tolist())
-        self._keep(record)
+        self.records.keep(record)
         if self.settings.sample_ledger:
             record["ledger"] = self._step_samples
         return self._observe_costs(step, sets, busy) if self.cost_planner is not None else ""
@@ -196,7 +217,7 @@ class StepLoop(Determinism):
 
         Returns the rebalance event's detail when a planned rate moved, else "".
         """
-        record = self.recent_records[-1]
+        record = self.records.last
         record["cost"] = self.cost_planner.device_costs(step, sets)
         record["virtual_worker_sets"] = [list(members) for members in sets]
         return self.cost_planner.observe(step, self.members, sets, busy)
@@ -294,7 +315,7 @@ class StepLoop(Determinism):
                 # for the next step takes effect at this boundary once the driver has published it.
                 published = self.link.await_scheduled_leave(step + 1, self.generation, self.members)
                 exact.arm(world) if exact is not None else self.sync.arm()
-            self._fault_point("forward", step)
+            self.faults.fire("forward", step, self.members)
             with recipes.autocast(job, self.device.type):
                 result = job.loss(self.forward_model, batch)
             loss, value, vw_count = loss_terms(result, step, virtual_worker)
@@ -302,8 +323,8 @@ class StepLoop(Determinism):
                 first_kind = (virtual_worker, vw_count is not None)
             elif first_kind[1] != (vw_count is not None):
                 raise UserCodeError(mixed_loss_message(step, first_kind, virtual_worker))
-            if ((step, "backward") in self.faults or (step, "backward") in self.driver_faults) and loss.requires_grad:
-                loss.register_hook(lambda grad: self._fault_point("backward", step))
+            if self.faults.armed("backward", step) and loss.requires_grad:
+                loss.register_hook(lambda grad: self.faults.fire("backward", step, self.members))
             if not math.isfinite(value) and not first_bad:
                 first_bad = virtual_worker + 1
             if vw_count is not None:
@@ -343,8 +364,9 @@ class StepLoop(Determinism):
         stats[slots.pairs] = pairs
         # This device's optimizer-state bytes (KiB: exact in a float32 carrier up to 16 GiB), for the record.
         stats[slots.optimizer.start + self.rank] = self.optimizer_bytes() // 1024
-        if self.recent_records and self.recent_records[-1].get("kind") == "step":
-            stats[slots.previous_step_s.start + self.rank] = float(self.recent_records[-1]["step_time_s"])
+        last = self.records.last
+        if last is not None and last.get("kind") == "step":
+            stats[slots.previous_step_s.start + self.rank] = float(last["step_time_s"])
         if self.scaler is not None:  # fp16: this device's own gradient overflowed (all skip the step)
             overflowed = (
                 exact.nonfinite if exact is not None else recipes.has_nonfinite(self.sync.dense, self.sync.sparse)
@@ -352,13 +374,13 @@ class StepLoop(Determinism):
             stats[slots.overflow] = float(overflowed)
         if exact is not None:
             self._exact_statistics(stats, slots, terms)
-            summed = exact.finish(stats, world, lambda: self._fault_point("sync", step), self._peer_lost)
+            summed = exact.finish(stats, world, lambda: self.faults.fire("sync", step, self.members), self._peer_lost)
             if self._exact_resolve(summed, slots, step):  # every device alike: run the step again
                 return self.run_step(step, virtual_workers, redo=True)
         else:
             summed = self.sync.finish(
                 stats.to(self.device),
-                before_last_launch=lambda: self._fault_point("sync", step),
+                before_last_launch=lambda: self.faults.fire("sync", step, self.members),
                 scale=self._prepare_gradient,
             )
         if world == 1 or exact is not None:  # the step's gradient is in .grad (exact: converted once)

@@ -153,7 +153,12 @@ class Streaming:
         if rank == stock.source:
             small = self._small_state()
             sent = collective(
-                lambda: training_state.send_state(small, stock.receivers, self.device, after_size=self._transfer_fault)
+                lambda: training_state.send_state(
+                    small,
+                    stock.receivers,
+                    self.device,
+                    after_size=lambda: self.faults.fire("transfer", self.committed, self.members),
+                )
             )
         elif rank in stock.receivers:
             self._restore_small(collective(lambda: training_state.receive_state(stock.source, self.device)))
@@ -210,8 +215,6 @@ class Streaming:
         ]
         senders = tuple(device for other, device in enumerate(group) if other not in stock.receivers)
         plan = stream_plan.plan(tensors, senders, self._sender_bytes(), cuttable)
-        steps = [record for record in self.recent_records if record.get("kind") == "step"][-5:]
-        measured = sorted(float(record["step_time_s"]) for record in steps)
         skippable = all(
             torch.is_tensor(value)
             for parameter in parameters.values()
@@ -222,7 +225,7 @@ class Streaming:
             tuple(stock.receivers),
             parameters,
             time.time(),
-            measured[len(measured) // 2] if measured else 0.0,
+            self.records.median_step_time(),
             skippable=skippable,
             plan_generation=generation,
             senders=senders,
@@ -342,6 +345,11 @@ class Streaming:
             return list(values)
         return [value for rank, value in enumerate(values) if rank not in self.stream.listeners]
 
+    def _listener_shares(self) -> dict:
+        """How much of the state each listener holds, by device (a step record's `joining`)."""
+        share = round(self.stream.plan.delivered_share(self.stream.rounds_done), 4)
+        return {self.members[rank]: share for rank in self.stream.listeners}
+
     def _wait_stream_transfers(self) -> None:
         """Before an optimizer update: the slices posted after the last one have left this device (a
         sender) or arrived (a listener)."""
@@ -358,8 +366,7 @@ class Streaming:
         number = stream.rounds_done
         operations = []
         # Tests' STEP:DEVICE:stream:tamper: this sender sends one value changed (the check must see it).
-        due = [key for key, name in self.faults.items() if key[1] == "stream" and key[0] <= step and name == "tamper"]
-        tamper = bool(due) and self.faults.pop(due[0]) == "tamper"
+        tamper = self.faults.take_tamper(step)
         receipts = []  # a listener's: the sender of each receive, in order
         for piece in (piece for piece in stream.plan.slices if piece.round == number):
             sender = self.members.index(piece.sender)
@@ -375,7 +382,7 @@ class Streaming:
                     views = self._views(piece)
                     operations += [dist.P2POp(dist.irecv, view, sender) for view in views]
                     receipts += [piece.sender] * len(views)
-        self._fault_point("stream", step)
+        self.faults.fire("stream", step, self.members)
         works = collective(lambda: dist.batch_isend_irecv(operations)) if operations else []
         # gloo: a work per operation, so a failure can tell which senders' slices landed (`_suspend_stream`);
         # otherwise (NCCL coalesces them) none of the round counts as landed.
@@ -387,9 +394,9 @@ class Streaming:
         # next step's forward, backward and all-reduce on both sides; an fp16 step that skipped its
         # update has not waited for the last round's yet.
         self.stream_transfers += tuple(works)
-        if self.recent_records:  # the first step after the boundary is timed from the commit before its stall
+        if self.records.last is not None:  # the first step after the boundary is timed from the commit before its stall
             stall = stream.stall_s if stream.rounds_done == 0 else 0.0
-            stream.step_times.append(float(self.recent_records[-1].get("step_time_s", 0.0)) - stall)
+            stream.step_times.append(self.records.last_step_time() - stall)
         stream.rounds_done += 1
         if stream.rounds_done >= stream.plan.rounds:  # (>: a re-plan found everything landed already)
             self._finish_stream(step)
@@ -462,12 +469,15 @@ class Streaming:
             median = during[len(during) // 2]
             slower = f"; the members' median step {median / stream.step_before_s:.2f} x the one before"
         listeners = ", ".join(self.members[rank] for rank in stream.listeners)
-        self._publish_event(
+        self.records.publish_event(
             "stream",
             f"{listeners} holds the training state: {stream.plan.size} bytes streamed over {steps} "
             f"step{'s' if steps != 1 else ''} ({seconds:.2f} s){slower}",
             0.0,
-            stream.bytes_sent,
+            step=self.committed,
+            generation=self.generation,
+            members=self.members,
+            state_bytes_sent=stream.bytes_sent,
         )
 
     # ------------------------------------------------------------ helpers
