@@ -58,7 +58,7 @@ class Boundaries:
         departing = tuple(record.get("departing", ())) if self.shards is not None else ()
         group = members + departing
         rank = group.index(self.args.device_id)
-        self.faults.fire("formation", self.committed, self.members)
+        self.faults.fire("formation", self.committed.step, self.members)
         # Forming a gloo group waits for every member inside C++, where a member's
         # death is only seen at the timeout. Meet in the store first, where it is
         # seen at once (the coordinator's death notices), then form in milliseconds.
@@ -88,11 +88,11 @@ class Boundaries:
             if not departing:
                 self.link.send("formed", generation=generation)
             # Every wait of a boundary watches for a peer the coordinator reports dead (killed or hung).
-            start = self._start_digest() if self.committed == 0 else 0.0
+            start = self._start_digest() if self.committed.step == 0 else 0.0
             held, report = self._held_step(), self._stream_report()
             stock = collective(
                 lambda: training_state.take_stock(
-                    held, self.committed_wall, rank, len(group), self.device, peer_lost, start, report
+                    held, self.committed.wall, rank, len(group), self.device, peer_lost, start, report
                 )
             )
             self.stream_note = ""
@@ -121,7 +121,7 @@ class Boundaries:
                 self.link.send("formed", generation=generation)
         self.generation, self.members, self.rank = generation, members, rank
         self.link.report_head = (generation, members)  # what it tells a restarted driver, should this one go
-        self._step_in_flight = None  # a step broken off before this boundary is redone from here
+        self.committed.break_off()  # a step broken off before this boundary is redone from here
         self.sync.start_generation(len(members))
         if rank == 0:
             # The previous rank 0 (or driver) may have died with records unsent or unread, or this
@@ -137,7 +137,7 @@ class Boundaries:
                 stall,
                 boundary_bytes,
                 self.stream_note,
-                step=self.committed,
+                step=self.committed.step,
                 generation=generation,
                 members=members,
             )
@@ -152,8 +152,8 @@ class Boundaries:
             and last is not None
             and last.get("kind") == "step"
             and "digest" not in last
-            and last.get("step") == self.committed - 1  # the state held is after that step
-            and self.parameters_complete
+            and last.get("step") == self.committed.step - 1  # the state held is after that step
+            and (self.shards is None or self.shards.values_complete)
             and not self._listening()
         ):
             self._exact_record(last["step"])
@@ -210,13 +210,13 @@ class Boundaries:
                     state,
                     stock.receivers,
                     self.device,
-                    after_size=lambda: self.faults.fire("transfer", self.committed, self.members),
+                    after_size=lambda: self.faults.fire("transfer", self.committed.step, self.members),
                 )
             )
         elif rank in stock.receivers:
             # A joiner holds nothing committed: it receives the model in place. A member
             # that is only behind keeps its own state intact until the new one is whole.
-            own = self.model.state_dict() if self.committed < 0 else None
+            own = self.model.state_dict() if self.committed.step < 0 else None
             self._restore(collective(lambda: training_state.receive_state(stock.source, self.device, own)))
         # The stall ends when the slowest receiver has restored; the sum says what the boundary sent.
         return collective(lambda: training_state.all_level(world_size, self.device, sent))

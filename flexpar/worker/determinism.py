@@ -85,7 +85,8 @@ class Determinism:
             stats[slots.virtual_worker_loss.start + virtual_worker] = loss_term
             stats[slots.virtual_worker_count.start + virtual_worker] = count
         stats[slots.rank_part(slots.maxima, self.rank)] = torch.tensor(self.exact.maxima, dtype=torch.float64)
-        if self.parameters_complete and not self._listening():  # sharded, or streaming: not all here yet
+        values_here = self.shards is None or self.shards.values_complete  # sharded: after the broadcast
+        if values_here and not self._listening():  # a listener does not hold them all yet
             checksums = parameter_checksums(self._trained_parameters())
             stats[slots.rank_part(slots.checksums, self.rank)] = torch.tensor(checksums, dtype=torch.float64)
         else:

@@ -1,37 +1,7 @@
 """One device's training from start to exit: its lifecycle.
 
-Lifecycle (`Phase`, flexpar/worker/phase.py), with its transitions:
-
-    WARMING    -> WAITING     built the model, ran one forward/backward, told the coordinator
-    WAITING    -> FORMING     a published generation includes this device
-    FORMING    -> ACTIVE      the generation's process group formed; state is level
-    ACTIVE     -> FORMING     at a step boundary, all members agreed on a newer generation
-    ACTIVE     -> LEAVING     ... that leaves this device out (planned scale-in: it skips
-                              that step's update, which every survivor commits, and exits
-                              at the lowest CPU priority). A sharded job's leaver commits
-                              it, hands its chunks over in the new generation's boundary
-                              (LEAVING while it does), then exits; after a failure in that
-                              hand-off it is departing again in the recovery generation
-    ACTIVE     -> RECOVERING  a collective failed (a peer died or hung)
-    FORMING    -> RECOVERING  forming or levelling the state failed
-    RECOVERING -> FORMING     the coordinator published the survivors' generation
-    RECOVERING -> LEAVING     ... without this device
-    ACTIVE     -> STOPPING    all members agreed to stop after this step: the driver asked
-                              (SIGTERM to it, a callback); rank 0 writes a checkpoint
-    STOPPING   -> DONE
-    ACTIVE     -> ORPHANED    the driver is gone: the members committed the step in flight
-                              together (agreed in its statistics), or it broke off (abandoned)
-    WARMING, WAITING, FORMING, RECOVERING -> ORPHANED    the driver is gone (a warming
-                              device finishes its warm-up first: that needs no driver)
-    ORPHANED   -> FORMING     a driver restarted with --resume re-adopted it: the state it
-                              holds is kept, a generation above every one seen holds it
-                              (a device the old driver had not let in yet stays a joiner)
-    ORPHANED   -> DONE        no driver came back within driver_grace_s, a driver that does
-                              not re-adopt answered, SIGTERM, or it was refused (a device of an
-                              older generation): it exits, its last committed step on disk
-    any        -> DONE        the last step committed, or the job was stopped
-    any        -> LEAVING     SIGTERM to this device: it asks to leave at the next boundary
-                              (preemption); a second SIGTERM or the grace period kills it
+Its phases and the transitions between them are flexpar/worker/phase.py's
+`Phase`; `Worker.run` moves the device through them.
 
 The step itself, from the VWs to the optimizer update, is flexpar/worker/step_loop.py
 (`StepLoop.train`, which `Worker.run` calls once the device is active); the
@@ -43,9 +13,11 @@ scheduled faults, fault_injection.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
+import socket
 import sys
 import time
 from typing import Optional
@@ -59,22 +31,21 @@ from flexpar.comm import state_transfer as training_state
 from flexpar.comm.collectives import GroupReaper, PeerFailure, collective, wait_for_collective
 from flexpar.comm.exact_sync import ExactSync
 from flexpar.comm.gradient_sync import GradientSync
-from flexpar.comm.protocol import get_blob, get_json, join_proof, put_blob, tell_driver
+from flexpar.comm.protocol import adopt_proof, get_blob, get_json, join_proof, put_blob, tell_driver
 from flexpar.comm.sparse_sync import sparse_parameters
-from flexpar.core import balance, batching, factory_checks
-from flexpar.errors import UserCodeError
+from flexpar.core import adoption, factory_checks
 from flexpar.version import __version__
-from flexpar.worker import checkpoints
+from flexpar.worker import checkpoints, orphan
 from flexpar.worker.boundaries import Boundaries
+from flexpar.worker.committed import CommittedStep
 from flexpar.worker.cost_planner import CostPlanner
 from flexpar.worker.determinism import make_deterministic
 from flexpar.worker.device_link import DeviceLink, DriverLost, Evicted
-from flexpar.worker.evaluator import WorkerEvaluation
+from flexpar.worker.evaluator import Evaluation
 from flexpar.worker.fault_injection import FaultSchedule
 from flexpar.worker.frozen_part import FrozenPart
-from flexpar.worker.loader import VirtualWorkerLoader, load_batch
-from flexpar.worker.loader import to_device as _to_device
-from flexpar.worker.orphan import WorkerOrphan
+from flexpar.worker.gradient import AppliedGradient
+from flexpar.worker.loader import VirtualWorkerLoader
 from flexpar.worker.phase import Phase
 from flexpar.worker.records import RecordQueue
 from flexpar.worker.settings import RunSettings, WorkerArgs
@@ -84,7 +55,8 @@ from flexpar.worker.shards import ShardedOptimizer, sharding_by
 from flexpar.worker.state_keeping import WorkerCheckpoints
 from flexpar.worker.step_loop import StepLoop, StopEarly
 from flexpar.worker.streaming import Streaming
-from flexpar.worker.user_code import build_model, build_optimizer, loss_terms, model_digest
+from flexpar.worker.user_code import build_model, build_optimizer, model_digest
+from flexpar.worker.warm_up import warm_up
 
 
 def _yield_cores() -> None:
@@ -116,8 +88,6 @@ class Worker(
     ShardLevelling,
     ShardStreaming,
     WorkerCheckpoints,
-    WorkerEvaluation,
-    WorkerOrphan,
     Streaming,
 ):
     """One device's training: its lifecycle (`Phase`), the step loop, the boundaries between generations.
@@ -169,12 +139,11 @@ class Worker(
         recipes.check_compile(self.job, self.device.type)
         self.forward_model = recipes.compiled(self.job, self.model)
         self.scaler = recipes.make_scaler(self.job)  # fp16 only; part of the training state
-        self._grad_norm = 0.0  # of the step in flight's applied gradient (`_prepare_gradient`)
+        self.gradient = AppliedGradient(self.job, self.sync, self.scaler)  # the gradient a step applies
         self.reaper = GroupReaper()
         self.loader = VirtualWorkerLoader(
             self.job, self._plan, self.settings.total_steps, record_indices=self.settings.sample_ledger
         )
-        self.balance_state = balance.BalanceState(seconds_per_vw={})
         # Job(sample_cost=...): each step's VW sets by predicted cost (flexpar/worker/cost_planner.py).
         self.cost_planner = (
             CostPlanner(self.job, self.settings.total_steps) if self.job.sample_cost is not None else None
@@ -182,15 +151,13 @@ class Worker(
         self.generation = 0
         self.members: tuple = ()
         self.rank = 0
-        self.assignment: tuple = ()
-        self.committed = -1
-        self.committed_wall = time.time()
+        self.committed = CommittedStep()  # the last committed step, its time and balance (committed.py)
         self.salt = link.store.get("job/salt").decode()
         self.proof = join_proof(args.secret, args.device_id, self.salt)
         self.records = RecordQueue(link)  # kept until the driver acknowledges them (records.py)
         self.faults = FaultSchedule(args.device_id, self.settings.faults, self.settings.driver_pid, args.remote)
-        self._step_in_flight: Optional[int] = None  # the step this device computes, until it commits
-        self._generation_records: dict = {}  # a published generation's record the members move to later
+        self.evaluation = Evaluation(self.job, self.model, self.device, link, self.records, self.faults)
+        self.committed.in_flight: Optional[int] = None  # the step this device computes, until it commits
         self._warmup_s: Optional[float] = None  # set once warm
 
     def _peer_lost(self) -> Optional[str]:
@@ -242,6 +209,66 @@ class Worker(
             except DriverLost as lost:
                 generation, record = self._orphaned(agreed=lost.agreed)
 
+    def _orphaned(self, agreed: bool) -> tuple:
+        """ORPHANED: the state in order, then the wait for a restarted driver (flexpar/worker/orphan.py);
+        returns the generation (number, record) it re-adopted this device into."""
+        self.phase = Phase.ORPHANED
+        # A joiner still listening holds no committed state of its own: it reports none, writes no rescue.
+        streamed = self._abandon_stream()
+        abandoned = self.committed.break_off()
+        # Sharded: a step whose summed gradient every member holds may still be finished (shard_levelling.py).
+        self._zero_grad(keep_gradient=self.pending_commit is not None)
+        seen = self.link.latest_generation
+        lost_at = self.link.lost_at or time.time()
+        holds = self.committed.step >= 0 and bool(self.members)
+        # Faults aimed at the lost driver are spent: a re-adopted rank 0 must not fire them at the next,
+        # nor the rescue checkpoint below at the lost one's pid.
+        self.faults.spend_driver_faults(self.committed.step)
+        # Written while the old group still stands (agreed: every member is there).
+        path = self._write_rescue(agreed) if holds else ""
+        self.reaper.retire(self.sync.release_works() + streamed)()
+        generation, record, salt, settings = orphan.wait_for_a_driver(
+            self.link,
+            self.args,
+            self.settings,
+            path,
+            self.committed.step,
+            self.generation,
+            seen,
+            lost_at,
+            lambda salt: self._adoption_report(seen, lost_at, abandoned, salt),
+            self._say,
+        )
+        # The restarted driver's salt (proofs) and settings (checkpoints, timeouts, the eval verdict, the
+        # resume command); this device's own remaining faults stay.
+        self.salt = salt
+        self.proof = join_proof(self.args.secret, self.args.device_id, salt)
+        self.settings = dataclasses.replace(RunSettings(**settings), faults=self.settings.faults)
+        self.faults.new_driver(self.settings.driver_pid)
+        self.link.configure(self.settings.timeout_s, self.settings.driver_grace_s)
+        where = orphan.address(self.settings, self.args)
+        self._say(f"re-adopted by the restarted driver at {where} (generation {generation})")
+        return generation, record
+
+    def _adoption_report(self, seen: int, lost_at: float, abandoned: bool, salt: str) -> dict:
+        """What this device tells a restarted driver (core.adoption.DeviceReport's fields, and who it is)."""
+        return {
+            "generation": self.generation,
+            "members": list(self.members),
+            "seen": max(seen, self.generation),
+            "committed": self.committed.step,
+            "warm": self._warmup_s is not None,
+            "lost_at": lost_at,
+            "abandoned": abandoned,
+            "proof": adopt_proof(self.args.secret, self.args.device_id, salt),
+            "fingerprint": adoption.fingerprint(self.job, self.settings, __version__),
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "remote": self.args.remote,
+            "device": self.args.device,
+            **self._identity(),
+        }
+
     def _admitted(self) -> tuple:
         """Announce, warm up, say ready, and wait to be let in: the first generation that holds this device.
 
@@ -265,7 +292,16 @@ class Worker(
             self.link.announced = True
         self.faults.fire("warmup", 0, self.members)
         if not self.withdrawing:
-            self._warmup_s = self.warm_up()
+            self._warmup_s = warm_up(
+                self.job,
+                self.model,
+                self.forward_model,
+                self.device,
+                self.sync,
+                self.frozen,
+                self._zero_grad,
+                self.args.device_id,
+            )
         try:
             if not self.withdrawing:
                 self.link.send("ready", proof=self.proof, **self._identity())
@@ -277,7 +313,7 @@ class Worker(
         self.faults.fire("admitted", 0, self.members)
         # Devices of generation 1 built the same model from the same seed: step 0 is
         # committed everywhere. Later joiners hold nothing yet and receive the state.
-        self.committed = 0 if generation == 1 else -1
+        self.committed.admitted(first_generation=generation == 1)
         if generation == 1 and self.settings.resume_path:
             if self.shards is not None:  # every member reads its own chunks
                 self._resume_sharded(tuple(record["members"]))
@@ -305,40 +341,6 @@ class Worker(
             "digest_s": self.frozen.digest_s if self.frozen.layout.frozen else None,
         }
 
-    def warm_up(self) -> float:
-        """One forward and backward of one VW, no update: pays start-up costs off the critical path."""
-        started = time.perf_counter()
-        indices = batching.virtual_worker_indices(
-            self.job.seed, 0, 0, len(self.job.dataset), self.job.global_batch, self.job.virtual_workers
-        )
-        batch = _to_device(load_batch(self.job, indices, batching.data_seed(self.job.seed, 0, 0)), self.device)
-        buffers = [(name, buffer.clone()) for name, buffer in self.model.named_buffers()]  # BatchNorm must not count it
-        try:  # under the step's autocast: with compile=True, this compiles the graph the steps run
-            with recipes.autocast(self.job, self.device.type):
-                result = self.job.loss(self.forward_model, batch)
-            terms = loss_terms(result, 0, 0)
-            terms.tensor.backward()
-            # A token-weighted loss needs its counts summed exactly (flexpar/comm/gradient_sync.py). Every device
-            # warms up on the same batch, so every device takes the same collectives.
-            self.sync.exact_stats = terms.count is not None
-        except Exception as error:
-            if self.job.compile and recipes.is_compile_error(error):
-                raise UserCodeError(
-                    f"torch.compile failed on device {self.args.device_id} during its warm-up "
-                    f"({type(error).__name__}: {str(error).strip()[:2000]}); run without "
-                    "compile=True, or try compile_options={'backend': 'aot_eager'}"
-                ) from error
-            raise
-        self._zero_grad()
-        # Buffers the forward moved (BatchNorm statistics, a frozen trunk's included) always travel.
-        self.frozen.note_warm_up(
-            name for (name, saved), buffer in zip(buffers, self.model.buffers()) if not torch.equal(buffer, saved)
-        )
-        with torch.no_grad():
-            for (_, saved), buffer in zip(buffers, self.model.buffers()):
-                buffer.copy_(saved)
-        return time.perf_counter() - started
-
     def finish(self, stopped: str = "", checkpoint: str = "") -> None:
         self.phase = Phase.DONE
         self._checkpoint_writer_now().wait()  # the checkpoint "done" names exists before the job ends
@@ -356,11 +358,11 @@ class Worker(
                 if self.rank == 0:
                     raise
         if self.rank == 0:
-            data = training_state.to_bytes({"model": self._model_state_for_transfer(), "step": self.committed})
+            data = training_state.to_bytes({"model": self._model_state_for_transfer(), "step": self.committed.step})
             with self.link.driver_needed():  # a driver lost now: a restarted one gets the result
                 put_blob(self.link.store, "result", data, self.args.secret)
                 self.link.flush()
-                done = {"step": self.committed, "stopped": stopped, "checkpoint": checkpoint}
+                done = {"step": self.committed.step, "stopped": stopped, "checkpoint": checkpoint}
                 tell_driver(self.link.store, "done", json.dumps(done))
 
     def stop_early(self) -> None:
@@ -369,13 +371,15 @@ class Worker(
         # Another member may have seen the request first: ask the store for its words,
         # so that every member agrees on the reason (a callback's stop evaluates once more).
         reason = (
-            self._verdict_stop
+            self.evaluation.verdict_stop
             or self.link.finish_reason
             or self.link.read_finish_reason()
             or "the driver asked to stop"
         )
-        if reason.startswith(CALLBACK_STOP) and self._evaluation_due(final=True):
-            self.evaluate(ask_driver=False)  # a callback's stop ends as the last step does
+        if reason.startswith(CALLBACK_STOP) and self.evaluation.due(
+            self.committed.step, self.generation, self.settings, final=True
+        ):
+            self._evaluate(ask_driver=False)  # a callback's stop ends as the last step does
         checkpoint = ""
         # Sharded: every member writes its part (a listening joiner holds none)
         if self.shards is not None and self.settings.checkpoint_dir and not self._listening():
@@ -385,9 +389,10 @@ class Worker(
                 checkpoint = self._write_checkpoint(self.settings.checkpoint_dir)
             self.records.publish_event(
                 "stop",
-                f"{reason}; stopped after step {self.committed}" + (f", checkpoint {checkpoint}" if checkpoint else ""),
+                f"{reason}; stopped after step {self.committed.step}"
+                + (f", checkpoint {checkpoint}" if checkpoint else ""),
                 0.0,
-                step=self.committed,
+                step=self.committed.step,
                 generation=self.generation,
                 members=self.members,
             )

@@ -14,7 +14,7 @@ own). The pieces, in the order a step meets them:
   a chunk is on a member that did not commit it.
 - `_broadcast_parameters`: after the update, each chunk's primary sends its
   updated parameter values to every member (flexpar/comm/shard_transfer.py);
-  until then the member's `parameters_complete` is False.
+  until then the member's `ShardedOptimizer.values_complete` is False.
 - `_level_sharded`: at a boundary, every member reports what it holds, the
   pure plan (flexpar/core/shard_plan.py) says who sends what, one
   many-to-many exchange moves it, and once every member has passed, each keeps
@@ -46,9 +46,7 @@ class ShardLevelling:
     """Part of `flexpar.worker.lifecycle.Worker` for sharded jobs (`self.shards` is not None)."""
 
     shards = None  # flexpar.worker.shards.ShardedOptimizer, or None (an unsharded job)
-    shard_partition: Optional[Partition] = None  # the partition of the current generation
     pending_commit: Optional[tuple] = None  # a step whose gradient this device holds but did not apply
-    parameters_complete = True  # every sharded parameter value is at `self.committed`
 
     def _zero_grad(self, keep_gradient: bool = False) -> None:
         if self.shards is None:
@@ -75,12 +73,17 @@ class ShardLevelling:
             work = collective(lambda: dist.all_reduce(flag, async_op=True))
             wait_for_collective(work, self._peer_lost)
 
+    def _applying_pending(self) -> None:
+        """The step whose gradient was confirmed is being applied: it is no longer pending (a failure
+        from here on does not keep its gradient)."""
+        self.pending_commit = None
+
     def _broadcast_parameters(self, step: int) -> None:
         """Every member gets the updated values of the chunks others stepped (their primaries send)."""
         self.faults.fire("update", step, self.members)
-        if not self.parameters_complete or self._shard_streaming():  # a listener needs every value
-            broadcast_chunks(self.shards.flat, self.shard_partition.chunks, self._peer_lost)
-            self.parameters_complete = True
+        if not self.shards.values_complete or self._shard_streaming():  # a listener needs every value
+            broadcast_chunks(self.shards.flat, self.shards.partition.chunks, self._peer_lost)
+            self.shards.values_received()
 
     # ------------------------------------------------------------ boundaries
 
@@ -90,7 +93,7 @@ class ShardLevelling:
         if self.pending_commit is None:
             return
         pending, self.pending_commit = self.pending_commit, None
-        if stock.latest_step == self.committed + 1:  # another member committed it: finish it here
+        if stock.latest_step == self.committed.step + 1:  # another member committed it: finish it here
             self.stream = self.stream_of_pending
             try:
                 self._commit_step(*pending)
@@ -106,8 +109,8 @@ class ShardLevelling:
         """
         shards = self.shards
         self._finish_pending(stock)
-        holdings = () if self.committed < 0 else (shards.everything() if shards.pristine else shards.holdings())
-        numbers = [self.committed, int(self.parameters_complete), int(rank < training)]
+        holdings = () if self.committed.step < 0 else (shards.everything() if shards.pristine else shards.holdings())
+        numbers = [self.committed.step, int(shards.values_complete), int(rank < training)]
         rows = gather_reports(numbers, holdings, len(group), self.device, peer_lost)
         reports = [Report(row[0], bool(row[1]), tuple(intervals), bool(row[2])) for row, intervals in rows]
         target = self._target_partition(training)
@@ -138,18 +141,17 @@ class ShardLevelling:
                     shards.values(transfer.space, transfer.start, transfer.stop)
                 )
         if outgoing:
-            self.faults.fire("transfer", self.committed, self.members)
+            self.faults.fire("transfer", self.committed.step, self.members)
         messages, sent = exchange(outgoing, sorted(incoming), self.device, raw_out, raw_in, peer_lost)
         if rank in plan.state_receivers:  # a joiner, or a member whose state is of an older step
             shards.drop()
             self._restore_replicated(messages[plan.state_source]["replicated"])
         shards.add((tuple(segment), state) for message in messages.values() for segment, state in message["pieces"])
         if receives_values:
-            self.parameters_complete = True
+            shards.values_received()
         total = collective(lambda: training_state.all_level(len(group), self.device, sent, peer_lost))
         # Every member holds what it needs: each keeps its chunks of the new partition only.
         shards.install(target if rank < training else None, rank)
-        self.shard_partition = target if rank < training else None
         return total
 
     def _lost_message(self, lost: tuple, record: dict) -> str:
@@ -175,7 +177,7 @@ class ShardLevelling:
         return {
             "replicated": self.shards.replicated_state(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "step": self.committed,
+            "step": self.committed.step,
             "extra": self._capture_extra(),
         }
 
@@ -210,8 +212,7 @@ class ShardLevelling:
         shards.drop()
         shards.add(pieces)
         shards.install(target, rank)
-        self.shard_partition = target
-        self.parameters_complete = True
+        shards.values_received()
 
 
 def _to(value, device):

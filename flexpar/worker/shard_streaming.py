@@ -112,7 +112,7 @@ class ShardStreaming:
     def _stream_reports(self, group: tuple, peer_lost) -> list:
         """Every member's report, with whether its optimizer state may stream and its bytes per element."""
         shards = self.shards
-        holdings = () if self.committed < 0 else (shards.everything() if shards.pristine else shards.holdings())
+        holdings = () if self.committed.step < 0 else (shards.everything() if shards.pristine else shards.holdings())
         streamable, per_element = 1, 1
         for piece in shards.slices.values():
             state = shards.optimizer.state.get(piece, {})
@@ -123,7 +123,7 @@ class ShardStreaming:
             per_element = max(per_element, size)
         # The bytes per sender and step: rank 0's (a member: a joiner has no step times of its own yet).
         sender_bytes = self._sender_bytes()
-        numbers = [self.committed, int(self.parameters_complete), 1, int(shards.pristine), streamable, per_element]
+        numbers = [self.committed.step, int(shards.values_complete), 1, int(shards.pristine), streamable, per_element]
         numbers.append(sender_bytes)
         rows = gather_reports(numbers, holdings, len(group), self.device, peer_lost)
         return [
@@ -157,8 +157,8 @@ class ShardStreaming:
         if rank in joiners:
             shards.drop()
             self._restore_replicated(messages[levelling.state_source]["replicated"])
-            self.parameters_complete = False  # every value arrives with the first step's broadcast
-        self.shard_partition = old
+            shards.values_outdated()  # every value arrives with the first step's broadcast
+        shards.work_with(old)
         total = collective(lambda: training_state.all_level(len(group), self.device, sent, peer_lost))
         self.stream = ShardStream(
             plan,
@@ -299,8 +299,7 @@ class ShardStreaming:
                     f"state) differs from {self.members[move.source]}'s; the join is not trusted, so the job stops"
                 )
         shards.install(stream.new, self.rank)  # the same step on every member: the next one runs with it
-        self.shard_partition = stream.new
-        self.parameters_complete = True  # this step's broadcast brought every value
+        shards.values_received()  # this step's broadcast brought every value
         if self.rank == 0:
             self._publish_stream_event(step)
         self.stream = None
@@ -319,12 +318,10 @@ class ShardStreaming:
         stream.arriving, stream.sending = [], []
         if stream.rank in stream.listeners:
             self.shards.drop()
-            self.shard_partition = None
-            self.parameters_complete = False
+            self.shards.values_outdated()
             self.stream_of_pending = None
         else:
             self.shards.install(stream.old, stream.rank)
-            self.shard_partition = stream.old
             self.stream_of_pending = stream if self.pending_commit is not None else None
 
 

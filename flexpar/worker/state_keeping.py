@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 from flexpar.comm import state_transfer as training_state
-from flexpar.core import balance, frozen
+from flexpar.core import frozen
 from flexpar.errors import UserCodeError
 from flexpar.worker import checkpoints
 
@@ -31,7 +31,9 @@ class WorkerCheckpoints:
         # checkpoint_frozen: `_write_checkpoint` adds the frozen parameters after the copy.
         model_state = self._model_state_for_transfer()
         extra = self._capture_extra(for_checkpoint, model_state)
-        return training_state.capture(self.model, self.optimizer, self.scheduler, self.committed, extra, model_state)
+        return training_state.capture(
+            self.model, self.optimizer, self.scheduler, self.committed.step, extra, model_state
+        )
 
     def _capture_extra(self, for_checkpoint: bool = False, model_state: Optional[dict] = None) -> dict:
         """What travels with the model and optimizer: balancing, commit time, records, loss scale, rates.
@@ -41,11 +43,7 @@ class WorkerCheckpoints:
         `checkpoint_frozen`, or nothing frozen and no buffer left out), so that
         export needs the factory only when some weight must be rebuilt.
         """
-        extra = {
-            "balance": balance.state_to_dict(self.balance_state),
-            "committed_wall": self.committed_wall,
-            "recent_records": self.records.to_json(),
-        }
+        extra = {**self.committed.extra(), "recent_records": self.records.to_json()}
         if self.scaler is not None:  # fp16: the loss scale travels to joiners and into checkpoints
             extra["grad_scaler"] = self.scaler.state_dict()
         if self.cost_planner is not None:  # by cost: joiners plan with the same rates
@@ -82,10 +80,7 @@ class WorkerCheckpoints:
     def _restore_extra(self, state: dict) -> None:
         """The committed step and what `_capture_extra` captured."""
         extra = state.get("extra") or {}
-        self.committed = int(state["step"])
-        if "balance" in extra:
-            self.balance_state = balance.state_from_dict(extra["balance"])
-        self.committed_wall = float(extra.get("committed_wall", self.committed_wall))
+        self.committed.restore(int(state["step"]), extra)
         self.records.load_json(extra.get("recent_records", "[]"))
         if self.scaler is not None and "grad_scaler" in extra:
             self.scaler.load_state_dict(extra["grad_scaler"])
@@ -97,7 +92,7 @@ class WorkerCheckpoints:
     def _maybe_checkpoint(self) -> None:
         """Every `checkpoint_every` steps, and always after the last step."""
         every = self.settings.checkpoint_every
-        if every and (self.committed % every == 0 or self.committed == self.settings.total_steps):
+        if every and (self.committed.step % every == 0 or self.committed.step == self.settings.total_steps):
             self._write_checkpoint(self.settings.checkpoint_dir)
 
     def _write_checkpoint(self, directory: str, parts=None, common=None) -> str:
@@ -109,24 +104,24 @@ class WorkerCheckpoints:
         for before the next one starts, in `finish`, on the rescue path and
         before the process exits.
         """
-        path = checkpoints.checkpoint_path(directory, self.committed)
-        self.faults.fire("checkpoint", self.committed, self.members)
+        path = checkpoints.checkpoint_path(directory, self.committed.step)
+        self.faults.fire("checkpoint", self.committed.step, self.members)
         # This device wrote this step here already (the last step, then the stop): the same state.
         # A file that is there for any other reason (an earlier try of this run) is replaced, never kept.
-        if self._checkpoint_written == (directory, self.committed):
+        if self._checkpoint_written == (directory, self.committed.step):
             return path
         writer = self._checkpoint_writer_now()
         if self.shards is not None:
             files = self._sharded_checkpoint_files(directory, parts, common)
-            writer.submit_files(directory, self.committed, checkpoints.cpu_copy(files))
+            writer.submit_files(directory, self.committed.step, checkpoints.cpu_copy(files))
         else:
             state = checkpoints.cpu_copy(self._capture(for_checkpoint=True))
             if self.settings.checkpoint_frozen:
                 # The frozen parameters never change: the writer thread serialises the live
                 # tensors, so the step loop copies only what trains (and the small buffers).
                 state["model"] = self.frozen.complete(self.model, state["model"])
-            writer.submit(directory, self.committed, state)
-        self._checkpoint_written = (directory, self.committed)
+            writer.submit(directory, self.committed.step, state)
+        self._checkpoint_written = (directory, self.committed.step)
         return path
 
     _checkpoint_written: tuple = ()  # (folder, step) of this device's last checkpoint write
@@ -142,8 +137,8 @@ class WorkerCheckpoints:
         no device ever holds the whole optimizer state, and any partition reads
         any other (flexpar/worker/checkpoints.py's `CheckpointReader`).
         """
-        shards, step = self.shards, self.committed
-        layout = self.shard_partition
+        shards, step = self.shards, self.committed.step
+        layout = shards.partition
         parts = (self.rank,) if parts is None else parts
         files = []
         for index in sorted(parts):
@@ -198,26 +193,19 @@ class WorkerCheckpoints:
         every device die meanwhile, the step is on disk.
         """
         directory = self.settings.checkpoint_dir or self.settings.rescue_dir
-        if self.shards is not None and self.shard_partition is not None:
+        if self.shards is not None and self.shards.partition is not None:
             # Sharded: agreed, every member writes its part (rank 0 the common file too); otherwise
             # every survivor writes every part it holds, and the common file if its parameters are whole.
-            held = {chunk.index for chunk in self.shard_partition.held_by(self.rank)}
+            held = {chunk.index for chunk in self.shards.partition.held_by(self.rank)}
             path = self._write_checkpoint(
                 directory,
                 parts=None if agreed else held,
-                common=None if agreed else self.parameters_complete,
+                common=None if agreed else self.shards.values_complete,
             )
             self.wait_for_checkpoint()
         elif self.rank == 0 or not agreed:
             path = self._write_checkpoint(directory)
             self.wait_for_checkpoint()
             return path
-        path = checkpoints.checkpoint_path(directory, self.committed)
+        path = checkpoints.checkpoint_path(directory, self.committed.step)
         return path + (f" (written by {self.members[0]})" if self.members else "")
-
-    def _resume_command(self) -> str:
-        """The command that resumes this job (the driver's, with its pins; flexpar.driver.launch.resume_command)."""
-        directory = self.settings.checkpoint_dir or self.settings.rescue_dir
-        return self.settings.resume_command or (
-            f"flexpar run --resume --checkpoint-dir {directory} {self.settings.script or 'SCRIPT'}"
-        )

@@ -26,7 +26,7 @@ from flexpar import recipes
 from flexpar.comm.collectives import collective
 from flexpar.core import balance, batching
 from flexpar.core import ledger as sample_ledger
-from flexpar.core.step_statistics import StatsLayout, mixed_loss_message, nonfinite_gradient_message
+from flexpar.core.step_statistics import mixed_loss_message
 from flexpar.errors import UserCodeError
 from flexpar.worker import records
 from flexpar.worker.determinism import Determinism
@@ -39,7 +39,16 @@ class StopEarly:
 
 
 class StepLoop(Determinism):
-    """The step loop of `flexpar.worker.lifecycle.Worker` (a part of it; its attributes are the worker's own)."""
+    """The step loop of `flexpar.worker.lifecycle.Worker` (a part of it; its attributes are the worker's own).
+
+    Its own state: `assignment`, the VWs per member of the last step it ran
+    (the loader prefetches along it), and `_generation_records`, the newest
+    published generation's record the members move to at a later boundary.
+    Both are replaced, never changed in place.
+    """
+
+    assignment: tuple = ()
+    _generation_records: dict = {}
 
     # ------------------------------------------------------------ training
 
@@ -56,13 +65,13 @@ class StepLoop(Determinism):
         that it leaves from the step's statistics and returns before that
         step's optimizer update (see `_skips_last_update`).
         """
-        while self.committed < self.settings.total_steps:
-            if self._evaluation_due():  # the model of the step boundary, in this generation
-                if self.evaluate(ask_driver=self.settings.eval_verdict):
+        while self.committed.step < self.settings.total_steps:
+            if self.evaluation.due(self.committed.step, self.generation, self.settings):  # the step boundary's model
+                if self._evaluate(ask_driver=self.settings.eval_verdict):
                     return StopEarly()
             self.link.check(driver_loss_handled=True)
             if self.cost_planner is not None:  # by cost: this step's own VW sets, any VWs per device
-                sets = self.cost_planner.assignment(self.committed, self.members)
+                sets = self.cost_planner.assignment(self.committed.step, self.members)
                 assignment, mine = tuple(len(members) for members in sets), sets[self.rank]
             else:
                 assignment = self._step_assignment()
@@ -70,16 +79,20 @@ class StepLoop(Determinism):
                     self.rank == 0
                     and len(self.assignment) == len(assignment)
                     and assignment != self.assignment
-                    and tuple(self.balance_state.device_ids) == self._contributors()
+                    and tuple(self.committed.balance.device_ids) == self._contributors()
                 ):
                     detail = f"{list(self.assignment)} -> {list(assignment)}"
                     self.records.publish_event(
-                        "rebalance", detail, 0.0, step=self.committed, generation=self.generation, members=self.members
+                        "rebalance",
+                        detail,
+                        0.0,
+                        step=self.committed.step,
+                        generation=self.generation,
+                        members=self.members,
                     )
                 mine = batching.virtual_workers_of(assignment, self.rank)
             self.assignment = assignment
-            step = self.committed
-            self._step_in_flight = step  # abandoned if a collective breaks off (flexpar/worker/orphan.py)
+            step = self.committed.begin()  # in flight until it commits or a collective breaks off
             summed = self.run_step(step, mine)
             self.frozen.check_flags(step)  # user code changed requires_grad: stop before applying anything
             slots = self._layout()
@@ -110,7 +123,12 @@ class StepLoop(Determinism):
                 self.link.publish(self.records.last)
                 if moved:  # a planned rate moved past the noise: the plans of later steps change
                     self.records.publish_event(
-                        "rebalance", moved, 0.0, step=self.committed, generation=self.generation, members=self.members
+                        "rebalance",
+                        moved,
+                        0.0,
+                        step=self.committed.step,
+                        generation=self.generation,
+                        members=self.members,
                     )
             if self.rank == 0 or (self.shards is not None and not self._listening()):  # sharded: each its part
                 self._maybe_checkpoint()
@@ -118,19 +136,36 @@ class StepLoop(Determinism):
                 return StopEarly()
             if upcoming is not None:
                 return upcoming
-            if self.stream is not None and self.committed < self.settings.total_steps:
+            if self.stream is not None and self.committed.step < self.settings.total_steps:
                 if self.shards is not None:  # flexpar/worker/shard_streaming.py
                     self._shard_stream_round(step)
                 else:
                     self._stream_round(step)  # a streamed join's next slice (flexpar/worker/streaming.py)
-        if self._evaluation_due():  # after the last step
-            self.evaluate(ask_driver=False)
+        if self.evaluation.due(self.committed.step, self.generation, self.settings):  # after the last step
+            self._evaluate(ask_driver=False)
         return None
+
+    def _evaluate(self, ask_driver: bool) -> str:
+        """The evaluation round of the model after `committed` steps, by this generation's contributors
+        in proportion to the next step's assignment (flexpar/worker/evaluator.py)."""
+        return self.evaluation.run(
+            self.committed.step,
+            self.generation,
+            self.members,
+            self.rank,
+            self._step_assignment(),
+            self._contributors(),
+            self.settings.eval_keys,
+            self._peer_lost,
+            ask_driver,
+        )
 
     def _step_assignment(self) -> tuple:
         """This step's VWs per member: the balancer's split among the contributors, listeners at 0."""
         contributors = self._contributors()
-        return self._with_listeners(balance.next_assignment(self.balance_state, contributors, self.job.virtual_workers))
+        return self._with_listeners(
+            balance.next_assignment(self.committed.balance, contributors, self.job.virtual_workers)
+        )
 
     def _upcoming(self, target: int, step: int) -> Optional[tuple]:
         """(target, its record) if the members move to generation `target` after `step`, else None.
@@ -154,7 +189,7 @@ class StepLoop(Determinism):
         flexpar/worker/shard_levelling.py) can apply it later with the same
         result. Returns the cost balancer's rebalance detail ("" if none).
         """
-        self.pending_commit = None
+        self._applying_pending()
         world = len(self.members)
         slots = self._layout()
         if self.exact is not None:
@@ -165,28 +200,20 @@ class StepLoop(Determinism):
             loss /= float(summed[slots.count])  # the token mean of the whole global batch
         if world > 1:  # the contributors' mean (a listening joiner adds zeros)
             self._set_buffers(summed[slots.buffers] / len(self._contributors()))
-        grad_norm, skip = self._verdict_on_gradient(summed, slots, step)
+        grad_norm, skip = self.gradient.verdict(summed, slots, step)
         # The last slices sent from these values have left (or landed); waited for even where an fp16 step
         # skips its update, so that the transfers in flight are only ever one round's (streaming.py).
         self._wait_stream_transfers()
         if not skip:
             if self.shards is not None:  # the chunks this device holds; the others arrive by broadcast
                 self.shards.step()
-                self.parameters_complete = self.shard_partition.everyone_holds_everything
             else:
                 self._skip_unreceived()  # a listener does not update what it does not hold yet
                 self.optimizer.step()
             if self.scheduler is not None:
                 self.scheduler.step()
-        self.committed += 1
-        self._step_in_flight = None
-        now = time.time()
-        step_time, self.committed_wall = now - self.committed_wall, now
-        self.balance_state = balance.observe(
-            self.balance_state,
-            self._contributors(),
-            self._without_listeners(assignment),
-            self._without_listeners(busy),
+        step_time = self.committed.commit(
+            self._contributors(), self._without_listeners(assignment), self._without_listeners(busy)
         )
         record = records.step_record(
             step,
@@ -195,7 +222,7 @@ class StepLoop(Determinism):
             busy,
             assignment,
             grad_norm,
-            wall=self.committed_wall,
+            wall=self.committed.wall,
             global_batch=self.job.global_batch,
             generation=self.generation,
             members=self.members,
@@ -221,49 +248,6 @@ class StepLoop(Determinism):
         record["cost"] = self.cost_planner.device_costs(step, sets)
         record["virtual_worker_sets"] = [list(members) for members in sets]
         return self.cost_planner.observe(step, self.members, sets, busy)
-
-    def _prepare_gradient(self, summed: torch.Tensor, dense_sums: Optional[list]):
-        """Make the summed gradient the one to apply: divided by the global count (pairs) and the
-        loss scale (fp16), measured, clipped (flexpar/recipes.py).
-
-        Called by `GradientSync.finish` with the summed statistics and the dense
-        sums before they are written back (it returns the clip's multiplier,
-        which the write-back applies), or, on one device, with `dense_sums`
-        None after the step's backward. Everything here is a function of the
-        summed gradient and statistics, which every device holds alike.
-        """
-        slots = self._layout()
-        pairs, count = round(float(summed[slots.pairs])), float(summed[slots.count])
-        scale = self.scaler.scale if self.scaler is not None else 1.0
-        factor = 1.0 / ((count if pairs else 1.0) * scale) if (pairs or scale != 1.0) else 1.0
-        if dense_sums is None:
-            self._grad_norm = recipes.finish_gradients(
-                self.sync.dense, self.sync.sparse, factor, self.job.max_grad_norm
-            )
-            return None
-        self._grad_norm, multiplier = recipes.prepare_gradients(
-            dense_sums, self.sync.sparse, factor, self.job.max_grad_norm
-        )
-        return multiplier
-
-    def _verdict_on_gradient(self, summed: torch.Tensor, slots: "StatsLayout", step: int) -> tuple:
-        """(the applied gradient's norm before clipping, whether every device skips this step).
-
-        fp16: a step is skipped (no optimizer or scheduler step) when a device's
-        own gradient overflowed (the statistics say so) or the sum is not
-        finite, and the loss scale backs off; otherwise it may grow. Without a
-        loss scaler a non-finite summed gradient stops the job here, naming the
-        step: applied, it would make the next step's loss fail and blame that
-        step. Every device reads the same statistics and norm: every device agrees.
-        """
-        norm = self._grad_norm
-        if self.scaler is None:
-            if not math.isfinite(norm):
-                raise UserCodeError(nonfinite_gradient_message(step, norm))
-            return norm, False
-        skip = float(summed[slots.overflow]) > 0 or not math.isfinite(norm)
-        self.scaler.update(found_inf=skip)
-        return norm, skip
 
     def _skips_last_update(self, upcoming_record: dict) -> bool:
         """Whether this device leaves at this boundary and need not apply this step.
@@ -381,10 +365,10 @@ class StepLoop(Determinism):
             summed = self.sync.finish(
                 stats.to(self.device),
                 before_last_launch=lambda: self.faults.fire("sync", step, self.members),
-                scale=self._prepare_gradient,
+                scale=lambda summed_stats, dense_sums: self.gradient.prepare(summed_stats, dense_sums, slots),
             )
         if world == 1 or exact is not None:  # the step's gradient is in .grad (exact: converted once)
-            self._prepare_gradient(summed, None)
+            self.gradient.prepare(summed, None, slots)
         if ledger is not None:
             # Tests and the fault soak only: its own all-reduce, so the ledger never
             # changes the step's statistics vector.

@@ -157,7 +157,7 @@ class Streaming:
                     small,
                     stock.receivers,
                     self.device,
-                    after_size=lambda: self.faults.fire("transfer", self.committed, self.members),
+                    after_size=lambda: self.faults.fire("transfer", self.committed.step, self.members),
                 )
             )
         elif rank in stock.receivers:
@@ -246,7 +246,7 @@ class Streaming:
         """
         works = self._suspend_stream()
         if self._listening():
-            self.committed = -1
+            self.committed.forget()
         self.stream = None
         return works
 
@@ -276,12 +276,12 @@ class Streaming:
         stream = self.stream
         if stream is None:
             return (0.0, -1, 0)
-        listening = self.committed if self._listening() else -1
+        listening = self.committed.step if self._listening() else -1
         return (stream.identity(), listening, stream.landed_mask)  # the mask: a listener's only
 
     def _held_step(self) -> int:
         """The committed step this device reports as holding: none (-1) while it listens."""
-        return -1 if self._listening() else self.committed
+        return -1 if self._listening() else self.committed.step
 
     def _settle_stream(self, stock, generation: int, group: tuple) -> bool:
         """At a boundary, after the stock: does a stream broken off go on? If so, re-plan what did not
@@ -474,7 +474,7 @@ class Streaming:
             f"{listeners} holds the training state: {stream.plan.size} bytes streamed over {steps} "
             f"step{'s' if steps != 1 else ''} ({seconds:.2f} s){slower}",
             0.0,
-            step=self.committed,
+            step=self.committed.step,
             generation=self.generation,
             members=self.members,
             state_bytes_sent=stream.bytes_sent,
@@ -539,7 +539,7 @@ class Streaming:
 
     def _predicted_step_s(self) -> float:
         """The balancer's predicted step time (identical on every member: shared state), 0 if unknown."""
-        state = self.balance_state
+        state = self.committed.balance
         seconds = [state.seconds_per_vw.get(device, 0.0) for device in state.device_ids]
         if not state.assignment or not seconds or min(seconds) <= 0:
             return 0.0
