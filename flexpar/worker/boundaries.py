@@ -38,12 +38,13 @@ import torch.distributed as dist
 from flexpar.comm import state_transfer as training_state
 from flexpar.comm.collectives import PeerFailure, collective, fresh_group
 from flexpar.core import factory_checks
-from flexpar.worker import checkpoints
+from flexpar.worker import checkpoints, stream_rules
 from flexpar.worker.device_link import DriverLost
 
 
 class Boundaries:
-    """Part of `flexpar.worker.lifecycle.Worker`: `enter` a generation."""
+    """Part of `flexpar.worker.lifecycle.Worker`: `enter` a generation (and make it the device's
+    `Membership`)."""
 
     def enter(self, generation: int, record: dict) -> None:
         """Form the generation's process group and bring every member to the same state.
@@ -58,7 +59,7 @@ class Boundaries:
         departing = tuple(record.get("departing", ())) if self.shards is not None else ()
         group = members + departing
         rank = group.index(self.args.device_id)
-        self.faults.fire("formation", self.committed.step, self.members)
+        self.faults.fire("formation", self.committed.step, self.membership.members)
         # Forming a gloo group waits for every member inside C++, where a member's
         # death is only seen at the timeout. Meet in the store first, where it is
         # seen at once (the coordinator's death notices), then form in milliseconds.
@@ -70,13 +71,13 @@ class Boundaries:
                 if rank < len(members):
                     self._resume_sharded(members, record["restore"])
             elif rank == 0:
-                self._restore(checkpoints.read_checkpoint(record["restore"], self.device))
+                self.state.restore(checkpoints.read_checkpoint(record["restore"], self.device))
 
         def peer_lost():
             return self.link.lost_among(generation, group)
 
         # A stream in flight breaks off here; the stock says whether it goes on (flexpar/worker/streaming.py).
-        abandoned = self._suspend_stream()
+        abandoned = self.streams.suspend()
         with fresh_group(
             self.reaper.retire(self.sync.release_works() + abandoned),
             self.settings.backend,
@@ -89,13 +90,13 @@ class Boundaries:
                 self.link.send("formed", generation=generation)
             # Every wait of a boundary watches for a peer the coordinator reports dead (killed or hung).
             start = self._start_digest() if self.committed.step == 0 else 0.0
-            held, report = self._held_step(), self._stream_report()
+            held, report = self.streams.held_step(self.committed.step), self.streams.report(self.committed.step)
             stock = collective(
                 lambda: training_state.take_stock(
                     held, self.committed.wall, rank, len(group), self.device, peer_lost, start, report
                 )
             )
-            self.stream_note = ""
+            self.streams.say("")
             streaming = self._settle_stream(stock, generation, group)
             if self.shards is not None:  # joiners listen while their chunks stream where that applies
                 sent = self._level_sharded_join(stock, rank, group, len(members), record, peer_lost)
@@ -119,7 +120,7 @@ class Boundaries:
                 self.settings.timeout_s,
             ):
                 self.link.send("formed", generation=generation)
-        self.generation, self.members, self.rank = generation, members, rank
+        self.membership.enter(generation, members, rank)
         self.link.report_head = (generation, members)  # what it tells a restarted driver, should this one go
         self.committed.break_off()  # a step broken off before this boundary is redone from here
         self.sync.start_generation(len(members))
@@ -130,13 +131,13 @@ class Boundaries:
             self._complete_last_digest()
             self.records.publish_all()
             stall = max(0.0, time.time() - stock.last_commit_wall)
-            if self.stream is not None:  # the first streamed step is timed from before this stall
-                self.stream.stall_s = stall
+            if self.streams.current is not None:  # the first streamed step is timed from before this stall
+                self.streams.current.stall_s = stall
             self.records.publish_generation_events(
                 record,
                 stall,
                 boundary_bytes,
-                self.stream_note,
+                self.streams.note,
                 step=self.committed.step,
                 generation=generation,
                 members=members,
@@ -154,14 +155,14 @@ class Boundaries:
             and "digest" not in last
             and last.get("step") == self.committed.step - 1  # the state held is after that step
             and (self.shards is None or self.shards.values_complete)
-            and not self._listening()
+            and not self.streams.listening()
         ):
-            self._exact_record(last["step"])
+            self.exact_steps.record(last["step"])
 
     def _start_digest(self) -> float:
         """What this device reports of its untrained trainable part (flexpar/core/factory_checks.py)."""
         with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-            return factory_checks.start_digest(self._model_state_for_transfer(), pool.map)
+            return factory_checks.start_digest(self.state.model_state(), pool.map)
 
     def _align_start(self, stock: training_state.Stock, rank: int, group: tuple, peer_lost) -> float:
         """Before the first step: the source's trainable values replace those that differ, as DDP's
@@ -171,11 +172,11 @@ class Boundaries:
         """
         sent, names = 0, []
         if rank == stock.source:
-            state = {"model": self._model_state_for_transfer()}
+            state = {"model": self.state.model_state()}
             sent = collective(lambda: training_state.send_state(state, stock.differing, self.device))
         elif rank in stock.differing:
             received = collective(lambda: training_state.receive_state(stock.source, self.device))["model"]
-            names = factory_checks.differing_names(self._model_state_for_transfer(), received)
+            names = factory_checks.differing_names(self.state.model_state(), received)
             self.frozen.load(self.model, received)  # in place: the optimizer's (and shards') tensors stay
         total = collective(lambda: training_state.all_level(len(group), self.device, sent, peer_lost))
         if rank == stock.differing[0]:
@@ -193,30 +194,30 @@ class Boundaries:
         the whole state is sent now (the join event says which, and why)."""
         if not stock.receivers:
             return 0.0
-        refusal = self._stream_refusal(stock)
+        refusal = stream_rules.refusal(stock, self.settings, self.cost_planner is not None, self.model, self.optimizer)
         if refusal is None:
             return self._level_streamed(stock, rank, generation, group)
         if refusal != "not a join":
-            self.stream_note = f"blocking transfer: {refusal}"
+            self.streams.say(f"blocking transfer: {refusal}")
         return self._level(stock, rank, len(group))
 
     def _level(self, stock: training_state.Stock, rank: int, world_size: int) -> float:
         """Send the latest state from the source to the members behind it; returns the bytes sent."""
         sent = 0
         if rank == stock.source:
-            state = self._capture()
+            state = self.state.capture()
             sent = collective(
                 lambda: training_state.send_state(
                     state,
                     stock.receivers,
                     self.device,
-                    after_size=lambda: self.faults.fire("transfer", self.committed.step, self.members),
+                    after_size=lambda: self.faults.fire("transfer", self.committed.step, self.membership.members),
                 )
             )
         elif rank in stock.receivers:
             # A joiner holds nothing committed: it receives the model in place. A member
             # that is only behind keeps its own state intact until the new one is whole.
             own = self.model.state_dict() if self.committed.step < 0 else None
-            self._restore(collective(lambda: training_state.receive_state(stock.source, self.device, own)))
+            self.state.restore(collective(lambda: training_state.receive_state(stock.source, self.device, own)))
         # The stall ends when the slowest receiver has restored; the sum says what the boundary sent.
         return collective(lambda: training_state.all_level(world_size, self.device, sent))

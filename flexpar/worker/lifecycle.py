@@ -33,30 +33,32 @@ from flexpar.comm.exact_sync import ExactSync
 from flexpar.comm.gradient_sync import GradientSync
 from flexpar.comm.protocol import adopt_proof, get_blob, get_json, join_proof, put_blob, tell_driver
 from flexpar.comm.sparse_sync import sparse_parameters
-from flexpar.core import adoption, factory_checks
+from flexpar.core import adoption
 from flexpar.version import __version__
 from flexpar.worker import checkpoints, orphan
 from flexpar.worker.boundaries import Boundaries
 from flexpar.worker.committed import CommittedStep
 from flexpar.worker.cost_planner import CostPlanner
-from flexpar.worker.determinism import make_deterministic
+from flexpar.worker.determinism import ExactSteps, make_deterministic
 from flexpar.worker.device_link import DeviceLink, DriverLost, Evicted
 from flexpar.worker.evaluator import Evaluation
 from flexpar.worker.fault_injection import FaultSchedule
 from flexpar.worker.frozen_part import FrozenPart
 from flexpar.worker.gradient import AppliedGradient
 from flexpar.worker.loader import VirtualWorkerLoader
+from flexpar.worker.membership import Membership
 from flexpar.worker.phase import Phase
 from flexpar.worker.records import RecordQueue
 from flexpar.worker.settings import RunSettings, WorkerArgs
 from flexpar.worker.shard_levelling import ShardLevelling
 from flexpar.worker.shard_streaming import ShardStreaming
 from flexpar.worker.shards import ShardedOptimizer, sharding_by
-from flexpar.worker.state_keeping import WorkerCheckpoints
+from flexpar.worker.state_keeping import Checkpoints, TrainingState
 from flexpar.worker.step_loop import StepLoop, StopEarly
+from flexpar.worker.stream_session import StreamSession
 from flexpar.worker.streaming import Streaming
-from flexpar.worker.user_code import build_model, build_optimizer, model_digest
-from flexpar.worker.warm_up import warm_up
+from flexpar.worker.user_code import build_model, build_optimizer
+from flexpar.worker.warm_up import identity, warm_up
 
 
 def _yield_cores() -> None:
@@ -87,7 +89,6 @@ class Worker(
     Boundaries,
     ShardLevelling,
     ShardStreaming,
-    WorkerCheckpoints,
     Streaming,
 ):
     """One device's training: its lifecycle (`Phase`), the step loop, the boundaries between generations.
@@ -103,6 +104,7 @@ class Worker(
     def __init__(self, args: WorkerArgs, link: DeviceLink):
         self.args = args
         self.link = link
+        self.membership = Membership(link)  # the generation it trains in (membership.py)
         self.phase = Phase.WARMING
         self.device = torch.device(args.device)
         if self.device.type == "cuda":
@@ -126,7 +128,7 @@ class Worker(
             if self.job.shard_optimizer
             else None
         )
-        self.sync = GradientSync(self.model, self.device, self.settings.bucket_mb, peer_lost=self._peer_lost)
+        self.sync = GradientSync(self.model, self.device, self.settings.bucket_mb, peer_lost=self.membership.peer_lost)
         # Job(deterministic=True): exact int64 sums instead of the float buckets (flexpar/comm/exact_sync.py).
         self.exact = None
         if self.job.deterministic:
@@ -148,21 +150,31 @@ class Worker(
         self.cost_planner = (
             CostPlanner(self.job, self.settings.total_steps) if self.job.sample_cost is not None else None
         )
-        self.generation = 0
-        self.members: tuple = ()
-        self.rank = 0
         self.committed = CommittedStep()  # the last committed step, its time and balance (committed.py)
         self.salt = link.store.get("job/salt").decode()
         self.proof = join_proof(args.secret, args.device_id, self.salt)
-        self.records = RecordQueue(link)  # kept until the driver acknowledges them (records.py)
         self.faults = FaultSchedule(args.device_id, self.settings.faults, self.settings.driver_pid, args.remote)
+        self.streams = StreamSession()  # a streamed join in flight (stream_session.py)
+        self.records = RecordQueue(link)  # kept until the driver acknowledges them (records.py)
+        self.state = TrainingState(
+            self.job,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.frozen,
+            self.committed,
+            self.records,
+            self.scaler,
+            self.cost_planner,
+            self.exact,
+        )  # captured for peers and checkpoints, restored (state_keeping.py)
+        self.checkpoints = Checkpoints(self.state, self.shards, self.faults, self._say)
+        # Job(deterministic=True): the step's exact-sum checks and digests (determinism.py).
+        self.exact_steps = (
+            ExactSteps(self.exact, self.model, self.device, self.records) if self.exact is not None else None
+        )
         self.evaluation = Evaluation(self.job, self.model, self.device, link, self.records, self.faults)
-        self.committed.in_flight: Optional[int] = None  # the step this device computes, until it commits
         self._warmup_s: Optional[float] = None  # set once warm
-
-    def _peer_lost(self) -> Optional[str]:
-        """A member of this generation that the coordinator knows is dead, if any."""
-        return self.link.lost_among(self.generation, self.members)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -201,8 +213,13 @@ class Worker(
                     # Sharded: a step whose gradient every member holds may still be finished (shard_levelling.py).
                     self._zero_grad(keep_gradient=self.pending_commit is not None)
                     # A stream in flight breaks off; the next boundary decides whether it goes on (streaming.py).
-                    streamed = self._suspend_stream()
-                    self.link.send("failure", generation=generation, step=self._held_step(), error=str(failure)[:500])
+                    streamed = self.streams.suspend()
+                    self.link.send(
+                        "failure",
+                        generation=generation,
+                        step=self.streams.held_step(self.committed.step),
+                        error=str(failure)[:500],
+                    )
                 # Outside the except block, whose traceback holds the broken group's works.
                 self.reaper.retire(self.sync.release_works() + streamed)()
                 generation, record = self.link.wait_for_generation(generation, joining=False)
@@ -220,12 +237,16 @@ class Worker(
         self._zero_grad(keep_gradient=self.pending_commit is not None)
         seen = self.link.latest_generation
         lost_at = self.link.lost_at or time.time()
-        holds = self.committed.step >= 0 and bool(self.members)
+        holds = self.committed.step >= 0 and bool(self.membership.members)
         # Faults aimed at the lost driver are spent: a re-adopted rank 0 must not fire them at the next,
         # nor the rescue checkpoint below at the lost one's pid.
         self.faults.spend_driver_faults(self.committed.step)
         # Written while the old group still stands (agreed: every member is there).
-        path = self._write_rescue(agreed) if holds else ""
+        path = (
+            self.checkpoints.rescue(self.settings, agreed, self.membership.rank, self.membership.members)
+            if holds
+            else ""
+        )
         self.reaper.retire(self.sync.release_works() + streamed)()
         generation, record, salt, settings = orphan.wait_for_a_driver(
             self.link,
@@ -233,7 +254,7 @@ class Worker(
             self.settings,
             path,
             self.committed.step,
-            self.generation,
+            self.membership.generation,
             seen,
             lost_at,
             lambda salt: self._adoption_report(seen, lost_at, abandoned, salt),
@@ -253,9 +274,9 @@ class Worker(
     def _adoption_report(self, seen: int, lost_at: float, abandoned: bool, salt: str) -> dict:
         """What this device tells a restarted driver (core.adoption.DeviceReport's fields, and who it is)."""
         return {
-            "generation": self.generation,
-            "members": list(self.members),
-            "seen": max(seen, self.generation),
+            "generation": self.membership.generation,
+            "members": list(self.membership.members),
+            "seen": max(seen, self.membership.generation),
             "committed": self.committed.step,
             "warm": self._warmup_s is not None,
             "lost_at": lost_at,
@@ -266,7 +287,7 @@ class Worker(
             "host": socket.gethostname(),
             "remote": self.args.remote,
             "device": self.args.device,
-            **self._identity(),
+            **identity(self.model, self.frozen, self._warmup_s),
         }
 
     def _admitted(self) -> tuple:
@@ -281,7 +302,7 @@ class Worker(
         announced): cancelled, or, if it was being let in at that moment, a
         member that leaves at its first step boundary.
         """
-        self.faults.fire("announce", 0, self.members)
+        self.faults.fire("announce", 0, self.membership.members)
         if self.withdrawing:
             raise Evicted("asked to stop before it announced itself")
         try:
@@ -290,7 +311,7 @@ class Worker(
             pass  # it reports to a restarted driver instead, once warm
         finally:
             self.link.announced = True
-        self.faults.fire("warmup", 0, self.members)
+        self.faults.fire("warmup", 0, self.membership.members)
         if not self.withdrawing:
             self._warmup_s = warm_up(
                 self.job,
@@ -304,13 +325,13 @@ class Worker(
             )
         try:
             if not self.withdrawing:
-                self.link.send("ready", proof=self.proof, **self._identity())
+                self.link.send("ready", proof=self.proof, **identity(self.model, self.frozen, self._warmup_s))
                 self.phase = Phase.WAITING
-                self.faults.fire("ready", 0, self.members)
+                self.faults.fire("ready", 0, self.membership.members)
             generation, record = self.link.wait_for_generation(0, joining=True)
         except DriverLost:
             return self._orphaned(agreed=False)
-        self.faults.fire("admitted", 0, self.members)
+        self.faults.fire("admitted", 0, self.membership.members)
         # Devices of generation 1 built the same model from the same seed: step 0 is
         # committed everywhere. Later joiners hold nothing yet and receive the state.
         self.committed.admitted(first_generation=generation == 1)
@@ -318,7 +339,7 @@ class Worker(
             if self.shards is not None:  # every member reads its own chunks
                 self._resume_sharded(tuple(record["members"]))
             elif record["members"][0] == self.args.device_id:
-                self._restore(checkpoints.read_checkpoint(self.settings.resume_path, self.device))
+                self.state.restore(checkpoints.read_checkpoint(self.settings.resume_path, self.device))
         return generation, record
 
     @property
@@ -326,39 +347,24 @@ class Worker(
         """SIGTERM came before this device was let in: it stops on its way instead of joining."""
         return self.link.leave_requested_at is not None and self.phase in (Phase.WARMING, Phase.WAITING)
 
-    def _identity(self) -> dict:
-        """What says this device runs this job's model: checked by the coordinator for joiners and for
-        devices a restarted driver re-adopts alike."""
-        return {
-            "digest": model_digest(self.model),
-            "shapes": factory_checks.model_shapes(self.model),  # a refusal names the first that differs
-            "version": __version__,
-            "warmup_s": self._warmup_s,
-            "frozen_digest": self.frozen.combined,
-            "frozen_digests": self.frozen.digests,
-            # The digest's time is news only where something is frozen (a fine-tuning job); a
-            # fully trainable model's join event keeps its plain "(warm-up X s)" detail.
-            "digest_s": self.frozen.digest_s if self.frozen.layout.frozen else None,
-        }
-
     def finish(self, stopped: str = "", checkpoint: str = "") -> None:
         self.phase = Phase.DONE
-        self._checkpoint_writer_now().wait()  # the checkpoint "done" names exists before the job ends
-        if self.shards is not None and len(self.members) > 1:
+        self.checkpoints.writer_now(self.settings).wait()  # the checkpoint "done" names exists before the job ends
+        if self.shards is not None and len(self.membership.members) > 1:
             # Sharded: every member writes its own part; the job ends once all are written.
             flag = torch.zeros(1, device=self.device)
-            wait_for_collective(collective(lambda: dist.all_reduce(flag, async_op=True)), self._peer_lost)
+            wait_for_collective(collective(lambda: dist.all_reduce(flag, async_op=True)), self.membership.peer_lost)
         # The job is over (membership.Finished): said before this process exits, so that the coordinator
         # takes the exit for the normal end it is and publishes no generation after the last step. Only
         # rank 0 needs a driver for its end (DriverLost: ORPHANED, then a restarted driver gets the result).
-        if self.rank == 0 or not self.link.driver_lost:
+        if self.membership.rank == 0 or not self.link.driver_lost:
             try:
-                self.link.send("finished", rank=self.rank)
+                self.link.send("finished", rank=self.membership.rank)
             except DriverLost:
-                if self.rank == 0:
+                if self.membership.rank == 0:
                     raise
-        if self.rank == 0:
-            data = training_state.to_bytes({"model": self._model_state_for_transfer(), "step": self.committed.step})
+        if self.membership.rank == 0:
+            data = training_state.to_bytes({"model": self.state.model_state(), "step": self.committed.step})
             with self.link.driver_needed():  # a driver lost now: a restarted one gets the result
                 put_blob(self.link.store, "result", data, self.args.secret)
                 self.link.flush()
@@ -377,24 +383,28 @@ class Worker(
             or "the driver asked to stop"
         )
         if reason.startswith(CALLBACK_STOP) and self.evaluation.due(
-            self.committed.step, self.generation, self.settings, final=True
+            self.committed.step, self.membership.generation, self.settings, final=True
         ):
             self._evaluate(ask_driver=False)  # a callback's stop ends as the last step does
         checkpoint = ""
         # Sharded: every member writes its part (a listening joiner holds none)
-        if self.shards is not None and self.settings.checkpoint_dir and not self._listening():
-            checkpoint = self._write_checkpoint(self.settings.checkpoint_dir)
-        if self.rank == 0:
+        if self.shards is not None and self.settings.checkpoint_dir and not self.streams.listening():
+            checkpoint = self.checkpoints.write(
+                self.settings, self.settings.checkpoint_dir, self.membership.rank, self.membership.members
+            )
+        if self.membership.rank == 0:
             if self.settings.checkpoint_dir and self.shards is None:
-                checkpoint = self._write_checkpoint(self.settings.checkpoint_dir)
+                checkpoint = self.checkpoints.write(
+                    self.settings, self.settings.checkpoint_dir, self.membership.rank, self.membership.members
+                )
             self.records.publish_event(
                 "stop",
                 f"{reason}; stopped after step {self.committed.step}"
                 + (f", checkpoint {checkpoint}" if checkpoint else ""),
                 0.0,
                 step=self.committed.step,
-                generation=self.generation,
-                members=self.members,
+                generation=self.membership.generation,
+                members=self.membership.members,
             )
         self.finish(stopped=reason, checkpoint=checkpoint)
 

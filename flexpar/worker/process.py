@@ -57,7 +57,7 @@ def main(args: WorkerArgs) -> None:
         worker.run()
         code = 0
     except JobStopped as stopped:
-        if str(stopped) == JOB_ENDED and worker is not None and not worker.members:
+        if str(stopped) == JOB_ENDED and worker is not None and not worker.membership.members:
             say(f"flexpar: device {args.device_id}: the job ended before this device joined")
         code = 0
     except DriverLost as lost:
@@ -89,7 +89,7 @@ def main(args: WorkerArgs) -> None:
     finally:
         if worker is not None:
             worker.loader.close()
-            worker.wait_for_checkpoint()  # a checkpoint in flight is finished before the process exits
+            worker.checkpoints.wait()  # a checkpoint in flight is finished before the process exits
         link.close()
         if dist.is_initialized():
             dist.destroy_process_group()

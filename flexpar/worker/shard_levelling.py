@@ -68,10 +68,10 @@ class ShardLevelling:
     def _confirm_gradient(self, pending: tuple) -> None:
         """Agree that every member holds the step's summed gradient before any member applies it."""
         self.pending_commit = pending
-        if len(self.members) > 1:
+        if len(self.membership.members) > 1:
             flag = torch.zeros(1, device=self.device)
             work = collective(lambda: dist.all_reduce(flag, async_op=True))
-            wait_for_collective(work, self._peer_lost)
+            wait_for_collective(work, self.membership.peer_lost)
 
     def _applying_pending(self) -> None:
         """The step whose gradient was confirmed is being applied: it is no longer pending (a failure
@@ -80,9 +80,9 @@ class ShardLevelling:
 
     def _broadcast_parameters(self, step: int) -> None:
         """Every member gets the updated values of the chunks others stepped (their primaries send)."""
-        self.faults.fire("update", step, self.members)
+        self.faults.fire("update", step, self.membership.members)
         if not self.shards.values_complete or self._shard_streaming():  # a listener needs every value
-            broadcast_chunks(self.shards.flat, self.shards.partition.chunks, self._peer_lost)
+            broadcast_chunks(self.shards.flat, self.shards.partition.chunks, self.membership.peer_lost)
             self.shards.values_received()
 
     # ------------------------------------------------------------ boundaries
@@ -94,12 +94,12 @@ class ShardLevelling:
             return
         pending, self.pending_commit = self.pending_commit, None
         if stock.latest_step == self.committed.step + 1:  # another member committed it: finish it here
-            self.stream = self.stream_of_pending
+            self.streams.resume_for_pending()
             try:
                 self._commit_step(*pending)
             finally:
-                self.stream = None
-        self.stream_of_pending = None
+                self.streams.end()
+        self.streams.drop_pending()
         self._zero_grad()
 
     def _level_sharded(self, stock, rank: int, group: tuple, training: int, record: dict, peer_lost) -> float:
@@ -141,7 +141,7 @@ class ShardLevelling:
                     shards.values(transfer.space, transfer.start, transfer.stop)
                 )
         if outgoing:
-            self.faults.fire("transfer", self.committed.step, self.members)
+            self.faults.fire("transfer", self.committed.step, self.membership.members)
         messages, sent = exchange(outgoing, sorted(incoming), self.device, raw_out, raw_in, peer_lost)
         if rank in plan.state_receivers:  # a joiner, or a member whose state is of an older step
             shards.drop()
@@ -178,14 +178,14 @@ class ShardLevelling:
             "replicated": self.shards.replicated_state(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "step": self.committed.step,
-            "extra": self._capture_extra(),
+            "extra": self.state.capture_extra(),
         }
 
     def _restore_replicated(self, state: dict) -> None:
         self.shards.load_replicated(state["replicated"])
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
-        self._restore_extra(state)
+        self.state.restore_extra(state)
 
     def _resume_sharded(self, members: tuple, path: str = "") -> None:
         """Read the common state and this member's chunks of checkpoint `path` (default: the job's resume path).
@@ -200,7 +200,7 @@ class ShardLevelling:
         self.shards.load_optimizer_plain(reader.plain_param_groups_and_replicated())
         if self.scheduler is not None and common.get("scheduler") is not None:
             self.scheduler.load_state_dict(common["scheduler"])
-        self._restore_extra(common)
+        self.state.restore_extra(common)
         target = self._target_partition(len(members))
         shards = self.shards
         pieces = []

@@ -52,7 +52,8 @@ from flexpar.core import shard_stream_plan, stream_plan
 from flexpar.core.shard_partition import Partition
 from flexpar.core.shard_plan import Report, plan_levelling
 from flexpar.errors import TrainingError
-from flexpar.worker.streaming import Stream, StreamMismatch
+from flexpar.worker import stream_rules
+from flexpar.worker.stream_session import Stream, StreamMismatch
 
 
 @dataclasses.dataclass
@@ -76,14 +77,12 @@ class ShardStream(Stream):
 class ShardStreaming:
     """The sharded streamed join's part of the worker (see the module docstring)."""
 
-    stream_of_pending = None  # an abandoned ShardStream whose step `pending_commit` may still finish
-
     # ------------------------------------------------------------ the boundary
 
     def _level_sharded_join(self, stock, rank: int, group: tuple, training: int, record: dict, peer_lost) -> float:
         """A sharded boundary: joiners listen while their chunks stream where that applies, else the
         blocking levelling (the join event says which, and why). Returns the bytes the group sent."""
-        self.stream_note = ""
+        self.streams.say("")
         if not stock.joiners:
             return self._level_sharded(stock, rank, group, training, record, peer_lost)
         refusal = "a planned leave hands its state over at this boundary" if len(group) > training else None
@@ -94,12 +93,14 @@ class ShardStreaming:
             refusal = shard_stream_plan.refusal(reports, self._old_partition(reports))
             if refusal is None:
                 return self._level_shard_streamed(reports, rank, group, training, peer_lost)
-        self.stream_note = f"blocking transfer: {refusal}"
+        self.streams.say(f"blocking transfer: {refusal}")
         return self._level_sharded(stock, rank, group, training, record, peer_lost)
 
     def _shard_stream_refusal(self, stock) -> Optional[str]:
         """None if the job's kind lets this join stream; else why not (the same on every member)."""
-        common = self._common_stream_refusal(stock.joiners, stock.latest_step)
+        common = stream_rules.common_refusal(
+            self.settings, self.cost_planner is not None, stock.joiners, stock.latest_step
+        )
         if common:
             return common
         shards = self.shards
@@ -122,7 +123,7 @@ class ShardStreaming:
             size = sum(value.element_size() for value in values if torch.is_tensor(value) and value.dim() > 0)
             per_element = max(per_element, size)
         # The bytes per sender and step: rank 0's (a member: a joiner has no step times of its own yet).
-        sender_bytes = self._sender_bytes()
+        sender_bytes = stream_rules.sender_bytes(self.settings, self.committed.balance)
         numbers = [self.committed.step, int(shards.values_complete), 1, int(shards.pristine), streamable, per_element]
         numbers.append(sender_bytes)
         rows = gather_reports(numbers, holdings, len(group), self.device, peer_lost)
@@ -160,7 +161,7 @@ class ShardStreaming:
             shards.values_outdated()  # every value arrives with the first step's broadcast
         shards.work_with(old)
         total = collective(lambda: training_state.all_level(len(group), self.device, sent, peer_lost))
-        self.stream = ShardStream(
+        stream = ShardStream(
             plan,
             tuple(joiners),
             {},
@@ -175,10 +176,11 @@ class ShardStreaming:
         senders = len({move.source for move in plan.moves})
         members = len({move.destination for move in plan.moves} - set(joiners))
         also = f"; new chunks of {members} member{'s' if members != 1 else ''} too" if members else ""
-        self.stream_note = (
+        self.streams.begin(
+            stream,
             f"streamed to {len(joiners)} listener{'s' if len(joiners) > 1 else ''}: {plan.size} bytes of "
             f"optimizer state in {plan.rounds} step{'s' if plan.rounds != 1 else ''} from {senders} "
-            f"sender{'s' if senders != 1 else ''} (sharded{also}; parameter values from every step's broadcast)"
+            f"sender{'s' if senders != 1 else ''} (sharded{also}; parameter values from every step's broadcast)",
         )
         return total
 
@@ -209,7 +211,7 @@ class ShardStreaming:
 
     def _shard_streaming(self) -> bool:
         """A sharded stream runs: every primary broadcasts its chunks after every step."""
-        return isinstance(self.stream, ShardStream) and not self.stream.abandoned
+        return isinstance(self.streams.current, ShardStream) and not self.streams.current.abandoned
 
     def _land_streamed_pieces(self) -> None:
         """Before a step's update: the pieces this device sent have left and those it receives have
@@ -218,8 +220,8 @@ class ShardStreaming:
         never between a member's confirmation and its commit."""
         if not self._shard_streaming():
             return
-        stream = self.stream
-        self._wait_stream_transfers()
+        stream = self.streams.current
+        self.streams.wait(self.membership.peer_lost)
         stream.sending = []
         if stream.arriving:
             arriving, stream.arriving = stream.arriving, []
@@ -227,13 +229,13 @@ class ShardStreaming:
 
     def _shard_stream_round(self, step: int) -> None:
         """After step `step`'s update and broadcast: this round's pieces, from their sources to their receivers."""
-        stream = self.stream
+        stream = self.streams.current
         number = stream.rounds_done
         moves = stream.plan.in_round(number)
-        tamper = any(move.source == self.rank for move in moves) and self.faults.take_tamper(step)
+        tamper = any(move.source == self.membership.rank for move in moves) and self.faults.take_tamper(step)
         operations = []
         for move in moves:
-            if move.source == self.rank:
+            if move.source == self.membership.rank:
                 tensors = self._piece_to_send(move)
                 if tamper and tensors:  # a test's STEP:DEVICE:stream:tamper: one value changed (the check must see it)
                     tensors[0] = tensors[0].clone()
@@ -241,14 +243,14 @@ class ShardStreaming:
                     tamper = False
                 stream.sending += tensors
                 operations += [dist.P2POp(dist.isend, tensor.view(-1), move.destination) for tensor in tensors]
-            elif move.destination == self.rank:
+            elif move.destination == self.membership.rank:
                 state = self._allocated(move)
                 stream.arriving.append((move.segment, state))
                 received = [state[key] for key in sorted(state) if state[key] is not None]
                 operations += [dist.P2POp(dist.irecv, tensor.view(-1), move.source) for tensor in received]
-        self.faults.fire("stream", step, self.members)
+        self.faults.fire("stream", step, self.membership.members)
         works = collective(lambda: dist.batch_isend_irecv(operations)) if operations else []
-        self.stream_transfers += tuple(works)  # waited for before the next update (`_land_streamed_pieces`)
+        self.streams.post(works)  # waited for before the next update (`_land_streamed_pieces`)
         if self.records.last is not None:  # the first step after the boundary is timed from the commit before its stall
             stall = stream.stall_s if stream.rounds_done == 0 else 0.0
             stream.step_times.append(self.records.last_step_time() - stall)
@@ -259,7 +261,7 @@ class ShardStreaming:
     def _piece_to_send(self, move) -> list:
         """The state tensors of a move, in key order: views of the held state where one slice holds it."""
         state = self.shards.piece(*move.segment, copy=False)
-        if _layout(state, self.shards.by == "parameters") != self.stream.announced[move.parameter]:
+        if _layout(state, self.shards.by == "parameters") != self.streams.current.announced[move.parameter]:
             raise TrainingError(
                 f"streamed join: the optimizer state of {self.shards.names[move.parameter]!r} changed its layout "
                 f"during the stream ({sorted(state)}); the join cannot complete"
@@ -275,54 +277,55 @@ class ShardStreaming:
             else torch.empty(
                 (length,) if shape == "element" else shape, dtype=getattr(torch, dtype), device=self.device
             )
-            for key, dtype, shape in self.stream.layouts[move.parameter]
+            for key, dtype, shape in self.streams.current.layouts[move.parameter]
         }
 
     def _finish_shard_stream(self, step: int) -> None:
         """Every member: each received piece against its source's (one all-reduce), then the new partition."""
-        stream, shards = self.stream, self.shards
+        stream, shards = self.streams.current, self.shards
         self._land_streamed_pieces()
         moves = stream.plan.moves
-        rows = torch.zeros(len(self.members), len(moves), dtype=torch.float64)
+        rows = torch.zeros(len(self.membership.members), len(moves), dtype=torch.float64)
         for index, move in enumerate(moves):
-            if self.rank in (move.source, move.destination):
+            if self.membership.rank in (move.source, move.destination):
                 state = shards.piece(*move.segment, copy=False)
                 tensors = [state[key] for key in sorted(state) if state[key] is not None]
-                rows[self.rank, index] = float(sum(parameter_checksums(tensors)) % (1 << 52))
-        if len(self.members) > 1:
+                rows[self.membership.rank, index] = float(sum(parameter_checksums(tensors)) % (1 << 52))
+        if len(self.membership.members) > 1:
             collective(lambda: dist.all_reduce(rows))
         for index, move in enumerate(moves):
             if rows[move.destination, index] != rows[move.source, index]:
                 raise StreamMismatch(
-                    f"streamed join after step {step}: {self.members[move.destination]}'s copy of "
+                    f"streamed join after step {step}: {self.membership.members[move.destination]}'s copy of "
                     f"{shards.names[move.parameter]!r} (elements {move.start}-{move.stop - 1}, its optimizer "
-                    f"state) differs from {self.members[move.source]}'s; the join is not trusted, so the job stops"
+                    f"state) differs from {self.membership.members[move.source]}'s; the join is not trusted, "
+                    "so the job stops"
                 )
-        shards.install(stream.new, self.rank)  # the same step on every member: the next one runs with it
+        shards.install(stream.new, self.membership.rank)  # the same step on every member: the next one runs with it
         shards.values_received()  # this step's broadcast brought every value
-        if self.rank == 0:
+        if self.membership.rank == 0:
             self._publish_stream_event(step)
-        self.stream = None
+        self.streams.end()
 
     def _abandon_stream(self) -> list:
         """A new generation: before streaming.py's part (`Streaming._abandon_stream`, later in the
         worker's bases), a sharded stream's receivers drop what they received."""
-        if isinstance(self.stream, ShardStream):
+        if isinstance(self.streams.current, ShardStream):
             self._abandon_shard_stream()
         return super()._abandon_stream()
 
     def _abandon_shard_stream(self) -> None:
         """Hold exactly the old partition's chunks again (a listener: nothing)."""
-        stream = self.stream
+        stream = self.streams.current
         stream.abandoned = True
         stream.arriving, stream.sending = [], []
         if stream.rank in stream.listeners:
             self.shards.drop()
             self.shards.values_outdated()
-            self.stream_of_pending = None
+            self.streams.keep_for_pending(None)
         else:
             self.shards.install(stream.old, stream.rank)
-            self.stream_of_pending = stream if self.pending_commit is not None else None
+            self.streams.keep_for_pending(stream if self.pending_commit is not None else None)
 
 
 def _layout(state: dict, whole: bool) -> list:

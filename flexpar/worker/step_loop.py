@@ -26,10 +26,10 @@ from flexpar import recipes
 from flexpar.comm.collectives import collective
 from flexpar.core import balance, batching
 from flexpar.core import ledger as sample_ledger
-from flexpar.core.step_statistics import mixed_loss_message
+from flexpar.core.step_statistics import StatsLayout, mixed_loss_message
 from flexpar.errors import UserCodeError
 from flexpar.worker import records
-from flexpar.worker.determinism import Determinism
+from flexpar.worker.buffers import buffer_vector, set_buffers
 from flexpar.worker.loader import to_device as _to_device
 from flexpar.worker.user_code import loss_terms, nonfinite_message
 
@@ -38,7 +38,7 @@ class StopEarly:
     """What `StepLoop.train` returns when the members agreed to stop after a step."""
 
 
-class StepLoop(Determinism):
+class StepLoop:
     """The step loop of `flexpar.worker.lifecycle.Worker` (a part of it; its attributes are the worker's own).
 
     Its own state: `assignment`, the VWs per member of the last step it ran
@@ -55,8 +55,12 @@ class StepLoop(Determinism):
     def _plan(self, step: int) -> range:
         """This device's VWs at `step` as currently known (the loader prefetches along it)."""
         if self.cost_planner is not None:  # known ahead: planned rates move only past the noise
-            return self.cost_planner.assignment(step, self.members)[self.rank] if self.members else ()
-        return batching.virtual_workers_of(self.assignment, self.rank) if self.assignment else range(0)
+            return (
+                self.cost_planner.assignment(step, self.membership.members)[self.membership.rank]
+                if self.membership.members
+                else ()
+            )
+        return batching.virtual_workers_of(self.assignment, self.membership.rank) if self.assignment else range(0)
 
     def train(self) -> Optional[tuple]:
         """Run steps until the last one (returns None) or an agreed new generation.
@@ -66,20 +70,22 @@ class StepLoop(Determinism):
         step's optimizer update (see `_skips_last_update`).
         """
         while self.committed.step < self.settings.total_steps:
-            if self.evaluation.due(self.committed.step, self.generation, self.settings):  # the step boundary's model
+            if self.evaluation.due(
+                self.committed.step, self.membership.generation, self.settings
+            ):  # the step boundary's model
                 if self._evaluate(ask_driver=self.settings.eval_verdict):
                     return StopEarly()
             self.link.check(driver_loss_handled=True)
             if self.cost_planner is not None:  # by cost: this step's own VW sets, any VWs per device
-                sets = self.cost_planner.assignment(self.committed.step, self.members)
-                assignment, mine = tuple(len(members) for members in sets), sets[self.rank]
+                sets = self.cost_planner.assignment(self.committed.step, self.membership.members)
+                assignment, mine = tuple(len(members) for members in sets), sets[self.membership.rank]
             else:
                 assignment = self._step_assignment()
                 if (
-                    self.rank == 0
+                    self.membership.rank == 0
                     and len(self.assignment) == len(assignment)
                     and assignment != self.assignment
-                    and tuple(self.committed.balance.device_ids) == self._contributors()
+                    and tuple(self.committed.balance.device_ids) == self.streams.contributors(self.membership.members)
                 ):
                     detail = f"{list(self.assignment)} -> {list(assignment)}"
                     self.records.publish_event(
@@ -87,10 +93,10 @@ class StepLoop(Determinism):
                         detail,
                         0.0,
                         step=self.committed.step,
-                        generation=self.generation,
-                        members=self.members,
+                        generation=self.membership.generation,
+                        members=self.membership.members,
                     )
-                mine = batching.virtual_workers_of(assignment, self.rank)
+                mine = batching.virtual_workers_of(assignment, self.membership.rank)
             self.assignment = assignment
             step = self.committed.begin()  # in flight until it commits or a collective breaks off
             summed = self.run_step(step, mine)
@@ -106,7 +112,7 @@ class StepLoop(Determinism):
             # generation: every member commits this step, then stops.
             stopping = float(summed[slots.stop]) > 0
             target = int(max(summed[slots.seen].tolist()))
-            upcoming = self._upcoming(target, step) if target > self.generation and not stopping else None
+            upcoming = self._upcoming(target, step) if target > self.membership.generation and not stopping else None
             if upcoming is not None and self._skips_last_update(upcoming[1]):
                 return upcoming
             pending = (step, summed, assignment, sets if self.cost_planner is not None else None)
@@ -116,10 +122,10 @@ class StepLoop(Determinism):
             moved = self._commit_step(*pending)
             if self.shards is not None:
                 self._broadcast_parameters(step)
-            if self.exact is not None and self.rank == 0:  # the digest after the update (sharded: broadcast)
-                self._exact_record(step)
+            if self.exact is not None and self.membership.rank == 0:  # the digest after the update (sharded: broadcast)
+                self.exact_steps.record(step)
             self._zero_grad()
-            if self.rank == 0:
+            if self.membership.rank == 0:
                 self.link.publish(self.records.last)
                 if moved:  # a planned rate moved past the noise: the plans of later steps change
                     self.records.publish_event(
@@ -127,21 +133,23 @@ class StepLoop(Determinism):
                         moved,
                         0.0,
                         step=self.committed.step,
-                        generation=self.generation,
-                        members=self.members,
+                        generation=self.membership.generation,
+                        members=self.membership.members,
                     )
-            if self.rank == 0 or (self.shards is not None and not self._listening()):  # sharded: each its part
-                self._maybe_checkpoint()
+            if self.membership.rank == 0 or (
+                self.shards is not None and not self.streams.listening()
+            ):  # sharded: each its part
+                self.checkpoints.maybe(self.settings, self.membership.rank, self.membership.members)
             if stopping:
                 return StopEarly()
             if upcoming is not None:
                 return upcoming
-            if self.stream is not None and self.committed.step < self.settings.total_steps:
+            if self.streams.current is not None and self.committed.step < self.settings.total_steps:
                 if self.shards is not None:  # flexpar/worker/shard_streaming.py
                     self._shard_stream_round(step)
                 else:
                     self._stream_round(step)  # a streamed join's next slice (flexpar/worker/streaming.py)
-        if self.evaluation.due(self.committed.step, self.generation, self.settings):  # after the last step
+        if self.evaluation.due(self.committed.step, self.membership.generation, self.settings):  # after the last step
             self._evaluate(ask_driver=False)
         return None
 
@@ -150,22 +158,27 @@ class StepLoop(Determinism):
         in proportion to the next step's assignment (flexpar/worker/evaluator.py)."""
         return self.evaluation.run(
             self.committed.step,
-            self.generation,
-            self.members,
-            self.rank,
+            self.membership.generation,
+            self.membership.members,
+            self.membership.rank,
             self._step_assignment(),
-            self._contributors(),
+            self.streams.contributors(self.membership.members),
             self.settings.eval_keys,
-            self._peer_lost,
+            self.membership.peer_lost,
             ask_driver,
         )
 
+    def _layout(self) -> StatsLayout:
+        """This job's statistics layout for the current device set."""
+        if self.exact is None:
+            return StatsLayout(len(self.membership.members))
+        return StatsLayout(len(self.membership.members), self.job.virtual_workers, self.exact.tensors)
+
     def _step_assignment(self) -> tuple:
         """This step's VWs per member: the balancer's split among the contributors, listeners at 0."""
-        contributors = self._contributors()
-        return self._with_listeners(
-            balance.next_assignment(self.committed.balance, contributors, self.job.virtual_workers)
-        )
+        contributors = self.streams.contributors(self.membership.members)
+        split = balance.next_assignment(self.committed.balance, contributors, self.job.virtual_workers)
+        return self.streams.with_listeners(split, len(self.membership.members))
 
     def _upcoming(self, target: int, step: int) -> Optional[tuple]:
         """(target, its record) if the members move to generation `target` after `step`, else None.
@@ -190,7 +203,7 @@ class StepLoop(Determinism):
         result. Returns the cost balancer's rebalance detail ("" if none).
         """
         self._applying_pending()
-        world = len(self.members)
+        world = len(self.membership.members)
         slots = self._layout()
         if self.exact is not None:
             self.exact.commit()
@@ -199,11 +212,11 @@ class StepLoop(Determinism):
         if round(float(summed[slots.pairs])):
             loss /= float(summed[slots.count])  # the token mean of the whole global batch
         if world > 1:  # the contributors' mean (a listening joiner adds zeros)
-            self._set_buffers(summed[slots.buffers] / len(self._contributors()))
+            set_buffers(self.model, summed[slots.buffers] / len(self.streams.contributors(self.membership.members)))
         grad_norm, skip = self.gradient.verdict(summed, slots, step)
         # The last slices sent from these values have left (or landed); waited for even where an fp16 step
         # skips its update, so that the transfers in flight are only ever one round's (streaming.py).
-        self._wait_stream_transfers()
+        self.streams.wait(self.membership.peer_lost)
         if not skip:
             if self.shards is not None:  # the chunks this device holds; the others arrive by broadcast
                 self.shards.step()
@@ -213,7 +226,9 @@ class StepLoop(Determinism):
             if self.scheduler is not None:
                 self.scheduler.step()
         step_time = self.committed.commit(
-            self._contributors(), self._without_listeners(assignment), self._without_listeners(busy)
+            self.streams.contributors(self.membership.members),
+            self.streams.without_listeners(assignment),
+            self.streams.without_listeners(busy),
         )
         record = records.step_record(
             step,
@@ -224,16 +239,16 @@ class StepLoop(Determinism):
             grad_norm,
             wall=self.committed.wall,
             global_batch=self.job.global_batch,
-            generation=self.generation,
-            members=self.members,
-            contributors_busy=self._without_listeners(busy),
+            generation=self.membership.generation,
+            members=self.membership.members,
+            contributors_busy=self.streams.without_listeners(busy),
             lr=float(self.optimizer.param_groups[0]["lr"]),
         )
-        if self.stream is not None:  # a streamed join: how much of the state each listener holds
+        if self.streams.current is not None:  # a streamed join: how much of the state each listener holds
             record["joining"] = self._listener_shares()
         record["optimizer_bytes"] = [int(round(value)) * 1024 for value in summed[slots.optimizer].tolist()]
-        if self.stream is not None:  # every member's previous step time: a streamed join's slice size follows it
-            self.stream.member_step_s = tuple(summed[slots.previous_step_s].tolist())
+        if self.streams.current is not None:  # every member's previous step time: its slices follow them
+            self.streams.current.member_step_s = tuple(summed[slots.previous_step_s].tolist())
         self.records.keep(record)
         if self.settings.sample_ledger:
             record["ledger"] = self._step_samples
@@ -247,7 +262,7 @@ class StepLoop(Determinism):
         record = self.records.last
         record["cost"] = self.cost_planner.device_costs(step, sets)
         record["virtual_worker_sets"] = [list(members) for members in sets]
-        return self.cost_planner.observe(step, self.members, sets, busy)
+        return self.cost_planner.observe(step, self.membership.members, sets, busy)
 
     def _skips_last_update(self, upcoming_record: dict) -> bool:
         """Whether this device leaves at this boundary and need not apply this step.
@@ -259,7 +274,9 @@ class StepLoop(Determinism):
         whose next generation forms meanwhile. Rank 0 still commits: it
         publishes the step's record and writes checkpoints.
         """
-        return self.rank != 0 and self.shards is None and self.args.device_id not in upcoming_record["members"]
+        return (
+            self.membership.rank != 0 and self.shards is None and self.args.device_id not in upcoming_record["members"]
+        )
 
     def run_step(self, step: int, virtual_workers: Sequence[int], redo: bool = False) -> torch.Tensor:
         """Run this device's VWs of `step` and sum gradients and statistics across devices.
@@ -269,7 +286,7 @@ class StepLoop(Determinism):
         every device alike.
         """
         job = self.job
-        world = len(self.members)
+        world = len(self.membership.members)
         exact = self.exact
         self.sync.reset()
         if exact is not None:
@@ -297,9 +314,11 @@ class StepLoop(Determinism):
             if virtual_worker == last:  # send buckets as they fill
                 # Before any bucket is sent (nobody waits in a collective meanwhile): a leave scheduled
                 # for the next step takes effect at this boundary once the driver has published it.
-                published = self.link.await_scheduled_leave(step + 1, self.generation, self.members)
+                published = self.link.await_scheduled_leave(
+                    step + 1, self.membership.generation, self.membership.members
+                )
                 exact.arm(world) if exact is not None else self.sync.arm()
-            self.faults.fire("forward", step, self.members)
+            self.faults.fire("forward", step, self.membership.members)
             with recipes.autocast(job, self.device.type):
                 result = job.loss(self.forward_model, batch)
             loss, value, vw_count = loss_terms(result, step, virtual_worker)
@@ -308,7 +327,7 @@ class StepLoop(Determinism):
             elif first_kind[1] != (vw_count is not None):
                 raise UserCodeError(mixed_loss_message(step, first_kind, virtual_worker))
             if self.faults.armed("backward", step) and loss.requires_grad:
-                loss.register_hook(lambda grad: self.faults.fire("backward", step, self.members))
+                loss.register_hook(lambda grad: self.faults.fire("backward", step, self.membership.members))
             if not math.isfinite(value) and not first_bad:
                 first_bad = virtual_worker + 1
             if vw_count is not None:
@@ -335,36 +354,43 @@ class StepLoop(Determinism):
                 elapsed += pause
             busy += elapsed
             loss_sum += value if vw_count is not None else value / job.virtual_workers
-        buffers = self._buffer_vector() if world > 1 else torch.zeros(0, dtype=torch.float64)
+        buffers = (
+            buffer_vector(self.model, self.streams.listening()) if world > 1 else torch.zeros(0, dtype=torch.float64)
+        )
         slots = self._layout()
         stats = torch.zeros(slots.size + buffers.numel(), dtype=torch.float64)
         stats[slots.buffers] = buffers
-        stats[slots.busy.start + self.rank] = busy
-        stats[slots.seen.start + self.rank] = max(self.link.latest_generation, published)
+        stats[slots.busy.start + self.membership.rank] = busy
+        stats[slots.seen.start + self.membership.rank] = max(self.link.latest_generation, published)
         stats[slots.loss] = loss_sum
-        stats[slots.bad.start + self.rank] = first_bad
+        stats[slots.bad.start + self.membership.rank] = first_bad
         stats[slots.stop] = 1.0 if (self.link.finish_reason is not None or self.link.driver_lost) else 0.0
         stats[slots.count] = count
         stats[slots.pairs] = pairs
         # This device's optimizer-state bytes (KiB: exact in a float32 carrier up to 16 GiB), for the record.
-        stats[slots.optimizer.start + self.rank] = self.optimizer_bytes() // 1024
+        stats[slots.optimizer.start + self.membership.rank] = self.optimizer_bytes() // 1024
         last = self.records.last
         if last is not None and last.get("kind") == "step":
-            stats[slots.previous_step_s.start + self.rank] = float(last["step_time_s"])
+            stats[slots.previous_step_s.start + self.membership.rank] = float(last["step_time_s"])
         if self.scaler is not None:  # fp16: this device's own gradient overflowed (all skip the step)
             overflowed = (
                 exact.nonfinite if exact is not None else recipes.has_nonfinite(self.sync.dense, self.sync.sparse)
             )
             stats[slots.overflow] = float(overflowed)
         if exact is not None:
-            self._exact_statistics(stats, slots, terms)
-            summed = exact.finish(stats, world, lambda: self.faults.fire("sync", step, self.members), self._peer_lost)
-            if self._exact_resolve(summed, slots, step):  # every device alike: run the step again
+            holds_all = (self.shards is None or self.shards.values_complete) and not self.streams.listening()
+            self.exact_steps.statistics(stats, slots, terms, self.membership.rank, holds_all)
+            summed = exact.finish(
+                stats, world, lambda: self.faults.fire("sync", step, self.membership.members), self.membership.peer_lost
+            )
+            if self.exact_steps.resolve(
+                summed, slots, step, self.membership.members, self.membership.rank
+            ):  # every device alike: run the step again
                 return self.run_step(step, virtual_workers, redo=True)
         else:
             summed = self.sync.finish(
                 stats.to(self.device),
-                before_last_launch=lambda: self.faults.fire("sync", step, self.members),
+                before_last_launch=lambda: self.faults.fire("sync", step, self.membership.members),
                 scale=lambda summed_stats, dense_sums: self.gradient.prepare(summed_stats, dense_sums, slots),
             )
         if world == 1 or exact is not None:  # the step's gradient is in .grad (exact: converted once)
@@ -388,26 +414,3 @@ class StepLoop(Determinism):
         torch.default_generator.manual_seed(seed)
         if self.device.type == "cuda":
             torch.cuda.manual_seed(seed)  # the current device: set in __init__
-
-    # ------------------------------------------------------------ buffers
-
-    # The BatchNorm rule: normalisation uses each VW's own batch statistics, so
-    # gradients and parameters do not depend on the device set. Running
-    # statistics (buffers) are updated by each device over its own VWs and then
-    # averaged across devices every step, riding in the statistics vector. With
-    # one device they equal the single-process run exactly; with several, they
-    # are the mean of per-device running averages (close, not identical).
-
-    def _buffer_vector(self) -> torch.Tensor:
-        buffers = [buffer.detach().reshape(-1).to("cpu", torch.float64) for buffer in self.model.buffers()]
-        vector = torch.cat(buffers) if buffers else torch.zeros(0, dtype=torch.float64)
-        return vector.zero_() if self._listening() else vector  # a listener ran no VW: it adds nothing
-
-    def _set_buffers(self, averaged: torch.Tensor) -> None:
-        offset = 0
-        for buffer in self.model.buffers():
-            part = averaged[offset : offset + buffer.numel()].view(buffer.shape)
-            if not buffer.dtype.is_floating_point:
-                part = part.round()
-            buffer.copy_(part.to(buffer.device, buffer.dtype))
-            offset += buffer.numel()

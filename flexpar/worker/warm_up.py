@@ -1,4 +1,4 @@
-"""A device's warm-up: one forward and backward of one VW, no update, before it is let in."""
+"""A device's warm-up (one forward and backward of one VW, no update) and the identity it then reports."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import time
 import torch
 
 from flexpar import recipes
-from flexpar.core import batching
+from flexpar.core import batching, factory_checks
 from flexpar.errors import UserCodeError
+from flexpar.version import __version__
 from flexpar.worker.loader import load_batch, to_device
-from flexpar.worker.user_code import loss_terms
+from flexpar.worker.user_code import loss_terms, model_digest
 
 
 def warm_up(job, model, forward_model, device, sync, frozen, zero_grad, device_id: str) -> float:
@@ -50,3 +51,19 @@ def warm_up(job, model, forward_model, device, sync, frozen, zero_grad, device_i
         for (_, saved), buffer in zip(buffers, model.buffers()):
             buffer.copy_(saved)
     return time.perf_counter() - started
+
+
+def identity(model, frozen, warmup_s) -> dict:
+    """What says this device runs this job's model: checked by the coordinator for joiners and for
+    devices a restarted driver re-adopts alike."""
+    return {
+        "digest": model_digest(model),
+        "shapes": factory_checks.model_shapes(model),  # a refusal names the first that differs
+        "version": __version__,
+        "warmup_s": warmup_s,
+        "frozen_digest": frozen.combined,
+        "frozen_digests": frozen.digests,
+        # The digest's time is news only where something is frozen (a fine-tuning job); a
+        # fully trainable model's join event keeps its plain "(warm-up X s)" detail.
+        "digest_s": frozen.digest_s if frozen.layout.frozen else None,
+    }

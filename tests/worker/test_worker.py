@@ -12,7 +12,9 @@ from flexpar.worker.lifecycle import Worker
 
 
 def _device(device_id: str, rank: int, shards=None):
-    return SimpleNamespace(rank=rank, args=SimpleNamespace(device_id=device_id), shards=shards)
+    return SimpleNamespace(
+        membership=SimpleNamespace(rank=rank), args=SimpleNamespace(device_id=device_id), shards=shards
+    )
 
 
 def test_a_leaver_that_is_not_rank_0_skips_its_last_update():
