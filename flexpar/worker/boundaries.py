@@ -1,7 +1,6 @@
 """The boundary between two generations: form the new process group, bring every member level.
 
-Part of `flexpar.worker.lifecycle.Worker` (its attributes are the worker's
-own). `Worker._run` calls `enter` for every generation that includes the
+`Boundaries` carries it out for the worker: `Worker.run` calls `enter` for every generation that includes the
 device (or lists it as departing): the members meet in the store, form the
 generation's gloo/NCCL group (flexpar/comm/collectives.py `fresh_group`),
 take stock of who holds the latest committed step, and level:
@@ -40,13 +39,56 @@ from flexpar.comm.collectives import PeerFailure, collective, fresh_group
 from flexpar.core import factory_checks
 from flexpar.worker import checkpoints, stream_rules
 from flexpar.worker.device_link import DriverLost
+from flexpar.worker.shard_streaming import ShardStream
 
 
 class Boundaries:
-    """Part of `flexpar.worker.lifecycle.Worker`: `enter` a generation (and make it the device's
-    `Membership`)."""
+    """The boundaries between generations, carried out: `enter` makes a generation the device's `Membership`.
 
-    def enter(self, generation: int, record: dict) -> None:
+    It holds no state of its own: what a boundary changes is its owners'
+    (the membership, the committed step, the records, the stream session,
+    the shard holdings); it is handed the job's run settings with each
+    boundary.
+    """
+
+    def __init__(
+        self,
+        link,
+        device,
+        device_id,
+        model,
+        optimizer,
+        frozen_part,
+        sync,
+        reaper,
+        membership,
+        committed,
+        records,
+        faults,
+        streams,
+        state,
+        streamed_join,
+        shard_levelling,
+        shard_streaming,
+        exact_steps,
+        by_cost,
+    ):
+        self.link = link
+        self.device, self.device_id = device, device_id
+        self.model, self.optimizer, self.frozen = model, optimizer, frozen_part
+        self.sync, self.reaper = sync, reaper
+        self.membership = membership
+        self.committed = committed
+        self.records = records
+        self.faults = faults
+        self.streams = streams
+        self.state = state
+        self.streamed_join = streamed_join
+        self.shard_levelling, self.shard_streaming = shard_levelling, shard_streaming  # sharded jobs only
+        self.exact_steps = exact_steps  # Job(deterministic=True) only
+        self.by_cost = by_cost
+
+    def enter(self, generation: int, record: dict, settings) -> None:
         """Form the generation's process group and bring every member to the same state.
 
         A sharded job's planned leavers (`record["departing"]`) first hand
@@ -56,9 +98,9 @@ class Boundaries:
         """
         self.link.check()
         members = tuple(record["members"])
-        departing = tuple(record.get("departing", ())) if self.shards is not None else ()
+        departing = tuple(record.get("departing", ())) if self.shard_levelling is not None else ()
         group = members + departing
-        rank = group.index(self.args.device_id)
+        rank = group.index(self.device_id)
         self.faults.fire("formation", self.committed.step, self.membership.members)
         # Forming a gloo group waits for every member inside C++, where a member's
         # death is only seen at the timeout. Meet in the store first, where it is
@@ -67,9 +109,9 @@ class Boundaries:
         if problem:
             raise PeerFailure(problem)
         if record.get("restore"):  # a re-adopted job whose checkpoint is newer than any device
-            if self.shards is not None:  # sharded: every member reads its own chunks
+            if self.shard_levelling is not None:  # sharded: every member reads its own chunks
                 if rank < len(members):
-                    self._resume_sharded(members, record["restore"])
+                    self.shard_levelling.resume(members, settings, record["restore"])
             elif rank == 0:
                 self.state.restore(checkpoints.read_checkpoint(record["restore"], self.device))
 
@@ -80,11 +122,11 @@ class Boundaries:
         abandoned = self.streams.suspend()
         with fresh_group(
             self.reaper.retire(self.sync.release_works() + abandoned),
-            self.settings.backend,
+            settings.backend,
             dist.PrefixStore(f"gen/{generation}/{'handoff' if departing else 'pg'}", self.link.store),
             rank,
             len(group),
-            self.settings.timeout_s,
+            settings.timeout_s,
         ):
             if not departing:
                 self.link.send("formed", generation=generation)
@@ -97,11 +139,14 @@ class Boundaries:
                 )
             )
             self.streams.say("")
-            streaming = self._settle_stream(stock, generation, group)
-            if self.shards is not None:  # joiners listen while their chunks stream where that applies
-                sent = self._level_sharded_join(stock, rank, group, len(members), record, peer_lost)
+            # A stream broken off goes on, re-planned, or is dropped (flexpar/worker/streaming.py).
+            streaming = self.streamed_join.goes_on(stock, generation, group, settings)
+            if not streaming:
+                self.abandon_stream()
+            if self.shard_levelling is not None:  # joiners listen while their chunks stream where that applies
+                sent = self.shard_streaming.level_join(stock, rank, group, len(members), record, peer_lost, settings)
             else:
-                sent = 0.0 if streaming else self._level_members(stock, rank, generation, group)
+                sent = 0.0 if streaming else self._level_members(stock, rank, generation, group, settings)
             if stock.differing:
                 sent += self._align_start(stock, rank, group, peer_lost)
             boundary_bytes = int(sent)  # the state this boundary sent, all senders (the event's)
@@ -113,11 +158,11 @@ class Boundaries:
                 raise PeerFailure(problem)
             with fresh_group(
                 self.reaper.retire([]),
-                self.settings.backend,
+                settings.backend,
                 dist.PrefixStore(f"gen/{generation}/pg", self.link.store),
                 rank,
                 len(members),
-                self.settings.timeout_s,
+                settings.timeout_s,
             ):
                 self.link.send("formed", generation=generation)
         self.membership.enter(generation, members, rank)
@@ -143,18 +188,27 @@ class Boundaries:
                 members=members,
             )
 
+    def abandon_stream(self) -> list:
+        """Drop the stream in flight, if any (a lost driver, or a boundary where it cannot go on): a
+        sharded stream's receivers first drop what they received (flexpar/worker/shard_streaming.py),
+        then `StreamedJoin.abandon`. Returns the transfers in flight (their works keep the old group
+        alive until it is retired)."""
+        if isinstance(self.streams.current, ShardStream):
+            self.shard_streaming.abandon()
+        return self.streamed_join.abandon()
+
     def _complete_last_digest(self) -> None:
         """A new rank 0 (the last one died, maybe before its record of the last step left) puts the
         digest in its own record of that step: only rank 0 computes digests, and the state it holds
         now is that step's (flexpar/worker/determinism.py)."""
         last = self.records.last
         if (
-            self.exact is not None
+            self.exact_steps is not None
             and last is not None
             and last.get("kind") == "step"
             and "digest" not in last
             and last.get("step") == self.committed.step - 1  # the state held is after that step
-            and (self.shards is None or self.shards.values_complete)
+            and (self.shard_levelling is None or self.shard_levelling.shards.values_complete)
             and not self.streams.listening()
         ):
             self.exact_steps.record(last["step"])
@@ -189,14 +243,14 @@ class Boundaries:
                 pass
         return total
 
-    def _level_members(self, stock: training_state.Stock, rank: int, generation: int, group: tuple) -> float:
+    def _level_members(self, stock: training_state.Stock, rank: int, generation: int, group: tuple, settings) -> float:
         """Bring the members level: joiners listen while the state streams where that applies, else
         the whole state is sent now (the join event says which, and why)."""
         if not stock.receivers:
             return 0.0
-        refusal = stream_rules.refusal(stock, self.settings, self.cost_planner is not None, self.model, self.optimizer)
+        refusal = stream_rules.refusal(stock, settings, self.by_cost, self.model, self.optimizer)
         if refusal is None:
-            return self._level_streamed(stock, rank, generation, group)
+            return self.streamed_join.level(stock, rank, generation, group, settings)
         if refusal != "not a join":
             self.streams.say(f"blocking transfer: {refusal}")
         return self._level(stock, rank, len(group))

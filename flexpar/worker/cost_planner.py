@@ -134,6 +134,13 @@ class CostPlanner:
         )
         return describe_move(_speeds(before, members), _speeds(self.rates, members)) if moved else ""
 
+    def observe_step(self, record: dict, step: int, members: Sequence[str], sets, busy_seconds) -> str:
+        """A committed step: its costs and VW sets into its `record`, its busy times into the rates
+        (`observe`). Returns the rebalance event's detail when a planned rate moved, else ""."""
+        record["cost"] = self.device_costs(step, sets)
+        record["virtual_worker_sets"] = [list(virtual_workers) for virtual_workers in sets]
+        return self.observe(step, members, sets, busy_seconds)
+
     def device_costs(self, step: int, assignment: cost_balance.Assignment) -> List[float]:
         """The summed sample cost (user's units) each member ran at ``step``."""
         return list(cost_balance.device_costs(assignment, self.raw_costs(step)))

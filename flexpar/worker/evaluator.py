@@ -140,22 +140,11 @@ class Evaluation:
         every = settings.eval_every
         return final or committed == settings.total_steps or bool(every and committed % every == 0)
 
-    def run(
-        self,
-        step: int,
-        generation: int,
-        members: tuple,
-        rank: int,
-        shares: tuple,
-        contributors: tuple,
-        keys,
-        peer_lost,
-        ask_driver: bool,
-    ) -> str:
+    def run(self, step: int, membership, shares: tuple, contributors: tuple, keys, ask_driver: bool) -> str:
         """Evaluate the model after `step` committed steps on this generation's devices.
 
         The devices split the evaluation set's chunks in proportion to the next
-        step's VW assignment (`shares`, the contributors' speeds;
+        step's VW assignment (in `membership`'s generation; `shares`, the contributors' speeds;
         flexpar.core.evaluation), each sums its chunks' metrics, and one
         all-reduce adds the sums. Only then does the record exist: a failure
         before it completes leaves nothing published, and the next generation
@@ -164,6 +153,12 @@ class Evaluation:
         the driver's callbacks' verdict on it; returns the stop reason, or "".
         """
         started = time.perf_counter()
+        generation, members, rank, peer_lost = (
+            membership.generation,
+            membership.members,
+            membership.rank,
+            membership.peer_lost,
+        )
         keys = tuple(keys)
         # The split of the step's VWs, among the contributors: a joiner still listening evaluates nothing.
         ranges = evaluation.sample_ranges(

@@ -18,33 +18,28 @@ import json
 import os
 import pickle
 import socket
-import sys
 import time
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from flexpar import recipes
 from flexpar.callbacks import CALLBACK_STOP
 from flexpar.comm import state_transfer as training_state
 from flexpar.comm.collectives import GroupReaper, PeerFailure, collective, wait_for_collective
-from flexpar.comm.exact_sync import ExactSync
-from flexpar.comm.gradient_sync import GradientSync
 from flexpar.comm.protocol import adopt_proof, get_blob, get_json, join_proof, put_blob, tell_driver
-from flexpar.comm.sparse_sync import sparse_parameters
 from flexpar.core import adoption
 from flexpar.version import __version__
 from flexpar.worker import checkpoints, orphan
 from flexpar.worker.boundaries import Boundaries
 from flexpar.worker.committed import CommittedStep
 from flexpar.worker.cost_planner import CostPlanner
-from flexpar.worker.determinism import ExactSteps, make_deterministic
+from flexpar.worker.determinism import ExactSteps
 from flexpar.worker.device_link import DeviceLink, DriverLost, Evicted
 from flexpar.worker.evaluator import Evaluation
 from flexpar.worker.fault_injection import FaultSchedule
-from flexpar.worker.frozen_part import FrozenPart
 from flexpar.worker.gradient import AppliedGradient
+from flexpar.worker.host import say, yield_cores
 from flexpar.worker.loader import VirtualWorkerLoader
 from flexpar.worker.membership import Membership
 from flexpar.worker.phase import Phase
@@ -52,53 +47,26 @@ from flexpar.worker.records import RecordQueue
 from flexpar.worker.settings import RunSettings, WorkerArgs
 from flexpar.worker.shard_levelling import ShardLevelling
 from flexpar.worker.shard_streaming import ShardStreaming
-from flexpar.worker.shards import ShardedOptimizer, sharding_by
+from flexpar.worker.shards import zero_grad
 from flexpar.worker.state_keeping import Checkpoints, TrainingState
 from flexpar.worker.step_loop import StepLoop, StopEarly
+from flexpar.worker.step_run import StepRun
 from flexpar.worker.stream_session import StreamSession
-from flexpar.worker.streaming import Streaming
-from flexpar.worker.user_code import build_model, build_optimizer
+from flexpar.worker.streaming import StreamedJoin
+from flexpar.worker.training import build_training
 from flexpar.worker.warm_up import identity, warm_up
 
 
-def _yield_cores() -> None:
-    """A leaving device's teardown (gloo, threads, freeing its memory) runs at the lowest priority.
+class Worker:
+    """One device's training: it builds the components and moves the device through its phases (`Phase`).
 
-    On a host it shares with survivors, the survivors' next group forms while
-    this process exits; the exit is not on anyone's critical path.
-    """
-    try:
-        os.nice(19)
-    except (AttributeError, OSError):  # no os.nice on this platform, or refused: exit at normal priority
-        pass
-
-
-def say(line: str) -> None:
-    """A line on stderr, written whole in one call: the devices of a host share their driver's stderr,
-    and print's separate write of the newline let two devices' lines run into one. The stream may be
-    a dead driver's pipe by now (a device outlives its driver)."""
-    try:
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-    except OSError:
-        pass
-
-
-class Worker(
-    StepLoop,
-    Boundaries,
-    ShardLevelling,
-    ShardStreaming,
-    Streaming,
-):
-    """One device's training: its lifecycle (`Phase`), the step loop, the boundaries between generations.
-
-    The boundaries, state capture and checkpoints, evaluation, fault
-    injection, step records and the wait for a restarted driver live in the
-    mixins named for them (flexpar/worker/boundaries.py, shard_levelling.py,
-    state_keeping.py, evaluator.py, fault_injection.py, records.py,
-    orphan.py); the step itself, from `train` to the optimizer, is
-    step_loop.py's `StepLoop`.
+    Each piece of the device's state has one owner, held here and handed to
+    whoever needs it (docs/internals.md draws them): `membership`,
+    `committed`, `records`, `faults`, `streams`, `state`, `checkpoints`,
+    `evaluation`, `gradient`, `exact_steps`, the shard holdings (`shards`)
+    and the joins carried out (`streamed_join`, `shard_levelling`,
+    `shard_streaming`). The step (`StepLoop.train`, step_loop.py) and the
+    boundary (`Boundaries.enter`, boundaries.py) are still parts of this class.
     """
 
     def __init__(self, args: WorkerArgs, link: DeviceLink):
@@ -113,38 +81,18 @@ class Worker(
         self.settings = RunSettings(**get_json(link.store, "job/settings"))
         # A vanished driver is noticed within the job's timeout; a lost one is waited for driver_grace_s.
         link.configure(self.settings.timeout_s, self.settings.driver_grace_s)
-        if self.job.deterministic:  # before any kernel runs: one thread count (CPU), deterministic kernels (CUDA)
-            make_deterministic(self.device)
-        model = build_model(self.job)
-        # The frozen part's digests, on the CPU as built, before this device announces itself:
-        # a joiner's hashing delays its own admission only, never the running devices.
-        self.frozen = FrozenPart(model, torch.get_num_threads())
-        self.model = model.to(self.device)
-        self.optimizer, self.scheduler = build_optimizer(self.job, self.model)
-        # Job(shard_optimizer=...): this device holds and steps its chunks of the optimizer state only
-        # (flexpar/worker/shards.py); the boundaries move them (flexpar/worker/shard_levelling.py).
-        self.shards = (
-            ShardedOptimizer(self.model, self.optimizer, sparse_parameters(self.model), sharding_by(self.job))
-            if self.job.shard_optimizer
-            else None
-        )
-        self.sync = GradientSync(self.model, self.device, self.settings.bucket_mb, peer_lost=self.membership.peer_lost)
-        # Job(deterministic=True): exact int64 sums instead of the float buckets (flexpar/comm/exact_sync.py).
-        self.exact = None
-        if self.job.deterministic:
-            buckets = [bucket.parameters for bucket in self.sync.buckets]
-            self.exact = ExactSync(self.sync.dense, self.sync.sparse, self.job.virtual_workers, buckets)
-            self.sync.companion = self.exact  # its collectives in flight are released with the float path's
-        # Recipes (flexpar/recipes.py): checked for this device's type before anything runs;
-        # the VWs' forward calls `forward_model` (compiled, or the model itself).
-        recipes.check_mixed_precision(self.job, self.device.type)
-        recipes.check_compile(self.job, self.device.type)
-        self.forward_model = recipes.compiled(self.job, self.model)
-        self.scaler = recipes.make_scaler(self.job)  # fp16 only; part of the training state
+        training = build_training(self.job, self.device, self.settings.bucket_mb, self.membership.peer_lost)
+        self.model, self.frozen = training.model, training.frozen
+        self.optimizer, self.scheduler = training.optimizer, training.scheduler
+        self.shards, self.sync, self.exact = training.shards, training.sync, training.exact
+        self.forward_model, self.scaler = training.forward_model, training.scaler
         self.gradient = AppliedGradient(self.job, self.sync, self.scaler)  # the gradient a step applies
         self.reaper = GroupReaper()
         self.loader = VirtualWorkerLoader(
-            self.job, self._plan, self.settings.total_steps, record_indices=self.settings.sample_ledger
+            self.job,
+            lambda step: self.step_loop.plan(step),
+            self.settings.total_steps,
+            record_indices=self.settings.sample_ledger,
         )
         # Job(sample_cost=...): each step's VW sets by predicted cost (flexpar/worker/cost_planner.py).
         self.cost_planner = (
@@ -173,7 +121,108 @@ class Worker(
         self.exact_steps = (
             ExactSteps(self.exact, self.model, self.device, self.records) if self.exact is not None else None
         )
+        self.streamed_join = StreamedJoin(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.device,
+            args.device_id,
+            self.membership,
+            self.committed,
+            self.records,
+            self.faults,
+            self.streams,
+            self.state,
+            by_cost=self.cost_planner is not None,
+            sharded=self.shards is not None,
+        )  # a streamed join carried out (streaming.py)
+        # Job(shard_optimizer=...): levelling the chunks at boundaries, and streaming them to joiners.
+        self.shard_levelling = self.shard_streaming = None
+        if self.shards is not None:
+            self.shard_levelling = ShardLevelling(
+                self.job,
+                self.model,
+                self.scheduler,
+                self.device,
+                args.device_id,
+                self.shards,
+                self.membership,
+                self.committed,
+                self.faults,
+                self.streams,
+                self.state,
+                lambda *pending: self.step_loop.commit_step(*pending),
+            )
+            self.shard_streaming = ShardStreaming(
+                self.optimizer,
+                self.device,
+                self.shards,
+                self.membership,
+                self.committed,
+                self.faults,
+                self.streams,
+                self.records,
+                self.shard_levelling,
+                self.streamed_join,
+                self.cost_planner is not None,
+            )
+        self.boundaries = Boundaries(
+            link,
+            self.device,
+            args.device_id,
+            self.model,
+            self.optimizer,
+            self.frozen,
+            self.sync,
+            self.reaper,
+            self.membership,
+            self.committed,
+            self.records,
+            self.faults,
+            self.streams,
+            self.state,
+            self.streamed_join,
+            self.shard_levelling,
+            self.shard_streaming,
+            self.exact_steps,
+            by_cost=self.cost_planner is not None,
+        )  # between generations (boundaries.py)
         self.evaluation = Evaluation(self.job, self.model, self.device, link, self.records, self.faults)
+        self.step_loop = StepLoop(
+            job=self.job,
+            args=args,
+            link=link,
+            training=training,
+            step_run=StepRun(
+                job=self.job,
+                args=args,
+                device=self.device,
+                link=link,
+                training=training,
+                loader=self.loader,
+                sample_ledger=self.settings.sample_ledger,
+                membership=self.membership,
+                records=self.records,
+                faults=self.faults,
+                streams=self.streams,
+                gradient=self.gradient,
+                exact_steps=self.exact_steps,
+            ),
+            total_steps=self.settings.total_steps,
+            sample_ledger=self.settings.sample_ledger,
+            membership=self.membership,
+            committed=self.committed,
+            records=self.records,
+            streams=self.streams,
+            checkpoints=self.checkpoints,
+            evaluation=self.evaluation,
+            gradient=self.gradient,
+            exact_steps=self.exact_steps,
+            cost_planner=self.cost_planner,
+            streamed_join=self.streamed_join,
+            shard_levelling=self.shard_levelling,
+            shard_streaming=self.shard_streaming,
+        )  # the steps (step_loop.py)
         self._warmup_s: Optional[float] = None  # set once warm
 
     # ------------------------------------------------------------ lifecycle
@@ -186,13 +235,13 @@ class Worker(
                 try:
                     departing = self.args.device_id not in record["members"]
                     self.phase = Phase.LEAVING if departing else Phase.FORMING
-                    self.enter(generation, record)
+                    self.boundaries.enter(generation, record, self.settings)
                     if departing:  # a planned leaver of a sharded job: its state is handed over
                         self.link.send("handed_off", generation=generation)
-                        _yield_cores()
+                        yield_cores()
                         return
                     self.phase = Phase.ACTIVE
-                    upcoming = self.train()
+                    upcoming = self.step_loop.train(self.settings)
                     if upcoming is None:
                         self.finish()
                         return
@@ -204,14 +253,14 @@ class Worker(
                     generation, record = upcoming
                     if self.args.device_id not in record["members"] + record.get("departing", []):
                         self.phase = Phase.LEAVING
-                        _yield_cores()
+                        yield_cores()
                         return
                     continue
                 except PeerFailure as failure:
                     self.phase = Phase.RECOVERING
                     self.records.note_failure()
                     # Sharded: a step whose gradient every member holds may still be finished (shard_levelling.py).
-                    self._zero_grad(keep_gradient=self.pending_commit is not None)
+                    zero_grad(self.optimizer, self.shards, keep_gradient=self._holds_pending_step())
                     # A stream in flight breaks off; the next boundary decides whether it goes on (streaming.py).
                     streamed = self.streams.suspend()
                     self.link.send(
@@ -231,10 +280,10 @@ class Worker(
         returns the generation (number, record) it re-adopted this device into."""
         self.phase = Phase.ORPHANED
         # A joiner still listening holds no committed state of its own: it reports none, writes no rescue.
-        streamed = self._abandon_stream()
+        streamed = self.boundaries.abandon_stream()
         abandoned = self.committed.break_off()
         # Sharded: a step whose summed gradient every member holds may still be finished (shard_levelling.py).
-        self._zero_grad(keep_gradient=self.pending_commit is not None)
+        zero_grad(self.optimizer, self.shards, keep_gradient=self._holds_pending_step())
         seen = self.link.latest_generation
         lost_at = self.link.lost_at or time.time()
         holds = self.committed.step >= 0 and bool(self.membership.members)
@@ -320,7 +369,7 @@ class Worker(
                 self.device,
                 self.sync,
                 self.frozen,
-                self._zero_grad,
+                lambda: zero_grad(self.optimizer, self.shards),
                 self.args.device_id,
             )
         try:
@@ -337,10 +386,14 @@ class Worker(
         self.committed.admitted(first_generation=generation == 1)
         if generation == 1 and self.settings.resume_path:
             if self.shards is not None:  # every member reads its own chunks
-                self._resume_sharded(tuple(record["members"]))
+                self.shard_levelling.resume(tuple(record["members"]), self.settings)
             elif record["members"][0] == self.args.device_id:
                 self.state.restore(checkpoints.read_checkpoint(self.settings.resume_path, self.device))
         return generation, record
+
+    def _holds_pending_step(self) -> bool:
+        """Sharded: a step whose summed gradient every member holds, not applied here (shard_levelling.py)."""
+        return self.shard_levelling is not None and self.shard_levelling.pending_commit is not None
 
     @property
     def withdrawing(self) -> bool:
@@ -385,7 +438,7 @@ class Worker(
         if reason.startswith(CALLBACK_STOP) and self.evaluation.due(
             self.committed.step, self.membership.generation, self.settings, final=True
         ):
-            self._evaluate(ask_driver=False)  # a callback's stop ends as the last step does
+            self.step_loop.evaluate(self.settings, ask_driver=False)  # a callback's stop ends as the last step does
         checkpoint = ""
         # Sharded: every member writes its part (a listening joiner holds none)
         if self.shards is not None and self.settings.checkpoint_dir and not self.streams.listening():

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from flexpar.comm.protocol import JOB_ENDED
 from flexpar.errors import DeterminismBreach, ShardStateLost, UserCodeError
 from flexpar.worker.device_link import DeviceLink, DriverLost, Evicted, JobStopped
-from flexpar.worker.lifecycle import Worker, say
+from flexpar.worker.host import say
+from flexpar.worker.lifecycle import Worker
 from flexpar.worker.phase import Phase
 from flexpar.worker.settings import EXIT_DRIVER_LOST, EXIT_EVICTED, WorkerArgs
 

@@ -1,10 +1,10 @@
 """Streamed joins of a sharded job (Job(shard_optimizer=...)): the joiner listens while its chunks stream.
 
-Part of `flexpar.worker.lifecycle.Worker` (its attributes are the worker's
-own), beside flexpar/worker/streaming.py (the unsharded stream, whose step-loop
-parts it shares: listeners, records, the stream event) and
+`ShardStreaming` carries it out for the worker, beside
+flexpar/worker/streaming.py (the unsharded stream, whose step-loop parts it
+shares: listeners, records, the stream event) and
 flexpar/worker/shard_levelling.py (the blocking levelling it replaces at a
-join). At a join boundary where it applies (`_shard_stream_refusal`, then
+join). At a join boundary where it applies (`ShardStreaming._refusal`, then
 what the members report):
 
 - the members keep the partition they had (`ShardStream.old`: the old
@@ -75,32 +75,62 @@ class ShardStream(Stream):
 
 
 class ShardStreaming:
-    """The sharded streamed join's part of the worker (see the module docstring)."""
+    """A sharded job's streamed join, carried out (see the module docstring).
+
+    It holds no state of its own: the stream in flight (a `ShardStream`) is
+    the device's `StreamSession`, the shard holdings the `ShardedOptimizer`'s,
+    the pending step `ShardLevelling`'s, whose blocking levelling it falls
+    back to where the join does not stream.
+    """
+
+    def __init__(
+        self,
+        optimizer,
+        device,
+        shards,
+        membership,
+        committed,
+        faults,
+        streams,
+        records,
+        levelling,
+        streamed_join,
+        by_cost,
+    ):
+        self.optimizer = optimizer
+        self.device = device
+        self.shards = shards
+        self.membership = membership
+        self.committed = committed
+        self.faults = faults
+        self.streams = streams
+        self.records = records
+        self.levelling = levelling
+        self.streamed_join = streamed_join  # its `stream` event and its drop are the unsharded stream's
+        self.by_cost = by_cost
 
     # ------------------------------------------------------------ the boundary
 
-    def _level_sharded_join(self, stock, rank: int, group: tuple, training: int, record: dict, peer_lost) -> float:
+    def level_join(self, stock, rank: int, group: tuple, training: int, record: dict, peer_lost, settings) -> float:
         """A sharded boundary: joiners listen while their chunks stream where that applies, else the
         blocking levelling (the join event says which, and why). Returns the bytes the group sent."""
         self.streams.say("")
         if not stock.joiners:
-            return self._level_sharded(stock, rank, group, training, record, peer_lost)
+            return self.levelling.level(stock, rank, group, training, record, peer_lost, settings)
         refusal = "a planned leave hands its state over at this boundary" if len(group) > training else None
-        refusal = refusal or self._shard_stream_refusal(stock)
+        refusal = refusal or self._refusal(stock, settings)
         if refusal is None:
-            self._finish_pending(stock)
-            reports = self._stream_reports(group, peer_lost)
+            self.levelling.finish_pending(stock)
+            reports = self._stream_reports(group, peer_lost, settings)
             refusal = shard_stream_plan.refusal(reports, self._old_partition(reports))
             if refusal is None:
                 return self._level_shard_streamed(reports, rank, group, training, peer_lost)
         self.streams.say(f"blocking transfer: {refusal}")
-        return self._level_sharded(stock, rank, group, training, record, peer_lost)
+        return self.levelling.level(stock, rank, group, training, record, peer_lost, settings)
 
-    def _shard_stream_refusal(self, stock) -> Optional[str]:
+    def _refusal(self, stock, settings) -> Optional[str]:
         """None if the job's kind lets this join stream; else why not (the same on every member)."""
-        common = stream_rules.common_refusal(
-            self.settings, self.cost_planner is not None, stock.joiners, stock.latest_step
-        )
+        common = stream_rules.common_refusal(settings, self.by_cost, stock.joiners, stock.latest_step)
         if common:
             return common
         shards = self.shards
@@ -110,7 +140,7 @@ class ShardStreaming:
             return "sparse-gradient parameters are replicated, not sharded, in a sharded job"
         return stream_plan.refusal([type(self.optimizer).__name__])
 
-    def _stream_reports(self, group: tuple, peer_lost) -> list:
+    def _stream_reports(self, group: tuple, peer_lost, settings) -> list:
         """Every member's report, with whether its optimizer state may stream and its bytes per element."""
         shards = self.shards
         holdings = () if self.committed.step < 0 else (shards.everything() if shards.pristine else shards.holdings())
@@ -123,7 +153,7 @@ class ShardStreaming:
             size = sum(value.element_size() for value in values if torch.is_tensor(value) and value.dim() > 0)
             per_element = max(per_element, size)
         # The bytes per sender and step: rank 0's (a member: a joiner has no step times of its own yet).
-        sender_bytes = stream_rules.sender_bytes(self.settings, self.committed.balance)
+        sender_bytes = stream_rules.sender_bytes(settings, self.committed.balance)
         numbers = [self.committed.step, int(shards.values_complete), 1, int(shards.pristine), streamable, per_element]
         numbers.append(sender_bytes)
         rows = gather_reports(numbers, holdings, len(group), self.device, peer_lost)
@@ -134,13 +164,13 @@ class ShardStreaming:
 
     def _old_partition(self, reports: list) -> Optional[Partition]:
         members = sum(1 for report in reports if report.committed >= 0)
-        return self._target_partition(members) if members else None
+        return self.levelling.target_partition(members) if members else None
 
     def _level_shard_streamed(self, reports: list, rank: int, group: tuple, training: int, peer_lost) -> float:
         """The replicated state to the joiners, the pieces' layouts to their receivers, and the plan."""
         shards = self.shards
         old = self._old_partition(reports)
-        new = self._target_partition(training)
+        new = self.levelling.target_partition(training)
         levelling = plan_levelling(
             [Report(report.committed, report.complete, report.holdings, True) for report in reports],
             new,
@@ -157,7 +187,7 @@ class ShardStreaming:
         messages, sent, announced = self._send_layouts(plan, rank, joiners, levelling.state_source, peer_lost)
         if rank in joiners:
             shards.drop()
-            self._restore_replicated(messages[levelling.state_source]["replicated"])
+            self.levelling.restore_replicated(messages[levelling.state_source]["replicated"])
             shards.values_outdated()  # every value arrives with the first step's broadcast
         shards.work_with(old)
         total = collective(lambda: training_state.all_level(len(group), self.device, sent, peer_lost))
@@ -192,7 +222,7 @@ class ShardStreaming:
         """
         outgoing: dict = {}
         if rank == state_source:
-            replicated = self._capture_replicated()
+            replicated = self.levelling.capture_replicated()
             for joiner in joiners:
                 outgoing[joiner] = {"replicated": replicated}
         announced: dict = {}
@@ -209,16 +239,12 @@ class ShardStreaming:
 
     # ------------------------------------------------------------ the step loop
 
-    def _shard_streaming(self) -> bool:
-        """A sharded stream runs: every primary broadcasts its chunks after every step."""
-        return isinstance(self.streams.current, ShardStream) and not self.streams.current.abandoned
-
-    def _land_streamed_pieces(self) -> None:
+    def land_pieces(self) -> None:
         """Before a step's update: the pieces this device sent have left and those it receives have
         landed; it holds (and from now on steps) the latter. Called before the step's gradient is
         confirmed (`_confirm_gradient`): a peer lost in this wait fails the step before it is pending,
         never between a member's confirmation and its commit."""
-        if not self._shard_streaming():
+        if not sharded_stream_running(self.streams):
             return
         stream = self.streams.current
         self.streams.wait(self.membership.peer_lost)
@@ -227,7 +253,7 @@ class ShardStreaming:
             arriving, stream.arriving = stream.arriving, []
             self.shards.add(arriving)
 
-    def _shard_stream_round(self, step: int) -> None:
+    def round(self, step: int) -> None:
         """After step `step`'s update and broadcast: this round's pieces, from their sources to their receivers."""
         stream = self.streams.current
         number = stream.rounds_done
@@ -256,7 +282,7 @@ class ShardStreaming:
             stream.step_times.append(self.records.last_step_time() - stall)
         stream.rounds_done += 1
         if stream.rounds_done == stream.plan.rounds:
-            self._finish_shard_stream(step)
+            self._finish(step)
 
     def _piece_to_send(self, move) -> list:
         """The state tensors of a move, in key order: views of the held state where one slice holds it."""
@@ -280,10 +306,10 @@ class ShardStreaming:
             for key, dtype, shape in self.streams.current.layouts[move.parameter]
         }
 
-    def _finish_shard_stream(self, step: int) -> None:
+    def _finish(self, step: int) -> None:
         """Every member: each received piece against its source's (one all-reduce), then the new partition."""
         stream, shards = self.streams.current, self.shards
-        self._land_streamed_pieces()
+        self.land_pieces()
         moves = stream.plan.moves
         rows = torch.zeros(len(self.membership.members), len(moves), dtype=torch.float64)
         for index, move in enumerate(moves):
@@ -304,18 +330,12 @@ class ShardStreaming:
         shards.install(stream.new, self.membership.rank)  # the same step on every member: the next one runs with it
         shards.values_received()  # this step's broadcast brought every value
         if self.membership.rank == 0:
-            self._publish_stream_event(step)
+            self.streamed_join.publish_event(step)
         self.streams.end()
 
-    def _abandon_stream(self) -> list:
-        """A new generation: before streaming.py's part (`Streaming._abandon_stream`, later in the
-        worker's bases), a sharded stream's receivers drop what they received."""
-        if isinstance(self.streams.current, ShardStream):
-            self._abandon_shard_stream()
-        return super()._abandon_stream()
-
-    def _abandon_shard_stream(self) -> None:
-        """Hold exactly the old partition's chunks again (a listener: nothing)."""
+    def abandon(self) -> None:
+        """A new generation or a lost driver drops the sharded stream in flight: hold exactly the old
+        partition's chunks again (a listener: nothing). `StreamedJoin.abandon` then drops the stream."""
         stream = self.streams.current
         stream.abandoned = True
         stream.arriving, stream.sending = [], []
@@ -325,7 +345,7 @@ class ShardStreaming:
             self.streams.keep_for_pending(None)
         else:
             self.shards.install(stream.old, stream.rank)
-            self.streams.keep_for_pending(stream if self.pending_commit is not None else None)
+            self.streams.keep_for_pending(stream if self.levelling.pending_commit is not None else None)
 
 
 def _layout(state: dict, whole: bool) -> list:
@@ -342,3 +362,8 @@ def _layout(state: dict, whole: bool) -> list:
 
 def _contiguous(value) -> bool:
     return torch.is_tensor(value) and value.is_contiguous()
+
+
+def sharded_stream_running(streams) -> bool:
+    """A sharded stream runs: every primary broadcasts its chunks after every step."""
+    return isinstance(streams.current, ShardStream) and not streams.current.abandoned

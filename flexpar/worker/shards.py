@@ -364,3 +364,19 @@ class ShardedOptimizer:
 
 def _copied(value):
     return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def zero_grad(optimizer, shards: Optional[ShardedOptimizer], keep_gradient: bool = False) -> None:
+    """Drop the gradients the optimizer steps; a sharded job's `keep_gradient` keeps the summed gradient
+    of a step this device may still have to apply (flexpar/worker/shard_levelling.py)."""
+    if shards is None:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        shards.zero_grad(keep_gradient)
+
+
+def optimizer_bytes(optimizer, shards: Optional[ShardedOptimizer]) -> int:
+    """Bytes of the optimizer state this device holds (sharded or not)."""
+    if shards is not None:
+        return shards.state_bytes()
+    return state_nbytes(optimizer.state.values())

@@ -1,7 +1,6 @@
 """Streamed joins: a joiner listens to the members' steps while the training state streams to it.
 
-Part of `flexpar.worker.lifecycle.Worker` (its attributes are the worker's
-own). At a join boundary where streaming applies (`stream_rules.refusal` says
+`StreamedJoin` carries it out for the worker. At a join boundary where streaming applies (`stream_rules.refusal` says
 when it does not: flexpar/worker/stream_rules.py), the source sends the joiners only the small state (the
 scheduler, step counters, loss scale, balancer, records, buffers, the
 optimizer's per-parameter scalars, and the shapes of what streams), and every
@@ -22,7 +21,7 @@ element-wise optimizers, a slice per sender per step. Then, step by step:
   step's forward, backward and all-reduce; its own updates keep every
   received value current: no gradient history, no replay.
 - after the last slice every device checks the joiner's copy of each tensor
-  against its sender's (`_check_stream`: a mismatch stops the job naming the
+  against its sender's (`StreamedJoin._finish`: a mismatch stops the job naming the
   tensor), rank 0 publishes a `stream` event, and from the next step on the
   joiner takes VWs like any member.
 
@@ -47,12 +46,45 @@ from flexpar.worker import stream_rules
 from flexpar.worker.stream_session import Stream, StreamMismatch
 
 
-class Streaming:
-    """The streamed join's part of the worker (see the module docstring)."""
+class StreamedJoin:
+    """A streamed join of an unsharded job, carried out (see the module docstring).
+
+    It holds no state of its own: the stream in flight is the device's
+    `StreamSession`, the committed step its `CommittedStep`, the generation its
+    `Membership`; it is handed the job's run settings where it needs them.
+    """
+
+    def __init__(
+        self,
+        model,
+        optimizer,
+        scheduler,
+        device,
+        device_id,
+        membership,
+        committed,
+        records,
+        faults,
+        streams,
+        state,
+        by_cost,
+        sharded,
+    ):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.device = device
+        self.device_id = device_id
+        self.membership = membership
+        self.committed = committed
+        self.records = records
+        self.faults = faults
+        self.streams = streams
+        self.state = state
+        self.by_cost = by_cost  # Job(sample_cost=...): plans every device's VWs ahead, no stream goes on
+        self.sharded = sharded  # a sharded job's streams do not go on past a boundary (they start again)
 
     # ------------------------------------------------------------ the boundary
 
-    def _level_streamed(self, stock, rank: int, generation: int, group: tuple) -> float:
+    def level(self, stock, rank: int, generation: int, group: tuple, settings) -> float:
         """The small state from the source to the joiners, and the plan; returns the bytes sent."""
         sent = 0
         if rank == stock.source:
@@ -67,7 +99,7 @@ class Streaming:
             )
         elif rank in stock.receivers:
             self._restore_small(collective(lambda: training_state.receive_state(stock.source, self.device)))
-        self._begin_stream(stock, generation, group)
+        self._begin(stock, generation, group, settings)
         return collective(lambda: training_state.all_level(len(group), self.device, sent))
 
     def _small_state(self) -> dict:
@@ -102,7 +134,7 @@ class Streaming:
             self.scheduler.load_state_dict(state["scheduler"])
         self.state.restore_extra(state)
 
-    def _begin_stream(self, stock, generation: int, group: tuple) -> None:
+    def _begin(self, stock, generation: int, group: tuple, settings) -> None:
         """Every member: the plan of the stream (the same everywhere, from the same inputs)."""
         parameters = stream_rules.streamed_parameters(self.model)
         travelling = {
@@ -122,7 +154,7 @@ class Streaming:
             for name, parameter in parameters.items()
         ]
         senders = tuple(device for other, device in enumerate(group) if other not in stock.receivers)
-        sender_bytes = stream_rules.sender_bytes(self.settings, self.committed.balance)
+        sender_bytes = stream_rules.sender_bytes(settings, self.committed.balance)
         plan = stream_plan.plan(tensors, senders, sender_bytes, cuttable)
         skippable = all(
             torch.is_tensor(value)
@@ -138,10 +170,8 @@ class Streaming:
             skippable=skippable,
             plan_generation=generation,
             senders=senders,
-            rank=group.index(self.args.device_id),
-            sizing=None
-            if self.settings.join_stream_mb
-            else stream_plan.Sizing(plan.sender_bytes, stream_rules.floor(plan)),
+            rank=group.index(self.device_id),
+            sizing=None if settings.join_stream_mb else stream_plan.Sizing(plan.sender_bytes, stream_rules.floor(plan)),
         )
         self.streams.begin(
             stream,
@@ -150,7 +180,7 @@ class Streaming:
             f"{len(senders)} sender{'s' if len(senders) > 1 else ''}",
         )
 
-    def _abandon_stream(self) -> list:
+    def abandon(self) -> list:
         """Drop the stream (a lost driver, or a boundary where it cannot go on): a listener holds no
         committed state.
 
@@ -162,19 +192,19 @@ class Streaming:
         self.streams.end()
         return works
 
-    def _settle_stream(self, stock, generation: int, group: tuple) -> bool:
+    def goes_on(self, stock, generation: int, group: tuple, settings) -> bool:
         """At a boundary, after the stock: does a stream broken off go on? If so, re-plan what did not
-        land among the surviving senders (every member alike); if not, drop it (a listener is a joiner
-        again: it reported no committed step). Sharded streams do not go on (they start again)."""
+        land among the surviving senders (every member alike); if not, the caller drops it (a listener
+        is a joiner again: it reported no committed step). Sharded streams do not go on (they start
+        again)."""
         if self.streams.current is None:
             return False
         listeners = None
-        if self.shards is None and self.cost_planner is None and stock.stream_identities:
+        if not self.sharded and not self.by_cost and stock.stream_identities:
             listeners = stream_plan.continuation(
                 stock.stream_identities, stock.listening_steps, stock.latest_step, stock.receivers
             )
-        if listeners is None or stock.latest_step >= self.settings.total_steps:
-            self._abandon_stream()
+        if listeners is None or stock.latest_step >= settings.total_steps:
             return False
         stream = self.streams.current
         mask = -1
@@ -191,7 +221,7 @@ class Streaming:
             plan_generation=generation,
             broken_off=False,
             landed_mask=0,
-            rank=group.index(self.args.device_id),
+            rank=group.index(self.device_id),
         )
         left = plan.size - round(plan.delivered_share(stream.rounds_done) * plan.size)
         names = ", ".join(group[rank] for rank in listeners)
@@ -200,14 +230,14 @@ class Streaming:
 
     # ------------------------------------------------------------ the step loop
 
-    def _listener_shares(self) -> dict:
+    def listener_shares(self) -> dict:
         """How much of the state each listener holds, by device (a step record's `joining`)."""
         share = round(self.streams.current.plan.delivered_share(self.streams.current.rounds_done), 4)
         return {self.membership.members[rank]: share for rank in self.streams.current.listeners}
 
-    def _stream_round(self, step: int) -> None:
+    def round(self, step: int) -> None:
         """After step `step`'s update: this round's slices, from each sender to each listener."""
-        self._resize_stream()
+        self._resize()
         stream = self.streams.current
         number = stream.rounds_done
         operations = []
@@ -230,12 +260,12 @@ class Streaming:
                     receipts += [piece.sender] * len(views)
         self.faults.fire("stream", step, self.membership.members)
         works = collective(lambda: dist.batch_isend_irecv(operations)) if operations else []
-        # gloo: a work per operation, so a failure can tell which senders' slices landed (`_suspend_stream`);
+        # gloo: a work per operation, so a failure can tell which senders' slices landed (`StreamSession.suspend`);
         # otherwise (NCCL coalesces them) none of the round counts as landed.
         if receipts:
             known = len(works) == len(receipts)
             stream.receipts += tuple(zip(receipts, works)) if known else tuple((None, work) for work in works)
-        # Waited for before this device's next optimizer update (`_wait_stream_transfers`): a sender's next
+        # Waited for before this device's next optimizer update (`StreamSession.wait`): a sender's next
         # write to what it sends, a listener's first read of what it receives. So a round overlaps the
         # next step's forward, backward and all-reduce on both sides; an fp16 step that skipped its
         # update has not waited for the last round's yet.
@@ -245,9 +275,9 @@ class Streaming:
             stream.step_times.append(self.records.last_step_time() - stall)
         stream.rounds_done += 1
         if stream.rounds_done >= stream.plan.rounds:  # (>: a re-plan found everything landed already)
-            self._finish_stream(step)
+            self._finish(step)
 
-    def _resize_stream(self) -> None:
+    def _resize(self) -> None:
         """Without `join_stream_mb`, the next rounds' slices follow the members' step times
         (`stream_plan.resized`): the same on every member, from the same summed statistics.
 
@@ -275,7 +305,7 @@ class Streaming:
             )
         stream.sizing = sizing
 
-    def _finish_stream(self, step: int) -> None:
+    def _finish(self, step: int) -> None:
         """Every member: the joiners' copies against their senders' (one all-reduce), then they contribute."""
         stream = self.streams.current
         if self.streams.listening():  # the last round has landed (a sender's sends only read: no wait)
@@ -304,10 +334,11 @@ class Streaming:
                             "not trusted, so the job stops"
                         )
         if self.membership.rank == 0:
-            self._publish_stream_event(step)
+            self.publish_event(step)
         self.streams.end()
 
-    def _publish_stream_event(self, step: int) -> None:
+    def publish_event(self, step: int) -> None:
+        """Rank 0, after the last round: the `stream` event (what streamed, over how many steps)."""
         stream = self.streams.current
         seconds = time.time() - stream.started_wall
         steps = stream.rounds_done
@@ -330,7 +361,7 @@ class Streaming:
 
     # ------------------------------------------------------------ helpers
 
-    def _skip_unreceived(self) -> None:
+    def skip_unreceived(self) -> None:
         """A listener's update leaves out the parameters none of whose pieces has landed yet (their
         slices bring values, moments and step counts as of the moment they are sent): torch's
         optimizers skip a parameter whose `.grad` is None. Saves the joiner's cores (on a shared host,
