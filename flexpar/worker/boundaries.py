@@ -51,42 +51,21 @@ class Boundaries:
     boundary.
     """
 
-    def __init__(
-        self,
-        link,
-        device,
-        device_id,
-        model,
-        optimizer,
-        frozen_part,
-        sync,
-        reaper,
-        membership,
-        committed,
-        records,
-        faults,
-        streams,
-        state,
-        streamed_join,
-        shard_levelling,
-        shard_streaming,
-        exact_steps,
-        by_cost,
-    ):
-        self.link = link
+    def __init__(self, link, training, owners, device, device_id: str, reaper, joins: tuple):
+        self.link, self.reaper = link, reaper
         self.device, self.device_id = device, device_id
-        self.model, self.optimizer, self.frozen = model, optimizer, frozen_part
-        self.sync, self.reaper = sync, reaper
-        self.membership = membership
-        self.committed = committed
-        self.records = records
-        self.faults = faults
-        self.streams = streams
-        self.state = state
-        self.streamed_join = streamed_join
-        self.shard_levelling, self.shard_streaming = shard_levelling, shard_streaming  # sharded jobs only
-        self.exact_steps = exact_steps  # Job(deterministic=True) only
-        self.by_cost = by_cost
+        self.model, self.optimizer, self.frozen, self.sync = (
+            training.model,
+            training.optimizer,
+            training.frozen,
+            training.sync,
+        )
+        self.membership, self.committed, self.records = owners.membership, owners.committed, owners.records
+        self.faults, self.streams, self.state = owners.faults, owners.streams, owners.state
+        self.exact_steps = owners.exact_steps  # Job(deterministic=True) only
+        self.by_cost = owners.cost_planner is not None
+        # The joins carried out: unsharded, and (sharded jobs only) the levelling and the sharded stream.
+        self.streamed_join, self.shard_levelling, self.shard_streaming = joins
 
     def enter(self, generation: int, record: dict, settings) -> None:
         """Form the generation's process group and bring every member to the same state.

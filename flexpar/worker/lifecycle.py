@@ -4,11 +4,11 @@ Its phases and the transitions between them are flexpar/worker/phase.py's
 `Phase`; `Worker.run` moves the device through them.
 
 The step itself, from the VWs to the optimizer update, is flexpar/worker/step_loop.py
-(`StepLoop.train`, which `Worker.run` calls once the device is active); the
-boundary between generations (`enter`: FORMING -> ACTIVE) is
-flexpar/worker/boundaries.py, a sharded job's part of it shard_levelling.py;
-waiting for a restarted driver (ORPHANED) is flexpar/worker/orphan.py; the
-scheduled faults, fault_injection.py.
+(`StepLoop.train`, which `Worker.run` calls once the device is active) and
+step_run.py; the boundary between generations (`Boundaries.enter`: FORMING ->
+ACTIVE) is flexpar/worker/boundaries.py, a sharded job's part of it
+shard_levelling.py; waiting for a restarted driver (ORPHANED) is
+flexpar/worker/orphan.py; the scheduled faults, fault_injection.py.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from flexpar.worker.gradient import AppliedGradient
 from flexpar.worker.host import say, yield_cores
 from flexpar.worker.loader import VirtualWorkerLoader
 from flexpar.worker.membership import Membership
+from flexpar.worker.owners import Owners
 from flexpar.worker.phase import Phase
 from flexpar.worker.records import RecordQueue
 from flexpar.worker.settings import RunSettings, WorkerArgs
@@ -60,13 +61,17 @@ from flexpar.worker.warm_up import identity, warm_up
 class Worker:
     """One device's training: it builds the components and moves the device through its phases (`Phase`).
 
-    Each piece of the device's state has one owner, held here and handed to
-    whoever needs it (docs/internals.md draws them): `membership`,
-    `committed`, `records`, `faults`, `streams`, `state`, `checkpoints`,
-    `evaluation`, `gradient`, `exact_steps`, the shard holdings (`shards`)
-    and the joins carried out (`streamed_join`, `shard_levelling`,
-    `shard_streaming`). The step (`StepLoop.train`, step_loop.py) and the
-    boundary (`Boundaries.enter`, boundaries.py) are still parts of this class.
+    Each piece of the device's state has one owner (owners.py: the
+    membership, the committed step, the records, the faults, the stream
+    session, the checkpoints, the evaluation, the applied gradient, the
+    exact steps, the cost planner; the shard holdings are the
+    `ShardedOptimizer`'s), built here and handed to the parts that carry
+    out the work: the joins (`streamed_join`, `shard_levelling`,
+    `shard_streaming`), the boundaries (`boundaries`) and the steps
+    (`step_loop`). docs/internals.md draws who calls whom. The worker's own
+    fields are its phase, its driver's salt and proof, and the run
+    settings (replaced when a restarted driver re-adopts the device, so
+    handed to each call that reads them).
     """
 
     def __init__(self, args: WorkerArgs, link: DeviceLink):
@@ -86,7 +91,6 @@ class Worker:
         self.optimizer, self.scheduler = training.optimizer, training.scheduler
         self.shards, self.sync, self.exact = training.shards, training.sync, training.exact
         self.forward_model, self.scaler = training.forward_model, training.scaler
-        self.gradient = AppliedGradient(self.job, self.sync, self.scaler)  # the gradient a step applies
         self.reaper = GroupReaper()
         self.loader = VirtualWorkerLoader(
             self.job,
@@ -98,131 +102,53 @@ class Worker:
         self.cost_planner = (
             CostPlanner(self.job, self.settings.total_steps) if self.job.sample_cost is not None else None
         )
-        self.committed = CommittedStep()  # the last committed step, its time and balance (committed.py)
         self.salt = link.store.get("job/salt").decode()
         self.proof = join_proof(args.secret, args.device_id, self.salt)
+        # The owners of the device's state (owners.py), then the parts that carry out its work with them.
+        self.committed = CommittedStep()  # the last committed step, its time and balance (committed.py)
         self.faults = FaultSchedule(args.device_id, self.settings.faults, self.settings.driver_pid, args.remote)
         self.streams = StreamSession()  # a streamed join in flight (stream_session.py)
         self.records = RecordQueue(link)  # kept until the driver acknowledges them (records.py)
-        self.state = TrainingState(
-            self.job,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            self.frozen,
-            self.committed,
-            self.records,
-            self.scaler,
-            self.cost_planner,
-            self.exact,
-        )  # captured for peers and checkpoints, restored (state_keeping.py)
+        self.state = TrainingState(self.job, training, self.committed, self.records, self.cost_planner)
         self.checkpoints = Checkpoints(self.state, self.shards, self.faults, self._say)
-        # Job(deterministic=True): the step's exact-sum checks and digests (determinism.py).
-        self.exact_steps = (
-            ExactSteps(self.exact, self.model, self.device, self.records) if self.exact is not None else None
-        )
-        self.streamed_join = StreamedJoin(
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            self.device,
-            args.device_id,
-            self.membership,
-            self.committed,
-            self.records,
-            self.faults,
-            self.streams,
-            self.state,
-            by_cost=self.cost_planner is not None,
-            sharded=self.shards is not None,
-        )  # a streamed join carried out (streaming.py)
-        # Job(shard_optimizer=...): levelling the chunks at boundaries, and streaming them to joiners.
-        self.shard_levelling = self.shard_streaming = None
-        if self.shards is not None:
-            self.shard_levelling = ShardLevelling(
-                self.job,
-                self.model,
-                self.scheduler,
-                self.device,
-                args.device_id,
-                self.shards,
-                self.membership,
-                self.committed,
-                self.faults,
-                self.streams,
-                self.state,
-                lambda *pending: self.step_loop.commit_step(*pending),
-            )
-            self.shard_streaming = ShardStreaming(
-                self.optimizer,
-                self.device,
-                self.shards,
-                self.membership,
-                self.committed,
-                self.faults,
-                self.streams,
-                self.records,
-                self.shard_levelling,
-                self.streamed_join,
-                self.cost_planner is not None,
-            )
-        self.boundaries = Boundaries(
-            link,
-            self.device,
-            args.device_id,
-            self.model,
-            self.optimizer,
-            self.frozen,
-            self.sync,
-            self.reaper,
-            self.membership,
-            self.committed,
-            self.records,
-            self.faults,
-            self.streams,
-            self.state,
-            self.streamed_join,
-            self.shard_levelling,
-            self.shard_streaming,
-            self.exact_steps,
-            by_cost=self.cost_planner is not None,
-        )  # between generations (boundaries.py)
         self.evaluation = Evaluation(self.job, self.model, self.device, link, self.records, self.faults)
+        # Job(deterministic=True): the step's exact-sum checks and digests (determinism.py).
+        exact_steps = ExactSteps(self.exact, self.model, self.device, self.records) if self.exact is not None else None
+        owners = Owners(
+            self.membership,
+            self.committed,
+            self.records,
+            self.faults,
+            self.streams,
+            self.state,
+            self.checkpoints,
+            self.evaluation,
+            AppliedGradient(self.job, self.sync, self.scaler),  # the gradient a step applies (gradient.py)
+            exact_steps,
+            self.cost_planner,
+        )
+        joins = (StreamedJoin(training, owners, self.device, args.device_id), None, None)  # streaming.py
+        if self.shards is not None:  # Job(shard_optimizer=...): the chunks levelled, and streamed to joiners
+            levelling = ShardLevelling(
+                self.job, training, owners, self.device, args.device_id, lambda *step: self.step_loop.commit_step(*step)
+            )
+            joins = (joins[0], levelling, ShardStreaming(training, owners, self.device, levelling, joins[0]))
+        self.streamed_join, self.shard_levelling, self.shard_streaming = joins
+        self.boundaries = Boundaries(link, training, owners, self.device, args.device_id, self.reaper, joins)
+        step_run = StepRun(
+            self.job, args, self.device, link, training, self.loader, owners, self.settings.sample_ledger
+        )
         self.step_loop = StepLoop(
-            job=self.job,
-            args=args,
-            link=link,
-            training=training,
-            step_run=StepRun(
-                job=self.job,
-                args=args,
-                device=self.device,
-                link=link,
-                training=training,
-                loader=self.loader,
-                sample_ledger=self.settings.sample_ledger,
-                membership=self.membership,
-                records=self.records,
-                faults=self.faults,
-                streams=self.streams,
-                gradient=self.gradient,
-                exact_steps=self.exact_steps,
-            ),
-            total_steps=self.settings.total_steps,
-            sample_ledger=self.settings.sample_ledger,
-            membership=self.membership,
-            committed=self.committed,
-            records=self.records,
-            streams=self.streams,
-            checkpoints=self.checkpoints,
-            evaluation=self.evaluation,
-            gradient=self.gradient,
-            exact_steps=self.exact_steps,
-            cost_planner=self.cost_planner,
-            streamed_join=self.streamed_join,
-            shard_levelling=self.shard_levelling,
-            shard_streaming=self.shard_streaming,
-        )  # the steps (step_loop.py)
+            self.job,
+            args,
+            link,
+            training,
+            owners,
+            step_run,
+            joins,
+            self.settings.total_steps,
+            self.settings.sample_ledger,
+        )
         self._warmup_s: Optional[float] = None  # set once warm
 
     # ------------------------------------------------------------ lifecycle

@@ -54,32 +54,13 @@ class ShardLevelling:
     shard holdings themselves are the `ShardedOptimizer`'s (flexpar/worker/shards.py).
     """
 
-    def __init__(
-        self,
-        job,
-        model,
-        scheduler,
-        device,
-        device_id,
-        shards,
-        membership,
-        committed,
-        faults,
-        streams,
-        state,
-        commit_step,
-    ):
+    def __init__(self, job, training, owners, device, device_id: str, commit):
         self.job = job
-        self.model, self.scheduler = model, scheduler
-        self.device = device
-        self.device_id = device_id
-        self.shards = shards
-        self.membership = membership
-        self.committed = committed
-        self.faults = faults
-        self.streams = streams
-        self.state = state
-        self.commit_step = commit_step
+        self.model, self.scheduler, self.shards = training.model, training.scheduler, training.shards
+        self.device, self.device_id = device, device_id
+        self.membership, self.committed, self.faults = owners.membership, owners.committed, owners.faults
+        self.streams, self.state = owners.streams, owners.state
+        self.commit_step = commit  # the step loop's: a pending step is applied as every step is
         self.pending_commit: Optional[tuple] = None
 
     def target_partition(self, world_size: int) -> Partition:

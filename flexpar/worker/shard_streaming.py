@@ -83,31 +83,13 @@ class ShardStreaming:
     back to where the join does not stream.
     """
 
-    def __init__(
-        self,
-        optimizer,
-        device,
-        shards,
-        membership,
-        committed,
-        faults,
-        streams,
-        records,
-        levelling,
-        streamed_join,
-        by_cost,
-    ):
-        self.optimizer = optimizer
-        self.device = device
-        self.shards = shards
-        self.membership = membership
-        self.committed = committed
-        self.faults = faults
-        self.streams = streams
-        self.records = records
+    def __init__(self, training, owners, device, levelling, streamed_join):
+        self.optimizer, self.shards, self.device = training.optimizer, training.shards, device
+        self.membership, self.committed, self.faults = owners.membership, owners.committed, owners.faults
+        self.streams, self.records = owners.streams, owners.records
         self.levelling = levelling
         self.streamed_join = streamed_join  # its `stream` event and its drop are the unsharded stream's
-        self.by_cost = by_cost
+        self.by_cost = owners.cost_planner is not None
 
     # ------------------------------------------------------------ the boundary
 

@@ -33,13 +33,13 @@ class TrainingState:
     piece at once with a peer's or a checkpoint's.
     """
 
-    def __init__(self, job, model, optimizer, scheduler, frozen_part, committed, records, scaler, cost_planner, exact):
+    def __init__(self, job, training, committed, records, cost_planner):
         self.job = job
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.frozen = frozen_part
+        self.model, self.optimizer, self.scheduler = training.model, training.optimizer, training.scheduler
+        self.frozen = training.frozen
         self.committed = committed
         self.records = records
-        self.scaler, self.cost_planner, self.exact = scaler, cost_planner, exact
+        self.scaler, self.cost_planner, self.exact = training.scaler, cost_planner, training.exact
 
     def capture(self, checkpoint_settings=None) -> dict:
         """The whole state; `checkpoint_settings` (the run's settings) when it is for a checkpoint

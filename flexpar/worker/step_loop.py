@@ -47,37 +47,18 @@ class StepLoop:
     """
 
     def __init__(
-        self,
-        *,
-        job,
-        args,
-        link,
-        training,
-        step_run,
-        total_steps: int,
-        sample_ledger: bool,
-        membership,
-        committed,
-        records,
-        streams,
-        checkpoints,
-        evaluation,
-        gradient,
-        exact_steps,
-        cost_planner,
-        streamed_join,
-        shard_levelling,
-        shard_streaming,
+        self, job, args, link, training, owners, step_run, joins: tuple, total_steps: int, sample_ledger: bool
     ):
         self.job, self.args, self.link, self.step_run = job, args, link, step_run
         self.model, self.frozen = training.model, training.frozen
         self.optimizer, self.scheduler = training.optimizer, training.scheduler
         self.shards, self.exact = training.shards, training.exact
         self.total_steps, self.sample_ledger = total_steps, sample_ledger
-        self.membership, self.committed, self.records, self.streams = membership, committed, records, streams
-        self.checkpoints, self.evaluation, self.gradient = checkpoints, evaluation, gradient
-        self.exact_steps, self.cost_planner = exact_steps, cost_planner
-        self.streamed_join, self.shard_levelling, self.shard_streaming = streamed_join, shard_levelling, shard_streaming
+        self.membership, self.committed, self.records = owners.membership, owners.committed, owners.records
+        self.streams, self.checkpoints, self.evaluation = owners.streams, owners.checkpoints, owners.evaluation
+        self.gradient, self.exact_steps, self.cost_planner = owners.gradient, owners.exact_steps, owners.cost_planner
+        # The joins carried out: unsharded, and (sharded jobs only) the levelling and the sharded stream.
+        self.streamed_join, self.shard_levelling, self.shard_streaming = joins
         self.assignment: tuple = ()
         self._generation_records: dict = {}
 
@@ -116,15 +97,7 @@ class StepLoop:
                     and assignment != self.assignment
                     and tuple(self.committed.balance.device_ids) == self.streams.contributors(self.membership.members)
                 ):
-                    detail = f"{list(self.assignment)} -> {list(assignment)}"
-                    self.records.publish_event(
-                        "rebalance",
-                        detail,
-                        0.0,
-                        step=self.committed.step,
-                        generation=self.membership.generation,
-                        members=self.membership.members,
-                    )
+                    self._publish_rebalance(f"{list(self.assignment)} -> {list(assignment)}")
                 mine = batching.virtual_workers_of(assignment, self.membership.rank)
             self.assignment = assignment
             step = self.committed.begin()  # in flight until it commits or a collective breaks off
@@ -157,14 +130,7 @@ class StepLoop:
             if self.membership.rank == 0:
                 self.link.publish(self.records.last)
                 if moved:  # a planned rate moved past the noise: the plans of later steps change
-                    self.records.publish_event(
-                        "rebalance",
-                        moved,
-                        0.0,
-                        step=self.committed.step,
-                        generation=self.membership.generation,
-                        members=self.membership.members,
-                    )
+                    self._publish_rebalance(moved)
             if self.membership.rank == 0 or (
                 self.shards is not None and not self.streams.listening()
             ):  # sharded: each its part
@@ -190,6 +156,12 @@ class StepLoop:
         return self.evaluation.run(
             self.committed.step, self.membership, shares, contributors, settings.eval_keys, ask_driver
         )
+
+    def _publish_rebalance(self, detail: str) -> None:
+        """Rank 0: the assignment changed (a `rebalance` event after the committed step)."""
+        membership = self.membership
+        where = {"step": self.committed.step, "generation": membership.generation, "members": membership.members}
+        self.records.publish_event("rebalance", detail, 0.0, **where)
 
     def _step_assignment(self) -> tuple:
         """This step's VWs per member: the balancer's split among the contributors, listeners at 0."""

@@ -62,30 +62,14 @@ class StepRun:
     gradient and the exact steps it feeds.
     """
 
-    def __init__(
-        self,
-        *,
-        job,
-        args,
-        device,
-        link,
-        training,
-        loader,
-        sample_ledger: bool,
-        membership,
-        records,
-        faults,
-        streams,
-        gradient,
-        exact_steps,
-    ):
+    def __init__(self, job, args, device, link, training, loader, owners, sample_ledger: bool):
         self.job, self.args, self.device, self.link, self.loader = job, args, device, link, loader
         self.model, self.optimizer, self.shards = training.model, training.optimizer, training.shards
         self.sync, self.exact = training.sync, training.exact
         self.forward_model, self.scaler = training.forward_model, training.scaler
         self.sample_ledger = sample_ledger
-        self.membership, self.records, self.faults, self.streams = membership, records, faults, streams
-        self.gradient, self.exact_steps = gradient, exact_steps
+        self.membership, self.records, self.faults = owners.membership, owners.records, owners.faults
+        self.streams, self.gradient, self.exact_steps = owners.streams, owners.gradient, owners.exact_steps
         self.step_samples = None
 
     def run(self, step: int, virtual_workers: Sequence[int], redo: bool = False) -> torch.Tensor:

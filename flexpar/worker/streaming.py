@@ -54,33 +54,13 @@ class StreamedJoin:
     `Membership`; it is handed the job's run settings where it needs them.
     """
 
-    def __init__(
-        self,
-        model,
-        optimizer,
-        scheduler,
-        device,
-        device_id,
-        membership,
-        committed,
-        records,
-        faults,
-        streams,
-        state,
-        by_cost,
-        sharded,
-    ):
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.device = device
-        self.device_id = device_id
-        self.membership = membership
-        self.committed = committed
-        self.records = records
-        self.faults = faults
-        self.streams = streams
-        self.state = state
-        self.by_cost = by_cost  # Job(sample_cost=...): plans every device's VWs ahead, no stream goes on
-        self.sharded = sharded  # a sharded job's streams do not go on past a boundary (they start again)
+    def __init__(self, training, owners, device, device_id: str):
+        self.model, self.optimizer, self.scheduler = training.model, training.optimizer, training.scheduler
+        self.device, self.device_id = device, device_id
+        self.membership, self.committed, self.records = owners.membership, owners.committed, owners.records
+        self.faults, self.streams, self.state = owners.faults, owners.streams, owners.state
+        self.by_cost = owners.cost_planner is not None  # Job(sample_cost=...): plans every device's VWs ahead
+        self.sharded = training.shards is not None  # a sharded job's streams do not go on (they start again)
 
     # ------------------------------------------------------------ the boundary
 
