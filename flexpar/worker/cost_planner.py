@@ -4,7 +4,7 @@ The math is in ``flexpar.core.cost_balance`` and ``flexpar.core.cost_balance.rat
 worker keeps between steps: the learned rates (``CostRates``, part of the
 training state, so joiners and checkpoints carry them), and small caches of
 each step's VW costs and plans, because the data loader asks for the plan of
-upcoming steps (``Worker._plan``) and the step loop asks again when the step
+upcoming steps (``StepLoop.plan``) and the step loop asks again when the step
 runs. Everything it computes is a function of the job, the step, the device
 set and the rates, which every member holds alike: every member computes the
 same plans.

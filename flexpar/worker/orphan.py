@@ -7,7 +7,7 @@ come back, or the devices die meanwhile), says so once, and waits up to
 `driver_grace_s` for a driver at the same address. A driver restarted with
 `--resume` re-adopts it: the device reports what it holds (flexpar/core/adoption.py's
 `DeviceReport`), and the restarted driver's first generation, numbered above
-every one any device saw, holds it; `Worker.enter` then brings every member to
+every one any device saw, holds it; `Boundaries.enter` then brings every member to
 the latest committed step, in memory. Without one, it exits as before, naming
 the checkpoint and the resume command. A device never trains while no driver
 is there: it trains again only in a generation a driver published.
