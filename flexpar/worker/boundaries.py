@@ -1,7 +1,6 @@
 """The boundary between two generations: form the new process group, bring every member level.
 
-Part of `flexpar.worker.lifecycle.Worker` (its attributes are the worker's
-own). `Worker._run` calls `enter` for every generation that includes the
+`Boundaries` carries it out for the worker: `Worker.run` calls `enter` for every generation that includes the
 device (or lists it as departing): the members meet in the store, form the
 generation's gloo/NCCL group (flexpar/comm/collectives.py `fresh_group`),
 take stock of who holds the latest committed step, and level:
@@ -38,14 +37,37 @@ import torch.distributed as dist
 from flexpar.comm import state_transfer as training_state
 from flexpar.comm.collectives import PeerFailure, collective, fresh_group
 from flexpar.core import factory_checks
-from flexpar.worker import checkpoints
+from flexpar.worker import checkpoints, stream_rules
 from flexpar.worker.device_link import DriverLost
+from flexpar.worker.shard_streaming import ShardStream
 
 
 class Boundaries:
-    """Part of `flexpar.worker.lifecycle.Worker`: `enter` a generation."""
+    """The boundaries between generations, carried out: `enter` makes a generation the device's `Membership`.
 
-    def enter(self, generation: int, record: dict) -> None:
+    It holds no state of its own: what a boundary changes is its owners'
+    (the membership, the committed step, the records, the stream session,
+    the shard holdings); it is handed the job's run settings with each
+    boundary.
+    """
+
+    def __init__(self, link, training, owners, device, device_id: str, reaper, joins: tuple):
+        self.link, self.reaper = link, reaper
+        self.device, self.device_id = device, device_id
+        self.model, self.optimizer, self.frozen, self.sync = (
+            training.model,
+            training.optimizer,
+            training.frozen,
+            training.sync,
+        )
+        self.membership, self.committed, self.records = owners.membership, owners.committed, owners.records
+        self.faults, self.streams, self.state = owners.faults, owners.streams, owners.state
+        self.exact_steps = owners.exact_steps  # Job(deterministic=True) only
+        self.by_cost = owners.cost_planner is not None
+        # The joins carried out: unsharded, and (sharded jobs only) the levelling and the sharded stream.
+        self.streamed_join, self.shard_levelling, self.shard_streaming = joins
+
+    def enter(self, generation: int, record: dict, settings) -> None:
         """Form the generation's process group and bring every member to the same state.
 
         A sharded job's planned leavers (`record["departing"]`) first hand
@@ -55,10 +77,10 @@ class Boundaries:
         """
         self.link.check()
         members = tuple(record["members"])
-        departing = tuple(record.get("departing", ())) if self.shards is not None else ()
+        departing = tuple(record.get("departing", ())) if self.shard_levelling is not None else ()
         group = members + departing
-        rank = group.index(self.args.device_id)
-        self._fault_point("formation", self.committed)
+        rank = group.index(self.device_id)
+        self.faults.fire("formation", self.committed.step, self.membership.members)
         # Forming a gloo group waits for every member inside C++, where a member's
         # death is only seen at the timeout. Meet in the store first, where it is
         # seen at once (the coordinator's death notices), then form in milliseconds.
@@ -66,44 +88,47 @@ class Boundaries:
         if problem:
             raise PeerFailure(problem)
         if record.get("restore"):  # a re-adopted job whose checkpoint is newer than any device
-            if self.shards is not None:  # sharded: every member reads its own chunks
+            if self.shard_levelling is not None:  # sharded: every member reads its own chunks
                 if rank < len(members):
-                    self._resume_sharded(members, record["restore"])
+                    self.shard_levelling.resume(members, settings, record["restore"])
             elif rank == 0:
-                self._restore(checkpoints.read_checkpoint(record["restore"], self.device))
+                self.state.restore(checkpoints.read_checkpoint(record["restore"], self.device))
 
         def peer_lost():
             return self.link.lost_among(generation, group)
 
         # A stream in flight breaks off here; the stock says whether it goes on (flexpar/worker/streaming.py).
-        abandoned = self._suspend_stream()
+        abandoned = self.streams.suspend()
         with fresh_group(
             self.reaper.retire(self.sync.release_works() + abandoned),
-            self.settings.backend,
+            settings.backend,
             dist.PrefixStore(f"gen/{generation}/{'handoff' if departing else 'pg'}", self.link.store),
             rank,
             len(group),
-            self.settings.timeout_s,
+            settings.timeout_s,
         ):
             if not departing:
                 self.link.send("formed", generation=generation)
             # Every wait of a boundary watches for a peer the coordinator reports dead (killed or hung).
-            start = self._start_digest() if self.committed == 0 else 0.0
-            held, report = self._held_step(), self._stream_report()
+            start = self._start_digest() if self.committed.step == 0 else 0.0
+            held, report = self.streams.held_step(self.committed.step), self.streams.report(self.committed.step)
             stock = collective(
                 lambda: training_state.take_stock(
-                    held, self.committed_wall, rank, len(group), self.device, peer_lost, start, report
+                    held, self.committed.wall, rank, len(group), self.device, peer_lost, start, report
                 )
             )
-            self.stream_note = ""
-            streaming = self._settle_stream(stock, generation, group)
-            if self.shards is not None:  # joiners listen while their chunks stream where that applies
-                sent = self._level_sharded_join(stock, rank, group, len(members), record, peer_lost)
+            self.streams.say("")
+            # A stream broken off goes on, re-planned, or is dropped (flexpar/worker/streaming.py).
+            streaming = self.streamed_join.goes_on(stock, generation, group, settings)
+            if not streaming:
+                self.abandon_stream()
+            if self.shard_levelling is not None:  # joiners listen while their chunks stream where that applies
+                sent = self.shard_streaming.level_join(stock, rank, group, len(members), record, peer_lost, settings)
             else:
-                sent = 0.0 if streaming else self._level_members(stock, rank, generation, group)
+                sent = 0.0 if streaming else self._level_members(stock, rank, generation, group, settings)
             if stock.differing:
                 sent += self._align_start(stock, rank, group, peer_lost)
-            self.boundary_bytes = int(sent)  # the state this boundary sent, all senders (the event's)
+            boundary_bytes = int(sent)  # the state this boundary sent, all senders (the event's)
         if rank >= len(members):
             return  # departing: handed over
         if departing:  # the training group, without the departing devices
@@ -112,50 +137,65 @@ class Boundaries:
                 raise PeerFailure(problem)
             with fresh_group(
                 self.reaper.retire([]),
-                self.settings.backend,
+                settings.backend,
                 dist.PrefixStore(f"gen/{generation}/pg", self.link.store),
                 rank,
                 len(members),
-                self.settings.timeout_s,
+                settings.timeout_s,
             ):
                 self.link.send("formed", generation=generation)
-        previous_members = self.members
-        self.generation, self.members, self.rank = generation, members, rank
+        self.membership.enter(generation, members, rank)
         self.link.report_head = (generation, members)  # what it tells a restarted driver, should this one go
-        self._step_in_flight = None  # a step broken off before this boundary is redone from here
+        self.committed.break_off()  # a step broken off before this boundary is redone from here
         self.sync.start_generation(len(members))
         if rank == 0:
             # The previous rank 0 (or driver) may have died with records unsent or unread, or this
             # device may have been brought level without committing the last ones: send again every
             # record the driver has not acknowledged, in order (it drops those it has: core.delivery).
             self._complete_last_digest()
-            for kept in self.recent_records:
-                self.link.publish(kept)
+            self.records.publish_all()
             stall = max(0.0, time.time() - stock.last_commit_wall)
-            if self.stream is not None:  # the first streamed step is timed from before this stall
-                self.stream.stall_s = stall
-            self._publish_generation_event(record, previous_members, stall)
+            if self.streams.current is not None:  # the first streamed step is timed from before this stall
+                self.streams.current.stall_s = stall
+            self.records.publish_generation_events(
+                record,
+                stall,
+                boundary_bytes,
+                self.streams.note,
+                step=self.committed.step,
+                generation=generation,
+                members=members,
+            )
+
+    def abandon_stream(self) -> list:
+        """Drop the stream in flight, if any (a lost driver, or a boundary where it cannot go on): a
+        sharded stream's receivers first drop what they received (flexpar/worker/shard_streaming.py),
+        then `StreamedJoin.abandon`. Returns the transfers in flight (their works keep the old group
+        alive until it is retired)."""
+        if isinstance(self.streams.current, ShardStream):
+            self.shard_streaming.abandon()
+        return self.streamed_join.abandon()
 
     def _complete_last_digest(self) -> None:
         """A new rank 0 (the last one died, maybe before its record of the last step left) puts the
         digest in its own record of that step: only rank 0 computes digests, and the state it holds
         now is that step's (flexpar/worker/determinism.py)."""
-        last = self.recent_records[-1] if self.recent_records else None
+        last = self.records.last
         if (
-            self.exact is not None
+            self.exact_steps is not None
             and last is not None
             and last.get("kind") == "step"
             and "digest" not in last
-            and last.get("step") == self.committed - 1  # the state held is after that step
-            and self.parameters_complete
-            and not self._listening()
+            and last.get("step") == self.committed.step - 1  # the state held is after that step
+            and (self.shard_levelling is None or self.shard_levelling.shards.values_complete)
+            and not self.streams.listening()
         ):
-            self._exact_record(last["step"])
+            self.exact_steps.record(last["step"])
 
     def _start_digest(self) -> float:
         """What this device reports of its untrained trainable part (flexpar/core/factory_checks.py)."""
         with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-            return factory_checks.start_digest(self._model_state_for_transfer(), pool.map)
+            return factory_checks.start_digest(self.state.model_state(), pool.map)
 
     def _align_start(self, stock: training_state.Stock, rank: int, group: tuple, peer_lost) -> float:
         """Before the first step: the source's trainable values replace those that differ, as DDP's
@@ -165,11 +205,11 @@ class Boundaries:
         """
         sent, names = 0, []
         if rank == stock.source:
-            state = {"model": self._model_state_for_transfer()}
+            state = {"model": self.state.model_state()}
             sent = collective(lambda: training_state.send_state(state, stock.differing, self.device))
         elif rank in stock.differing:
             received = collective(lambda: training_state.receive_state(stock.source, self.device))["model"]
-            names = factory_checks.differing_names(self._model_state_for_transfer(), received)
+            names = factory_checks.differing_names(self.state.model_state(), received)
             self.frozen.load(self.model, received)  # in place: the optimizer's (and shards') tensors stay
         total = collective(lambda: training_state.all_level(len(group), self.device, sent, peer_lost))
         if rank == stock.differing[0]:
@@ -182,30 +222,35 @@ class Boundaries:
                 pass
         return total
 
-    def _level_members(self, stock: training_state.Stock, rank: int, generation: int, group: tuple) -> float:
+    def _level_members(self, stock: training_state.Stock, rank: int, generation: int, group: tuple, settings) -> float:
         """Bring the members level: joiners listen while the state streams where that applies, else
         the whole state is sent now (the join event says which, and why)."""
         if not stock.receivers:
             return 0.0
-        refusal = self._stream_refusal(stock)
+        refusal = stream_rules.refusal(stock, settings, self.by_cost, self.model, self.optimizer)
         if refusal is None:
-            return self._level_streamed(stock, rank, generation, group)
+            return self.streamed_join.level(stock, rank, generation, group, settings)
         if refusal != "not a join":
-            self.stream_note = f"blocking transfer: {refusal}"
+            self.streams.say(f"blocking transfer: {refusal}")
         return self._level(stock, rank, len(group))
 
     def _level(self, stock: training_state.Stock, rank: int, world_size: int) -> float:
         """Send the latest state from the source to the members behind it; returns the bytes sent."""
         sent = 0
         if rank == stock.source:
-            state = self._capture()
+            state = self.state.capture()
             sent = collective(
-                lambda: training_state.send_state(state, stock.receivers, self.device, after_size=self._transfer_fault)
+                lambda: training_state.send_state(
+                    state,
+                    stock.receivers,
+                    self.device,
+                    after_size=lambda: self.faults.fire("transfer", self.committed.step, self.membership.members),
+                )
             )
         elif rank in stock.receivers:
             # A joiner holds nothing committed: it receives the model in place. A member
             # that is only behind keeps its own state intact until the new one is whole.
-            own = self.model.state_dict() if self.committed < 0 else None
-            self._restore(collective(lambda: training_state.receive_state(stock.source, self.device, own)))
+            own = self.model.state_dict() if self.committed.step < 0 else None
+            self.state.restore(collective(lambda: training_state.receive_state(stock.source, self.device, own)))
         # The stall ends when the slowest receiver has restored; the sum says what the boundary sent.
         return collective(lambda: training_state.all_level(world_size, self.device, sent))

@@ -4,7 +4,7 @@ The math is in ``flexpar.core.cost_balance`` and ``flexpar.core.cost_balance.rat
 worker keeps between steps: the learned rates (``CostRates``, part of the
 training state, so joiners and checkpoints carry them), and small caches of
 each step's VW costs and plans, because the data loader asks for the plan of
-upcoming steps (``Worker._plan``) and the step loop asks again when the step
+upcoming steps (``StepLoop.plan``) and the step loop asks again when the step
 runs. Everything it computes is a function of the job, the step, the device
 set and the rates, which every member holds alike: every member computes the
 same plans.
@@ -133,6 +133,13 @@ class CostPlanner:
             device in before.planned and self.rates.planned[device] != before.planned[device] for device in members
         )
         return describe_move(_speeds(before, members), _speeds(self.rates, members)) if moved else ""
+
+    def observe_step(self, record: dict, step: int, members: Sequence[str], sets, busy_seconds) -> str:
+        """A committed step: its costs and VW sets into its `record`, its busy times into the rates
+        (`observe`). Returns the rebalance event's detail when a planned rate moved, else ""."""
+        record["cost"] = self.device_costs(step, sets)
+        record["virtual_worker_sets"] = [list(virtual_workers) for virtual_workers in sets]
+        return self.observe(step, members, sets, busy_seconds)
 
     def device_costs(self, step: int, assignment: cost_balance.Assignment) -> List[float]:
         """The summed sample cost (user's units) each member ran at ``step``."""

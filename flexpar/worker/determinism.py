@@ -1,18 +1,17 @@
 """`Job(deterministic=True)`: the step loop's part of bit-for-bit training on any device set.
 
-`StepLoop` (a part of `flexpar.worker.lifecycle.Worker`, whose attributes
-these are) calls these around a step when `self.exact` (an
-`flexpar.comm.exact_sync.ExactSync`) is set:
+`StepLoop` calls `ExactSteps` around a step when the job is deterministic
+(`Worker.exact` is then an `flexpar.comm.exact_sync.ExactSync`):
 
-- `_exact_statistics`: each VW's loss term and count in its own slot of the
+- `statistics`: each VW's loss term and count in its own slot of the
   statistics vector, this device's largest |VW gradient| per tensor, and the
   checksums of the parameters it holds at the step's start.
-- `_exact_resolve`: after the sums, the loss and the count of the step are
+- `resolve`: after the sums, the loss and the count of the step are
   summed in VW order (the same float sum on any device set); a checksum that
   differs between devices stops the job (a determinism breach, naming the step
   and the first tensor); a VW gradient that did not fit its exponent makes
   every device redo the step.
-- `_exact_record`: the digest of the training state after the step, in the
+- `record`: the digest of the training state after the step, in the
   step's record (rank 0).
 
 `make_deterministic` sets up each VW's own forward and backward: one intra-op
@@ -65,54 +64,60 @@ def breach_message(step: int, tensor: str, ranks: list) -> str:
     )
 
 
-class Determinism:
-    """The exact-sum steps of `StepLoop` (a part of the worker; its attributes are the worker's own)."""
+class ExactSteps:
+    """`Job(deterministic=True)`: the step loop's part of exact sums around one step (the module docstring).
 
-    exact = None  # ExactSync when Job(deterministic=True)
+    It holds the job's `ExactSync` (flexpar/comm/exact_sync.py: the sums'
+    exponents, training state) and says once, on rank 0, when the members'
+    devices are of different kinds (`kinds_said`). The device set it works
+    for is passed with every call: it holds nothing that changes with it.
+    """
 
-    def _layout(self) -> StatsLayout:
-        """This job's statistics layout for the current device set."""
-        if self.exact is None:
-            return StatsLayout(len(self.members))
-        return StatsLayout(len(self.members), self.job.virtual_workers, self.exact.tensors)
+    def __init__(self, exact, model, device, records):
+        self.exact = exact
+        self.model = model
+        self.device = device
+        self.records = records
+        self.kinds_said = False
 
-    def _trained_parameters(self) -> list:
+    def trained_parameters(self) -> list:
         return self.exact.dense + self.exact.sparse
 
-    def _exact_statistics(self, stats: torch.Tensor, slots: StatsLayout, terms: list) -> None:
-        """This device's part of the exact-sum figures (see the module docstring)."""
+    def statistics(self, stats: torch.Tensor, slots: StatsLayout, terms: list, rank: int, holds_all: bool) -> None:
+        """This device's part of the exact-sum figures (see the module docstring); `holds_all`: every
+        trained parameter's value here is the committed step's (sharded, or streaming: not all yet)."""
         for virtual_worker, loss_term, count in terms:
             stats[slots.virtual_worker_loss.start + virtual_worker] = loss_term
             stats[slots.virtual_worker_count.start + virtual_worker] = count
-        stats[slots.rank_part(slots.maxima, self.rank)] = torch.tensor(self.exact.maxima, dtype=torch.float64)
-        if self.parameters_complete and not self._listening():  # sharded, or streaming: not all here yet
-            checksums = parameter_checksums(self._trained_parameters())
-            stats[slots.rank_part(slots.checksums, self.rank)] = torch.tensor(checksums, dtype=torch.float64)
+        stats[slots.rank_part(slots.maxima, rank)] = torch.tensor(self.exact.maxima, dtype=torch.float64)
+        if holds_all:
+            checksums = parameter_checksums(self.trained_parameters())
+            stats[slots.rank_part(slots.checksums, rank)] = torch.tensor(checksums, dtype=torch.float64)
         else:
-            stats[slots.rank_part(slots.checksums, self.rank)] = -1.0
-        stats[slots.kinds.start + self.rank] = zlib.crc32(device_kind(self.device).encode())
+            stats[slots.rank_part(slots.checksums, rank)] = -1.0
+        stats[slots.kinds.start + rank] = zlib.crc32(device_kind(self.device).encode())
 
-    def _exact_resolve(self, summed: torch.Tensor, slots: StatsLayout, step: int) -> bool:
+    def resolve(self, summed: torch.Tensor, slots: StatsLayout, step: int, members: tuple, rank: int) -> bool:
         """After the sums: check the devices agree, fix the loss and count, True if the step is redone."""
-        self._check_checksums(summed, slots, step)
-        self._say_mixed_kinds(summed, slots)
+        self._check_checksums(summed, slots, step, members)
+        self._say_mixed_kinds(summed, slots, members, rank)
         summed[slots.loss] = _ordered_sum(summed[slots.virtual_worker_loss].tolist())
         summed[slots.count] = _ordered_sum(summed[slots.virtual_worker_count].tolist())
         per_rank = summed[slots.maxima].view(slots.world, slots.tensors)
         maxima = per_rank.max(dim=0).values.tolist() if slots.tensors else []
         return self.exact.resolve(maxima)
 
-    def _say_mixed_kinds(self, summed: torch.Tensor, slots: StatsLayout) -> None:
+    def _say_mixed_kinds(self, summed: torch.Tensor, slots: StatsLayout, members: tuple, rank: int) -> None:
         """Rank 0 says once, if the members' devices are of different kinds, what then holds."""
         codes = summed[slots.kinds].tolist()
-        if self.rank != 0 or getattr(self, "_kinds_said", False) or len(set(codes)) < 2:
+        if rank != 0 or self.kinds_said or len(set(codes)) < 2:
             return
-        self._kinds_said = True
-        others = [self.members[rank] for rank, code in enumerate(codes) if code != codes[0]]
-        message = mixed_kinds_message(device_kind(self.device), self.members[0], others)
+        self.kinds_said = True
+        others = [members[other] for other, code in enumerate(codes) if code != codes[0]]
+        message = mixed_kinds_message(device_kind(self.device), members[0], others)
         print(f"flexpar: note: {message}", file=sys.stderr, flush=True)
 
-    def _check_checksums(self, summed: torch.Tensor, slots: StatsLayout, step: int) -> None:
+    def _check_checksums(self, summed: torch.Tensor, slots: StatsLayout, step: int, members: tuple) -> None:
         if slots.world < 2 or not slots.tensors:
             return
         rows = summed[slots.checksums].view(slots.world, slots.tensors)
@@ -124,17 +129,18 @@ class Determinism:
             differs = (rows[rank] != first).nonzero()
             if differs.numel():
                 names = {id(parameter): name for name, parameter in self.model.named_parameters()}
-                tensor = names.get(id(self._trained_parameters()[int(differs[0, 0])]), "?")
-                raise DeterminismBreach(breach_message(step, tensor, [self.members[holders[0]], self.members[rank]]))
+                tensor = names.get(id(self.trained_parameters()[int(differs[0, 0])]), "?")
+                raise DeterminismBreach(breach_message(step, tensor, [members[holders[0]], members[rank]]))
 
-    def _exact_record(self, step: int) -> None:
-        """The digest of the training state after `step` in its record: say how in docs/metrics.md."""
+    def record(self, step: int) -> None:
+        """The digest of the training state after `step` in its record (the newest kept): say how in
+        docs/metrics.md."""
         digest = hashlib.sha256(struct.pack("<q", step))
-        for checksum in parameter_checksums(self._trained_parameters()):
+        for checksum in parameter_checksums(self.trained_parameters()):
             digest.update(struct.pack("<q", checksum))
         for exponent in self.exact.committed:
             digest.update(struct.pack("<q", -(2**62) if exponent is None else exponent))
-        record = self.recent_records[-1]
+        record = self.records.last
         record["digest"] = digest.hexdigest()[:16]
         record["redone"] = self.exact.redone
 

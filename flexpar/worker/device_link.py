@@ -3,20 +3,17 @@
 The device half of the control plane (the driver half is
 flexpar/driver/coordinator.py; the keys are flexpar/comm/protocol.py's).
 
-When the driver (and the store it hosts) goes, the follower thread looks for a
-restarted one at the same address for `driver_grace_s` (`_find_driver`); once
-one answers, the worker's main thread takes it over (`await_driver`, then
-`rejoin`): flexpar/worker/orphan.py.
+The follower thread is flexpar/worker/link_follower.py. When the driver (and
+the store it hosts) goes, it looks for a restarted one at the same address for
+`driver_grace_s`; once one answers, the worker's main thread takes it over
+(`await_driver`, then `rejoin`): flexpar/worker/orphan.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 import queue
-import signal
-import sys
 import threading
 import time
 from typing import Optional
@@ -25,16 +22,13 @@ import torch.distributed as dist
 
 from flexpar.comm.channel import Channel
 from flexpar.comm.protocol import (
-    ACKNOWLEDGED_KEY,
-    DRIVER_KEY,
-    NOTICE_KEY,
     SCHEDULE_HOLD_KEY,
-    adopt_proof,
     get_json,
     has,
     meet,
 )
-from flexpar.comm.store import connect, reconnect
+from flexpar.comm.store import reconnect
+from flexpar.worker.link_follower import StoreFollower
 
 
 class JobStopped(Exception):
@@ -61,13 +55,6 @@ class DriverLost(Exception):
 # How often a device's follower thread reads the store, and how often a device
 # waiting for a generation looks at what the follower saw.
 DEVICE_POLL_S = 0.02
-# A follower reads every followed key at least this often (protocol.NOTICE_KEY says when to read sooner).
-FOLLOW_ALL_S = 0.5
-# How a device that lost its driver looks for a restarted one at the same address: a connection
-# attempt (`store.reconnect`), then a pause growing from FIRST_RETRY_S to LAST_RETRY_S. A restarted
-# driver is found within LAST_RETRY_S of its listen (0.13-0.20 s measured), for a few milliseconds
-# of CPU a second while nothing listens.
-FIRST_RETRY_S, LAST_RETRY_S = 0.05, 0.25
 
 
 class DeviceLink:
@@ -120,7 +107,7 @@ class DeviceLink:
         self._rejoined = 0
         self._search_over = threading.Event()  # no driver came back within the grace (the follower ended)
         self._closing = threading.Event()
-        self._thread = threading.Thread(target=self._follow, name="flexpar-link", daemon=True)
+        self._thread = threading.Thread(target=StoreFollower(self).run, name="flexpar-link", daemon=True)
         self._thread.start()
 
     def configure(self, timeout_s: float, driver_grace_s: float = 0.0) -> None:
@@ -134,111 +121,6 @@ class DeviceLink:
         for store in (self.store, self._follower_store):
             if store is not None:
                 store.set_timeout(datetime.timedelta(seconds=timeout_s))
-
-    def _follow(self) -> None:
-        store = metrics = None
-        beats = 0
-        last_beat = 0.0
-        notice = None  # NOTICE_KEY at the last reading of the followed keys
-        read_all_at = 0.0
-        while not self._closing.is_set():
-            try:
-                if store is None:  # the first connection: its failure is a loss like any later one
-                    store = connect(self.host, self.port, self.timeout_s)
-                    store.set_timeout(datetime.timedelta(seconds=self.timeout_s))  # configure may have run
-                    self._follower_store, metrics = store, Channel(store, "metrics")
-                if self.driver_lost and self._rejoined < self._losses:
-                    self._between_drivers(store)  # the main thread has not rejoined a driver yet
-                else:
-                    seen = store.add(NOTICE_KEY, 0)  # first: a key told after this is read next time
-                    if seen != notice or time.monotonic() - read_all_at >= FOLLOW_ALL_S:
-                        notice, read_all_at = seen, time.monotonic()
-                        self._read_followed(store)
-                    if self.leave_requested_at is not None and self._leave_proof and self.announced:
-                        Channel(store, "events").send(
-                            {"type": "leave", "device_id": self.device_id, "proof": self._leave_proof}
-                        )
-                        self._leave_proof = ""  # sent once
-                    while not self._outbox.empty():
-                        self._send_queued(metrics)
-                now = time.monotonic()
-                self._enforce_leave_grace(now)
-                if now - last_beat > 0.5:
-                    beats += 1
-                    store.set(f"heartbeat/{self.device_id}", str(beats))
-                    last_beat = now
-            except Exception:  # the store, hosted by the driver, is gone
-                store = self._find_driver()
-                if store is None:
-                    return
-                self._follower_store, metrics, notice = store, Channel(store, "metrics"), None
-                continue
-            self._closing.wait(self._poll_s)
-        try:
-            while not self._outbox.empty():
-                metrics.send(self._outbox.get())
-        except Exception:
-            pass
-
-    def _send_queued(self, metrics: Channel) -> None:
-        """Send the oldest queued record; it counts as handled (`task_done`) even when the send fails.
-
-        A send fails when the driver goes (kill -9) while this thread sends: the
-        record is lost with that driver, like those still queued, which `rejoin`
-        drops (rank 0 sends every record it keeps again to a driver that re-adopts
-        it: flexpar.core.delivery). Counted as never done, it held `flush` for
-        ever: rank 0 of a re-adopted job hung in its final `flush`, the driver
-        waiting for its "done" (the fault soak's seed 907, run 23). The loss is
-        noted before the record counts as handled, so a `flush` under way raises
-        DriverLost rather than take it for sent.
-        """
-        record = self._outbox.get()
-        try:
-            metrics.send(record)
-        except Exception:
-            self.note_lost()
-            raise
-        finally:
-            self._outbox.task_done()
-
-    def _find_driver(self) -> Optional[dist.TCPStore]:
-        """The driver is gone: look for a restarted one at the same address for `driver_grace_s`.
-
-        Returns a client of the store that answered, or None when the grace ran
-        out (or the link closes). Records queued for the old driver stay
-        queued: they go to the new one once the main thread has rejoined it.
-        """
-        self._losses += 1
-        self.note_lost()
-        deadline = time.monotonic() + self.driver_grace_s
-        delay = FIRST_RETRY_S
-        while not self._closing.is_set() and time.monotonic() < deadline:
-            self._enforce_leave_grace(time.monotonic())
-            try:
-                return reconnect(self.host, self.port, self.timeout_s)
-            except RuntimeError:
-                pass
-            self._closing.wait(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(LAST_RETRY_S, 2 * delay)
-        self._search_over.set()
-        self._wait_out_leave_grace()
-        return None
-
-    def _between_drivers(self, store) -> None:
-        """Connected to a store at the address, not rejoined yet: read what its driver says about itself,
-        give a re-adopting one this device's notice (it is there, still finishing its step maybe), and
-        read this device's reply (a refusal)."""
-        if self._answered < self._losses and has(store, DRIVER_KEY):
-            self.driver = get_json(store, DRIVER_KEY)
-            if self.driver.get("adopting") and self.secret:
-                generation, members = self.report_head
-                proof = adopt_proof(self.secret, self.device_id, store.get("job/salt").decode())
-                notice = {"type": "present", "device_id": self.device_id, "generation": generation}
-                notice.update(members=list(members), seen=self.latest_generation, proof=proof)
-                Channel(store, "events").send(notice)
-            self._answered = self._losses
-        if has(store, f"reply/{self.device_id}"):
-            self.reply = store.get(f"reply/{self.device_id}").decode()
 
     def await_driver(self) -> Optional[dict]:
         """(Main thread, after a loss) Block until a driver answers at the address: what it says about
@@ -293,28 +175,6 @@ class DeviceLink:
                 return
             self._outbox.task_done()
 
-    def _read_followed(self, store) -> None:
-        """Read the keys this device follows (written with `tell_devices`)."""
-        # The hold before the generation: the driver publishes a leave's generation before it moves the
-        # hold past its step, so a hold read as moved comes with that generation (`await_scheduled_leave`).
-        hold = int(store.get(SCHEDULE_HOLD_KEY)) if has(store, SCHEDULE_HOLD_KEY) else -1
-        if has(store, "gen/latest"):
-            self.latest_generation = int(store.get("gen/latest"))
-        self.schedule_hold = hold
-        dead_key = f"gen/{self.latest_generation}/dead"
-        if has(store, dead_key):
-            self.dead_members = frozenset(get_json(store, dead_key))
-        if has(store, "stop"):
-            self.stop_reason = store.get("stop").decode()
-        if self.finish_reason is None and has(store, "finish"):
-            self.finish_reason = store.get("finish").decode()
-        if has(store, f"speed/{self.device_id}"):
-            self.speed = float(store.get(f"speed/{self.device_id}"))
-        if has(store, ACKNOWLEDGED_KEY):  # a restarted driver's may be unwritten yet, never lower
-            self.acknowledged = max(self.acknowledged, int(store.get(ACKNOWLEDGED_KEY)))
-        if has(store, f"reply/{self.device_id}"):
-            self.reply = store.get(f"reply/{self.device_id}").decode()
-
     def request_leave(self, proof: str, grace_s: float) -> None:
         """Ask the coordinator to let this device leave at the next step boundary (preemption).
 
@@ -326,27 +186,6 @@ class DeviceLink:
             self._leave_grace_s = grace_s
             self._leave_proof = proof
             self.leave_requested_at = time.monotonic()
-
-    def _enforce_leave_grace(self, now: float) -> None:
-        # Once the job is stopping (the driver's SIGTERM came with this one: a whole host's),
-        # the device stops with the others at the boundary, and rank 0 may be writing the
-        # final checkpoint: the grace no longer applies (a later second SIGTERM still kills).
-        if self.finish_reason is not None or self.stop_reason is not None:
-            return
-        if self.leave_requested_at is not None and now - self.leave_requested_at > self._leave_grace_s:
-            print(
-                f"flexpar: device {self.device_id}: did not leave within {self._leave_grace_s:g} s of "
-                "SIGTERM; exiting now (the others recover as after a failure)",
-                file=sys.stderr,
-                flush=True,
-            )
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def _wait_out_leave_grace(self) -> None:
-        """With the store gone the follower stops, but a pending leave's grace still applies."""
-        while self.leave_requested_at is not None and not self._closing.is_set():
-            self._enforce_leave_grace(time.monotonic())
-            self._closing.wait(self._poll_s)
 
     def publish(self, record: dict) -> None:
         """Queue a metrics record; the follower thread sends it, off the step's critical path."""

@@ -3,7 +3,7 @@
 Which chunks a device evaluates is `flexpar.core.evaluation` (pure); this module
 loads them (`loader.load_batch`, under each chunk's own data seed), runs the
 user's function in eval mode under `torch.no_grad()` and the job's autocast,
-and adds the results (`WorkerEvaluation`, below, is a worker's round of it at a step
+and adds the results (`Evaluation`, below, is a worker's round of it at a step
 boundary). `evaluate_all` is the single-process evaluation of the
 whole set that any device set must reproduce.
 
@@ -106,78 +106,93 @@ class _EvalView:
 # ------------------------------------------------------------ a worker's evaluation round
 
 
-class WorkerEvaluation:
-    """Part of `flexpar.worker.Worker` (its attributes are the worker's own; see there)."""
+class Evaluation:
+    """A worker's evaluation rounds at step boundaries, and the driver's verdict on them.
 
-    # ------------------------------------------------------------ evaluation
+    Invariant: `evaluated` is the (generation, committed step) of the last
+    round this device completed. Every member of a generation runs the same
+    sequence, so it is agreed; a new generation evaluates its first step
+    boundary again if it is an evaluation's (the old one may have broken off
+    during it), and the driver keeps one record per step. `verdict_stop` is
+    the stop reason of the driver's callbacks at the last round that asked
+    for one ("" while none stopped the job).
+    """
 
-    # (generation, committed step) of the last evaluation this device took part in. Every
-    # member of a generation runs the same sequence, so this is agreed; a new generation
-    # evaluates its first step boundary again if it is an evaluation's (the old one may
-    # have broken off during it), and the driver keeps one record per step.
-    _evaluated: tuple = (0, -1)
-    _verdict_stop: str = ""  # a callback's on_eval stopped the job at the last evaluation
+    def __init__(self, job, model, device, link, records, faults):
+        self.job = job
+        self.model = model
+        self.device = device
+        self.link = link
+        self.records = records
+        self.faults = faults
+        self.evaluated: tuple = (0, -1)
+        self.verdict_stop = ""
 
-    def _evaluation_due(self, final: bool = False) -> bool:
+    def due(self, committed: int, generation: int, settings, final: bool = False) -> bool:
         """Whether the model after `committed` steps is to be evaluated now.
 
         Every `eval_every` steps, after the last step, and (`final`) at a stop
         a callback asked for; a function of the committed step and the
         generation only, so every member reaches the same answer.
         """
-        if self.job.evaluate is None or self.committed <= 0 or self._evaluated == (self.generation, self.committed):
+        if self.job.evaluate is None or committed <= 0 or self.evaluated == (generation, committed):
             return False
-        every = self.settings.eval_every
-        return final or self.committed == self.settings.total_steps or bool(every and self.committed % every == 0)
+        every = settings.eval_every
+        return final or committed == settings.total_steps or bool(every and committed % every == 0)
 
-    def evaluate(self, ask_driver: bool) -> str:
-        """Evaluate the model after `committed` steps on this generation's devices.
+    def run(self, step: int, membership, shares: tuple, contributors: tuple, keys, ask_driver: bool) -> str:
+        """Evaluate the model after `step` committed steps on this generation's devices.
 
         The devices split the evaluation set's chunks in proportion to the next
-        step's VW assignment (their speeds; flexpar.core.evaluation), each sums its
-        chunks' metrics, and one all-reduce adds the sums. Only then does the
-        record exist: a failure before it completes leaves nothing published,
-        and the next generation evaluates again. Every member keeps the record
-        (a new rank 0 re-sends it); rank 0 publishes it. With `ask_driver`, the
-        devices then wait for the driver's callbacks' verdict on it; returns
-        the stop reason, or "".
+        step's VW assignment (in `membership`'s generation; `shares`, the contributors' speeds;
+        flexpar.core.evaluation), each sums its chunks' metrics, and one
+        all-reduce adds the sums. Only then does the record exist: a failure
+        before it completes leaves nothing published, and the next generation
+        evaluates again. Every member keeps the record (a new rank 0 re-sends
+        it); rank 0 publishes it. With `ask_driver`, the devices then wait for
+        the driver's callbacks' verdict on it; returns the stop reason, or "".
         """
-        step = self.committed
         started = time.perf_counter()
-        keys = tuple(self.settings.eval_keys)
+        generation, members, rank, peer_lost = (
+            membership.generation,
+            membership.members,
+            membership.rank,
+            membership.peer_lost,
+        )
+        keys = tuple(keys)
         # The split of the step's VWs, among the contributors: a joiner still listening evaluates nothing.
-        shares = [share for share in self._step_assignment() if share > 0]
-        ranges = evaluation.sample_ranges(len(self.job.eval_dataset), shares, self.job.eval_batch_size)
-        contributors = self._contributors()
-        mine = self.members[self.rank]
+        ranges = evaluation.sample_ranges(
+            len(self.job.eval_dataset), [share for share in shares if share > 0], self.job.eval_batch_size
+        )
+        mine = members[rank]
         samples = ranges[contributors.index(mine)] if mine in contributors else range(0)
         sums = evaluate_samples(self.job, self.model, samples, keys, self.device)
         vector = torch.tensor(evaluation.metric_vector(sums, keys), dtype=torch.float64, device=self.device)
-        self._fault_point("eval", step)  # tests: a death here breaks the all-reduce below
-        if len(self.members) > 1:
+        self.faults.fire("eval", step, members)  # tests: a death here breaks the all-reduce below
+        if len(members) > 1:
             work = collective(lambda: dist.all_reduce(vector, async_op=True))
-            wait_for_collective(work, self._peer_lost)
-        self._evaluated = (self.generation, step)
+            wait_for_collective(work, peer_lost)
+        self.evaluated = (generation, step)
         record = {
             "kind": "eval",
             "step": step,
             "time": time.time(),
             "elapsed_s": 0.0,  # filled in by the driver, which knows the job's start
-            "generation": self.generation,
-            "devices": list(self.members),
+            "generation": generation,
+            "devices": list(members),
             "eval_s": time.perf_counter() - started,
             "samples": len(self.job.eval_dataset),
             "metrics": evaluation.metrics_of(vector.cpu().tolist(), keys),
         }
-        self._keep(record)
-        if self.rank == 0:
+        self.records.keep(record)
+        if rank == 0:
             self.link.publish(record)
         if not ask_driver:
             return ""
-        self._verdict_stop = self._verdict(step)
-        return self._verdict_stop
+        self.verdict_stop = self._verdict(step, peer_lost)
+        return self.verdict_stop
 
-    def _verdict(self, step: int) -> str:
+    def _verdict(self, step: int, peer_lost) -> str:
         """The driver's callbacks' word on the evaluation at `step`: a stop reason, or "" to go on.
 
         The driver writes it once, so every member reads the same. A peer that
@@ -188,7 +203,7 @@ class WorkerEvaluation:
         try:
             while not self.link.store.check([key]):
                 self.link.check()
-                lost = self._peer_lost()
+                lost = peer_lost()
                 if lost:
                     raise PeerFailure(f"peer {lost} is gone (reported by the coordinator)")
                 time.sleep(0.002)

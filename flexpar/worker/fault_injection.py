@@ -1,15 +1,14 @@
 """Fault injection by schedule: "kill -9 device local-1 at step 7 during backward".
 
-Part of `flexpar.worker.lifecycle.Worker` (its attributes are the worker's
-own). The driver passes the job's faults (`RunSettings.faults`: step, device,
+The driver passes the job's faults (`RunSettings.faults`: step, device,
 phase and optionally the signal) to every device; each keeps its own and
 fires them at the named points of the step loop and the boundaries, where
-the code calls `_fault_point(phase, step)`. A device's start has points of
+the code calls `FaultSchedule.fire(phase, step, members)`. A device's start has points of
 its own (START_PHASES, at step 0): `flexpar join` fires "launch" and
 "launched" around starting the device's process (`fire_start_fault`), the
 device the rest on its way to admission. Faults aimed at the driver
 (STEP:driver:PHASE) are fired by the device that is rank 0 at that point (at a
-transfer: the sender), with `_kill_driver_if_due`; the driver fires its own
+transfer: the sender); the driver fires its own
 STEP:driver:record (`die_before_writing`) as that step's record arrives. Tests, the soak and
 the benchmarks use this to prove that a failure at any phase loses nothing.
 """
@@ -71,42 +70,66 @@ def _send(name: str, device_id: str, step: int, phase: str) -> None:
         os.kill(os.getpid(), number)
 
 
-class FaultInjection:
-    """Part of `flexpar.worker.lifecycle.Worker`: `self.faults` is `faults_of(...)` for this device,
-    `self.driver_faults` the {(step, phase)} of the driver's."""
+class FaultSchedule:
+    """This device's scheduled faults, and the driver's that it may fire: each fires at most once.
 
-    faults: dict = {}
-    driver_faults: set = set()
+    `own` is {(step, phase): signal name} of the faults aimed at this device
+    not fired yet (a "tamper" is a streamed join's test fault, taken by the
+    stream's sender, never sent as a signal); `driver` is the {(step, phase)}
+    of the faults aimed at the driver not fired yet. A step redone after a
+    failure fires nothing again, and a re-adopted device fires none of a lost
+    driver's faults at the next one (`spend_driver_faults`).
+    """
 
-    def _transfer_fault(self) -> None:
-        self._fault_point("transfer", self.committed)
+    def __init__(self, device_id: str, faults, driver_pid: int, remote: bool):
+        self.device_id = device_id
+        self.own = faults_of(device_id, faults)
+        # Faults aimed at the driver (STEP:driver:PHASE): fired by the device that is rank 0 there.
+        self.driver = {(int(fault[0]), fault[2]) for fault in faults if fault[1] == "driver"}
+        self.driver_pid = driver_pid
+        self.remote = remote
 
-    def _fault_point(self, phase: str, step: int) -> None:
-        """Kill -9 (or SIGTERM, SIGSTOP) this device here, if the schedule says so.
-
-        Each fault fires once: a step redone after a failure does not fire it again.
-        """
-        for key in _due(self.faults, phase, step):
-            if self.faults[key] != "tamper":  # a streamed join's test fault, not a signal (streaming.py)
-                _send(self.faults.pop(key), self.args.device_id, step, phase)
-        # The driver's: the rank 0 of the generation it trains in fires them (at a transfer: the sender).
-        if self.driver_faults and (self.members[:1] == (self.args.device_id,) or phase == "transfer"):
+    def fire(self, phase: str, step: int, members: tuple) -> None:
+        """Kill -9 (or SIGTERM, SIGSTOP) this device here, if the schedule says so; the driver too, if
+        this device is the rank 0 of `members` (its generation) or the sender of a transfer."""
+        for key in _due(self.own, phase, step):
+            if self.own[key] != "tamper":  # a streamed join's test fault, not a signal (streaming.py)
+                _send(self.own.pop(key), self.device_id, step, phase)
+        if self.driver and (members[:1] == (self.device_id,) or phase == "transfer"):
             self._kill_driver_if_due(phase, step)
+
+    def armed(self, phase: str, step: int) -> bool:
+        """Whether a fault of this device's or the driver's names `phase` of `step` exactly."""
+        return (step, phase) in self.own or (step, phase) in self.driver
+
+    def take_tamper(self, step: int) -> bool:
+        """A streamed join's STEP:DEVICE:stream:tamper due at or before `step`: taken (it fires once)."""
+        due = [key for key, name in self.own.items() if key[1] == "stream" and key[0] <= step and name == "tamper"]
+        return bool(due) and self.own.pop(due[0]) == "tamper"
+
+    def spend_driver_faults(self, committed: int) -> None:
+        """The driver is lost: its faults up to step `committed` are spent (a re-adopted rank 0 must
+        not fire them at the next driver, nor the rescue checkpoint at the lost one's pid)."""
+        self.driver = {key for key in self.driver if key[0] > committed}
+
+    def new_driver(self, driver_pid: int) -> None:
+        """A restarted driver re-adopted this device: its driver faults aim at that one's pid."""
+        self.driver_pid = driver_pid
 
     def _kill_driver_if_due(self, phase: str, step: int) -> None:
         """Tests' and the soak's driver faults (STEP:driver:PHASE): kill -9 the driver here, once."""
-        due = _due(self.driver_faults, phase, step)
-        if not due or not self.settings.driver_pid or self.args.remote:
+        due = _due(self.driver, phase, step)
+        if not due or not self.driver_pid or self.remote:
             return
-        self.driver_faults -= set(due)
+        self.driver -= set(due)
         print(
             f"flexpar: fault: driver gets SIGKILL at step {step} ({phase}) at {time.time():.6f} (pid "
-            f"{self.settings.driver_pid}, from {self.args.device_id})",
+            f"{self.driver_pid}, from {self.device_id})",
             file=sys.stderr,
             flush=True,
         )
         try:
-            os.kill(self.settings.driver_pid, signal.SIGKILL)
+            os.kill(self.driver_pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 

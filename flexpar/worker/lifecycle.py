@@ -1,141 +1,83 @@
 """One device's training from start to exit: its lifecycle.
 
-Lifecycle (`Phase`, flexpar/worker/phase.py), with its transitions:
-
-    WARMING    -> WAITING     built the model, ran one forward/backward, told the coordinator
-    WAITING    -> FORMING     a published generation includes this device
-    FORMING    -> ACTIVE      the generation's process group formed; state is level
-    ACTIVE     -> FORMING     at a step boundary, all members agreed on a newer generation
-    ACTIVE     -> LEAVING     ... that leaves this device out (planned scale-in: it skips
-                              that step's update, which every survivor commits, and exits
-                              at the lowest CPU priority). A sharded job's leaver commits
-                              it, hands its chunks over in the new generation's boundary
-                              (LEAVING while it does), then exits; after a failure in that
-                              hand-off it is departing again in the recovery generation
-    ACTIVE     -> RECOVERING  a collective failed (a peer died or hung)
-    FORMING    -> RECOVERING  forming or levelling the state failed
-    RECOVERING -> FORMING     the coordinator published the survivors' generation
-    RECOVERING -> LEAVING     ... without this device
-    ACTIVE     -> STOPPING    all members agreed to stop after this step: the driver asked
-                              (SIGTERM to it, a callback); rank 0 writes a checkpoint
-    STOPPING   -> DONE
-    ACTIVE     -> ORPHANED    the driver is gone: the members committed the step in flight
-                              together (agreed in its statistics), or it broke off (abandoned)
-    WARMING, WAITING, FORMING, RECOVERING -> ORPHANED    the driver is gone (a warming
-                              device finishes its warm-up first: that needs no driver)
-    ORPHANED   -> FORMING     a driver restarted with --resume re-adopted it: the state it
-                              holds is kept, a generation above every one seen holds it
-                              (a device the old driver had not let in yet stays a joiner)
-    ORPHANED   -> DONE        no driver came back within driver_grace_s, a driver that does
-                              not re-adopt answered, SIGTERM, or it was refused (a device of an
-                              older generation): it exits, its last committed step on disk
-    any        -> DONE        the last step committed, or the job was stopped
-    any        -> LEAVING     SIGTERM to this device: it asks to leave at the next boundary
-                              (preemption); a second SIGTERM or the grace period kills it
+Its phases and the transitions between them are flexpar/worker/phase.py's
+`Phase`; `Worker.run` moves the device through them.
 
 The step itself, from the VWs to the optimizer update, is flexpar/worker/step_loop.py
-(`StepLoop.train`, which `Worker.run` calls once the device is active); the
-boundary between generations (`enter`: FORMING -> ACTIVE) is
-flexpar/worker/boundaries.py, a sharded job's part of it shard_levelling.py;
-waiting for a restarted driver (ORPHANED) is flexpar/worker/orphan.py; the
-scheduled faults, fault_injection.py.
+(`StepLoop.train`, which `Worker.run` calls once the device is active) and
+step_run.py; the boundary between generations (`Boundaries.enter`: FORMING ->
+ACTIVE) is flexpar/worker/boundaries.py, a sharded job's part of it
+shard_levelling.py; waiting for a restarted driver (ORPHANED) is
+flexpar/worker/orphan.py; the scheduled faults, fault_injection.py.
 """
 
 from __future__ import annotations
 
-import collections
+import dataclasses
 import json
 import os
 import pickle
-import sys
+import socket
 import time
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from flexpar import recipes
 from flexpar.callbacks import CALLBACK_STOP
 from flexpar.comm import state_transfer as training_state
 from flexpar.comm.collectives import GroupReaper, PeerFailure, collective, wait_for_collective
-from flexpar.comm.exact_sync import ExactSync
-from flexpar.comm.gradient_sync import GradientSync
-from flexpar.comm.protocol import get_blob, get_json, join_proof, put_blob, tell_driver
-from flexpar.comm.sparse_sync import sparse_parameters
-from flexpar.core import balance, batching, factory_checks
-from flexpar.errors import UserCodeError
+from flexpar.comm.protocol import adopt_proof, get_blob, get_json, join_proof, put_blob, tell_driver
+from flexpar.core import adoption
 from flexpar.version import __version__
-from flexpar.worker import checkpoints
+from flexpar.worker import checkpoints, orphan
 from flexpar.worker.boundaries import Boundaries
+from flexpar.worker.committed import CommittedStep
 from flexpar.worker.cost_planner import CostPlanner
-from flexpar.worker.determinism import make_deterministic
+from flexpar.worker.determinism import ExactSteps
 from flexpar.worker.device_link import DeviceLink, DriverLost, Evicted
-from flexpar.worker.evaluator import WorkerEvaluation
-from flexpar.worker.fault_injection import FaultInjection, faults_of
-from flexpar.worker.frozen_part import FrozenPart
-from flexpar.worker.loader import VirtualWorkerLoader, load_batch
-from flexpar.worker.loader import to_device as _to_device
-from flexpar.worker.orphan import WorkerOrphan
+from flexpar.worker.evaluator import Evaluation
+from flexpar.worker.fault_injection import FaultSchedule
+from flexpar.worker.gradient import AppliedGradient
+from flexpar.worker.host import say, yield_cores
+from flexpar.worker.loader import VirtualWorkerLoader
+from flexpar.worker.membership import Membership
+from flexpar.worker.owners import Owners
 from flexpar.worker.phase import Phase
-from flexpar.worker.records import RECORDS_KEPT, WorkerRecords
+from flexpar.worker.records import RecordQueue
 from flexpar.worker.settings import RunSettings, WorkerArgs
 from flexpar.worker.shard_levelling import ShardLevelling
 from flexpar.worker.shard_streaming import ShardStreaming
-from flexpar.worker.shards import ShardedOptimizer, sharding_by
-from flexpar.worker.state_keeping import WorkerCheckpoints
+from flexpar.worker.shards import zero_grad
+from flexpar.worker.state_keeping import Checkpoints, TrainingState
 from flexpar.worker.step_loop import StepLoop, StopEarly
-from flexpar.worker.streaming import Streaming
-from flexpar.worker.user_code import build_model, build_optimizer, loss_terms, model_digest
+from flexpar.worker.step_run import StepRun
+from flexpar.worker.stream_session import StreamSession
+from flexpar.worker.streaming import StreamedJoin
+from flexpar.worker.training import build_training
+from flexpar.worker.warm_up import identity, warm_up
 
 
-def _yield_cores() -> None:
-    """A leaving device's teardown (gloo, threads, freeing its memory) runs at the lowest priority.
+class Worker:
+    """One device's training: it builds the components and moves the device through its phases (`Phase`).
 
-    On a host it shares with survivors, the survivors' next group forms while
-    this process exits; the exit is not on anyone's critical path.
-    """
-    try:
-        os.nice(19)
-    except (AttributeError, OSError):  # no os.nice on this platform, or refused: exit at normal priority
-        pass
-
-
-def say(line: str) -> None:
-    """A line on stderr, written whole in one call: the devices of a host share their driver's stderr,
-    and print's separate write of the newline let two devices' lines run into one. The stream may be
-    a dead driver's pipe by now (a device outlives its driver)."""
-    try:
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-    except OSError:
-        pass
-
-
-class Worker(
-    StepLoop,
-    Boundaries,
-    ShardLevelling,
-    ShardStreaming,
-    FaultInjection,
-    WorkerCheckpoints,
-    WorkerEvaluation,
-    WorkerRecords,
-    WorkerOrphan,
-    Streaming,
-):
-    """One device's training: its lifecycle (`Phase`), the step loop, the boundaries between generations.
-
-    The boundaries, state capture and checkpoints, evaluation, fault
-    injection, step records and the wait for a restarted driver live in the
-    mixins named for them (flexpar/worker/boundaries.py, shard_levelling.py,
-    state_keeping.py, evaluator.py, fault_injection.py, records.py,
-    orphan.py); the step itself, from `train` to the optimizer, is
-    step_loop.py's `StepLoop`.
+    Each piece of the device's state has one owner (owners.py: the
+    membership, the committed step, the records, the faults, the stream
+    session, the checkpoints, the evaluation, the applied gradient, the
+    exact steps, the cost planner; the shard holdings are the
+    `ShardedOptimizer`'s), built here and handed to the parts that carry
+    out the work: the joins (`streamed_join`, `shard_levelling`,
+    `shard_streaming`), the boundaries (`boundaries`) and the steps
+    (`step_loop`). docs/internals.md draws who calls whom. The worker's own
+    fields are its phase, its driver's salt and proof, and the run
+    settings (replaced when a restarted driver re-adopts the device, so
+    handed to each call that reads them).
     """
 
     def __init__(self, args: WorkerArgs, link: DeviceLink):
         self.args = args
         self.link = link
+        self.membership = Membership(link)  # the generation it trains in (membership.py)
         self.phase = Phase.WARMING
         self.device = torch.device(args.device)
         if self.device.type == "cuda":
@@ -144,67 +86,70 @@ class Worker(
         self.settings = RunSettings(**get_json(link.store, "job/settings"))
         # A vanished driver is noticed within the job's timeout; a lost one is waited for driver_grace_s.
         link.configure(self.settings.timeout_s, self.settings.driver_grace_s)
-        if self.job.deterministic:  # before any kernel runs: one thread count (CPU), deterministic kernels (CUDA)
-            make_deterministic(self.device)
-        model = build_model(self.job)
-        # The frozen part's digests, on the CPU as built, before this device announces itself:
-        # a joiner's hashing delays its own admission only, never the running devices.
-        self.frozen = FrozenPart(model, torch.get_num_threads())
-        self.model = model.to(self.device)
-        self.optimizer, self.scheduler = build_optimizer(self.job, self.model)
-        # Job(shard_optimizer=...): this device holds and steps its chunks of the optimizer state only
-        # (flexpar/worker/shards.py); the boundaries move them (flexpar/worker/shard_levelling.py).
-        self.shards = (
-            ShardedOptimizer(self.model, self.optimizer, sparse_parameters(self.model), sharding_by(self.job))
-            if self.job.shard_optimizer
-            else None
-        )
-        self.sync = GradientSync(self.model, self.device, self.settings.bucket_mb, peer_lost=self._peer_lost)
-        # Job(deterministic=True): exact int64 sums instead of the float buckets (flexpar/comm/exact_sync.py).
-        self.exact = None
-        if self.job.deterministic:
-            buckets = [bucket.parameters for bucket in self.sync.buckets]
-            self.exact = ExactSync(self.sync.dense, self.sync.sparse, self.job.virtual_workers, buckets)
-            self.sync.companion = self.exact  # its collectives in flight are released with the float path's
-        # Recipes (flexpar/recipes.py): checked for this device's type before anything runs;
-        # the VWs' forward calls `forward_model` (compiled, or the model itself).
-        recipes.check_mixed_precision(self.job, self.device.type)
-        recipes.check_compile(self.job, self.device.type)
-        self.forward_model = recipes.compiled(self.job, self.model)
-        self.scaler = recipes.make_scaler(self.job)  # fp16 only; part of the training state
-        self._grad_norm = 0.0  # of the step in flight's applied gradient (`_prepare_gradient`)
+        training = build_training(self.job, self.device, self.settings.bucket_mb, self.membership.peer_lost)
+        self.model, self.frozen = training.model, training.frozen
+        self.optimizer, self.scheduler = training.optimizer, training.scheduler
+        self.shards, self.sync, self.exact = training.shards, training.sync, training.exact
+        self.forward_model, self.scaler = training.forward_model, training.scaler
         self.reaper = GroupReaper()
         self.loader = VirtualWorkerLoader(
-            self.job, self._plan, self.settings.total_steps, record_indices=self.settings.sample_ledger
+            self.job,
+            lambda step: self.step_loop.plan(step),
+            self.settings.total_steps,
+            record_indices=self.settings.sample_ledger,
         )
-        self.balance_state = balance.BalanceState(seconds_per_vw={})
         # Job(sample_cost=...): each step's VW sets by predicted cost (flexpar/worker/cost_planner.py).
         self.cost_planner = (
             CostPlanner(self.job, self.settings.total_steps) if self.job.sample_cost is not None else None
         )
-        self.generation = 0
-        self.members: tuple = ()
-        self.rank = 0
-        self.assignment: tuple = ()
-        self.committed = -1
-        self.committed_wall = time.time()
         self.salt = link.store.get("job/salt").decode()
         self.proof = join_proof(args.secret, args.device_id, self.salt)
-        # The records this device published or committed that the driver has not acknowledged
-        # (every device keeps its step and eval records; rank 0 publishes, and keeps its events):
-        # sent again at every boundary, so none is lost with a rank 0 or a driver (core.delivery).
-        self.recent_records: collections.deque = collections.deque(maxlen=RECORDS_KEPT)
-        self.recovering = False  # the next generation follows a failed collective
-        self.faults = faults_of(args.device_id, self.settings.faults)
-        # Faults aimed at the driver (STEP:driver:PHASE): fired by the device that is rank 0 there.
-        self.driver_faults = {(int(fault[0]), fault[2]) for fault in self.settings.faults if fault[1] == "driver"}
-        self._step_in_flight: Optional[int] = None  # the step this device computes, until it commits
-        self._generation_records: dict = {}  # a published generation's record the members move to later
+        # The owners of the device's state (owners.py), then the parts that carry out its work with them.
+        self.committed = CommittedStep()  # the last committed step, its time and balance (committed.py)
+        self.faults = FaultSchedule(args.device_id, self.settings.faults, self.settings.driver_pid, args.remote)
+        self.streams = StreamSession()  # a streamed join in flight (stream_session.py)
+        self.records = RecordQueue(link)  # kept until the driver acknowledges them (records.py)
+        self.state = TrainingState(self.job, training, self.committed, self.records, self.cost_planner)
+        self.checkpoints = Checkpoints(self.state, self.shards, self.faults, self._say)
+        self.evaluation = Evaluation(self.job, self.model, self.device, link, self.records, self.faults)
+        # Job(deterministic=True): the step's exact-sum checks and digests (determinism.py).
+        exact_steps = ExactSteps(self.exact, self.model, self.device, self.records) if self.exact is not None else None
+        owners = Owners(
+            self.membership,
+            self.committed,
+            self.records,
+            self.faults,
+            self.streams,
+            self.state,
+            self.checkpoints,
+            self.evaluation,
+            AppliedGradient(self.job, self.sync, self.scaler),  # the gradient a step applies (gradient.py)
+            exact_steps,
+            self.cost_planner,
+        )
+        joins = (StreamedJoin(training, owners, self.device, args.device_id), None, None)  # streaming.py
+        if self.shards is not None:  # Job(shard_optimizer=...): the chunks levelled, and streamed to joiners
+            levelling = ShardLevelling(
+                self.job, training, owners, self.device, args.device_id, lambda *step: self.step_loop.commit_step(*step)
+            )
+            joins = (joins[0], levelling, ShardStreaming(training, owners, self.device, levelling, joins[0]))
+        self.streamed_join, self.shard_levelling, self.shard_streaming = joins
+        self.boundaries = Boundaries(link, training, owners, self.device, args.device_id, self.reaper, joins)
+        step_run = StepRun(
+            self.job, args, self.device, link, training, self.loader, owners, self.settings.sample_ledger
+        )
+        self.step_loop = StepLoop(
+            self.job,
+            args,
+            link,
+            training,
+            owners,
+            step_run,
+            joins,
+            self.settings.total_steps,
+            self.settings.sample_ledger,
+        )
         self._warmup_s: Optional[float] = None  # set once warm
-
-    def _peer_lost(self) -> Optional[str]:
-        """A member of this generation that the coordinator knows is dead, if any."""
-        return self.link.lost_among(self.generation, self.members)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -216,13 +161,13 @@ class Worker(
                 try:
                     departing = self.args.device_id not in record["members"]
                     self.phase = Phase.LEAVING if departing else Phase.FORMING
-                    self.enter(generation, record)
+                    self.boundaries.enter(generation, record, self.settings)
                     if departing:  # a planned leaver of a sharded job: its state is handed over
                         self.link.send("handed_off", generation=generation)
-                        _yield_cores()
+                        yield_cores()
                         return
                     self.phase = Phase.ACTIVE
-                    upcoming = self.train()
+                    upcoming = self.step_loop.train(self.settings)
                     if upcoming is None:
                         self.finish()
                         return
@@ -234,22 +179,91 @@ class Worker(
                     generation, record = upcoming
                     if self.args.device_id not in record["members"] + record.get("departing", []):
                         self.phase = Phase.LEAVING
-                        _yield_cores()
+                        yield_cores()
                         return
                     continue
                 except PeerFailure as failure:
                     self.phase = Phase.RECOVERING
-                    self.recovering = True
+                    self.records.note_failure()
                     # Sharded: a step whose gradient every member holds may still be finished (shard_levelling.py).
-                    self._zero_grad(keep_gradient=self.pending_commit is not None)
+                    zero_grad(self.optimizer, self.shards, keep_gradient=self._holds_pending_step())
                     # A stream in flight breaks off; the next boundary decides whether it goes on (streaming.py).
-                    streamed = self._suspend_stream()
-                    self.link.send("failure", generation=generation, step=self._held_step(), error=str(failure)[:500])
+                    streamed = self.streams.suspend()
+                    self.link.send(
+                        "failure",
+                        generation=generation,
+                        step=self.streams.held_step(self.committed.step),
+                        error=str(failure)[:500],
+                    )
                 # Outside the except block, whose traceback holds the broken group's works.
                 self.reaper.retire(self.sync.release_works() + streamed)()
                 generation, record = self.link.wait_for_generation(generation, joining=False)
             except DriverLost as lost:
                 generation, record = self._orphaned(agreed=lost.agreed)
+
+    def _orphaned(self, agreed: bool) -> tuple:
+        """ORPHANED: the state in order, then the wait for a restarted driver (flexpar/worker/orphan.py);
+        returns the generation (number, record) it re-adopted this device into."""
+        self.phase = Phase.ORPHANED
+        # A joiner still listening holds no committed state of its own: it reports none, writes no rescue.
+        streamed = self.boundaries.abandon_stream()
+        abandoned = self.committed.break_off()
+        # Sharded: a step whose summed gradient every member holds may still be finished (shard_levelling.py).
+        zero_grad(self.optimizer, self.shards, keep_gradient=self._holds_pending_step())
+        seen = self.link.latest_generation
+        lost_at = self.link.lost_at or time.time()
+        holds = self.committed.step >= 0 and bool(self.membership.members)
+        # Faults aimed at the lost driver are spent: a re-adopted rank 0 must not fire them at the next,
+        # nor the rescue checkpoint below at the lost one's pid.
+        self.faults.spend_driver_faults(self.committed.step)
+        # Written while the old group still stands (agreed: every member is there).
+        path = (
+            self.checkpoints.rescue(self.settings, agreed, self.membership.rank, self.membership.members)
+            if holds
+            else ""
+        )
+        self.reaper.retire(self.sync.release_works() + streamed)()
+        generation, record, salt, settings = orphan.wait_for_a_driver(
+            self.link,
+            self.args,
+            self.settings,
+            path,
+            self.committed.step,
+            self.membership.generation,
+            seen,
+            lost_at,
+            lambda salt: self._adoption_report(seen, lost_at, abandoned, salt),
+            self._say,
+        )
+        # The restarted driver's salt (proofs) and settings (checkpoints, timeouts, the eval verdict, the
+        # resume command); this device's own remaining faults stay.
+        self.salt = salt
+        self.proof = join_proof(self.args.secret, self.args.device_id, salt)
+        self.settings = dataclasses.replace(RunSettings(**settings), faults=self.settings.faults)
+        self.faults.new_driver(self.settings.driver_pid)
+        self.link.configure(self.settings.timeout_s, self.settings.driver_grace_s)
+        where = orphan.address(self.settings, self.args)
+        self._say(f"re-adopted by the restarted driver at {where} (generation {generation})")
+        return generation, record
+
+    def _adoption_report(self, seen: int, lost_at: float, abandoned: bool, salt: str) -> dict:
+        """What this device tells a restarted driver (core.adoption.DeviceReport's fields, and who it is)."""
+        return {
+            "generation": self.membership.generation,
+            "members": list(self.membership.members),
+            "seen": max(seen, self.membership.generation),
+            "committed": self.committed.step,
+            "warm": self._warmup_s is not None,
+            "lost_at": lost_at,
+            "abandoned": abandoned,
+            "proof": adopt_proof(self.args.secret, self.args.device_id, salt),
+            "fingerprint": adoption.fingerprint(self.job, self.settings, __version__),
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "remote": self.args.remote,
+            "device": self.args.device,
+            **identity(self.model, self.frozen, self._warmup_s),
+        }
 
     def _admitted(self) -> tuple:
         """Announce, warm up, say ready, and wait to be let in: the first generation that holds this device.
@@ -263,7 +277,7 @@ class Worker(
         announced): cancelled, or, if it was being let in at that moment, a
         member that leaves at its first step boundary.
         """
-        self._fault_point("announce", 0)
+        self.faults.fire("announce", 0, self.membership.members)
         if self.withdrawing:
             raise Evicted("asked to stop before it announced itself")
         try:
@@ -272,104 +286,68 @@ class Worker(
             pass  # it reports to a restarted driver instead, once warm
         finally:
             self.link.announced = True
-        self._fault_point("warmup", 0)
+        self.faults.fire("warmup", 0, self.membership.members)
         if not self.withdrawing:
-            self._warmup_s = self.warm_up()
+            self._warmup_s = warm_up(
+                self.job,
+                self.model,
+                self.forward_model,
+                self.device,
+                self.sync,
+                self.frozen,
+                lambda: zero_grad(self.optimizer, self.shards),
+                self.args.device_id,
+            )
         try:
             if not self.withdrawing:
-                self.link.send("ready", proof=self.proof, **self._identity())
+                self.link.send("ready", proof=self.proof, **identity(self.model, self.frozen, self._warmup_s))
                 self.phase = Phase.WAITING
-                self._fault_point("ready", 0)
+                self.faults.fire("ready", 0, self.membership.members)
             generation, record = self.link.wait_for_generation(0, joining=True)
         except DriverLost:
             return self._orphaned(agreed=False)
-        self._fault_point("admitted", 0)
+        self.faults.fire("admitted", 0, self.membership.members)
         # Devices of generation 1 built the same model from the same seed: step 0 is
         # committed everywhere. Later joiners hold nothing yet and receive the state.
-        self.committed = 0 if generation == 1 else -1
+        self.committed.admitted(first_generation=generation == 1)
         if generation == 1 and self.settings.resume_path:
             if self.shards is not None:  # every member reads its own chunks
-                self._resume_sharded(tuple(record["members"]))
+                self.shard_levelling.resume(tuple(record["members"]), self.settings)
             elif record["members"][0] == self.args.device_id:
-                self._restore(checkpoints.read_checkpoint(self.settings.resume_path, self.device))
+                self.state.restore(checkpoints.read_checkpoint(self.settings.resume_path, self.device))
         return generation, record
+
+    def _holds_pending_step(self) -> bool:
+        """Sharded: a step whose summed gradient every member holds, not applied here (shard_levelling.py)."""
+        return self.shard_levelling is not None and self.shard_levelling.pending_commit is not None
 
     @property
     def withdrawing(self) -> bool:
         """SIGTERM came before this device was let in: it stops on its way instead of joining."""
         return self.link.leave_requested_at is not None and self.phase in (Phase.WARMING, Phase.WAITING)
 
-    def _identity(self) -> dict:
-        """What says this device runs this job's model: checked by the coordinator for joiners and for
-        devices a restarted driver re-adopts alike."""
-        return {
-            "digest": model_digest(self.model),
-            "shapes": factory_checks.model_shapes(self.model),  # a refusal names the first that differs
-            "version": __version__,
-            "warmup_s": self._warmup_s,
-            "frozen_digest": self.frozen.combined,
-            "frozen_digests": self.frozen.digests,
-            # The digest's time is news only where something is frozen (a fine-tuning job); a
-            # fully trainable model's join event keeps its plain "(warm-up X s)" detail.
-            "digest_s": self.frozen.digest_s if self.frozen.layout.frozen else None,
-        }
-
-    def warm_up(self) -> float:
-        """One forward and backward of one VW, no update: pays start-up costs off the critical path."""
-        started = time.perf_counter()
-        indices = batching.virtual_worker_indices(
-            self.job.seed, 0, 0, len(self.job.dataset), self.job.global_batch, self.job.virtual_workers
-        )
-        batch = _to_device(load_batch(self.job, indices, batching.data_seed(self.job.seed, 0, 0)), self.device)
-        buffers = [(name, buffer.clone()) for name, buffer in self.model.named_buffers()]  # BatchNorm must not count it
-        try:  # under the step's autocast: with compile=True, this compiles the graph the steps run
-            with recipes.autocast(self.job, self.device.type):
-                result = self.job.loss(self.forward_model, batch)
-            terms = loss_terms(result, 0, 0)
-            terms.tensor.backward()
-            # A token-weighted loss needs its counts summed exactly (flexpar/comm/gradient_sync.py). Every device
-            # warms up on the same batch, so every device takes the same collectives.
-            self.sync.exact_stats = terms.count is not None
-        except Exception as error:
-            if self.job.compile and recipes.is_compile_error(error):
-                raise UserCodeError(
-                    f"torch.compile failed on device {self.args.device_id} during its warm-up "
-                    f"({type(error).__name__}: {str(error).strip()[:2000]}); run without "
-                    "compile=True, or try compile_options={'backend': 'aot_eager'}"
-                ) from error
-            raise
-        self._zero_grad()
-        # Buffers the forward moved (BatchNorm statistics, a frozen trunk's included) always travel.
-        self.frozen.note_warm_up(
-            name for (name, saved), buffer in zip(buffers, self.model.buffers()) if not torch.equal(buffer, saved)
-        )
-        with torch.no_grad():
-            for (_, saved), buffer in zip(buffers, self.model.buffers()):
-                buffer.copy_(saved)
-        return time.perf_counter() - started
-
     def finish(self, stopped: str = "", checkpoint: str = "") -> None:
         self.phase = Phase.DONE
-        self._checkpoint_writer_now().wait()  # the checkpoint "done" names exists before the job ends
-        if self.shards is not None and len(self.members) > 1:
+        self.checkpoints.writer_now(self.settings).wait()  # the checkpoint "done" names exists before the job ends
+        if self.shards is not None and len(self.membership.members) > 1:
             # Sharded: every member writes its own part; the job ends once all are written.
             flag = torch.zeros(1, device=self.device)
-            wait_for_collective(collective(lambda: dist.all_reduce(flag, async_op=True)), self._peer_lost)
+            wait_for_collective(collective(lambda: dist.all_reduce(flag, async_op=True)), self.membership.peer_lost)
         # The job is over (membership.Finished): said before this process exits, so that the coordinator
         # takes the exit for the normal end it is and publishes no generation after the last step. Only
         # rank 0 needs a driver for its end (DriverLost: ORPHANED, then a restarted driver gets the result).
-        if self.rank == 0 or not self.link.driver_lost:
+        if self.membership.rank == 0 or not self.link.driver_lost:
             try:
-                self.link.send("finished", rank=self.rank)
+                self.link.send("finished", rank=self.membership.rank)
             except DriverLost:
-                if self.rank == 0:
+                if self.membership.rank == 0:
                     raise
-        if self.rank == 0:
-            data = training_state.to_bytes({"model": self._model_state_for_transfer(), "step": self.committed})
+        if self.membership.rank == 0:
+            data = training_state.to_bytes({"model": self.state.model_state(), "step": self.committed.step})
             with self.link.driver_needed():  # a driver lost now: a restarted one gets the result
                 put_blob(self.link.store, "result", data, self.args.secret)
                 self.link.flush()
-                done = {"step": self.committed, "stopped": stopped, "checkpoint": checkpoint}
+                done = {"step": self.committed.step, "stopped": stopped, "checkpoint": checkpoint}
                 tell_driver(self.link.store, "done", json.dumps(done))
 
     def stop_early(self) -> None:
@@ -378,24 +356,34 @@ class Worker(
         # Another member may have seen the request first: ask the store for its words,
         # so that every member agrees on the reason (a callback's stop evaluates once more).
         reason = (
-            self._verdict_stop
+            self.evaluation.verdict_stop
             or self.link.finish_reason
             or self.link.read_finish_reason()
             or "the driver asked to stop"
         )
-        if reason.startswith(CALLBACK_STOP) and self._evaluation_due(final=True):
-            self.evaluate(ask_driver=False)  # a callback's stop ends as the last step does
+        if reason.startswith(CALLBACK_STOP) and self.evaluation.due(
+            self.committed.step, self.membership.generation, self.settings, final=True
+        ):
+            self.step_loop.evaluate(self.settings, ask_driver=False)  # a callback's stop ends as the last step does
         checkpoint = ""
         # Sharded: every member writes its part (a listening joiner holds none)
-        if self.shards is not None and self.settings.checkpoint_dir and not self._listening():
-            checkpoint = self._write_checkpoint(self.settings.checkpoint_dir)
-        if self.rank == 0:
+        if self.shards is not None and self.settings.checkpoint_dir and not self.streams.listening():
+            checkpoint = self.checkpoints.write(
+                self.settings, self.settings.checkpoint_dir, self.membership.rank, self.membership.members
+            )
+        if self.membership.rank == 0:
             if self.settings.checkpoint_dir and self.shards is None:
-                checkpoint = self._write_checkpoint(self.settings.checkpoint_dir)
-            self._publish_event(
+                checkpoint = self.checkpoints.write(
+                    self.settings, self.settings.checkpoint_dir, self.membership.rank, self.membership.members
+                )
+            self.records.publish_event(
                 "stop",
-                f"{reason}; stopped after step {self.committed}" + (f", checkpoint {checkpoint}" if checkpoint else ""),
+                f"{reason}; stopped after step {self.committed.step}"
+                + (f", checkpoint {checkpoint}" if checkpoint else ""),
                 0.0,
+                step=self.committed.step,
+                generation=self.membership.generation,
+                members=self.membership.members,
             )
         self.finish(stopped=reason, checkpoint=checkpoint)
 

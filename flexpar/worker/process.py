@@ -21,7 +21,8 @@ import torch.distributed as dist
 from flexpar.comm.protocol import JOB_ENDED
 from flexpar.errors import DeterminismBreach, ShardStateLost, UserCodeError
 from flexpar.worker.device_link import DeviceLink, DriverLost, Evicted, JobStopped
-from flexpar.worker.lifecycle import Worker, say
+from flexpar.worker.host import say
+from flexpar.worker.lifecycle import Worker
 from flexpar.worker.phase import Phase
 from flexpar.worker.settings import EXIT_DRIVER_LOST, EXIT_EVICTED, WorkerArgs
 
@@ -57,7 +58,7 @@ def main(args: WorkerArgs) -> None:
         worker.run()
         code = 0
     except JobStopped as stopped:
-        if str(stopped) == JOB_ENDED and worker is not None and not worker.members:
+        if str(stopped) == JOB_ENDED and worker is not None and not worker.membership.members:
             say(f"flexpar: device {args.device_id}: the job ended before this device joined")
         code = 0
     except DriverLost as lost:
@@ -89,7 +90,7 @@ def main(args: WorkerArgs) -> None:
     finally:
         if worker is not None:
             worker.loader.close()
-            worker.wait_for_checkpoint()  # a checkpoint in flight is finished before the process exits
+            worker.checkpoints.wait()  # a checkpoint in flight is finished before the process exits
         link.close()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,9 +1,9 @@
 """A sharded job's worker at its boundaries and around its update (Job(shard_optimizer=True)).
 
-Part of `flexpar.worker.lifecycle.Worker` (its attributes are the worker's
-own). The pieces, in the order a step meets them:
+`ShardLevelling` carries it out for the worker. The pieces, in the order a
+step meets them:
 
-- `_confirm_gradient`: after the gradient all-reduce and before anything
+- `confirm_gradient`: after the gradient all-reduce and before anything
   changes, one more tiny all-reduce. A member that completes it knows every
   member holds the step's summed gradient and statistics. A member that fails
   in it keeps that gradient (`pending_commit`): if another member committed
@@ -12,16 +12,16 @@ own). The pieces, in the order a step meets them:
   This is how a failure that split a commit (the all-reduce completed on some
   members and not on others) loses nothing even where every surviving copy of
   a chunk is on a member that did not commit it.
-- `_broadcast_parameters`: after the update, each chunk's primary sends its
+- `broadcast_parameters`: after the update, each chunk's primary sends its
   updated parameter values to every member (flexpar/comm/shard_transfer.py);
-  until then the member's `parameters_complete` is False.
-- `_level_sharded`: at a boundary, every member reports what it holds, the
+  until then the member's `ShardedOptimizer.values_complete` is False.
+- `level`: at a boundary, every member reports what it holds, the
   pure plan (flexpar/core/shard_plan.py) says who sends what, one
   many-to-many exchange moves it, and once every member has passed, each keeps
   exactly its chunks of the new partition. Until then a member holds what it
   had and what it received together, so a failure in the middle of a
   boundary leaves every piece on the members that held it or received it.
-- `_resume_sharded`: a resumed job's first generation reads each member's own
+- `resume`: a resumed job's first generation reads each member's own
   chunks from the checkpoint (flexpar/worker/checkpoints.py).
 """
 
@@ -37,83 +37,89 @@ from flexpar.comm.collectives import collective, wait_for_collective
 from flexpar.comm.shard_transfer import broadcast_chunks, exchange, gather_reports
 from flexpar.core.shard_partition import Partition, partition
 from flexpar.core.shard_plan import Report, lost_description, plan_levelling
-from flexpar.core.shard_state import state_nbytes
 from flexpar.errors import ShardStateLost
 from flexpar.worker import checkpoints
+from flexpar.worker.shard_streaming import sharded_stream_running
 
 
 class ShardLevelling:
-    """Part of `flexpar.worker.lifecycle.Worker` for sharded jobs (`self.shards` is not None)."""
+    """A sharded job's levelling at its boundaries and its agreement around each update.
 
-    shards = None  # flexpar.worker.shards.ShardedOptimizer, or None (an unsharded job)
-    shard_partition: Optional[Partition] = None  # the partition of the current generation
-    pending_commit: Optional[tuple] = None  # a step whose gradient this device holds but did not apply
-    parameters_complete = True  # every sharded parameter value is at `self.committed`
+    It owns `pending_commit`: the step (its number, summed statistics,
+    assignment and VW sets) whose summed gradient every member confirmed to
+    hold (`confirm_gradient`) and this device has not applied yet; None
+    otherwise. It is set only by `confirm_gradient`, cleared when the step is
+    applied (`applying_pending`) or finished at the next boundary
+    (`finish_pending`, through `commit_step`, the step loop's commit). The
+    shard holdings themselves are the `ShardedOptimizer`'s (flexpar/worker/shards.py).
+    """
 
-    def _zero_grad(self, keep_gradient: bool = False) -> None:
-        if self.shards is None:
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            self.shards.zero_grad(keep_gradient)
+    def __init__(self, job, training, owners, device, device_id: str, commit):
+        self.job = job
+        self.model, self.scheduler, self.shards = training.model, training.scheduler, training.shards
+        self.device, self.device_id = device, device_id
+        self.membership, self.committed, self.faults = owners.membership, owners.committed, owners.faults
+        self.streams, self.state = owners.streams, owners.state
+        self.commit_step = commit  # the step loop's: a pending step is applied as every step is
+        self.pending_commit: Optional[tuple] = None
 
-    def optimizer_bytes(self) -> int:
-        """Bytes of the optimizer state this device holds (sharded or not)."""
-        if self.shards is not None:
-            return self.shards.state_bytes()
-        return state_nbytes(self.optimizer.state.values())
-
-    def _target_partition(self, world_size: int) -> Partition:
+    def target_partition(self, world_size: int) -> Partition:
         return partition(self.shards.spaces, world_size, self.job.shard_redundancy, by=self.shards.by)
 
     # ------------------------------------------------------------ around the update
 
-    def _confirm_gradient(self, pending: tuple) -> None:
+    def confirm_gradient(self, pending: tuple) -> None:
         """Agree that every member holds the step's summed gradient before any member applies it."""
         self.pending_commit = pending
-        if len(self.members) > 1:
+        if len(self.membership.members) > 1:
             flag = torch.zeros(1, device=self.device)
             work = collective(lambda: dist.all_reduce(flag, async_op=True))
-            wait_for_collective(work, self._peer_lost)
+            wait_for_collective(work, self.membership.peer_lost)
 
-    def _broadcast_parameters(self, step: int) -> None:
+    def applying_pending(self) -> None:
+        """The step whose gradient was confirmed is being applied: it is no longer pending (a failure
+        from here on does not keep its gradient)."""
+        self.pending_commit = None
+
+    def broadcast_parameters(self, step: int) -> None:
         """Every member gets the updated values of the chunks others stepped (their primaries send)."""
-        self._fault_point("update", step)
-        if not self.parameters_complete or self._shard_streaming():  # a listener needs every value
-            broadcast_chunks(self.shards.flat, self.shard_partition.chunks, self._peer_lost)
-            self.parameters_complete = True
+        self.faults.fire("update", step, self.membership.members)
+        if not self.shards.values_complete or sharded_stream_running(self.streams):  # a listener needs every value
+            broadcast_chunks(self.shards.flat, self.shards.partition.chunks, self.membership.peer_lost)
+            self.shards.values_received()
 
     # ------------------------------------------------------------ boundaries
 
-    def _finish_pending(self, stock) -> None:
+    def finish_pending(self, stock) -> None:
         """A step whose summed gradient this device holds but did not apply: applied if another member
         committed it (with the listeners of the stream it was taken in: flexpar/worker/shard_streaming.py)."""
         if self.pending_commit is None:
             return
         pending, self.pending_commit = self.pending_commit, None
-        if stock.latest_step == self.committed + 1:  # another member committed it: finish it here
-            self.stream = self.stream_of_pending
+        if stock.latest_step == self.committed.step + 1:  # another member committed it: finish it here
+            self.streams.resume_for_pending()
             try:
-                self._commit_step(*pending)
+                self.commit_step(*pending)
             finally:
-                self.stream = None
-        self.stream_of_pending = None
-        self._zero_grad()
+                self.streams.end()
+        self.streams.drop_pending()
+        self.shards.zero_grad(keep_gradient=False)
 
-    def _level_sharded(self, stock, rank: int, group: tuple, training: int, record: dict, peer_lost) -> float:
+    def level(self, stock, rank: int, group: tuple, training: int, record: dict, peer_lost, settings) -> float:
         """Bring the group's members level onto the partition of its first `training` members.
 
         Returns the bytes the group sent (summed over its members).
         """
         shards = self.shards
-        self._finish_pending(stock)
-        holdings = () if self.committed < 0 else (shards.everything() if shards.pristine else shards.holdings())
-        numbers = [self.committed, int(self.parameters_complete), int(rank < training)]
+        self.finish_pending(stock)
+        holdings = () if self.committed.step < 0 else (shards.everything() if shards.pristine else shards.holdings())
+        numbers = [self.committed.step, int(shards.values_complete), int(rank < training)]
         rows = gather_reports(numbers, holdings, len(group), self.device, peer_lost)
         reports = [Report(row[0], bool(row[1]), tuple(intervals), bool(row[2])) for row, intervals in rows]
-        target = self._target_partition(training)
+        target = self.target_partition(training)
         plan = plan_levelling(reports, target, [space.element_bytes for space in shards.spaces])
         if plan.lost:
-            raise ShardStateLost(self._lost_message(plan.lost, record))
+            raise ShardStateLost(self._lost_message(plan.lost, record, settings))
         outgoing: dict = {}
         raw_out: dict = {}
         for transfer in plan.sent_by(rank):
@@ -124,7 +130,7 @@ class ShardLevelling:
             if not transfer.state or transfer.destination in plan.parameter_receivers:
                 raw_out.setdefault(transfer.destination, []).append(shards.values(*interval))
         if rank == plan.state_source:
-            replicated = self._capture_replicated()
+            replicated = self.capture_replicated()
             for receiver in plan.state_receivers:
                 outgoing.setdefault(receiver, {"pieces": []})["replicated"] = replicated
         receives_values = rank in plan.parameter_receivers
@@ -138,29 +144,28 @@ class ShardLevelling:
                     shards.values(transfer.space, transfer.start, transfer.stop)
                 )
         if outgoing:
-            self._fault_point("transfer", self.committed)
+            self.faults.fire("transfer", self.committed.step, self.membership.members)
         messages, sent = exchange(outgoing, sorted(incoming), self.device, raw_out, raw_in, peer_lost)
         if rank in plan.state_receivers:  # a joiner, or a member whose state is of an older step
             shards.drop()
-            self._restore_replicated(messages[plan.state_source]["replicated"])
+            self.restore_replicated(messages[plan.state_source]["replicated"])
         shards.add((tuple(segment), state) for message in messages.values() for segment, state in message["pieces"])
         if receives_values:
-            self.parameters_complete = True
+            shards.values_received()
         total = collective(lambda: training_state.all_level(len(group), self.device, sent, peer_lost))
         # Every member holds what it needs: each keeps its chunks of the new partition only.
         shards.install(target if rank < training else None, rank)
-        self.shard_partition = target if rank < training else None
         return total
 
-    def _lost_message(self, lost: tuple, record: dict) -> str:
+    def _lost_message(self, lost: tuple, record: dict, settings) -> str:
         """The one line a job stops with when every copy of some state is gone."""
         what = lost_description(lost, self.shards.spaces, self.shards.names)
         gone = list(record.get("failed", ())) + list(record.get("left", ()))
         redundancy = self.job.shard_redundancy
-        directory = self.settings.checkpoint_dir
+        directory = settings.checkpoint_dir
         latest = checkpoints.latest_checkpoint(directory) if directory else None
         if latest:
-            where = f"the latest checkpoint is {latest}; resume with: {self.settings.resume_command}"
+            where = f"the latest checkpoint is {latest}; resume with: {settings.resume_command}"
         else:
             where = "no checkpoint was written (pass checkpoint_every= and checkpoint_dir=), so the job cannot continue"
         together = " together" if len(gone) > 1 else ""
@@ -170,36 +175,37 @@ class ShardLevelling:
             f"({failed}; shard_redundancy={'default (2)' if redundancy is None else redundancy}); {where}"
         )
 
-    def _capture_replicated(self) -> dict:
+    def capture_replicated(self) -> dict:
         """What a joiner needs besides the sharded parameters and their state."""
         return {
             "replicated": self.shards.replicated_state(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "step": self.committed,
-            "extra": self._capture_extra(),
+            "step": self.committed.step,
+            "extra": self.state.capture_extra(),
         }
 
-    def _restore_replicated(self, state: dict) -> None:
+    def restore_replicated(self, state: dict) -> None:
+        """A joiner, or a member of an older step, takes the replicated state."""
         self.shards.load_replicated(state["replicated"])
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
-        self._restore_extra(state)
+        self.state.restore_extra(state)
 
-    def _resume_sharded(self, members: tuple, path: str = "") -> None:
+    def resume(self, members: tuple, settings, path: str = "") -> None:
         """Read the common state and this member's chunks of checkpoint `path` (default: the job's resume path).
 
         Generation 1 of a resumed job, or the first generation of a re-adopted
         one whose checkpoint is newer than any device (`record["restore"]`).
         """
-        reader = checkpoints.CheckpointReader(path or self.settings.resume_path)
-        rank = members.index(self.args.device_id)
+        reader = checkpoints.CheckpointReader(path or settings.resume_path)
+        rank = members.index(self.device_id)
         common = reader.common
         self.model.load_state_dict(common["model"])  # in place: the sharded parameters stay views
         self.shards.load_optimizer_plain(reader.plain_param_groups_and_replicated())
         if self.scheduler is not None and common.get("scheduler") is not None:
             self.scheduler.load_state_dict(common["scheduler"])
-        self._restore_extra(common)
-        target = self._target_partition(len(members))
+        self.state.restore_extra(common)
+        target = self.target_partition(len(members))
         shards = self.shards
         pieces = []
         for k, start, stop in shards.segments(target.holdings(rank)):
@@ -210,8 +216,7 @@ class ShardLevelling:
         shards.drop()
         shards.add(pieces)
         shards.install(target, rank)
-        self.shard_partition = target
-        self.parameters_complete = True
+        shards.values_received()
 
 
 def _to(value, device):

@@ -1,10 +1,10 @@
 """Streamed joins of a sharded job (Job(shard_optimizer=...)): the joiner listens while its chunks stream.
 
-Part of `flexpar.worker.lifecycle.Worker` (its attributes are the worker's
-own), beside flexpar/worker/streaming.py (the unsharded stream, whose step-loop
-parts it shares: listeners, records, the stream event) and
+`ShardStreaming` carries it out for the worker, beside
+flexpar/worker/streaming.py (the unsharded stream, whose step-loop parts it
+shares: listeners, records, the stream event) and
 flexpar/worker/shard_levelling.py (the blocking levelling it replaces at a
-join). At a join boundary where it applies (`_shard_stream_refusal`, then
+join). At a join boundary where it applies (`ShardStreaming._refusal`, then
 what the members report):
 
 - the members keep the partition they had (`ShardStream.old`: the old
@@ -52,7 +52,8 @@ from flexpar.core import shard_stream_plan, stream_plan
 from flexpar.core.shard_partition import Partition
 from flexpar.core.shard_plan import Report, plan_levelling
 from flexpar.errors import TrainingError
-from flexpar.worker.streaming import Stream, StreamMismatch
+from flexpar.worker import stream_rules
+from flexpar.worker.stream_session import Stream, StreamMismatch
 
 
 @dataclasses.dataclass
@@ -74,32 +75,44 @@ class ShardStream(Stream):
 
 
 class ShardStreaming:
-    """The sharded streamed join's part of the worker (see the module docstring)."""
+    """A sharded job's streamed join, carried out (see the module docstring).
 
-    stream_of_pending = None  # an abandoned ShardStream whose step `pending_commit` may still finish
+    It holds no state of its own: the stream in flight (a `ShardStream`) is
+    the device's `StreamSession`, the shard holdings the `ShardedOptimizer`'s,
+    the pending step `ShardLevelling`'s, whose blocking levelling it falls
+    back to where the join does not stream.
+    """
+
+    def __init__(self, training, owners, device, levelling, streamed_join):
+        self.optimizer, self.shards, self.device = training.optimizer, training.shards, device
+        self.membership, self.committed, self.faults = owners.membership, owners.committed, owners.faults
+        self.streams, self.records = owners.streams, owners.records
+        self.levelling = levelling
+        self.streamed_join = streamed_join  # its `stream` event and its drop are the unsharded stream's
+        self.by_cost = owners.cost_planner is not None
 
     # ------------------------------------------------------------ the boundary
 
-    def _level_sharded_join(self, stock, rank: int, group: tuple, training: int, record: dict, peer_lost) -> float:
+    def level_join(self, stock, rank: int, group: tuple, training: int, record: dict, peer_lost, settings) -> float:
         """A sharded boundary: joiners listen while their chunks stream where that applies, else the
         blocking levelling (the join event says which, and why). Returns the bytes the group sent."""
-        self.stream_note = ""
+        self.streams.say("")
         if not stock.joiners:
-            return self._level_sharded(stock, rank, group, training, record, peer_lost)
+            return self.levelling.level(stock, rank, group, training, record, peer_lost, settings)
         refusal = "a planned leave hands its state over at this boundary" if len(group) > training else None
-        refusal = refusal or self._shard_stream_refusal(stock)
+        refusal = refusal or self._refusal(stock, settings)
         if refusal is None:
-            self._finish_pending(stock)
-            reports = self._stream_reports(group, peer_lost)
+            self.levelling.finish_pending(stock)
+            reports = self._stream_reports(group, peer_lost, settings)
             refusal = shard_stream_plan.refusal(reports, self._old_partition(reports))
             if refusal is None:
                 return self._level_shard_streamed(reports, rank, group, training, peer_lost)
-        self.stream_note = f"blocking transfer: {refusal}"
-        return self._level_sharded(stock, rank, group, training, record, peer_lost)
+        self.streams.say(f"blocking transfer: {refusal}")
+        return self.levelling.level(stock, rank, group, training, record, peer_lost, settings)
 
-    def _shard_stream_refusal(self, stock) -> Optional[str]:
+    def _refusal(self, stock, settings) -> Optional[str]:
         """None if the job's kind lets this join stream; else why not (the same on every member)."""
-        common = self._common_stream_refusal(stock.joiners, stock.latest_step)
+        common = stream_rules.common_refusal(settings, self.by_cost, stock.joiners, stock.latest_step)
         if common:
             return common
         shards = self.shards
@@ -109,10 +122,10 @@ class ShardStreaming:
             return "sparse-gradient parameters are replicated, not sharded, in a sharded job"
         return stream_plan.refusal([type(self.optimizer).__name__])
 
-    def _stream_reports(self, group: tuple, peer_lost) -> list:
+    def _stream_reports(self, group: tuple, peer_lost, settings) -> list:
         """Every member's report, with whether its optimizer state may stream and its bytes per element."""
         shards = self.shards
-        holdings = () if self.committed < 0 else (shards.everything() if shards.pristine else shards.holdings())
+        holdings = () if self.committed.step < 0 else (shards.everything() if shards.pristine else shards.holdings())
         streamable, per_element = 1, 1
         for piece in shards.slices.values():
             state = shards.optimizer.state.get(piece, {})
@@ -122,8 +135,8 @@ class ShardStreaming:
             size = sum(value.element_size() for value in values if torch.is_tensor(value) and value.dim() > 0)
             per_element = max(per_element, size)
         # The bytes per sender and step: rank 0's (a member: a joiner has no step times of its own yet).
-        sender_bytes = self._sender_bytes()
-        numbers = [self.committed, int(self.parameters_complete), 1, int(shards.pristine), streamable, per_element]
+        sender_bytes = stream_rules.sender_bytes(settings, self.committed.balance)
+        numbers = [self.committed.step, int(shards.values_complete), 1, int(shards.pristine), streamable, per_element]
         numbers.append(sender_bytes)
         rows = gather_reports(numbers, holdings, len(group), self.device, peer_lost)
         return [
@@ -133,13 +146,13 @@ class ShardStreaming:
 
     def _old_partition(self, reports: list) -> Optional[Partition]:
         members = sum(1 for report in reports if report.committed >= 0)
-        return self._target_partition(members) if members else None
+        return self.levelling.target_partition(members) if members else None
 
     def _level_shard_streamed(self, reports: list, rank: int, group: tuple, training: int, peer_lost) -> float:
         """The replicated state to the joiners, the pieces' layouts to their receivers, and the plan."""
         shards = self.shards
         old = self._old_partition(reports)
-        new = self._target_partition(training)
+        new = self.levelling.target_partition(training)
         levelling = plan_levelling(
             [Report(report.committed, report.complete, report.holdings, True) for report in reports],
             new,
@@ -156,18 +169,16 @@ class ShardStreaming:
         messages, sent, announced = self._send_layouts(plan, rank, joiners, levelling.state_source, peer_lost)
         if rank in joiners:
             shards.drop()
-            self._restore_replicated(messages[levelling.state_source]["replicated"])
-            self.parameters_complete = False  # every value arrives with the first step's broadcast
-        self.shard_partition = old
+            self.levelling.restore_replicated(messages[levelling.state_source]["replicated"])
+            shards.values_outdated()  # every value arrives with the first step's broadcast
+        shards.work_with(old)
         total = collective(lambda: training_state.all_level(len(group), self.device, sent, peer_lost))
-        steps = [record for record in self.recent_records if record.get("kind") == "step"][-5:]
-        measured = sorted(float(record["step_time_s"]) for record in steps)
-        self.stream = ShardStream(
+        stream = ShardStream(
             plan,
             tuple(joiners),
             {},
             time.time(),
-            measured[len(measured) // 2] if measured else 0.0,
+            self.records.median_step_time(),
             old=old,
             new=new,
             layouts={k: v for message in messages.values() for k, v in message.get("layouts", {}).items()},
@@ -177,10 +188,11 @@ class ShardStreaming:
         senders = len({move.source for move in plan.moves})
         members = len({move.destination for move in plan.moves} - set(joiners))
         also = f"; new chunks of {members} member{'s' if members != 1 else ''} too" if members else ""
-        self.stream_note = (
+        self.streams.begin(
+            stream,
             f"streamed to {len(joiners)} listener{'s' if len(joiners) > 1 else ''}: {plan.size} bytes of "
             f"optimizer state in {plan.rounds} step{'s' if plan.rounds != 1 else ''} from {senders} "
-            f"sender{'s' if senders != 1 else ''} (sharded{also}; parameter values from every step's broadcast)"
+            f"sender{'s' if senders != 1 else ''} (sharded{also}; parameter values from every step's broadcast)",
         )
         return total
 
@@ -192,7 +204,7 @@ class ShardStreaming:
         """
         outgoing: dict = {}
         if rank == state_source:
-            replicated = self._capture_replicated()
+            replicated = self.levelling.capture_replicated()
             for joiner in joiners:
                 outgoing[joiner] = {"replicated": replicated}
         announced: dict = {}
@@ -209,33 +221,29 @@ class ShardStreaming:
 
     # ------------------------------------------------------------ the step loop
 
-    def _shard_streaming(self) -> bool:
-        """A sharded stream runs: every primary broadcasts its chunks after every step."""
-        return isinstance(self.stream, ShardStream) and not self.stream.abandoned
-
-    def _land_streamed_pieces(self) -> None:
+    def land_pieces(self) -> None:
         """Before a step's update: the pieces this device sent have left and those it receives have
         landed; it holds (and from now on steps) the latter. Called before the step's gradient is
         confirmed (`_confirm_gradient`): a peer lost in this wait fails the step before it is pending,
         never between a member's confirmation and its commit."""
-        if not self._shard_streaming():
+        if not sharded_stream_running(self.streams):
             return
-        stream = self.stream
-        self._wait_stream_transfers()
+        stream = self.streams.current
+        self.streams.wait(self.membership.peer_lost)
         stream.sending = []
         if stream.arriving:
             arriving, stream.arriving = stream.arriving, []
             self.shards.add(arriving)
 
-    def _shard_stream_round(self, step: int) -> None:
+    def round(self, step: int) -> None:
         """After step `step`'s update and broadcast: this round's pieces, from their sources to their receivers."""
-        stream = self.stream
+        stream = self.streams.current
         number = stream.rounds_done
         moves = stream.plan.in_round(number)
-        tamper = any(move.source == self.rank for move in moves) and self._take_tamper(step)
+        tamper = any(move.source == self.membership.rank for move in moves) and self.faults.take_tamper(step)
         operations = []
         for move in moves:
-            if move.source == self.rank:
+            if move.source == self.membership.rank:
                 tensors = self._piece_to_send(move)
                 if tamper and tensors:  # a test's STEP:DEVICE:stream:tamper: one value changed (the check must see it)
                     tensors[0] = tensors[0].clone()
@@ -243,29 +251,25 @@ class ShardStreaming:
                     tamper = False
                 stream.sending += tensors
                 operations += [dist.P2POp(dist.isend, tensor.view(-1), move.destination) for tensor in tensors]
-            elif move.destination == self.rank:
+            elif move.destination == self.membership.rank:
                 state = self._allocated(move)
                 stream.arriving.append((move.segment, state))
                 received = [state[key] for key in sorted(state) if state[key] is not None]
                 operations += [dist.P2POp(dist.irecv, tensor.view(-1), move.source) for tensor in received]
-        self._fault_point("stream", step)
+        self.faults.fire("stream", step, self.membership.members)
         works = collective(lambda: dist.batch_isend_irecv(operations)) if operations else []
-        self.stream_transfers += tuple(works)  # waited for before the next update (`_land_streamed_pieces`)
-        if self.recent_records:  # the first step after the boundary is timed from the commit before its stall
+        self.streams.post(works)  # waited for before the next update (`_land_streamed_pieces`)
+        if self.records.last is not None:  # the first step after the boundary is timed from the commit before its stall
             stall = stream.stall_s if stream.rounds_done == 0 else 0.0
-            stream.step_times.append(float(self.recent_records[-1].get("step_time_s", 0.0)) - stall)
+            stream.step_times.append(self.records.last_step_time() - stall)
         stream.rounds_done += 1
         if stream.rounds_done == stream.plan.rounds:
-            self._finish_shard_stream(step)
-
-    def _take_tamper(self, step: int) -> bool:
-        due = [key for key, name in self.faults.items() if key[1] == "stream" and key[0] <= step and name == "tamper"]
-        return bool(due) and self.faults.pop(due[0]) == "tamper"
+            self._finish(step)
 
     def _piece_to_send(self, move) -> list:
         """The state tensors of a move, in key order: views of the held state where one slice holds it."""
         state = self.shards.piece(*move.segment, copy=False)
-        if _layout(state, self.shards.by == "parameters") != self.stream.announced[move.parameter]:
+        if _layout(state, self.shards.by == "parameters") != self.streams.current.announced[move.parameter]:
             raise TrainingError(
                 f"streamed join: the optimizer state of {self.shards.names[move.parameter]!r} changed its layout "
                 f"during the stream ({sorted(state)}); the join cannot complete"
@@ -281,57 +285,49 @@ class ShardStreaming:
             else torch.empty(
                 (length,) if shape == "element" else shape, dtype=getattr(torch, dtype), device=self.device
             )
-            for key, dtype, shape in self.stream.layouts[move.parameter]
+            for key, dtype, shape in self.streams.current.layouts[move.parameter]
         }
 
-    def _finish_shard_stream(self, step: int) -> None:
+    def _finish(self, step: int) -> None:
         """Every member: each received piece against its source's (one all-reduce), then the new partition."""
-        stream, shards = self.stream, self.shards
-        self._land_streamed_pieces()
+        stream, shards = self.streams.current, self.shards
+        self.land_pieces()
         moves = stream.plan.moves
-        rows = torch.zeros(len(self.members), len(moves), dtype=torch.float64)
+        rows = torch.zeros(len(self.membership.members), len(moves), dtype=torch.float64)
         for index, move in enumerate(moves):
-            if self.rank in (move.source, move.destination):
+            if self.membership.rank in (move.source, move.destination):
                 state = shards.piece(*move.segment, copy=False)
                 tensors = [state[key] for key in sorted(state) if state[key] is not None]
-                rows[self.rank, index] = float(sum(parameter_checksums(tensors)) % (1 << 52))
-        if len(self.members) > 1:
+                rows[self.membership.rank, index] = float(sum(parameter_checksums(tensors)) % (1 << 52))
+        if len(self.membership.members) > 1:
             collective(lambda: dist.all_reduce(rows))
         for index, move in enumerate(moves):
             if rows[move.destination, index] != rows[move.source, index]:
                 raise StreamMismatch(
-                    f"streamed join after step {step}: {self.members[move.destination]}'s copy of "
+                    f"streamed join after step {step}: {self.membership.members[move.destination]}'s copy of "
                     f"{shards.names[move.parameter]!r} (elements {move.start}-{move.stop - 1}, its optimizer "
-                    f"state) differs from {self.members[move.source]}'s; the join is not trusted, so the job stops"
+                    f"state) differs from {self.membership.members[move.source]}'s; the join is not trusted, "
+                    "so the job stops"
                 )
-        shards.install(stream.new, self.rank)  # the same step on every member: the next one runs with it
-        self.shard_partition = stream.new
-        self.parameters_complete = True  # this step's broadcast brought every value
-        if self.rank == 0:
-            self._publish_stream_event(step)
-        self.stream = None
+        shards.install(stream.new, self.membership.rank)  # the same step on every member: the next one runs with it
+        shards.values_received()  # this step's broadcast brought every value
+        if self.membership.rank == 0:
+            self.streamed_join.publish_event(step)
+        self.streams.end()
 
-    def _abandon_stream(self) -> list:
-        """A new generation: before streaming.py's part (`Streaming._abandon_stream`, later in the
-        worker's bases), a sharded stream's receivers drop what they received."""
-        if isinstance(self.stream, ShardStream):
-            self._abandon_shard_stream()
-        return super()._abandon_stream()
-
-    def _abandon_shard_stream(self) -> None:
-        """Hold exactly the old partition's chunks again (a listener: nothing)."""
-        stream = self.stream
+    def abandon(self) -> None:
+        """A new generation or a lost driver drops the sharded stream in flight: hold exactly the old
+        partition's chunks again (a listener: nothing). `StreamedJoin.abandon` then drops the stream."""
+        stream = self.streams.current
         stream.abandoned = True
         stream.arriving, stream.sending = [], []
         if stream.rank in stream.listeners:
             self.shards.drop()
-            self.shard_partition = None
-            self.parameters_complete = False
-            self.stream_of_pending = None
+            self.shards.values_outdated()
+            self.streams.keep_for_pending(None)
         else:
             self.shards.install(stream.old, stream.rank)
-            self.shard_partition = stream.old
-            self.stream_of_pending = stream if self.pending_commit is not None else None
+            self.streams.keep_for_pending(stream if self.levelling.pending_commit is not None else None)
 
 
 def _layout(state: dict, whole: bool) -> list:
@@ -348,3 +344,8 @@ def _layout(state: dict, whole: bool) -> list:
 
 def _contiguous(value) -> bool:
     return torch.is_tensor(value) and value.is_contiguous()
+
+
+def sharded_stream_running(streams) -> bool:
+    """A sharded stream runs: every primary broadcasts its chunks after every step."""
+    return isinstance(streams.current, ShardStream) and not streams.current.abandoned

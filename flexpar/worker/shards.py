@@ -43,7 +43,16 @@ def sharding_by(job) -> str:
 
 
 class ShardedOptimizer:
-    """The user's optimizer, stepping only this device's slices of the sharded parameters."""
+    """The user's optimizer, stepping only this device's slices of the sharded parameters.
+
+    It owns this device's shard holdings: `slices` (the segments it holds and
+    steps, with their optimizer state), `partition` (the partition of the
+    generation it works with: its chunks of it are what `install` made it
+    hold; None while it holds none of a partition) and `values_complete`
+    (every sharded parameter's value here is at the committed step: False
+    after a step until the chunks others stepped arrive by broadcast, and on
+    a joiner until its first broadcast).
+    """
 
     def __init__(
         self,
@@ -93,6 +102,8 @@ class ShardedOptimizer:
         # The optimizer never stepped (a fresh job before its first update): every range's state
         # is the empty one, which every member holds. Travels with the replicated state.
         self.pristine = True
+        self.partition: Optional[Partition] = None
+        self.values_complete = True
         self._regroup()
 
     # ------------------------------------------------------------ layout
@@ -204,7 +215,20 @@ class ShardedOptimizer:
         for piece in self.slices.values():
             self.optimizer.state.pop(piece, None)
         self.slices = {}
+        self.partition = None
         self._regroup()
+
+    def work_with(self, partition: Optional[Partition]) -> None:
+        """Work with `partition` while holding what it holds now (a sharded stream keeps the old one)."""
+        self.partition = partition
+
+    def values_received(self) -> None:
+        """Every sharded parameter's value at the committed step is here (a broadcast, or a levelling)."""
+        self.values_complete = True
+
+    def values_outdated(self) -> None:
+        """Some sharded parameter's value here is not the committed step's (a joiner before its first broadcast)."""
+        self.values_complete = False
 
     def install(self, partition: Optional[Partition], rank: int) -> None:
         """Hold exactly `partition`'s chunks of `rank` (None: nothing), from the slices held now.
@@ -230,6 +254,7 @@ class ShardedOptimizer:
                 del self.optimizer.state[piece]
         self.optimizer.state.update(new_state)
         self.slices = new_slices
+        self.partition = partition
         self._regroup()
 
     # ------------------------------------------------------------ the step
@@ -242,6 +267,8 @@ class ShardedOptimizer:
                 piece.grad = grad.reshape(-1)[start:stop] if grad is not None else None
         self.optimizer.step()
         self.pristine = False
+        # The chunks others hold were stepped there: their values arrive by broadcast (if anyone lacks any).
+        self.values_complete = self.partition.everyone_holds_everything
 
     def zero_grad(self, keep_gradient: bool = False) -> None:
         """Drop the gradients the optimizer steps; `keep_gradient` keeps the sharded parameters'
@@ -337,3 +364,19 @@ class ShardedOptimizer:
 
 def _copied(value):
     return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def zero_grad(optimizer, shards: Optional[ShardedOptimizer], keep_gradient: bool = False) -> None:
+    """Drop the gradients the optimizer steps; a sharded job's `keep_gradient` keeps the summed gradient
+    of a step this device may still have to apply (flexpar/worker/shard_levelling.py)."""
+    if shards is None:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        shards.zero_grad(keep_gradient)
+
+
+def optimizer_bytes(optimizer, shards: Optional[ShardedOptimizer]) -> int:
+    """Bytes of the optimizer state this device holds (sharded or not)."""
+    if shards is not None:
+        return shards.state_bytes()
+    return state_nbytes(optimizer.state.values())

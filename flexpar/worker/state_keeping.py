@@ -1,23 +1,21 @@
 """A worker's training state: captured for peers and checkpoints, restored, written off the step loop.
 
 The state is the model, optimizer and scheduler plus what must travel with
-them (balancing, fp16 loss scale, cost rates, the last step records); a
-checkpoint is written by a background thread (flexpar.worker.checkpoints) so the
-step loop pays only for an in-memory copy. When the driver is lost, the
-device that was rank 0 writes the last committed step, or every survivor
-does where rank 0 may have gone too (`_write_rescue`)."""
+them (balancing, fp16 loss scale, cost rates, the last step records):
+`TrainingState` captures and restores it. `Checkpoints` writes it: a
+background thread (flexpar.worker.checkpoints) writes the file, so the step
+loop pays only for an in-memory copy. When the driver is lost, the device
+that was rank 0 writes the last committed step, or every survivor does where
+rank 0 may have gone too (`Checkpoints.rescue`)."""
 
 from __future__ import annotations
 
-import collections
-import json
-from typing import Optional
+from typing import Callable, Optional
 
 from flexpar.comm import state_transfer as training_state
-from flexpar.core import balance, frozen
+from flexpar.core import frozen
 from flexpar.errors import UserCodeError
 from flexpar.worker import checkpoints
-from flexpar.worker.records import RECORDS_KEPT
 
 
 def is_peft(model) -> bool:
@@ -25,18 +23,34 @@ def is_peft(model) -> bool:
     return type(model).__module__.startswith("peft") and hasattr(model, "peft_config")
 
 
-class WorkerCheckpoints:
-    """Part of `flexpar.worker.Worker` (its attributes are the worker's own; see there)."""
+class TrainingState:
+    """What a device hands on and takes: its training state as one dict, and back.
 
-    # ------------------------------------------------------------ state
+    It holds no state of its own: the pieces are their owners' (the model,
+    optimizer and scheduler; the committed step, `CommittedStep`; the
+    records, `RecordQueue`; the loss scaler, cost rates and exact-sum
+    exponents). A capture is of the committed step; a restore replaces every
+    piece at once with a peer's or a checkpoint's.
+    """
 
-    def _capture(self, for_checkpoint: bool = False) -> dict:
-        # checkpoint_frozen: `_write_checkpoint` adds the frozen parameters after the copy.
-        model_state = self._model_state_for_transfer()
-        extra = self._capture_extra(for_checkpoint, model_state)
-        return training_state.capture(self.model, self.optimizer, self.scheduler, self.committed, extra, model_state)
+    def __init__(self, job, training, committed, records, cost_planner):
+        self.job = job
+        self.model, self.optimizer, self.scheduler = training.model, training.optimizer, training.scheduler
+        self.frozen = training.frozen
+        self.committed = committed
+        self.records = records
+        self.scaler, self.cost_planner, self.exact = training.scaler, cost_planner, training.exact
 
-    def _capture_extra(self, for_checkpoint: bool = False, model_state: Optional[dict] = None) -> dict:
+    def capture(self, checkpoint_settings=None) -> dict:
+        """The whole state; `checkpoint_settings` (the run's settings) when it is for a checkpoint
+        (`Checkpoints.write` adds the frozen parameters after the copy where checkpoint_frozen)."""
+        model_state = self.model_state()
+        extra = self.capture_extra(checkpoint_settings, model_state)
+        return training_state.capture(
+            self.model, self.optimizer, self.scheduler, self.committed.step, extra, model_state
+        )
+
+    def capture_extra(self, checkpoint_settings=None, model_state: Optional[dict] = None) -> dict:
         """What travels with the model and optimizer: balancing, commit time, records, loss scale, rates.
 
         For a checkpoint, also its frozen entry: the digests, how to rebuild the
@@ -44,35 +58,32 @@ class WorkerCheckpoints:
         `checkpoint_frozen`, or nothing frozen and no buffer left out), so that
         export needs the factory only when some weight must be rebuilt.
         """
-        extra = {
-            "balance": balance.state_to_dict(self.balance_state),
-            "committed_wall": self.committed_wall,
-            "recent_records": json.dumps(list(self.recent_records)),
-        }
+        extra = {**self.committed.extra(), "recent_records": self.records.to_json()}
         if self.scaler is not None:  # fp16: the loss scale travels to joiners and into checkpoints
             extra["grad_scaler"] = self.scaler.state_dict()
         if self.cost_planner is not None:  # by cost: joiners plan with the same rates
             extra["cost_rates"] = self.cost_planner.state()
         if self.exact is not None:  # Job(deterministic=True): the exact sums' exponents are training state
             extra["exact_sum"] = self.exact.state_dict()
-        if for_checkpoint:  # what resume and export check the factory's rebuild against
+        if checkpoint_settings is not None:  # what resume and export check the factory's rebuild against
             whole = model_state is not None and set(self.model.state_dict()) <= set(model_state)
             extra["frozen"] = self.frozen.checkpoint_entry(
-                self.settings.checkpoint_frozen or whole,
-                self.settings.model_factory,
+                checkpoint_settings.checkpoint_frozen or whole,
+                checkpoint_settings.model_factory,
                 self.job.seed,
                 is_peft(self.model),
             )
         return extra
 
-    def _model_state_for_transfer(self) -> dict:
+    def model_state(self) -> dict:
         """The model part of every state this device hands on (joiner, checkpoint, result): no frozen weights.
 
-        The one place a capture's model part is decided (the name agreed with issue 27's sharding).
+        The one place a capture's model part is decided (sharded or not).
         """
         return self.frozen.travelling(self.model)
 
-    def _restore(self, state: dict) -> None:
+    def restore(self, state: dict) -> None:
+        """A peer's or a checkpoint's whole state (a checkpoint's frozen part checked against this model's)."""
         extra = state.get("extra") or {}
         recorded = (extra.get("frozen") or {}).get("digests")
         if recorded is not None:  # a checkpoint: its frozen part must be the one this factory built
@@ -80,16 +91,13 @@ class WorkerCheckpoints:
             if problem:
                 raise UserCodeError(f"{problem}; resume with the same model factory and pretrained files")
         training_state.restore(self.model, self.optimizer, self.scheduler, state, load_model=self.frozen.load)
-        self._restore_extra(state)
+        self.restore_extra(state)
 
-    def _restore_extra(self, state: dict) -> None:
-        """The committed step and what `_capture_extra` captured."""
+    def restore_extra(self, state: dict) -> None:
+        """The committed step and what `capture_extra` captured."""
         extra = state.get("extra") or {}
-        self.committed = int(state["step"])
-        if "balance" in extra:
-            self.balance_state = balance.state_from_dict(extra["balance"])
-        self.committed_wall = float(extra.get("committed_wall", self.committed_wall))
-        self.recent_records = collections.deque(json.loads(extra.get("recent_records", "[]")), maxlen=RECORDS_KEPT)
+        self.committed.restore(int(state["step"]), extra)
+        self.records.load_json(extra.get("recent_records", "[]"))
         if self.scaler is not None and "grad_scaler" in extra:
             self.scaler.load_state_dict(extra["grad_scaler"])
         if self.cost_planner is not None and "cost_rates" in extra:
@@ -97,44 +105,77 @@ class WorkerCheckpoints:
         if self.exact is not None and "exact_sum" in extra:
             self.exact.load_state_dict(extra["exact_sum"])
 
-    def _maybe_checkpoint(self) -> None:
-        """Every `checkpoint_every` steps, and always after the last step."""
-        every = self.settings.checkpoint_every
-        if every and (self.committed % every == 0 or self.committed == self.settings.total_steps):
-            self._write_checkpoint(self.settings.checkpoint_dir)
 
-    def _write_checkpoint(self, directory: str, parts=None, common=None) -> str:
+class Checkpoints:
+    """This device's checkpoint writes: the background writer, and what it last wrote.
+
+    Invariant: `written` is the (folder, step) of this device's last write
+    (a second write of the same step to the same folder is the same state,
+    and is skipped); `writer` exists from the first write on, and at most one
+    write is in flight (the next waits for it). The committed step written is
+    `state.committed.step`; the device set it writes for is passed with
+    every call.
+    """
+
+    def __init__(self, state: TrainingState, shards, faults, say: Callable[[str], None]):
+        self.state = state
+        self.shards = shards
+        self.faults = faults
+        self.say = say
+        self.writer: Optional[checkpoints.CheckpointWriter] = None
+        self.written: tuple = ()
+
+    def writer_now(self, settings) -> checkpoints.CheckpointWriter:
+        if self.writer is None:
+            self.writer = checkpoints.CheckpointWriter(keep=settings.keep_checkpoints)
+        return self.writer
+
+    def wait(self) -> None:
+        """Return once no checkpoint write is in flight (a failed one is said here, not raised: exiting)."""
+        if self.writer is None:
+            return
+        try:
+            self.writer.wait()
+        except RuntimeError as error:
+            self.say(str(error))
+
+    def maybe(self, settings, rank: int, members: tuple) -> None:
+        """Every `checkpoint_every` steps, and always after the last step."""
+        every, step = settings.checkpoint_every, self.state.committed.step
+        if every and (step % every == 0 or step == settings.total_steps):
+            self.write(settings, settings.checkpoint_dir, rank, members)
+
+    def write(self, settings, directory: str, rank: int, members: tuple, parts=None, common=None) -> str:
         """Start writing the committed state to `directory`; returns the file's path.
 
         The step loop pays for a CPU copy of the state only; a background
         thread writes the file (atomically) and keeps the newest
         `keep_checkpoints` (flexpar.worker.checkpoints). A write in flight is waited
-        for before the next one starts, in `finish`, on the rescue path and
+        for before the next one starts, in `Worker.finish`, on the rescue path and
         before the process exits.
         """
-        path = checkpoints.checkpoint_path(directory, self.committed)
-        self._fault_point("checkpoint", self.committed)
+        step = self.state.committed.step
+        path = checkpoints.checkpoint_path(directory, step)
+        self.faults.fire("checkpoint", step, members)
         # This device wrote this step here already (the last step, then the stop): the same state.
         # A file that is there for any other reason (an earlier try of this run) is replaced, never kept.
-        if self._checkpoint_written == (directory, self.committed):
+        if self.written == (directory, step):
             return path
-        writer = self._checkpoint_writer_now()
+        writer = self.writer_now(settings)
         if self.shards is not None:
-            files = self._sharded_checkpoint_files(directory, parts, common)
-            writer.submit_files(directory, self.committed, checkpoints.cpu_copy(files))
+            files = self._sharded_files(settings, directory, rank, parts, common)
+            writer.submit_files(directory, step, checkpoints.cpu_copy(files))
         else:
-            state = checkpoints.cpu_copy(self._capture(for_checkpoint=True))
-            if self.settings.checkpoint_frozen:
+            state = checkpoints.cpu_copy(self.state.capture(checkpoint_settings=settings))
+            if settings.checkpoint_frozen:
                 # The frozen parameters never change: the writer thread serialises the live
                 # tensors, so the step loop copies only what trains (and the small buffers).
-                state["model"] = self.frozen.complete(self.model, state["model"])
-            writer.submit(directory, self.committed, state)
-        self._checkpoint_written = (directory, self.committed)
+                state["model"] = self.state.frozen.complete(self.state.model, state["model"])
+            writer.submit(directory, step, state)
+        self.written = (directory, step)
         return path
 
-    _checkpoint_written: tuple = ()  # (folder, step) of this device's last checkpoint write
-
-    def _sharded_checkpoint_files(self, directory: str, parts=None, common=None) -> list:
+    def _sharded_files(self, settings, directory: str, rank: int, parts=None, common=None) -> list:
         """[(path, state)] of a sharded job's checkpoint that this device writes.
 
         By default each device writes the part of the chunks it is primary of
@@ -145,9 +186,9 @@ class WorkerCheckpoints:
         no device ever holds the whole optimizer state, and any partition reads
         any other (flexpar/worker/checkpoints.py's `CheckpointReader`).
         """
-        shards, step = self.shards, self.committed
-        layout = self.shard_partition
-        parts = (self.rank,) if parts is None else parts
+        shards, step = self.shards, self.state.committed.step
+        layout = shards.partition
+        parts = (rank,) if parts is None else parts
         files = []
         for index in sorted(parts):
             segments = [
@@ -158,36 +199,20 @@ class WorkerCheckpoints:
             ]
             record = {"step": step, "part": index, "parts": layout.world_size, "segments": segments}
             files.append((checkpoints.part_path(directory, step, index, layout.world_size), record))
-        if self.rank == 0 if common is None else common:
+        if rank == 0 if common is None else common:
             replicated = shards.replicated_state()["optimizer"]
             shapes = {
                 shards.number_of(k): list(shards.parameters[index].shape) for k, index in enumerate(shards.sharded)
             }
             optimizer = {**replicated, "sharded": {"by": shards.by, "shapes": shapes}}
-            scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
-            model_state = self._model_state_for_transfer()
+            scheduler = self.state.scheduler.state_dict() if self.state.scheduler is not None else None
+            model_state = self.state.model_state()
             common_state = {"model": model_state, "optimizer": optimizer, "scheduler": scheduler}
-            extra = self._capture_extra(for_checkpoint=True, model_state=model_state)
+            extra = self.state.capture_extra(settings, model_state)
             files.append((checkpoints.checkpoint_path(directory, step), {**common_state, "step": step, "extra": extra}))
         return files
 
-    _checkpoint_writer: Optional[checkpoints.CheckpointWriter] = None
-
-    def _checkpoint_writer_now(self) -> checkpoints.CheckpointWriter:
-        if self._checkpoint_writer is None:
-            self._checkpoint_writer = checkpoints.CheckpointWriter(keep=self.settings.keep_checkpoints)
-        return self._checkpoint_writer
-
-    def wait_for_checkpoint(self) -> None:
-        """Return once no checkpoint write is in flight (a failed one is said here, not raised: exiting)."""
-        if self._checkpoint_writer is None:
-            return
-        try:
-            self._checkpoint_writer.wait()
-        except RuntimeError as error:
-            self._say(str(error))
-
-    def _write_rescue(self, agreed: bool) -> str:
+    def rescue(self, settings, agreed: bool, rank: int, members: tuple) -> str:
         """The driver is gone: write the last committed step where a resume finds it; returns where it is.
 
         `agreed`: the members stopped together in a step (every one of them is
@@ -200,27 +225,23 @@ class WorkerCheckpoints:
         Written at once, not when the wait for a restarted driver ends: should
         every device die meanwhile, the step is on disk.
         """
-        directory = self.settings.checkpoint_dir or self.settings.rescue_dir
-        if self.shards is not None and self.shard_partition is not None:
+        directory = settings.checkpoint_dir or settings.rescue_dir
+        if self.shards is not None and self.shards.partition is not None:
             # Sharded: agreed, every member writes its part (rank 0 the common file too); otherwise
             # every survivor writes every part it holds, and the common file if its parameters are whole.
-            held = {chunk.index for chunk in self.shard_partition.held_by(self.rank)}
-            path = self._write_checkpoint(
+            held = {chunk.index for chunk in self.shards.partition.held_by(rank)}
+            path = self.write(
+                settings,
                 directory,
+                rank,
+                members,
                 parts=None if agreed else held,
-                common=None if agreed else self.parameters_complete,
+                common=None if agreed else self.shards.values_complete,
             )
-            self.wait_for_checkpoint()
-        elif self.rank == 0 or not agreed:
-            path = self._write_checkpoint(directory)
-            self.wait_for_checkpoint()
+            self.wait()
+        elif rank == 0 or not agreed:
+            path = self.write(settings, directory, rank, members)
+            self.wait()
             return path
-        path = checkpoints.checkpoint_path(directory, self.committed)
-        return path + (f" (written by {self.members[0]})" if self.members else "")
-
-    def _resume_command(self) -> str:
-        """The command that resumes this job (the driver's, with its pins; flexpar.driver.launch.resume_command)."""
-        directory = self.settings.checkpoint_dir or self.settings.rescue_dir
-        return self.settings.resume_command or (
-            f"flexpar run --resume --checkpoint-dir {directory} {self.settings.script or 'SCRIPT'}"
-        )
+        path = checkpoints.checkpoint_path(directory, self.state.committed.step)
+        return path + (f" (written by {members[0]})" if members else "")

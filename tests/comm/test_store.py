@@ -169,7 +169,7 @@ def test_lines_written_while_another_thread_quiets_c10d_go_out_at_once_each_in_o
     inside, done = threading.Event(), threading.Event()
     port = _a_port_nothing_listens_on()
 
-    def follower():  # as DeviceLink._find_driver, looking for a restarted driver
+    def follower():  # as StoreFollower._find_driver (flexpar/worker/link_follower.py), looking for a restarted driver
         with native_log_quieted():
             inside.set()
             done.wait()

@@ -5,7 +5,7 @@ import json
 from flexpar.comm.channel import Channel
 from flexpar.comm.protocol import DRIVER_KEY
 from flexpar.comm.store import connect
-from flexpar.worker import device_link
+from flexpar.worker import device_link, link_follower
 
 
 class _MetricsSendFailsOnce(Channel):
@@ -26,7 +26,7 @@ def test_a_record_lost_with_the_driver_does_not_hold_up_the_flush_after_a_re_ado
     its final `flush` (the record lost in the failed send still counted as unsent), so the driver never
     got "done". The lost record is rank 0's to send again (flexpar.core.delivery); later ones flush."""
     _MetricsSendFailsOnce.failed = []
-    monkeypatch.setattr(device_link, "Channel", _MetricsSendFailsOnce)
+    monkeypatch.setattr(link_follower, "Channel", _MetricsSendFailsOnce)
     store = connect("127.0.0.1", 0, 5.0, server=True)
     # What a restarted driver says about itself; the same store stands in for it.
     store.set(DRIVER_KEY, json.dumps({"pid": 0, "adopting": False}))

@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flexpar.core import evaluation
-from flexpar.worker.device_link import FOLLOW_ALL_S
 from flexpar.worker.evaluator import evaluate_all
+from flexpar.worker.link_follower import FOLLOW_ALL_S
 
 # ------------------------------------------------------------------ the split (pure)
 
@@ -212,7 +212,7 @@ class EvaluateUntilTheDeviceSetChanges(ep.Evaluate):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"no generation 2 within {self.timeout_s} s of an evaluation in generation 1")
                 time.sleep(0.02)
-            # This read the store itself. The device's own follower thread (flexpar.worker.device_link.DeviceLink)
+            # This read the store itself. The device's own follower thread (flexpar.worker.link_follower.StoreFollower)
             # sees the generation one poll (DEVICE_POLL_S) after the coordinator's notice, which follows
             # the key, and at the latest at its next full read (FOLLOW_ALL_S); the device then puts what it
             # saw into the next step's statistics. Held until the follower has had two full reads, "became

@@ -8,35 +8,37 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-from flexpar.worker.lifecycle import Worker
+from flexpar.worker.step_loop import StepLoop
 
 
 def _device(device_id: str, rank: int, shards=None):
-    return SimpleNamespace(rank=rank, args=SimpleNamespace(device_id=device_id), shards=shards)
+    return SimpleNamespace(
+        membership=SimpleNamespace(rank=rank), args=SimpleNamespace(device_id=device_id), shards=shards
+    )
 
 
 def test_a_leaver_that_is_not_rank_0_skips_its_last_update():
     upcoming = {"members": ["local-0", "local-1"]}
-    assert Worker._skips_last_update(_device("local-2", rank=2), upcoming)
+    assert StepLoop._skips_last_update(_device("local-2", rank=2), upcoming)
 
 
 def test_a_sharded_leaver_commits_its_last_update():
     # It holds parts of the optimizer state that it hands over at the boundary.
     upcoming = {"members": ["local-0", "local-1"]}
-    assert not Worker._skips_last_update(_device("local-2", rank=2, shards=object()), upcoming)
+    assert not StepLoop._skips_last_update(_device("local-2", rank=2, shards=object()), upcoming)
 
 
 def test_rank_0_commits_even_when_it_leaves():
     # It publishes the step's record and writes checkpoints.
-    assert not Worker._skips_last_update(_device("local-0", rank=0), {"members": ["local-1", "local-2"]})
+    assert not StepLoop._skips_last_update(_device("local-0", rank=0), {"members": ["local-1", "local-2"]})
 
 
 def test_a_survivor_commits():
-    assert not Worker._skips_last_update(_device("local-1", rank=1), {"members": ["local-0", "local-1"]})
+    assert not StepLoop._skips_last_update(_device("local-1", rank=1), {"members": ["local-0", "local-1"]})
 
 
 def test_a_leaver_exits_at_the_lowest_cpu_priority():
-    code = "import os; from flexpar.worker.lifecycle import _yield_cores; _yield_cores(); print(os.nice(0))"
+    code = "import os; from flexpar.worker.host import yield_cores; yield_cores(); print(os.nice(0))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.strip() == "19"
 

@@ -1,0 +1,60 @@
+"""What a device trains, built from the job: the model, optimizer and scheduler, the gradient sums, the recipes."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from flexpar import recipes
+from flexpar.comm.exact_sync import ExactSync
+from flexpar.comm.gradient_sync import GradientSync
+from flexpar.comm.sparse_sync import sparse_parameters
+from flexpar.worker.determinism import make_deterministic
+from flexpar.worker.frozen_part import FrozenPart
+from flexpar.worker.shards import ShardedOptimizer, sharding_by
+from flexpar.worker.user_code import build_model, build_optimizer
+
+
+class Training(NamedTuple):
+    """The pieces one device trains with; built once, never replaced (their state changes in place)."""
+
+    model: torch.nn.Module
+    frozen: FrozenPart
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    shards: Optional[ShardedOptimizer]  # Job(shard_optimizer=...): this device's chunks of the optimizer state
+    sync: GradientSync
+    exact: Optional[ExactSync]  # Job(deterministic=True): exact int64 sums
+    forward_model: object  # what the VWs' forward calls: compiled, or the model itself
+    scaler: object  # fp16 only; part of the training state
+
+
+def build_training(job, device: torch.device, bucket_mb: float, peer_lost) -> Training:
+    """Build what this device trains with, on `device`, from the job's factories and recipes."""
+    if job.deterministic:  # before any kernel runs: one thread count (CPU), deterministic kernels (CUDA)
+        make_deterministic(device)
+    model = build_model(job)
+    # The frozen part's digests, on the CPU as built, before this device announces itself:
+    # a joiner's hashing delays its own admission only, never the running devices.
+    frozen = FrozenPart(model, torch.get_num_threads())
+    model = model.to(device)
+    optimizer, scheduler = build_optimizer(job, model)
+    # Job(shard_optimizer=...): this device holds and steps its chunks of the optimizer state only
+    # (flexpar/worker/shards.py); the boundaries move them (flexpar/worker/shard_levelling.py).
+    shards = (
+        ShardedOptimizer(model, optimizer, sparse_parameters(model), sharding_by(job)) if job.shard_optimizer else None
+    )
+    sync = GradientSync(model, device, bucket_mb, peer_lost=peer_lost)
+    # Job(deterministic=True): exact int64 sums instead of the float buckets (flexpar/comm/exact_sync.py).
+    exact = None
+    if job.deterministic:
+        buckets = [bucket.parameters for bucket in sync.buckets]
+        exact = ExactSync(sync.dense, sync.sparse, job.virtual_workers, buckets)
+        sync.companion = exact  # its collectives in flight are released with the float path's
+    # Recipes (flexpar/recipes.py): checked for this device's type before anything runs.
+    recipes.check_mixed_precision(job, device.type)
+    recipes.check_compile(job, device.type)
+    forward_model = recipes.compiled(job, model)
+    scaler = recipes.make_scaler(job)
+    return Training(model, frozen, optimizer, scheduler, shards, sync, exact, forward_model, scaler)
