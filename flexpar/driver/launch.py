@@ -86,20 +86,26 @@ def run(job, options: FitOptions) -> tuple:
 
     Returns (the trained model, the summary): `Job.fit` hands them to the user as a `FitResult`.
     """
-    checked = _check_job(job, options)
-    hosted = _host_job(job, options, checked)
-    local = _local_devices(options, checked, hosted)
-    state = _membership(job, options, checked)
-    coordinator = _coordinator(job, options, checked, hosted, state, local)
-    _announce_driver(hosted.store, options)
-    summary, terminated = training.train(job, options, checked, hosted, coordinator, local)
-    training.finish(terminated, summary, hosted.settings)
+    # The checkpoint folder is this run's until it returns or raises (a lock in it: job_checks.lock_folder).
+    folder = check_checkpoint_folder(options)
+    try:
+        checked = _check_job(job, options)
+        hosted = _host_job(job, options, checked)
+        local = _local_devices(options, checked, hosted)
+        state = _membership(job, options, checked)
+        coordinator = _coordinator(job, options, checked, hosted, state, local)
+        _announce_driver(hosted.store, options)
+        summary, terminated = training.train(job, options, checked, hosted, coordinator, local)
+        training.finish(terminated, summary, hosted.settings)
+    finally:
+        if folder is not None:
+            folder.release()
     return checked.model, summary
 
 
 def _check_job(job, options: FitOptions) -> CheckedJob:
-    """Everything that can be checked before any process starts; raises the first problem found."""
-    check_checkpoint_folder(options)
+    """Everything that can be checked before any process starts (the folder was checked and taken before);
+    raises the first problem found."""
     kind, available, backend = detect_devices(options.backend)
     context = worker_context(options.verbose)
     initial = options.devices or (available if kind == "cuda" else 1)
