@@ -114,6 +114,19 @@ def test_status_of_a_closed_port_answers_in_one_line():
     assert "frame #" not in status.stderr and status.stdout == ""
 
 
+def test_status_and_scale_load_no_driver_nor_worker():
+    """`flexpar status` took 2.4-5 s a call: `import torch` (the store client is torch's TCPStore) and
+    flexpar's whole package, the driver's and the worker's modules (torch's compiler pieces among them)
+    on top. Now the command line loads only what a command uses: status and scale pay for torch alone."""
+    heavy = ("flexpar.job", "flexpar.driver.launch", "flexpar.worker.process")
+    probe = f"import sys, flexpar.cli; print(sorted(m for m in sys.modules if m in {heavy!r}))"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0 and loaded.stdout.strip() == "[]", loaded.stdout + loaded.stderr
+    import flexpar
+
+    assert flexpar.Job.__module__ == "flexpar.job"  # what the package offers is still there, on first use
+
+
 def test_status_and_join_read_the_address_from_the_cluster_environment():
     environment = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "PET_RDZV_ENDPOINT": "no-port"}
     environment.pop("FLEXPAR_ADDRESS", None)
