@@ -356,7 +356,8 @@ class DriverLoop:
         return {
             "steps": final_step,
             "samples_per_s": statistics.median(rates),
-            "final_loss": self.steps[-1]["loss"] if self.steps else float("nan"),
+            # None (not NaN, which JSON cannot carry) when this run trained no step (a resume at its last).
+            "final_loss": self.steps[-1]["loss"] if self.steps else None,
             "wall_s": time.time() - self.started,
             "generations": self.coordinator.state.generation,
             "devices": list(self.devices),  # the device set of the last record

@@ -130,6 +130,9 @@ def _check_job(job, options: FitOptions) -> CheckedJob:
     # --resume: devices that outlived the job's driver first (an adoption window), else the newest checkpoint.
     newest = checkpoints.latest_checkpoint(options.checkpoint_dir) if options.resume else None
     if newest is not None:
+        note = resume_note(newest, checkpoints.checkpoint_step(newest), total_steps)
+        if note and not options.quiet:
+            print(f"flexpar: {note}", file=sys.stderr, flush=True)
         _check_resumed_frozen_part(newest, reference.result())
     return CheckedJob(
         context=context,
@@ -268,6 +271,24 @@ def _announce_driver(store, options: FitOptions) -> None:
 def _reference_digests(model, threads: int) -> dict:
     with ThreadPoolExecutor(max(1, min(8, threads))) as pool:
         return frozen.frozen_digests(model, pool.map)
+
+
+def resume_note(newest: str, step: int, total_steps: int) -> str:
+    """What a resume from `newest` (step `step`) to `total_steps` says in one line, or refuses with.
+
+    A checkpoint past the run's last step is refused (the run cannot train
+    backwards, and ending with the newer model under an older step count
+    would be something other than asked); one at the last step has nothing
+    to train, which the run says, then ends at once with the model as it is.
+    """
+    if step > total_steps:
+        raise ValueError(
+            f"resume: the newest checkpoint, {newest}, is step {step}, past this run's last step {total_steps}: "
+            f"nothing to train; ask for more than {step} steps to train on, or `flexpar export {newest}` for its model"
+        )
+    if step == total_steps:
+        return f"nothing to train: the newest checkpoint, {newest}, is step {step}, this run's last step"
+    return ""
 
 
 def _check_resumed_frozen_part(path: str, reference: dict) -> None:
