@@ -14,7 +14,7 @@ import time
 import pytest
 from conftest import flexpar_command
 
-from flexpar.driver import launch
+from flexpar.driver import launch, training
 from flexpar.options import FitOptions
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -192,7 +192,7 @@ def test_scale_waits_for_the_answer_and_sigterm_stops_the_job_with_a_checkpoint(
     wrong = tmp_path / "wrong"
     wrong.write_text("not-the-secret")
     refused = _scale(job, "+1", str(wrong))
-    assert refused.returncode == 1 and "wrong job secret" in refused.stderr
+    assert refused.returncode == 1 and f"wrong secret: the secret in {wrong} does not match" in refused.stderr
     over_max = _scale(job, f"+{cores + 1}")
     assert over_max.returncode == 1 and f"--max-devices {cores + 1}" in over_max.stderr
     over_cores = _scale(job, f"+{cores}")
@@ -208,7 +208,8 @@ def test_scale_waits_for_the_answer_and_sigterm_stops_the_job_with_a_checkpoint(
     # One line of its own (the plain log also records the stop event, as it records every event).
     stopped = [line for line in err.splitlines() if "SIGTERM" in line and line.startswith("flexpar:")]
     assert len(stopped) == 1 and "stopped by SIGTERM after step" in stopped[0], err
-    assert f"; resume with: flexpar run --resume --checkpoint-dir {checkpoints}" in stopped[0], stopped[0]
+    # The job as it ended: grown to 2 devices by the scale above (its script says devices=1).
+    assert f"; resume with: flexpar run --resume --devices 2 --checkpoint-dir {checkpoints}" in stopped[0], stopped[0]
     assert "Traceback" not in err and "frame #" not in err
     step = int(stopped[0].split("after step ")[1].split(";")[0])
     assert os.path.exists(checkpoints / f"step-{step:08d}.pt"), "the final checkpoint holds the last step"
@@ -417,8 +418,8 @@ def test_the_resume_command_is_the_jobs_own_with_resume_added(tmp_path, monkeypa
         launch.resume_command(
             "/ck", ["python3", "/venv/bin/flexpar", "run", "--devices", "2", "t.py", "--lr", "1"], ["t.py", "--lr", "1"]
         )
-        == f"flexpar run --resume --checkpoint-dir /ck --devices 2 {script} --lr 1"
-    )
+        == f"flexpar run --resume --checkpoint-dir /ck {script} --lr 1"
+    ), "no --devices: the job may have grown since it started, and the restarted driver re-adopts them all"
     assert (
         launch.resume_command("/my ck", ["python3", "-u", "t.py", "--lr", "1"], ["t.py", "--lr", "1"])
         == f"flexpar run --resume --checkpoint-dir '/my ck' {script} -- --lr 1"
@@ -438,11 +439,18 @@ def test_the_resume_command_is_the_jobs_own_with_resume_added(tmp_path, monkeypa
                 "--checkpoint-dir=ck",
                 "--steps",
                 "9",
+                "--devices=3",
                 "t.py",
             ],
             ["t.py"],
         )
         == f"flexpar run --resume --checkpoint-dir /ck --steps 9 {script}"
+    )
+    # A driver stopped by SIGTERM says the count of its host's devices it ended with.
+    devices = {"devices": ["local-0", "local-1", "node2-0"]}
+    assert (
+        training.resume_with_devices(f"flexpar run --resume --checkpoint-dir /ck {script}", devices)
+        == f"flexpar run --resume --devices 2 --checkpoint-dir /ck {script}"
     )
 
 

@@ -321,7 +321,11 @@ def resume_command(
 
     Under `flexpar run`, the same command line with `--resume --checkpoint-dir
     DIRECTORY` and `pins` (`resume_pins`: the job's port, secret file and
-    metrics file where the job made them up) added; for a plain `python
+    metrics file where the job made them up) added, and its `--devices`
+    left out: the devices print this command when the driver is lost, by
+    which time the job may have grown or shrunk, and the restarted driver
+    re-adopts the devices that wait for it, however many (a driver that
+    stops on SIGTERM adds the count it ended with: training.finish); for a plain `python
     train.py ARGS`, `flexpar run` with those flags on the same script and
     arguments (the script's own fit() options stay in force). `argv` is the
     process's whole command line (sys.orig_argv), `script_argv` the script's
@@ -337,7 +341,7 @@ def resume_command(
         if os.path.basename(word) == "flexpar" and argv[index + 1] == "run":
             rest = argv[index + 2 :]
             position = rest.index(typed) if typed in rest else len(rest)
-            kept = _without_flags(rest[:position], ("--checkpoint-dir", *pins[::2]))
+            kept = _without_flags(rest[:position], ("--checkpoint-dir", "--devices", *pins[::2]))
             return shlex.join(added + kept + [script] + rest[position + 1 :])
     rest = script_argv[1:] if typed else []
     return shlex.join(added + [script] + (["--"] + rest if rest else []))
