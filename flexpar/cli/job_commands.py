@@ -124,7 +124,8 @@ def command_status(arguments) -> int:
     print(f"generation {status.get('generation')}: devices {', '.join(status.get('devices', []))}")
     if "step" in status:
         print(
-            f"step {status['step']}/{status['total_steps']}, {status['samples_per_s']:.1f} samples/s, "
+            f"step {status['step']} ({status['step'] + 1}/{status['total_steps']} done), "
+            f"{status['samples_per_s']:.1f} samples/s, "
             f"loss {status['loss']:.4f}, assignment {status['assignment']}"
         )
     streaming = [

@@ -252,7 +252,7 @@ class DriverLoop:
         if latest:
             self.coordinator.write_status(
                 {
-                    "step": record["step"] + 1,
+                    "step": record["step"],  # numbered as in the metrics file, from 0
                     "total_steps": self.total_steps,
                     "samples_per_s": record["samples_per_s"],
                     "loss": record["loss"],

@@ -61,7 +61,10 @@ def format_optimizer_bytes(values: Sequence[int]) -> str:
 
 
 def format_step_line(record: Mapping[str, Any], total_steps: int, remaining_s: Optional[float]) -> str:
-    """The plain log line of a step record (used without a terminal).
+    """The plain log line of a step record (used without a terminal): "step 19 (20/60 done, 33%) ...".
+
+    The step is numbered as in the metrics file, the CSV and the trackers (from 0); the count
+    after it is the steps done, as the live panel's progress bar counts them.
 
     With the record's `optimizer_bytes` (every job's workers report it), the line
     ends with the devices' optimizer-state sizes (`format_optimizer_bytes`).
@@ -69,8 +72,9 @@ def format_step_line(record: Mapping[str, Any], total_steps: int, remaining_s: O
     done = record["step"] + 1
     percent = 100.0 * done / total_steps if total_steps else 0.0
     optimizer = record.get("optimizer_bytes")
+    # The step as the metrics file numbers it (from 0), and how many of the run's steps are done.
     return (
-        f"step {done}/{total_steps} ({percent:.0f}%) loss {record['loss']:.4g} | "
+        f"step {record['step']} ({done}/{total_steps} done, {percent:.0f}%) loss {record['loss']:.4g} | "
         f"{record['samples_per_s']:.1f} samples/s | step {record['step_time_s']:.3f} s | "
         f"generation {record['generation']}, VWs {format_assignment(record['devices'], record['assignment'])} | "
         f"imbalance {100.0 * record['imbalance']:.1f}% | ETA {format_duration(remaining_s)}"
