@@ -410,6 +410,10 @@ def test_the_banner_says_how_far_the_job_can_grow(capsys):
     ) in capsys.readouterr().out
     launch._banner("h:1", 1, "cpu", 3, FitOptions(steps=1, max_devices=3, oversubscribe=True), "s", cores=2)
     assert "1 x cpu device, may grow to 3; s" in capsys.readouterr().out
+    # A sharded job says so, and its redundancy (it did not).
+    options = FitOptions(steps=1, max_devices=3, oversubscribe=True)
+    launch._banner("h:1", 1, "cpu", 3, options, "s", cores=2, sharding="sharded by elements, redundancy 2")
+    assert "may grow to 3; optimizer state sharded by elements, redundancy 2; s" in capsys.readouterr().out
 
 
 def test_the_resume_command_is_the_jobs_own_with_resume_added(tmp_path, monkeypatch):

@@ -58,6 +58,7 @@ class DriverLoop:
         callbacks: Dispatcher = None,
         resumed_from: int = -1,
         adopted: bool = False,
+        sharding: str = "",
     ):
         """`resumed_from`: the committed steps a resumed job (`--resume`: re-adopted devices or a
         checkpoint) continues from; -1 for a new job. A resumed job appends to its metrics file and
@@ -131,7 +132,10 @@ class DriverLoop:
         if not options.quiet:
             # --no-display (display=False) means plain log lines, never nothing.
             self.display = LiveDisplay(
-                total_steps, log_every=options.log_every, force_terminal=False if options.display is False else None
+                total_steps,
+                log_every=options.log_every,
+                force_terminal=False if options.display is False else None,
+                sharding=sharding,  # how the optimizer state is held (log_lines.format_sharding)
             )
             if not self.display.uses_rich:
                 log_to_stderr()

@@ -43,6 +43,7 @@ from flexpar.driver.fork_server import worker_context
 from flexpar.driver.job_checks import check_checkpoint_folder, check_sharding, first_batch_check, pickle_pieces
 from flexpar.driver.local_devices import LocalDevices, detect_devices
 from flexpar.observe import trackers as trackers_module
+from flexpar.observe.log_lines import format_sharding
 from flexpar.options import FitOptions, is_loopback
 from flexpar.version import __version__
 from flexpar.worker import checkpoints, evaluator
@@ -165,7 +166,14 @@ def _host_job(job, options: FitOptions, checked: CheckedJob) -> HostedJob:
     secret_note = _keep_secret(options, secret, run_dir)
     if not options.quiet:
         _banner(
-            address, checked.initial, checked.kind, checked.max_devices, options, secret_note, cores=checked.available
+            address,
+            checked.initial,
+            checked.kind,
+            checked.max_devices,
+            options,
+            secret_note,
+            cores=checked.available,
+            sharding=format_sharding(job.shard_optimizer, job.shard_redundancy),
         )
     return HostedJob(store, secret, address, run_dir, metrics_path, callbacks, settings)
 
@@ -395,7 +403,7 @@ def _keep_secret(options: FitOptions, secret: str, run_dir: str) -> str:
     return f"secret in {path}"
 
 
-def _banner(address, initial, kind, max_devices, options, secret_note, cores=0) -> None:
+def _banner(address, initial, kind, max_devices, options, secret_note, cores=0, sharding="") -> None:
     if max_devices > initial:
         growth = f"may grow to {max_devices}"
     else:
@@ -410,7 +418,7 @@ def _banner(address, initial, kind, max_devices, options, secret_note, cores=0) 
         how = f" (--max-devices N, or fit(max_devices=N), allows more{beyond_cores})"
     print(
         f"flexpar: job at {address}; {initial} x {kind} device{'s' if initial != 1 else ''}, "
-        f"{growth}{how}; {secret_note}",
+        f"{growth}{how}; " + (f"optimizer state {sharding}; " if sharding else "") + secret_note,
         flush=True,
     )
 

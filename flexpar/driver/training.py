@@ -25,6 +25,7 @@ from flexpar.driver import readopt
 from flexpar.driver.driver_loop import DriverLoop
 from flexpar.driver.waker import DriverWaker
 from flexpar.errors import TrainingError
+from flexpar.observe.log_lines import format_sharding
 from flexpar.options import FitOptions
 from flexpar.worker import checkpoints
 from flexpar.worker.settings import RunSettings
@@ -59,6 +60,7 @@ def train(job, options: FitOptions, checked, hosted, coordinator, local) -> tupl
                 callbacks=callbacks,
                 resumed_from=resumed_from,
                 adopted=resumed_by == "adoption",
+                sharding=format_sharding(job.shard_optimizer, job.shard_redundancy),
             )
             loop.run(waker)
         data = get_blob(store, "result", hosted.secret)

@@ -16,6 +16,7 @@ from flexpar.observe.log_lines import (
     format_optimizer_bytes,
     format_rebalance_line,
     format_rebalance_summary,
+    format_sharding,
     format_step_line,
 )
 
@@ -262,6 +263,38 @@ def test_each_devices_optimizer_bytes_in_the_log_line_and_the_panels_device_tabl
     for rank, device_id in enumerate(sharded["devices"]):
         row = next(row for row in table.splitlines() if row.lstrip().startswith(device_id))
         assert row.rstrip().endswith(f"{3.145728 * (rank + 1):.1f} MB"), row
+
+
+def test_a_sharded_jobs_display_says_so_and_a_streaming_joiner_shows_no_optimizer_size(records):
+    """The banner and display did not say that the optimizer is sharded nor its redundancy, and a joiner
+    at 0% of its stream showed the full optimizer size (what it is still receiving)."""
+    from rich.console import Console
+
+    assert format_sharding(False, None) == ""
+    assert format_sharding(True, None) == "sharded by elements, redundancy 2"
+    assert format_sharding("parameters", 1) == "sharded by parameters, redundancy 1"
+    step = [record for record in records if record["kind"] == "step"][-1]
+    devices = step["devices"]
+    joiner = devices[-1]
+    sharded = {
+        **step,
+        "optimizer_bytes": [3_145_728] * (len(devices) - 1) + [12_582_912],  # the joiner: the whole state
+        "joining": {joiner: 0.0},
+    }
+    line = format_step_line(sharded, TOTAL_STEPS, 1.0, "sharded by elements, redundancy 2")
+    assert line.endswith(" | optimizer 3.1 MB per device (sharded by elements, redundancy 2)"), line
+    display = LiveDisplay(
+        TOTAL_STEPS,
+        console=Console(file=io.StringIO(), width=160),
+        force_terminal=True,
+        sharding="sharded by elements, redundancy 2",
+    )
+    display.update(sharded)
+    table = rendered_text(display).split("recent events")[0]
+    display.close()
+    assert "optimizer (sharded by elements, redundancy 2)" in table, table
+    row = next(row for row in table.splitlines() if row.lstrip().startswith(joiner))
+    assert row.rstrip().endswith("streaming") and "12.6 MB" not in row, row
 
 
 def test_rich_panel_without_rebalances_shows_no_rebalance_line(records):
