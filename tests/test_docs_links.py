@@ -169,3 +169,17 @@ def test_readme_and_guide_give_the_deterministic_modes_one_measured_cost_linked(
     assert len(set().union(*figures.values())) == 1, figures
     readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
     assert "whose true gradient is zero" in readme, "what float summation order means for a zero gradient"
+
+
+def test_the_readme_demo_caption_says_what_the_demo_schedules():
+    """The caption said the device joins "at about step 30"; the demo asks for it at steps // 5 and it
+    joins once warm, which the late join's cause (a fresh process's start-up) explains."""
+    import inspect
+
+    from flexpar import demo
+
+    steps = inspect.signature(demo.main).parameters["steps"].default
+    caption = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split("*The demo's timeline")[1].split())
+    caption = caption.split("*")[0]
+    assert f"at step {max(1, steps // 5)}," in caption and f"at step {max(2, steps * 3 // 4)} lands there" in caption
+    assert "once it is warm" in caption or "after it is warm" in caption
