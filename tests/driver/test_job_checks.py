@@ -52,6 +52,7 @@ def test_two_fresh_runs_into_one_empty_folder_cannot_both_pass_the_check(tmp_pat
     assert check_checkpoint_folder(FitOptions(steps=1)) is None
 
 
+@pytest.mark.slow  # two Python processes that import torch (main's conftest registers the marker)
 def test_of_two_processes_started_together_one_takes_the_folder_and_its_lock_ends_with_it(tmp_path):
     folder = tmp_path / "ck"
     started = [
