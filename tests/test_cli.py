@@ -14,7 +14,7 @@ import time
 import pytest
 from conftest import flexpar_command
 
-from flexpar.driver import launch
+from flexpar.driver import launch, training
 from flexpar.options import FitOptions
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -114,6 +114,19 @@ def test_status_of_a_closed_port_answers_in_one_line():
     assert "frame #" not in status.stderr and status.stdout == ""
 
 
+def test_status_and_scale_load_no_driver_nor_worker():
+    """`flexpar status` took 2.4-5 s a call: `import torch` (the store client is torch's TCPStore) and
+    flexpar's whole package, the driver's and the worker's modules (torch's compiler pieces among them)
+    on top. Now the command line loads only what a command uses: status and scale pay for torch alone."""
+    heavy = ("flexpar.job", "flexpar.driver.launch", "flexpar.worker.process")
+    probe = f"import sys, flexpar.cli; print(sorted(m for m in sys.modules if m in {heavy!r}))"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0 and loaded.stdout.strip() == "[]", loaded.stdout + loaded.stderr
+    import flexpar
+
+    assert flexpar.Job.__module__ == "flexpar.job"  # what the package offers is still there, on first use
+
+
 def test_status_and_join_read_the_address_from_the_cluster_environment():
     environment = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "PET_RDZV_ENDPOINT": "no-port"}
     environment.pop("FLEXPAR_ADDRESS", None)
@@ -179,7 +192,7 @@ def test_scale_waits_for_the_answer_and_sigterm_stops_the_job_with_a_checkpoint(
     wrong = tmp_path / "wrong"
     wrong.write_text("not-the-secret")
     refused = _scale(job, "+1", str(wrong))
-    assert refused.returncode == 1 and "wrong job secret" in refused.stderr
+    assert refused.returncode == 1 and f"wrong secret: the secret in {wrong} does not match" in refused.stderr
     over_max = _scale(job, f"+{cores + 1}")
     assert over_max.returncode == 1 and f"--max-devices {cores + 1}" in over_max.stderr
     over_cores = _scale(job, f"+{cores}")
@@ -195,7 +208,8 @@ def test_scale_waits_for_the_answer_and_sigterm_stops_the_job_with_a_checkpoint(
     # One line of its own (the plain log also records the stop event, as it records every event).
     stopped = [line for line in err.splitlines() if "SIGTERM" in line and line.startswith("flexpar:")]
     assert len(stopped) == 1 and "stopped by SIGTERM after step" in stopped[0], err
-    assert f"; resume with: flexpar run --resume --checkpoint-dir {checkpoints}" in stopped[0], stopped[0]
+    # The job as it ended: grown to 2 devices by the scale above (its script says devices=1).
+    assert f"; resume with: flexpar run --resume --devices 2 --checkpoint-dir {checkpoints}" in stopped[0], stopped[0]
     assert "Traceback" not in err and "frame #" not in err
     step = int(stopped[0].split("after step ")[1].split(";")[0])
     assert os.path.exists(checkpoints / f"step-{step:08d}.pt"), "the final checkpoint holds the last step"
@@ -236,7 +250,7 @@ def test_no_display_logs_lines_the_last_step_is_checkpointed_and_a_resume_says_w
     secret = open(tmp_path / "secret").read().strip()
     assert f"secret {secret}" in run.stdout, "--show-secret prints it"
     lines = run.stderr.splitlines()
-    assert "step 10/30" in run.stderr and "step 30/30" in run.stderr, run.stderr
+    assert "step 9 (10/30 done" in run.stderr and "step 29 (30/30 done" in run.stderr, run.stderr
     assert any(line.startswith("event start at step 0") for line in lines)
     assert sorted(os.listdir(checkpoints)) == ["step-00000025.pt", "step-00000030.pt"]
     # The same command again, without --resume: refused in one line before any worker starts.
@@ -252,7 +266,8 @@ def test_no_display_logs_lines_the_last_step_is_checkpointed_and_a_resume_says_w
     )
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming from step 30 ({checkpoints / 'step-00000030.pt'})" in resumed.stdout
-    assert "step 40/40" in resumed.stderr and "secret in " in resumed.stdout, "on loopback only its file is named"
+    assert "step 39 (40/40 done" in resumed.stderr, resumed.stderr
+    assert "secret in " in resumed.stdout, "on loopback only its file is named"
 
 
 def test_a_device_error_is_said_once_with_its_traceback_in_the_run_directory(tmp_path):
@@ -395,6 +410,10 @@ def test_the_banner_says_how_far_the_job_can_grow(capsys):
     ) in capsys.readouterr().out
     launch._banner("h:1", 1, "cpu", 3, FitOptions(steps=1, max_devices=3, oversubscribe=True), "s", cores=2)
     assert "1 x cpu device, may grow to 3; s" in capsys.readouterr().out
+    # A sharded job says so, and its redundancy (it did not).
+    options = FitOptions(steps=1, max_devices=3, oversubscribe=True)
+    launch._banner("h:1", 1, "cpu", 3, options, "s", cores=2, sharding="sharded by elements, redundancy 2")
+    assert "may grow to 3; optimizer state sharded by elements, redundancy 2; s" in capsys.readouterr().out
 
 
 def test_the_resume_command_is_the_jobs_own_with_resume_added(tmp_path, monkeypatch):
@@ -404,8 +423,8 @@ def test_the_resume_command_is_the_jobs_own_with_resume_added(tmp_path, monkeypa
         launch.resume_command(
             "/ck", ["python3", "/venv/bin/flexpar", "run", "--devices", "2", "t.py", "--lr", "1"], ["t.py", "--lr", "1"]
         )
-        == f"flexpar run --resume --checkpoint-dir /ck --devices 2 {script} --lr 1"
-    )
+        == f"flexpar run --resume --checkpoint-dir /ck {script} --lr 1"
+    ), "no --devices: the job may have grown since it started, and the restarted driver re-adopts them all"
     assert (
         launch.resume_command("/my ck", ["python3", "-u", "t.py", "--lr", "1"], ["t.py", "--lr", "1"])
         == f"flexpar run --resume --checkpoint-dir '/my ck' {script} -- --lr 1"
@@ -425,11 +444,18 @@ def test_the_resume_command_is_the_jobs_own_with_resume_added(tmp_path, monkeypa
                 "--checkpoint-dir=ck",
                 "--steps",
                 "9",
+                "--devices=3",
                 "t.py",
             ],
             ["t.py"],
         )
         == f"flexpar run --resume --checkpoint-dir /ck --steps 9 {script}"
+    )
+    # A driver stopped by SIGTERM says the count of its host's devices it ended with.
+    devices = {"devices": ["local-0", "local-1", "node2-0"]}
+    assert (
+        training.resume_with_devices(f"flexpar run --resume --checkpoint-dir /ck {script}", devices)
+        == f"flexpar run --resume --devices 2 --checkpoint-dir /ck {script}"
     )
 
 

@@ -292,23 +292,33 @@ def test_joiners_run_flexpar_join_with_the_address_from_the_environment():
 DRIVER_CHECKPOINTS = "/ckpt"  # the driver's --checkpoint-dir in driver.yaml
 
 
-def driver_command(tmp=None, checkpoint_dir=None) -> list:
+def driver_command(tmp=None, checkpoint_dir=None, **variables) -> list:
     """The argv after `flexpar` that the driver container runs.
 
-    With `tmp`, its shell wrapper really runs, with a fake flexpar and `checkpoint_dir` in place of
-    /ckpt; without, the `exec flexpar run ...` line is read statically (nothing to resume)."""
+    With `tmp`, its shell wrapper really runs, with a fake flexpar, `checkpoint_dir` in place of
+    /ckpt and `variables` in its environment; without, the `exec flexpar run ...` line is read
+    statically (nothing to resume)."""
+    if tmp is None:
+        line = re.search(r"exec (flexpar run .*)", driver_script().replace("\\\n", " "), re.S).group(1)
+        return shlex.split(line.replace("$resume", ""))[1:]
+    return driver_run(tmp, checkpoint_dir, **variables)[0]
+
+
+def driver_script() -> str:
     container = only_container(one("Job"))
     command = container["command"] + container.get("args", [])
     assert command[:2] == ["/bin/sh", "-c"] and len(command) == 3, command
-    script = command[2]
-    if tmp is None:
-        line = re.search(r"exec (flexpar run .*)", script.replace("\\\n", " "), re.S).group(1)
-        return shlex.split(line.replace("$resume", ""))[1:]
+    return command[2]
+
+
+def driver_run(tmp, checkpoint_dir, **variables) -> tuple:
+    """(argv, stderr) of the driver container's shell wrapper run with a fake flexpar (see driver_command)."""
+    script = driver_script()
     assert script.count(DRIVER_CHECKPOINTS) == 2  # where it looks for checkpoints, where it writes them
     cluster = FakeCluster(tmp)
-    result = cluster.run(["sh", "-c", script.replace(DRIVER_CHECKPOINTS, str(checkpoint_dir))])
+    result = cluster.run(["sh", "-c", script.replace(DRIVER_CHECKPOINTS, str(checkpoint_dir))], **variables)
     assert result.returncode == 0, result.stderr
-    return cluster.argv()
+    return cluster.argv(), result.stderr
 
 
 @needs_yaml
@@ -333,13 +343,29 @@ def test_the_driver_runs_flexpar_run_with_its_flags_before_the_script(tmp_path):
 
 
 @needs_yaml
-def test_a_restarted_driver_resumes_from_its_checkpoints(tmp_path):
+def test_a_restarted_driver_resumes_from_its_checkpoints_and_a_new_job_does_not_resume_anothers(tmp_path):
+    """The Job's uid (FLEXPAR_JOB_ID, from the label Kubernetes puts on the Job's pods) is recorded with
+    the checkpoints: a restart of the same Job resumes, a new Job into a reused volume does not (and so
+    `flexpar run` refuses it, as it refuses any fresh run into a folder with another run's checkpoints)."""
+    (variable,) = [v for v in only_container(one("Job"))["env"] if v["name"] == "FLEXPAR_JOB_ID"]
+    assert variable["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['batch.kubernetes.io/controller-uid']"
     checkpoints = tmp_path / "ckpt"
     checkpoints.mkdir()
+    argv, _ = driver_run(tmp_path / "first", checkpoints, FLEXPAR_JOB_ID="uid-a")
+    assert not check_run_command(argv, "train.py").resume
     (checkpoints / "step-100.pt").write_bytes(b"")
-    argv = driver_command(tmp_path / "run", checkpoint_dir=checkpoints)
+    argv, _ = driver_run(tmp_path / "restart", checkpoints, FLEXPAR_JOB_ID="uid-a")
     arguments = check_run_command(argv, "train.py")
     assert arguments.resume and arguments.checkpoint_dir == str(checkpoints)
+    for new_job in ({"FLEXPAR_JOB_ID": "uid-b"}, {}):
+        argv, stderr = driver_run(tmp_path / f"new{len(new_job)}", checkpoints, **new_job)
+        assert not check_run_command(argv, "train.py").resume
+        assert "holds the checkpoints of kubernetes uid-a, not of this Job" in stderr
+    assert (checkpoints / ".flexpar-job").read_text() == "kubernetes uid-a\n"  # a refused job records nothing
+    # Continuing another Job's run on purpose: FLEXPAR_RESUME=1; the folder is then this Job's.
+    argv, _ = driver_run(tmp_path / "taken", checkpoints, FLEXPAR_JOB_ID="uid-b", FLEXPAR_RESUME=1)
+    assert check_run_command(argv, "train.py").resume
+    assert (checkpoints / ".flexpar-job").read_text() == "kubernetes uid-b\n"
 
 
 @needs_yaml
@@ -418,11 +444,12 @@ def test_task_0_runs_the_job_and_the_other_tasks_join_it(tmp_path):
     assert cluster.address(1) == "node01:29555"  # the allocation's first node
 
 
-def test_task_0_resumes_when_the_checkpoint_directory_has_a_checkpoint(tmp_path):
+def test_task_0_resumes_when_the_checkpoint_directory_has_this_jobs_checkpoint(tmp_path):
     cluster = FakeCluster(tmp_path)
     checkpoints = tmp_path / "checkpoints"
     checkpoints.mkdir()
-    common = dict(SLURM_PROCID=0, FLEXPAR_SECRET_FILE=tmp_path / "secret", FLEXPAR_CHECKPOINT_DIR=checkpoints)
+    common = dict(SLURM_PROCID=0, SLURM_JOB_ID=4242, FLEXPAR_SECRET_FILE=tmp_path / "secret")
+    common.update(FLEXPAR_CHECKPOINT_DIR=checkpoints)
     assert cluster.run([str(SLURM / "task.sh"), "train.py"], **common).returncode == 0
     fresh = check_run_command(cluster.argv(0), "train.py")
     assert fresh.checkpoint_dir == str(checkpoints) and fresh.checkpoint_every and not fresh.resume
@@ -430,6 +457,34 @@ def test_task_0_resumes_when_the_checkpoint_directory_has_a_checkpoint(tmp_path)
     assert fresh.metrics == str(checkpoints / "metrics.jsonl")
     (checkpoints / "step-200.pt").write_bytes(b"")
     assert cluster.run([str(SLURM / "task.sh"), "train.py"], **common).returncode == 0
+    assert check_run_command(cluster.argv(0), "train.py").resume
+
+
+def test_a_new_job_into_a_folder_with_another_jobs_checkpoints_does_not_resume_them(tmp_path):
+    """Task 0 records SLURM's job id with the checkpoints: a requeue (same SLURM_JOB_ID) resumes, a new
+    job sent into the reused folder runs without --resume (so `flexpar run` refuses it, naming the way on)."""
+    cluster = FakeCluster(tmp_path)
+    checkpoints = tmp_path / "checkpoints"
+    common = dict(SLURM_PROCID=0, FLEXPAR_SECRET_FILE=tmp_path / "secret", FLEXPAR_CHECKPOINT_DIR=checkpoints)
+    assert cluster.run([str(SLURM / "task.sh"), "train.py"], SLURM_JOB_ID=4242, **common).returncode == 0
+    assert (checkpoints / ".flexpar-job").read_text() == "slurm 4242\n"
+    (checkpoints / "step-200.pt").write_bytes(b"")
+    for other in ({"SLURM_JOB_ID": 5000}, {}):  # another job; no job id at all
+        result = cluster.run([str(SLURM / "task.sh"), "train.py"], **other, **common)
+        assert result.returncode == 0, result.stderr
+        assert not check_run_command(cluster.argv(0), "train.py").resume
+        assert f"{checkpoints} holds the checkpoints of slurm 4242, not of this job" in result.stderr
+        assert "FLEXPAR_RESUME=1" in result.stderr
+    assert (checkpoints / ".flexpar-job").read_text() == "slurm 4242\n"
+    (checkpoints / ".flexpar-job").unlink()  # a folder from before identities were recorded: not taken either
+    result = cluster.run([str(SLURM / "task.sh"), "train.py"], SLURM_JOB_ID=4242, **common)
+    assert not check_run_command(cluster.argv(0), "train.py").resume
+    assert "a job that recorded no identity" in result.stderr
+    # On purpose: FLEXPAR_RESUME=1 continues that run, and the folder is this job's from then on.
+    result = cluster.run([str(SLURM / "task.sh"), "train.py"], SLURM_JOB_ID=5000, FLEXPAR_RESUME=1, **common)
+    assert result.returncode == 0, result.stderr
+    assert check_run_command(cluster.argv(0), "train.py").resume
+    assert cluster.run([str(SLURM / "task.sh"), "train.py"], SLURM_JOB_ID=5000, **common).returncode == 0
     assert check_run_command(cluster.argv(0), "train.py").resume
 
 

@@ -152,3 +152,34 @@ def test_install_commands_are_ones_that_work_from_the_checkout():
         if UNINSTALLABLE.search(line)
     ]
     assert not wrong, "install commands that fail (flexpar is installed from its checkout):\n" + "\n".join(wrong)
+
+
+DETERMINISM_COST = re.compile(r"(?:step time (\d\.\d-\d\.\dx)|(\d\.\d-\d\.\dx) the step time)")
+
+
+def test_readme_and_guide_give_the_deterministic_modes_one_measured_cost_linked():
+    """They said 1.4-1.6x and 1.4-1.8x: one figure, the one docs/benchmarks.md measured, linked from both."""
+    figures = {}
+    for page in (ROOT / "README.md", ROOT / "docs" / "guide.md"):
+        text = " ".join(page.read_text(encoding="utf-8").split())
+        found = {next(group for group in match.groups() if group) for match in DETERMINISM_COST.finditer(text)}
+        assert found, f"{page.name} states no step-time cost of deterministic=True"
+        assert "benchmarks.md#bit-for-bit-training-determinismpy" in text, page.name
+        figures[page.name] = found
+    assert len(set().union(*figures.values())) == 1, figures
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert "whose true gradient is zero" in readme, "what float summation order means for a zero gradient"
+
+
+def test_the_readme_demo_caption_says_what_the_demo_schedules():
+    """The caption said the device joins "at about step 30"; the demo asks for it at steps // 5 and it
+    joins once warm, which the late join's cause (a fresh process's start-up) explains."""
+    import inspect
+
+    from flexpar import demo
+
+    steps = inspect.signature(demo.main).parameters["steps"].default
+    caption = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split("*The demo's timeline")[1].split())
+    caption = caption.split("*")[0]
+    assert f"at step {max(1, steps // 5)}," in caption and f"at step {max(2, steps * 3 // 4)} lands there" in caption
+    assert "once it is warm" in caption or "after it is warm" in caption

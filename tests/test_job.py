@@ -198,6 +198,27 @@ def test_checkpoint_and_resume(train, tmp_path):
     assert steps == list(range(3, 10))
 
 
+def test_a_resume_with_nothing_to_train_says_so_and_one_past_its_steps_is_refused(train, tmp_path, capfd):
+    """`--resume --steps 40` on a folder at step 60 ended 0 with final_loss NaN and no word."""
+    job = pieces.make_job()
+    checkpoints = tmp_path / "checkpoints"
+    _, first = train(job, steps=4, devices=1, checkpoint_every=2, checkpoint_dir=str(checkpoints))
+    newest = checkpoints / "step-00000004.pt"
+    with pytest.raises(ValueError) as refused:
+        train(job, steps=2, devices=1, checkpoint_dir=str(checkpoints), resume=True)
+    assert str(refused.value) == (
+        f"resume: the newest checkpoint, {newest}, is step 4, past this run's last step 2: nothing to train; "
+        f"ask for more than 4 steps to train on, or `flexpar export {newest}` for its model"
+    )
+    capfd.readouterr()
+    model, summary = train(job, steps=4, devices=1, checkpoint_dir=str(checkpoints), resume=True, quiet=False)
+    said = capfd.readouterr().err
+    assert f"flexpar: nothing to train: the newest checkpoint, {newest}, is step 4, this run's last step\n" in said
+    # The job's last loss (the checkpoint keeps its last step records for a new rank 0 to re-send), not NaN.
+    assert summary["steps"] == 4 and summary["final_loss"] == first["final_loss"]
+    pieces.assert_same_parameters(model, pieces.reference(job, 4))
+
+
 def test_a_resume_from_a_checkpoint_records_and_calls_back_each_step_and_evaluation_once(train, tmp_path):
     """Each record delivered once: the resumed job redoes steps 3-5 and evaluates steps 3 and 6 again; its metrics
     file (appended) and its callbacks get each step and evaluation once."""

@@ -20,8 +20,14 @@
 #                             a requeued job continues it; without a checkpoint directory, under runs/)
 #   FLEXPAR_JOIN_WAIT         seconds a joining task waits for the job's port (default 600, 0: none)
 #
-# If FLEXPAR_CHECKPOINT_DIR already holds a checkpoint (a requeued or resubmitted job), task 0
-# adds --resume and the job continues from the newest one.
+#   FLEXPAR_RESUME            1: continue the run whose checkpoints FLEXPAR_CHECKPOINT_DIR holds, even
+#                             another job's (default: only this job's own, see below)
+#
+# Task 0 records the job's identity (SLURM's job id) in FLEXPAR_CHECKPOINT_DIR/.flexpar-job when it
+# starts or resumes a run there. If the folder already holds a checkpoint (step-*.pt), it adds
+# --resume only when that file names this job (a requeued job keeps its SLURM_JOB_ID) or
+# FLEXPAR_RESUME=1: a new job sent into a folder that holds another job's checkpoints runs without
+# --resume, and `flexpar run` refuses it as it refuses any fresh run there (one line first says why).
 #
 # SIGTERM (SLURM's preemption or time-limit notice, see --signal in flexpar.sbatch) reaches
 # flexpar directly (SLURM signals every process of a task): to a joining task it is a planned leave
@@ -46,8 +52,18 @@ if [ "$role" = auto ] && [ "${SLURM_PROCID:-0}" = 0 ]; then
     if [ -n "${FLEXPAR_CHECKPOINT_DIR:-}" ]; then
         flags+=(--checkpoint-every "${FLEXPAR_CHECKPOINT_EVERY:-100}" --checkpoint-dir "$FLEXPAR_CHECKPOINT_DIR")
         flags+=(--metrics "${FLEXPAR_METRICS:-$FLEXPAR_CHECKPOINT_DIR/metrics.jsonl}")
-        if compgen -G "$FLEXPAR_CHECKPOINT_DIR/step-*.pt" >/dev/null; then
+        identity_file="$FLEXPAR_CHECKPOINT_DIR/.flexpar-job"
+        identity="slurm ${SLURM_JOB_ID:-}"
+        if ! compgen -G "$FLEXPAR_CHECKPOINT_DIR/step-*.pt" >/dev/null; then
+            mkdir -p "$FLEXPAR_CHECKPOINT_DIR" && printf '%s\n' "$identity" >"$identity_file"
+        elif [ "${FLEXPAR_RESUME:-}" = 1 ] || { [ -n "${SLURM_JOB_ID:-}" ] &&
+            [ "$(cat "$identity_file" 2>/dev/null)" = "$identity" ]; }; then
             flags+=(--resume)
+            printf '%s\n' "$identity" >"$identity_file"
+        else
+            recorded=$(cat "$identity_file" 2>/dev/null || true)
+            echo "$0: $FLEXPAR_CHECKPOINT_DIR holds the checkpoints of ${recorded:-a job that recorded no identity}," \
+                "not of this job (${identity}): not resumed (FLEXPAR_RESUME=1 continues that run)" >&2
         fi
     elif [ -n "${FLEXPAR_METRICS:-}" ]; then
         flags+=(--metrics "$FLEXPAR_METRICS")

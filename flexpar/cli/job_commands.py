@@ -4,23 +4,25 @@ and `demo`."""
 from __future__ import annotations
 
 import contextlib
+import hmac
 import json
 import secrets
 import sys
 import time
 
-from flexpar import demo
 from flexpar.cli.cluster_environment import job_address, secret_or_exit, secret_origin
 from flexpar.comm import waiting
 from flexpar.comm.channel import Channel
-from flexpar.comm.protocol import get_json, has, scale_proof
+from flexpar.comm.protocol import get_json, has, scale_proof, secret_check
 from flexpar.comm.store import Unreachable, connect_client
-from flexpar.driver.join import join
-from flexpar.export import export_with_adapter
-from flexpar.observe.plot import plot_timeline
+
+# join, export, plot and demo import their modules when they run: those pull in the driver and the
+# worker (torch's compiler modules among them), most of a second that `status` and `scale` need not pay.
 
 
 def command_join(arguments) -> int:
+    from flexpar.driver.join import join
+
     secret = secret_or_exit(arguments, "join")
     host, port = job_address(arguments.address, "join")
     if arguments.preemption_grace is not None and arguments.preemption_grace <= 0:
@@ -53,6 +55,17 @@ def command_scale(arguments) -> int:
     request["id"] = secrets.token_hex(8)
     store = connect_client(host, port, arguments.timeout)
     with _answers(host, port):
+        # Checked here first, as `flexpar join` does, to say where the wrong secret was read (the job's
+        # own refusal, for a request that gets past this, cannot know).
+        expected = store.get("job/secret_check").decode()
+        if not hmac.compare_digest(secret_check(secret, store.get("job/salt").decode()), expected):
+            print(
+                f"flexpar scale: wrong secret: {secret_origin(arguments.secret_file)} does not match the job at "
+                f"{host}:{port}; give the job's own (a job on loopback keeps it in its run directory, file "
+                "'secret'); nothing was asked",
+                file=sys.stderr,
+            )
+            return 1
         return _ask_to_scale(store, host, port, request, secret, arguments.timeout)
 
 
@@ -111,7 +124,8 @@ def command_status(arguments) -> int:
     print(f"generation {status.get('generation')}: devices {', '.join(status.get('devices', []))}")
     if "step" in status:
         print(
-            f"step {status['step']}/{status['total_steps']}, {status['samples_per_s']:.1f} samples/s, "
+            f"step {status['step']} ({status['step'] + 1}/{status['total_steps']} done), "
+            f"{status['samples_per_s']:.1f} samples/s, "
             f"loss {status['loss']:.4f}, assignment {status['assignment']}"
         )
     streaming = [
@@ -123,12 +137,16 @@ def command_status(arguments) -> int:
 
 
 def command_plot(arguments) -> int:
+    from flexpar.observe.plot import plot_timeline
+
     plot_timeline(arguments.metrics, arguments.output)
     print(f"flexpar: wrote {arguments.output}")
     return 0
 
 
 def command_export(arguments) -> int:
+    from flexpar.export import export_with_adapter
+
     try:
         path, adapter = export_with_adapter(
             arguments.checkpoint, arguments.output, arguments.adapter, arguments.script, arguments.model
@@ -143,4 +161,6 @@ def command_export(arguments) -> int:
 
 
 def command_demo(arguments) -> int:
+    from flexpar import demo
+
     return demo.main(steps=arguments.steps, output_dir=arguments.output_dir)

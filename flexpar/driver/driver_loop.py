@@ -58,6 +58,7 @@ class DriverLoop:
         callbacks: Dispatcher = None,
         resumed_from: int = -1,
         adopted: bool = False,
+        sharding: str = "",
     ):
         """`resumed_from`: the committed steps a resumed job (`--resume`: re-adopted devices or a
         checkpoint) continues from; -1 for a new job. A resumed job appends to its metrics file and
@@ -131,7 +132,10 @@ class DriverLoop:
         if not options.quiet:
             # --no-display (display=False) means plain log lines, never nothing.
             self.display = LiveDisplay(
-                total_steps, log_every=options.log_every, force_terminal=False if options.display is False else None
+                total_steps,
+                log_every=options.log_every,
+                force_terminal=False if options.display is False else None,
+                sharding=sharding,  # how the optimizer state is held (log_lines.format_sharding)
             )
             if not self.display.uses_rich:
                 log_to_stderr()
@@ -252,7 +256,7 @@ class DriverLoop:
         if latest:
             self.coordinator.write_status(
                 {
-                    "step": record["step"] + 1,
+                    "step": record["step"],  # numbered as in the metrics file, from 0
                     "total_steps": self.total_steps,
                     "samples_per_s": record["samples_per_s"],
                     "loss": record["loss"],
@@ -356,7 +360,8 @@ class DriverLoop:
         return {
             "steps": final_step,
             "samples_per_s": statistics.median(rates),
-            "final_loss": self.steps[-1]["loss"] if self.steps else float("nan"),
+            # None (not NaN, which JSON cannot carry) when this run trained no step (a resume at its last).
+            "final_loss": self.steps[-1]["loss"] if self.steps else None,
             "wall_s": time.time() - self.started,
             "generations": self.coordinator.state.generation,
             "devices": list(self.devices),  # the device set of the last record

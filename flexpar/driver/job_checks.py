@@ -4,16 +4,22 @@
 `first_batch_check` runs the loss on VW 0 of step 0 (under the job's
 autocast where the driver's CPU supports it) and checks `sample_cost` on a
 few indices; `check_sharding` refuses an optimizer that cannot be sharded
-the way the job asks; `check_checkpoint_folder` refuses a fresh run into a
-folder that holds another run's checkpoints. `job` is a `flexpar.Job`.
+the way the job asks; `check_checkpoint_folder` takes the folder where the
+run's checkpoints go (a lock held until the run ends) and refuses a fresh run
+into a folder that holds another run's checkpoints. `job` is a `flexpar.Job`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
 import math
 import os
 import pickle
+import socket
+import time
+from typing import Optional
 
 import torch
 from torch import nn
@@ -124,8 +130,112 @@ def check_sharding(job, model: nn.Module, optimizer: torch.optim.Optimizer) -> N
         )
 
 
-def check_checkpoint_folder(options) -> None:
-    """A run that does not resume starts with no checkpoint where its own go.
+LOCK_NAME = ".flexpar.lock"
+
+
+class FolderLock:
+    """An exclusive `flock` on `LOCK_NAME` in a checkpoint folder, held by the driver for its run.
+
+    The file names its holder (pid, host, when), which a refusal quotes, and
+    is removed when the run ends. The kernel drops the lock when its holder is
+    gone (exit, crash, SIGKILL), so a file left by a crash never blocks a
+    restarted driver. The
+    descriptor is not inherited by the processes the driver starts (Python's
+    descriptors are close-on-exec, and the fork server is a fresh process), so
+    devices that outlive a lost driver do not keep the folder from its `--resume`.
+    """
+
+    def __init__(self, descriptor: int, path: str):
+        self.descriptor, self.path = descriptor, path
+
+    def release(self) -> None:
+        if self.descriptor >= 0:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)  # still held: a run that opened this file finds it gone (lock_folder)
+            os.close(self.descriptor)  # closing the only descriptor of the open file drops the flock
+            self.descriptor = -1
+
+    def __enter__(self) -> "FolderLock":
+        return self
+
+    def __exit__(self, *exception) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def lock_folder(folder: str, where: str) -> FolderLock:
+    """Take `folder`'s lock (made if missing), or raise naming the run that holds it."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, LOCK_NAME)
+    while True:
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _same_file(descriptor, path):
+                break
+            # Its holder ended and removed the file between our open and our lock: take the new one.
+            os.close(descriptor)
+        except BlockingIOError:
+            holder = _holder(descriptor)
+            os.close(descriptor)
+            raise ValueError(
+                f"{where} is in use by another flexpar run{holder}: two runs writing the same checkpoint folder "
+                "would overwrite each other's steps; wait for it to end, or give this run another folder"
+            ) from None
+        except BaseException:
+            os.close(descriptor)
+            raise
+    record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode()
+    os.ftruncate(descriptor, 0)
+    os.pwrite(descriptor, record + b"\n", 0)
+    return FolderLock(descriptor, path)
+
+
+def _same_file(descriptor: int, path: str) -> bool:
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(descriptor)
+    return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
+
+
+def _holder(descriptor: int) -> str:
+    """The holder the lock file names, as " (pid 123 on host h, since 17:02:11)"; "" if unreadable."""
+    try:
+        record = json.loads(os.pread(descriptor, 4096, 0) or b"null")
+        since = time.strftime("%H:%M:%S", time.localtime(record["since"]))
+        return f" (pid {record['pid']} on host {record['host']}, since {since})"
+    except (OSError, ValueError, TypeError, KeyError):
+        return ""
+
+
+def checkpoint_folder(options) -> tuple:
+    """(folder, how the refusals name it, the resume flags to offer): where this run's checkpoints go.
+
+    `checkpoint_dir`, or without one the run directory of `--metrics`, where a
+    driver-lost rescue goes; (None, "", "") for a fresh run directory.
+    """
+    if options.checkpoint_dir:
+        return (
+            options.checkpoint_dir,
+            f"checkpoint_dir {options.checkpoint_dir}",
+            "--resume (fit(resume=True))",
+        )
+    if options.metrics:
+        folder = os.path.dirname(os.path.abspath(options.metrics))
+        return (
+            folder,
+            f"the run directory {folder} (of --metrics {options.metrics}, where a driver-lost rescue goes)",
+            f"--resume --checkpoint-dir {folder} (fit(resume=True, checkpoint_dir=...))",
+        )
+    return None, "", ""
+
+
+def check_checkpoint_folder(options) -> Optional[FolderLock]:
+    """Take the folder where this run's checkpoints go; a run that does not resume starts with none there.
 
     That is `checkpoint_dir`, or without one the run directory, where the
     devices write the last step should the driver be lost (it is a fresh
@@ -136,18 +246,27 @@ def check_checkpoint_folder(options) -> None:
     run's own. So it is refused here, before any worker starts, naming the
     two ways on (only one, another folder, where the folder holds unfinished
     checkpoints alone, which `--resume` cannot take). `options` is a `FitOptions`.
+
+    The folder is locked first (`lock_folder`), and the lock is returned for
+    the caller to hold until the run ends: two runs started at the same
+    instant into one empty folder would otherwise both find it empty. A run
+    that resumes takes the lock too (a live run's folder is not resumed
+    under it). None for a fresh run directory, which no other run names.
     """
-    if options.resume:
-        return
-    if options.checkpoint_dir:
-        folder, where = options.checkpoint_dir, f"checkpoint_dir {options.checkpoint_dir}"
-        resume = "--resume (fit(resume=True))"
-    elif options.metrics:
-        folder = os.path.dirname(os.path.abspath(options.metrics))
-        where = f"the run directory {folder} (of --metrics {options.metrics}, where a driver-lost rescue goes)"
-        resume = f"--resume --checkpoint-dir {folder} (fit(resume=True, checkpoint_dir=...))"
-    else:
-        return  # a fresh run directory
+    folder, where, resume = checkpoint_folder(options)
+    if folder is None:
+        return None
+    lock = lock_folder(folder, where)
+    try:
+        if not options.resume:
+            _refuse_other_runs_checkpoints(folder, where, resume)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _refuse_other_runs_checkpoints(folder: str, where: str, resume: str) -> None:
     steps = checkpoints.checkpoint_steps(folder)
     if not steps:
         return

@@ -43,6 +43,7 @@ from flexpar.driver.fork_server import worker_context
 from flexpar.driver.job_checks import check_checkpoint_folder, check_sharding, first_batch_check, pickle_pieces
 from flexpar.driver.local_devices import LocalDevices, detect_devices
 from flexpar.observe import trackers as trackers_module
+from flexpar.observe.log_lines import format_sharding
 from flexpar.options import FitOptions, is_loopback
 from flexpar.version import __version__
 from flexpar.worker import checkpoints, evaluator
@@ -86,20 +87,26 @@ def run(job, options: FitOptions) -> tuple:
 
     Returns (the trained model, the summary): `Job.fit` hands them to the user as a `FitResult`.
     """
-    checked = _check_job(job, options)
-    hosted = _host_job(job, options, checked)
-    local = _local_devices(options, checked, hosted)
-    state = _membership(job, options, checked)
-    coordinator = _coordinator(job, options, checked, hosted, state, local)
-    _announce_driver(hosted.store, options)
-    summary, terminated = training.train(job, options, checked, hosted, coordinator, local)
-    training.finish(terminated, summary, hosted.settings)
+    # The checkpoint folder is this run's until it returns or raises (a lock in it: job_checks.lock_folder).
+    folder = check_checkpoint_folder(options)
+    try:
+        checked = _check_job(job, options)
+        hosted = _host_job(job, options, checked)
+        local = _local_devices(options, checked, hosted)
+        state = _membership(job, options, checked)
+        coordinator = _coordinator(job, options, checked, hosted, state, local)
+        _announce_driver(hosted.store, options)
+        summary, terminated = training.train(job, options, checked, hosted, coordinator, local)
+        training.finish(terminated, summary, hosted.settings)
+    finally:
+        if folder is not None:
+            folder.release()
     return checked.model, summary
 
 
 def _check_job(job, options: FitOptions) -> CheckedJob:
-    """Everything that can be checked before any process starts; raises the first problem found."""
-    check_checkpoint_folder(options)
+    """Everything that can be checked before any process starts (the folder was checked and taken before);
+    raises the first problem found."""
     kind, available, backend = detect_devices(options.backend)
     context = worker_context(options.verbose)
     initial = options.devices or (available if kind == "cuda" else 1)
@@ -124,6 +131,9 @@ def _check_job(job, options: FitOptions) -> CheckedJob:
     # --resume: devices that outlived the job's driver first (an adoption window), else the newest checkpoint.
     newest = checkpoints.latest_checkpoint(options.checkpoint_dir) if options.resume else None
     if newest is not None:
+        note = resume_note(newest, checkpoints.checkpoint_step(newest), total_steps)
+        if note and not options.quiet:
+            print(f"flexpar: {note}", file=sys.stderr, flush=True)
         _check_resumed_frozen_part(newest, reference.result())
     return CheckedJob(
         context=context,
@@ -156,7 +166,14 @@ def _host_job(job, options: FitOptions, checked: CheckedJob) -> HostedJob:
     secret_note = _keep_secret(options, secret, run_dir)
     if not options.quiet:
         _banner(
-            address, checked.initial, checked.kind, checked.max_devices, options, secret_note, cores=checked.available
+            address,
+            checked.initial,
+            checked.kind,
+            checked.max_devices,
+            options,
+            secret_note,
+            cores=checked.available,
+            sharding=format_sharding(job.shard_optimizer, job.shard_redundancy),
         )
     return HostedJob(store, secret, address, run_dir, metrics_path, callbacks, settings)
 
@@ -264,6 +281,24 @@ def _reference_digests(model, threads: int) -> dict:
         return frozen.frozen_digests(model, pool.map)
 
 
+def resume_note(newest: str, step: int, total_steps: int) -> str:
+    """What a resume from `newest` (step `step`) to `total_steps` says in one line, or refuses with.
+
+    A checkpoint past the run's last step is refused (the run cannot train
+    backwards, and ending with the newer model under an older step count
+    would be something other than asked); one at the last step has nothing
+    to train, which the run says, then ends at once with the model as it is.
+    """
+    if step > total_steps:
+        raise ValueError(
+            f"resume: the newest checkpoint, {newest}, is step {step}, past this run's last step {total_steps}: "
+            f"nothing to train; ask for more than {step} steps to train on, or `flexpar export {newest}` for its model"
+        )
+    if step == total_steps:
+        return f"nothing to train: the newest checkpoint, {newest}, is step {step}, this run's last step"
+    return ""
+
+
 def _check_resumed_frozen_part(path: str, reference: dict) -> None:
     """Refuse, before any worker starts, a checkpoint whose frozen part is not the one this factory builds."""
     state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # maps: reads only what is used
@@ -294,7 +329,11 @@ def resume_command(
 
     Under `flexpar run`, the same command line with `--resume --checkpoint-dir
     DIRECTORY` and `pins` (`resume_pins`: the job's port, secret file and
-    metrics file where the job made them up) added; for a plain `python
+    metrics file where the job made them up) added, and its `--devices`
+    left out: the devices print this command when the driver is lost, by
+    which time the job may have grown or shrunk, and the restarted driver
+    re-adopts the devices that wait for it, however many (a driver that
+    stops on SIGTERM adds the count it ended with: training.finish); for a plain `python
     train.py ARGS`, `flexpar run` with those flags on the same script and
     arguments (the script's own fit() options stay in force). `argv` is the
     process's whole command line (sys.orig_argv), `script_argv` the script's
@@ -310,7 +349,7 @@ def resume_command(
         if os.path.basename(word) == "flexpar" and argv[index + 1] == "run":
             rest = argv[index + 2 :]
             position = rest.index(typed) if typed in rest else len(rest)
-            kept = _without_flags(rest[:position], ("--checkpoint-dir", *pins[::2]))
+            kept = _without_flags(rest[:position], ("--checkpoint-dir", "--devices", *pins[::2]))
             return shlex.join(added + kept + [script] + rest[position + 1 :])
     rest = script_argv[1:] if typed else []
     return shlex.join(added + [script] + (["--"] + rest if rest else []))
@@ -364,7 +403,7 @@ def _keep_secret(options: FitOptions, secret: str, run_dir: str) -> str:
     return f"secret in {path}"
 
 
-def _banner(address, initial, kind, max_devices, options, secret_note, cores=0) -> None:
+def _banner(address, initial, kind, max_devices, options, secret_note, cores=0, sharding="") -> None:
     if max_devices > initial:
         growth = f"may grow to {max_devices}"
     else:
@@ -379,7 +418,7 @@ def _banner(address, initial, kind, max_devices, options, secret_note, cores=0) 
         how = f" (--max-devices N, or fit(max_devices=N), allows more{beyond_cores})"
     print(
         f"flexpar: job at {address}; {initial} x {kind} device{'s' if initial != 1 else ''}, "
-        f"{growth}{how}; {secret_note}",
+        f"{growth}{how}; " + (f"optimizer state {sharding}; " if sharding else "") + secret_note,
         flush=True,
     )
 

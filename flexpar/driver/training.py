@@ -11,6 +11,7 @@ and the callbacks are closed.
 from __future__ import annotations
 
 import contextlib
+import shlex
 import signal
 import sys
 import threading
@@ -24,6 +25,7 @@ from flexpar.driver import readopt
 from flexpar.driver.driver_loop import DriverLoop
 from flexpar.driver.waker import DriverWaker
 from flexpar.errors import TrainingError
+from flexpar.observe.log_lines import format_sharding
 from flexpar.options import FitOptions
 from flexpar.worker import checkpoints
 from flexpar.worker.settings import RunSettings
@@ -58,6 +60,7 @@ def train(job, options: FitOptions, checked, hosted, coordinator, local) -> tupl
                 callbacks=callbacks,
                 resumed_from=resumed_from,
                 adopted=resumed_by == "adoption",
+                sharding=format_sharding(job.shard_optimizer, job.shard_redundancy),
             )
             loop.run(waker)
         data = get_blob(store, "result", hosted.secret)
@@ -115,12 +118,23 @@ def finish(terminated: bool, summary: dict, settings: RunSettings) -> None:
     if not terminated:
         return
     where = (
-        f"; checkpoint {summary['checkpoint']}; resume with: {settings.resume_command}"
+        f"; checkpoint {summary['checkpoint']}; resume with: {resume_with_devices(settings.resume_command, summary)}"
         if summary["checkpoint"]
         else ("; no checkpoint (pass --checkpoint-dir to keep one)")
     )
     print(f"flexpar: stopped by SIGTERM after step {summary['steps']}{where}", file=sys.stderr, flush=True)
     raise SystemExit(143)
+
+
+def resume_with_devices(command: str, summary: dict) -> str:
+    """The job's resume command (launch.resume_command, no device count) with the count of this host's
+    devices the job ended with, so that it comes back as it was: `--devices K` after `--resume`."""
+    local = sum(1 for device in summary.get("devices", ()) if str(device).startswith("local-"))
+    words = shlex.split(command)
+    if not local or "--resume" not in words or "--devices" in words:
+        return command
+    position = words.index("--resume") + 1
+    return shlex.join(words[:position] + ["--devices", str(local)] + words[position:])
 
 
 def _load_result(model, model_state: dict) -> None:

@@ -101,6 +101,7 @@ class LiveDisplay:
         log_every: int = 10,
         console=None,
         force_terminal: Optional[bool] = None,
+        sharding: str = "",
     ):
         if not _is_int(total_steps) or total_steps < 1:
             raise ValueError(f"total_steps must be an int >= 1, got {total_steps!r}")
@@ -108,6 +109,7 @@ class LiveDisplay:
             raise ValueError(f"log_every must be an int >= 1, got {log_every!r}")
         self.total_steps = total_steps
         self.log_every = log_every
+        self.sharding = sharding  # log_lines.format_sharding's phrase: "" unless the optimizer is sharded
         self._logger = logging.getLogger(LOGGER_NAME)
         self._lock = threading.Lock()
         self._last_step: Optional[Mapping[str, Any]] = None
@@ -216,7 +218,7 @@ class LiveDisplay:
             self._progress.update(self._task, completed=done, eta=format_duration(self._remaining_s(record)))
             return
         if done % self.log_every == 0 or done == self.total_steps:
-            self._logger.info(format_step_line(record, self.total_steps, self._remaining_s(record)))
+            self._logger.info(format_step_line(record, self.total_steps, self._remaining_s(record), self.sharding))
             self._report_rebalances(record, done)
 
     def _remaining_s(self, record: Mapping[str, Any]) -> Optional[float]:
@@ -287,7 +289,7 @@ class LiveDisplay:
                     (f"{100.0 * step['imbalance']:.1f}%", "bold"),
                 )
             )
-            parts.append(self._device_table(step, Table, Bar))
+            parts.append(self._device_table(step, Table, Bar, self.sharding))
         with self._lock:
             last_eval = self._last_eval
             rebalances, last_rebalance = self._rebalances, self._last_rebalance
@@ -305,23 +307,24 @@ class LiveDisplay:
         return Group(*parts)
 
     @staticmethod
-    def _device_table(step: Mapping[str, Any], table_class, bar_class):
+    def _device_table(step: Mapping[str, Any], table_class, bar_class, sharding: str = ""):
         table = table_class(box=None, pad_edge=False, header_style="dim")
         table.add_column("device")
         table.add_column("VWs", justify="right")
         table.add_column("busy", justify="right")
         table.add_column("", width=30)
-        # Each device's optimizer-state bytes (a sharded job's devices hold parts of it).
+        # Each device's optimizer-state bytes (a sharded job's devices hold parts of it, as its header says).
         optimizer = step.get("optimizer_bytes")
         if optimizer is not None:
-            table.add_column("optimizer", justify="right")
+            table.add_column(f"optimizer ({sharding})" if sharding else "optimizer", justify="right")
         longest = max(step["busy_s"]) or 1.0
         joining = step.get("joining", {})  # a streamed join: the listener runs no VW yet
         for rank, (device_id, count, busy) in enumerate(zip(step["devices"], step["assignment"], step["busy_s"])):
             vws = f"joining {joining[device_id]:.0%}" if device_id in joining else str(count)
             cells = [device_id, vws, f"{busy:.3f} s", bar_class(longest, 0.0, busy, width=30, color="cyan")]
             if optimizer is not None:
-                cells.append(format_megabytes(optimizer[rank]))
+                # A streamed joiner reports the size of the state still coming to it: not shown as held.
+                cells.append("streaming" if device_id in joining else format_megabytes(optimizer[rank]))
             table.add_row(*cells)
         return table
 

@@ -51,30 +51,58 @@ def format_megabytes(count: int) -> str:
     return f"{count / 1e6:.1f} MB"
 
 
-def format_optimizer_bytes(values: Sequence[int]) -> str:
+def format_sharding(shard_optimizer, redundancy: Optional[int]) -> str:
+    """How a job holds its optimizer state, for the banner and the display: "" when every device holds
+    all of it, else e.g. "sharded by elements, redundancy 2" (each part on that many devices, at most
+    one copy per device: fewer while the job has fewer devices)."""
+    if not shard_optimizer:
+        return ""
+    by = "parameters" if shard_optimizer == "parameters" else "elements"
+    return f"sharded by {by}, redundancy {2 if redundancy is None else redundancy}"
+
+
+def format_optimizer_bytes(values: Sequence[int], sharding: str = "") -> str:
     """The devices' optimizer-state bytes in one phrase: "optimizer 201.3 MB per device" when every
-    device holds the same, else the range, "optimizer 100.7-134.2 MB per device" (a sharded job)."""
+    device holds the same, else the range, "optimizer 100.7-134.2 MB per device (sharded by elements,
+    redundancy 2)" (a sharded job: `sharding` is `format_sharding`'s phrase)."""
     low, high = min(values), max(values)
+    how = f" ({sharding})" if sharding else ""
     if low == high:
-        return f"optimizer {format_megabytes(high)} per device"
-    return f"optimizer {low / 1e6:.1f}-{format_megabytes(high)} per device"
+        return f"optimizer {format_megabytes(high)} per device{how}"
+    return f"optimizer {low / 1e6:.1f}-{format_megabytes(high)} per device{how}"
 
 
-def format_step_line(record: Mapping[str, Any], total_steps: int, remaining_s: Optional[float]) -> str:
-    """The plain log line of a step record (used without a terminal).
+def held_optimizer_bytes(record: Mapping[str, Any]) -> list:
+    """The step record's `optimizer_bytes` of the devices that take part: a streamed joiner (the
+    record's `joining`) reports the size of the state it is still receiving, not what it holds."""
+    joining = record.get("joining") or {}
+    values = record.get("optimizer_bytes") or []
+    return [value for device, value in zip(record["devices"], values) if device not in joining]
+
+
+def format_step_line(
+    record: Mapping[str, Any], total_steps: int, remaining_s: Optional[float], sharding: str = ""
+) -> str:
+    """The plain log line of a step record (used without a terminal): "step 19 (20/60 done, 33%) ...".
+
+    The step is numbered as in the metrics file, the CSV and the trackers (from 0); the count
+    after it is the steps done, as the live panel's progress bar counts them.
 
     With the record's `optimizer_bytes` (every job's workers report it), the line
-    ends with the devices' optimizer-state sizes (`format_optimizer_bytes`).
+    ends with the optimizer-state sizes of the devices that take part (not a
+    streamed joiner's: `held_optimizer_bytes`), and how a sharded job holds it
+    (`sharding`, `format_sharding`'s phrase).
     """
     done = record["step"] + 1
     percent = 100.0 * done / total_steps if total_steps else 0.0
-    optimizer = record.get("optimizer_bytes")
+    optimizer = held_optimizer_bytes(record)
+    # The step as the metrics file numbers it (from 0), and how many of the run's steps are done.
     return (
-        f"step {done}/{total_steps} ({percent:.0f}%) loss {record['loss']:.4g} | "
+        f"step {record['step']} ({done}/{total_steps} done, {percent:.0f}%) loss {record['loss']:.4g} | "
         f"{record['samples_per_s']:.1f} samples/s | step {record['step_time_s']:.3f} s | "
         f"generation {record['generation']}, VWs {format_assignment(record['devices'], record['assignment'])} | "
         f"imbalance {100.0 * record['imbalance']:.1f}% | ETA {format_duration(remaining_s)}"
-        + (f" | {format_optimizer_bytes(optimizer)}" if optimizer else "")
+        + (f" | {format_optimizer_bytes(optimizer, sharding)}" if optimizer else "")
     )
 
 

@@ -1,10 +1,11 @@
 """What the trackers (trackers.py) log of the job's records: names, values and the step on the x axis.
 
-The x axis of every tracker is the number of optimizer steps done: a step
-record is logged at `record["step"] + 1` (the model it leaves has taken that
-many steps), an evaluation at its `step` (the same count), an event at its
-`step` (the steps done before it took effect); in W&B, the metric `step`
-(wandb's own `_step` only counts rows). Names:
+The x axis of every tracker is the metrics file's step, so that a step has
+the same number in every view: a step record is logged at its `step` (from
+0), an evaluation at its `step` (the steps done before it: the evaluation
+after step 7 is at 8), an event at its `step` (the step it took effect
+before); in W&B, the metric `step` (wandb's own `_step` only counts rows).
+Names:
 
     train/loss, train/samples_per_s, train/step_time_s, train/lr, train/imbalance,
     train/grad_norm, train/devices, train/generation   from each step record
@@ -64,7 +65,7 @@ class Tracker(Callback):
         self.resume = resume
 
     def on_step(self, record):
-        self.log(step_values(record), record["step"] + 1, record["time"])
+        self.log(step_values(record), record["step"], record["time"])
 
     def on_eval(self, record):
         self.log(eval_values(record), record["step"], record["time"])

@@ -124,7 +124,7 @@ class CSVTracker(Tracker):
         self._file.flush()
 
     def on_step(self, record):
-        self._rows("train", step_values(record), record["step"] + 1, record["time"])
+        self._rows("train", step_values(record), record["step"], record["time"])
 
     def on_eval(self, record):
         self._rows("eval", eval_values(record), record["step"], record["time"])
@@ -280,7 +280,7 @@ class WandbTracker(Tracker):
     the tracker is made, before any worker: a login problem is one line then.
     A run of its own (`reinit="create_new"`: the user's run is left alone), not
     capturing the terminal (`console="off"`: the display stays). One row per
-    record, the steps done as metric `step`, the x axis of every other one; a
+    record, the metrics file's step as metric `step`, the x axis of every other one; a
     resumed job continues its earlier driver's run (id in flexpar-run-id).
     """
 

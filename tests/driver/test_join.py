@@ -111,6 +111,12 @@ def test_refusals_scale_and_status(tmp_path):
     # Both bad joiners at once: the job must shrug them off and keep training.
     wrong = _start_flexpar("join", address, "--script", script, env={"FLEXPAR_SECRET": "not-the-secret"})
     other = _start_flexpar("join", address, "--script", _other_model_script(tmp_path), env={"FLEXPAR_SECRET": secret})
+    # A wrong secret is refused saying where it was read, as `flexpar join` says it.
+    secret_file = tmp_path / "wrong-secret"
+    secret_file.write_text("not-the-secret\n")
+    refused = _flexpar("scale", address, "--devices", "+1", "--secret-file", str(secret_file))
+    assert refused.returncode == 1 and refused.stderr.startswith("flexpar scale: wrong secret: "), refused.stderr
+    assert f"the secret in {secret_file} does not match the job at {address}" in refused.stderr, refused.stderr
     scaled = _flexpar("scale", address, "--devices", "+1", env={"FLEXPAR_SECRET": secret})
     assert scaled.returncode == 0, scaled.stderr
     # While the state streams to it, status lists the new device as joining, with its share.

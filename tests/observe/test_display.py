@@ -16,6 +16,7 @@ from flexpar.observe.log_lines import (
     format_optimizer_bytes,
     format_rebalance_line,
     format_rebalance_summary,
+    format_sharding,
     format_step_line,
 )
 
@@ -78,7 +79,7 @@ def test_the_eta_after_a_driver_restart_uses_the_pace_since_the_restart(caplog):
     driver is no part of the pace."""
     run_plain(restarted_driver_run(), caplog, log_every=10)
     lines = [entry.getMessage() for entry in flexpar_lines(caplog) if entry.getMessage().startswith("step ")]
-    assert lines[-1].startswith("step 30/60") and lines[-1].endswith("ETA 0:00:30"), lines
+    assert lines[-1].startswith("step 29 (30/60 done, 50%)") and lines[-1].endswith("ETA 0:00:30"), lines
     from rich.console import Console
 
     display = LiveDisplay(TOTAL_STEPS, console=Console(file=io.StringIO(), width=120), force_terminal=True)
@@ -96,7 +97,11 @@ def test_plain_mode_logs_steps_events_and_one_rebalance_line_per_log_interval(re
     display = run_plain(records, caplog, log_every=10)
     messages = [entry.getMessage() for entry in flexpar_lines(caplog)]
     step_lines = [line for line in messages if line.startswith("step ")]
-    assert [line.split()[1] for line in step_lines] == [f"{n}/60" for n in (10, 20, 30, 40, 50, 60)]
+    # Numbered as the metrics file numbers them (from 0), with the count done (the display said "step 10/60"
+    # for the metrics file's step 9).
+    assert [line.split("%")[0] for line in step_lines] == [
+        f"step {n - 1} ({n}/60 done, {n * 100 / 60:.0f}" for n in (10, 20, 30, 40, 50, 60)
+    ]
     assert "loss" in step_lines[0] and "samples/s" in step_lines[0] and "ETA" in step_lines[0]
 
     # Every event except rebalances has its own line, in order.
@@ -161,7 +166,7 @@ def test_plain_mode_gives_a_stop_and_a_refused_joiner_their_own_lines(caplog):
 def test_plain_mode_with_a_long_interval_sums_up_all_rebalances_once(records, caplog):
     run_plain(records, caplog, log_every=100)
     messages = [entry.getMessage() for entry in flexpar_lines(caplog)]
-    assert [line for line in messages if line.startswith("step ")][0].startswith("step 60/60")
+    assert [line for line in messages if line.startswith("step ")][0].startswith("step 59 (60/60 done, 100%)")
     assert [line for line in messages if "since step" in line] == ["5 rebalances since step 0, now local-0:8 local-2:8"]
 
 
@@ -187,7 +192,7 @@ def test_plain_mode_is_the_default_for_a_non_terminal_console(records, caplog):
         display.update(record)
     display.close()
     step_lines = [entry.getMessage() for entry in caplog.records if entry.getMessage().startswith("step ")]
-    assert [line.split()[1] for line in step_lines] == ["25/60", "50/60", "60/60"]
+    assert [line.split(" (")[0] for line in step_lines] == ["step 24", "step 49", "step 59"]
 
 
 def test_plain_mode_without_rich(records, caplog, monkeypatch):
@@ -200,7 +205,7 @@ def test_plain_mode_without_rich(records, caplog, monkeypatch):
         for record in records:
             display.update(record)
     assert 'pip install -e ".[display]"' in caplog.text
-    assert "step 30/60" in caplog.text and "event failure" in caplog.text
+    assert "step 29 (30/60 done, 50%)" in caplog.text and "event failure" in caplog.text
     assert "3 rebalances since step 0" in caplog.text and "2 rebalances since step 30" in caplog.text
 
 
@@ -258,6 +263,38 @@ def test_each_devices_optimizer_bytes_in_the_log_line_and_the_panels_device_tabl
     for rank, device_id in enumerate(sharded["devices"]):
         row = next(row for row in table.splitlines() if row.lstrip().startswith(device_id))
         assert row.rstrip().endswith(f"{3.145728 * (rank + 1):.1f} MB"), row
+
+
+def test_a_sharded_jobs_display_says_so_and_a_streaming_joiner_shows_no_optimizer_size(records):
+    """The banner and display did not say that the optimizer is sharded nor its redundancy, and a joiner
+    at 0% of its stream showed the full optimizer size (what it is still receiving)."""
+    from rich.console import Console
+
+    assert format_sharding(False, None) == ""
+    assert format_sharding(True, None) == "sharded by elements, redundancy 2"
+    assert format_sharding("parameters", 1) == "sharded by parameters, redundancy 1"
+    step = [record for record in records if record["kind"] == "step"][-1]
+    devices = step["devices"]
+    joiner = devices[-1]
+    sharded = {
+        **step,
+        "optimizer_bytes": [3_145_728] * (len(devices) - 1) + [12_582_912],  # the joiner: the whole state
+        "joining": {joiner: 0.0},
+    }
+    line = format_step_line(sharded, TOTAL_STEPS, 1.0, "sharded by elements, redundancy 2")
+    assert line.endswith(" | optimizer 3.1 MB per device (sharded by elements, redundancy 2)"), line
+    display = LiveDisplay(
+        TOTAL_STEPS,
+        console=Console(file=io.StringIO(), width=160),
+        force_terminal=True,
+        sharding="sharded by elements, redundancy 2",
+    )
+    display.update(sharded)
+    table = rendered_text(display).split("recent events")[0]
+    display.close()
+    assert "optimizer (sharded by elements, redundancy 2)" in table, table
+    row = next(row for row in table.splitlines() if row.lstrip().startswith(joiner))
+    assert row.rstrip().endswith("streaming") and "12.6 MB" not in row, row
 
 
 def test_rich_panel_without_rebalances_shows_no_rebalance_line(records):

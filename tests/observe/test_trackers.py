@@ -85,7 +85,7 @@ def test_csv_parses(tracked_run):
         rows = list(csv.DictReader(handle))
     assert list(rows[0]) == ["time", "kind", "step", "name", "value", "detail"]
     losses = [(int(row["step"]), float(row["value"])) for row in rows if row["name"] == "train/loss"]
-    assert [step for step, _ in losses] == list(range(1, 9)), "x axis: optimizer steps done"
+    assert [step for step, _ in losses] == list(range(8)), "x axis: the metrics file's step"
     norms = [float(row["value"]) for row in rows if row["name"] == "train/grad_norm"]
     assert len(norms) == 8 and all(norm > 0 for norm in norms)
     evals = {(int(row["step"]), row["name"]): float(row["value"]) for row in rows if row["kind"] == "eval"}
@@ -112,7 +112,7 @@ def test_tensorboard_files_read_back_with_tensorboards_reader(tracked_run):
         "eval/correct_mean",
         "event/failure/stall_s",
     } <= set(tags)
-    assert [event.step for event in accumulator.Scalars("train/loss")] == list(range(1, 9))
+    assert [event.step for event in accumulator.Scalars("train/loss")] == list(range(8))
     evals = accumulator.Scalars("eval/loss_sum")
     assert [event.step for event in evals] == [4, 8]
     assert evals[-1].value == pytest.approx(tracked_run["eval"]["metrics"]["loss_sum"], rel=1e-6)
@@ -130,7 +130,7 @@ def test_mlflow_run_reads_back_through_mlflows_api(tracked_run, monkeypatch):
     assert run.info.status == "FINISHED"
     assert run.info.run_name == os.path.basename(tracked_run["run_dir"])
     history = client.get_metric_history(run.info.run_id, "train/loss")
-    assert sorted(metric.step for metric in history) == list(range(1, 9))
+    assert sorted(metric.step for metric in history) == list(range(8))
     evals = sorted(client.get_metric_history(run.info.run_id, "eval/correct"), key=lambda metric: metric.step)
     assert [metric.step for metric in evals] == [4, 8]
     assert evals[-1].value == tracked_run["eval"]["metrics"]["correct"]
@@ -175,12 +175,12 @@ def wandb_history(run_folder) -> tuple:
 @pytest.mark.skipif(not _installed("wandb"), reason="the wandb package is not installed (flexpar[wandb])")
 def test_wandb_offline_run_reads_back_and_a_resumed_job_continues_it(tracked_run, tmp_path, monkeypatch):
     """trackers=["wandb"] with WANDB_MODE=offline: no network, a run in RUN_DIR/wandb whose rows carry the
-    optimizer steps done as `step`; a resumed job (a restarted driver) logs into the same run."""
+    metrics file's step as `step`; a resumed job (a restarted driver) logs into the same run."""
     run_dir = tracked_run["run_dir"]
     (folder,) = (pathlib.Path(run_dir) / "wandb").glob("offline-run-*")
     run_id, rows = wandb_history(folder)
     losses = [(row["step"], row["train/loss"]) for row in rows if "train/loss" in row]
-    assert [step for step, _ in losses] == list(range(1, 9)), "x axis: optimizer steps done"
+    assert [step for step, _ in losses] == list(range(8)), "x axis: the metrics file's step"
     assert all(math.isfinite(loss) for _, loss in losses)
     evals = [row for row in rows if "eval/loss_sum" in row]
     assert [row["step"] for row in evals] == [4, 8]
@@ -197,7 +197,7 @@ def test_wandb_offline_run_reads_back_and_a_resumed_job_continues_it(tracked_run
         _stop_wandb_service(["wandb"])
     (later,) = [other for other in (pathlib.Path(run_dir) / "wandb").glob("offline-run-*") if other != folder]
     resumed_id, resumed_rows = wandb_history(later)
-    assert resumed_id == run_id and [(row["step"], row["train/loss"]) for row in resumed_rows] == [(9, 0.125)]
+    assert resumed_id == run_id and [(row["step"], row["train/loss"]) for row in resumed_rows] == [(8, 0.125)]
 
     # wandb's own refusal (online without a login, as wandb words it): one line before any worker starts.
     import wandb
@@ -210,14 +210,16 @@ def test_wandb_offline_run_reads_back_and_a_resumed_job_continues_it(tracked_run
         trackers.WandbTracker(str(tmp_path / "online"))
 
 
-def test_trackers_are_callbacks_and_log_steps_done_on_the_x_axis(tmp_path):
+def test_trackers_are_callbacks_and_log_the_metrics_files_step_on_the_x_axis(tmp_path):
+    """One numbering everywhere: the step record of step 0 is at 0 in the CSV (and every tracker), as in
+    metrics.jsonl (they logged it at 1)."""
     tracker = trackers.create(["csv"], str(tmp_path))[0]
     assert isinstance(tracker, trackers.Tracker)
     step = {**_STEP, "time": 1.0}
     tracker.on_step(step)
     tracker.finish_tracking()
     rows = list(csv.DictReader(open(tmp_path / "csv" / "metrics.csv")))
-    assert {row["step"] for row in rows} == {"1"} and len(rows) == 8
+    assert {row["step"] for row in rows} == {"0"} and len(rows) == 8
     assert {row["name"]: float(row["value"]) for row in rows}["train/grad_norm"] == 0.5
 
 
@@ -263,17 +265,17 @@ def test_a_skipped_fp16_step_is_a_marker_not_an_infinite_grad_norm(tmp_path):
         tracker.finish_tracking()
     rows = list(csv.DictReader(open(tmp_path / "csv" / "metrics.csv")))
     assert [(int(row["step"]), float(row["value"])) for row in rows if row["name"] == "train/grad_norm"] == [
-        (1, 0.5),
-        (4, 0.25),
+        (0, 0.5),
+        (3, 0.25),
     ]
-    assert [int(row["step"]) for row in rows if row["name"] == "train/skipped_step"] == [2, 3]
+    assert [int(row["step"]) for row in rows if row["name"] == "train/skipped_step"] == [1, 2]
     if "tensorboard" in names:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
         accumulator = EventAccumulator(str(tmp_path / "tensorboard"))
         accumulator.Reload()
-        assert [(e.step, e.value) for e in accumulator.Scalars("train/grad_norm")] == [(1, 0.5), (4, 0.25)]
-        assert [e.step for e in accumulator.Scalars("train/skipped_step")] == [2, 3]
+        assert [(e.step, e.value) for e in accumulator.Scalars("train/grad_norm")] == [(0, 0.5), (3, 0.25)]
+        assert [e.step for e in accumulator.Scalars("train/skipped_step")] == [1, 2]
     if "mlflow" in names:
         tracker = created[names.index("mlflow")]
         with tracker._file_store_allowed():
@@ -282,7 +284,7 @@ def test_a_skipped_fp16_step_is_a_marker_not_an_infinite_grad_norm(tmp_path):
             history = MlflowClient(tracking_uri=tracker.tracking_uri).get_metric_history(
                 tracker.run_id, "train/grad_norm"
             )
-        assert sorted((metric.step, metric.value) for metric in history) == [(1, 0.5), (4, 0.25)]
+        assert sorted((metric.step, metric.value) for metric in history) == [(0, 0.5), (3, 0.25)]
 
 
 def test_the_csv_file_cannot_be_the_metrics_file_and_an_earlier_one_is_kept(tmp_path, capsys):
