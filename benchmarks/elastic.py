@@ -161,6 +161,9 @@ def flexpar_round(settings: Settings, workdir: str, index: int) -> dict:
         display=False,
         quiet=True,
         timeout_s=30.0,
+        # The blocking transfer at every join: what this benchmark and sim_validation.py's scale-out row
+        # measure (a streamed join's boundary holds only the small state; join_stream.py measures those).
+        join_stream_mb=0,
     )
     result = analyse_flexpar(harness.metrics_records(metrics), settings)
     result["wall_s"] = time.perf_counter() - started

@@ -44,11 +44,13 @@ from typing import Optional
 MODES = ("auto", "stream", "blocking")
 """How a join may come in: chosen from the predictions, or forced."""
 
-LISTENER_WORK = 0.75
-"""The listener's busy time per step as a share of a member's step besides its VWs (all-reduce and
-update). Under 1: it skips the update of the parameters that have not landed yet, so it updates about
-half of the state on average. Calibrated on benchmarks/join_stream.py (docs/benchmarks.md): members'
-steps 1.28-1.34x longer while streaming, 3 processes on 2 cores."""
+LISTENER_WORK = 0.95
+"""The listener's busy time per step as a share of a member's step besides its VWs (the summed gradient's
+all-reduce, in which it takes part like a member, and the update of what it holds, which skips what has
+not landed yet). Calibrated on benchmarks/join_stream.py on the quiet 2-core machine (docs/benchmarks.md,
+2026-12-06): the members' steps ran 1.34x and 1.28x longer while streaming at 0.1 and 0.5 GB, with their
+VW compute 27% and 38% of the step (measured again at those sizes): 1 + 0.95 x 0.73 / 2 = 1.35 and
+1 + 0.95 x 0.62 / 2 = 1.29 (3 processes on 2 cores)."""
 
 
 def _check(condition: bool, message: str) -> None:
