@@ -134,3 +134,20 @@ def test_planned_steps_and_bad_inputs():
         JoinInputs(step_s=1, compute_s=2, state_bytes=1, link_bytes_per_s=1, boundary_s=0, stream_steps=1)
     with pytest.raises(ValueError, match="stream_steps"):
         JoinInputs(step_s=1, compute_s=1, state_bytes=1, link_bytes_per_s=1, boundary_s=0, stream_steps=0)
+
+
+@pytest.mark.parametrize("compute_share, measured", [(0.27, 1.34), (0.38, 1.28)])
+def test_the_listener_model_matches_the_measured_slowdowns(compute_share, measured):
+    # docs/benchmarks.md's join_stream table (2-core machine, 3 processes on 2 cores): the members' steps
+    # while streaming at 0.1 and 0.5 GB, with their VW compute 27% and 38% of the step.
+    inputs = JoinInputs(
+        step_s=1.0,
+        compute_s=compute_share,
+        state_bytes=0.0,
+        link_bytes_per_s=1e9,
+        boundary_s=0.0,
+        stream_steps=10,
+        senders=2,
+        shared=SharedCores("local-0", 2, 2),
+    )
+    assert join_choice.listener_slowdown(inputs) == pytest.approx(measured, abs=0.02)
