@@ -107,6 +107,7 @@ from validation import (
     explanations,
     gather_inputs,
     gather_join_stream,
+    join_calibration_rows,
     print_report,
     run_probe,
     verdict,
@@ -146,7 +147,8 @@ def main(argv=None) -> dict:
     document = {
         **verdict(comparisons),
         "comparisons": [asdict(row) for row in comparisons],
-        "calibration": calibration_rows(balance, elastic, probe, noise, balance_cal, elastic_cal, elastic_extra),
+        "calibration": calibration_rows(balance, elastic, probe, noise, balance_cal, elastic_cal, elastic_extra)
+        + join_calibration_rows(join_figures, elastic_cal.parameters),
         "calibration_sources": {"balance": dict(balance_cal.sources), "elastic": dict(elastic_cal.sources)},
         "probe": probe,
         "noise_sigma": noise,

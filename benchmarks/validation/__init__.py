@@ -46,7 +46,7 @@ from .failure_rows import (
     recovery_notice_seconds,
 )
 from .inputs import JOIN_SIZES, gather_inputs, gather_join_stream, load_json, read_step_records, run_benchmark
-from .join_rows import compare_joins, join_scenario, predict_join, why_join
+from .join_rows import compare_joins, join_calibration_rows, join_scenario, predict_join, why_join
 from .probe import BOUNDARY_REPEATS, PROBE_RUNS, boundaries_by_size, boundary_seconds, combine_probes, run_probe
 from .report import _against_interval, calibration_rows, explanations, print_report
 
@@ -79,6 +79,7 @@ __all__ = [
     "gather_inputs",
     "gather_join_stream",
     "independent_log_deviations",
+    "join_calibration_rows",
     "join_scenario",
     "load_json",
     "median_interval",

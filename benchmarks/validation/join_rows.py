@@ -183,3 +183,32 @@ def why_join(row: Comparison, figures: dict | None) -> str:
     if figures:
         text += f" Measured slowdown by size: {figures.get('member_slowdown')}."
     return text
+
+
+def join_calibration_rows(figures: dict | None, calibrated: ModelParameters) -> list:
+    """What calibrates the join rows, with the values used."""
+    if not figures:
+        return []
+    from flexpar.core.join_choice import LISTENER_WORK
+
+    return [
+        {
+            "parameter": "join link B/s",
+            "value": calibrated.network.broadcast_bandwidth_bytes_per_s,
+            "from": "elastic.py's transfer path (as the broadcast bandwidth)",
+        },
+        {
+            "parameter": "join_stream members' step, compute before / at the join",
+            "value": {
+                size: [figures["step_before_s"].get(size), figures["compute_before_s"].get(size)]
+                + [(figures.get("compute_at_join_s") or {}).get(size)]
+                for size in figures["sizes_gb"]
+            },
+            "from": "join_stream.py's steps before the joiner started / the 5 before the boundary",
+        },
+        {
+            "parameter": "listener work (share of the non-VW step)",
+            "value": LISTENER_WORK,
+            "from": "flexpar.core.join_choice, calibrated on docs/benchmarks.md's join_stream table",
+        },
+    ]
