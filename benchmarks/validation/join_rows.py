@@ -10,8 +10,7 @@ joiner sharing the host's cores. Calibrated apart from the figures predicted:
 
 - the boundary: the probe's group formation (as for elastic.py's rows);
 - the join link: elastic.py's transfer path (state bytes / its time);
-- the members' step besides their VWs: join_stream.py's steps before the joiner started; their compute:
-  the 5 steps before the join's boundary (what the engine sizes the slices from);
+- the members' step and its VW compute: join_stream.py's steps before the joiner started;
 - the listener's work: flexpar.core.join_choice.LISTENER_WORK (calibrated on
   docs/benchmarks.md's join_stream table, an earlier run).
 
@@ -46,10 +45,13 @@ MEMBERS_LOST_GOAL = 0.25
 
 def join_scenario(figures: dict, size: str, calibrated: ModelParameters, mode: str) -> Scenario:
     """join_stream.py's job at `size` (GB, as its JSON labels it) as a simulator scenario."""
-    # The members' step besides their VWs (all-reduce, update) from the steps before the joiner started;
-    # their compute from the steps just before the boundary, as the engine sizes the slices from it.
+    # The members' step and its VW compute from the steps before the joiner started. Not from the steps just
+    # before the boundary (`compute_at_join_s`): the joiner's start-up shares the cores then, and the
+    # engine sizes the slices from its balancer's smoothed rate, which followed the undisturbed one (the
+    # planned steps of two runs matched it; the slowest busy time of those steps would have planned 4
+    # rounds where the engine planned 6).
     other = figures["step_before_s"][size] - figures["compute_before_s"][size]
-    compute = (figures.get("compute_at_join_s") or {}).get(size) or figures["compute_before_s"][size]
+    compute = figures["compute_before_s"][size]
     members = 2
     elastic: ElasticCosts = replace(calibrated.elastic, warmup_s=0.0)
     parameters = ModelParameters(

@@ -304,7 +304,7 @@ def test_join_rows_simulate_join_streams_job():
         "sizes_gb": ["0.1"],
         "state_bytes": {"0.1": 81451708},
         "step_before_s": {"0.1": 0.09},
-        "compute_before_s": {"0.1": 0.024},
+        "compute_before_s": {"0.1": 0.0227},
         "compute_at_join_s": {"0.1": 0.0227},
         "boundary_stall_s": {"0.1": 0.019},
         "stream_steps": {"0.1": 19.0},
