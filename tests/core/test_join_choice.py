@@ -151,3 +151,34 @@ def test_the_listener_model_matches_the_measured_slowdowns(compute_share, measur
         shared=SharedCores("local-0", 2, 2),
     )
     assert join_choice.listener_slowdown(inputs) == pytest.approx(measured, abs=0.02)
+
+
+def test_the_model_against_the_measured_join_stream_table():
+    # docs/benchmarks.md's join_stream table (2-core machine, quiet): the blocking stall by size gives the
+    # link from the 2 GB row alone (0.749 s); the 0.1 GB stream from its members' step measured again
+    # (0.089 s, compute 0.024 s) and the table's 20 listening steps.
+    link = 2.0e9 / (0.749 - 0.017)
+    for size_gb, measured in ((0.1, 0.047), (0.5, 0.173), (1.0, 0.363)):
+        inputs = JoinInputs(
+            step_s=1.0,
+            compute_s=0.3,
+            state_bytes=size_gb * 1e9,
+            link_bytes_per_s=link,
+            boundary_s=0.017,
+            stream_steps=1,
+        )
+        assert join_choice.predict_blocking(inputs).members_lost_s == pytest.approx(measured, rel=0.25)
+    shared = SharedCores("local-0", 2, 2)
+    inputs = JoinInputs(
+        step_s=0.089,
+        compute_s=0.024,
+        state_bytes=0.1e9,
+        link_bytes_per_s=link,
+        boundary_s=0.017,
+        stream_steps=20,
+        senders=2,
+        shared=shared,
+    )
+    choice = join_choice.choose(inputs)
+    assert choice.stream.members_lost_s == pytest.approx(0.67, rel=0.25)
+    assert choice.way == "blocking"  # the joiner shares the members' cores: 0.054 s against 0.67 s
