@@ -33,7 +33,7 @@ def inputs_strategy(draw, shared=None):
     )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(inputs_strategy(), st.sampled_from([None, 1.0, 30.0]))
 def test_forced_modes_are_honoured_and_auto_takes_a_way(inputs, bound):
     for mode in ("stream", "blocking"):
@@ -46,7 +46,7 @@ def test_forced_modes_are_honoured_and_auto_takes_a_way(inputs, bound):
     assert auto.chosen.way == auto.way
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(inputs_strategy(shared=True))
 def test_blocking_when_the_joiner_shares_cores_on_an_oversubscribed_host(inputs):
     assume(inputs.shared.members + 1 > inputs.shared.cores)
@@ -55,7 +55,7 @@ def test_blocking_when_the_joiner_shares_cores_on_an_oversubscribed_host(inputs)
     assert choice.reason.endswith("(the joiner shares local-0's cores)")
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(inputs_strategy(shared=False))
 def test_streaming_when_the_blocking_stall_exceeds_the_streamed_cost(inputs):
     stream, blocking = join_choice.predict_stream(inputs), join_choice.predict_blocking(inputs)
@@ -67,7 +67,7 @@ def test_streaming_when_the_blocking_stall_exceeds_the_streamed_cost(inputs):
         assert choice.way == "blocking"
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(inputs_strategy(shared=False), st.floats(0.01, 100.0))
 def test_the_bound_on_the_joiner_keeps_a_late_stream_out(inputs, bound):
     choice = join_choice.choose(inputs, max_first_vw_s=bound)
@@ -75,7 +75,7 @@ def test_the_bound_on_the_joiner_keeps_a_late_stream_out(inputs, bound):
         assert choice.stream.first_vw_s <= bound or choice.blocking.first_vw_s >= choice.stream.first_vw_s
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(inputs_strategy())
 def test_predictions_are_consistent(inputs):
     stream, blocking = join_choice.predict_stream(inputs), join_choice.predict_blocking(inputs)
