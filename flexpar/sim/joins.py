@@ -8,9 +8,10 @@ broadcast bandwidth), whether the joiner shares a member's cores
 (``[join] joiner_shares_cores`` with ``[elastic] host_cores``), and the
 stream's steps as flexpar/core/stream_plan.py would plan them: each member
 sends ``stream_share`` x the predicted compute step x the assumed slice link
-per step, and the joiner listens for the plan's rounds and one step more (it
-takes VWs from the step after the one whose round completes the stream:
-measured 18 -> 19 and 7 -> 8 steps in benchmarks/join_stream.py).
+per step, and the joiner listens for the plan's rounds and one step more
+(benchmarks/join_stream.py's planned -> listened steps: 18 -> 19, 7 -> 8,
+9 -> 8, 6 -> 5 and 6, 6 and 7 -> 7; the engine's resizing of the slices moves
+a stream by a step or two either way, and is not modelled).
 """
 
 from __future__ import annotations
