@@ -5,7 +5,8 @@
 One invocation measures, alternating flexpar and baseline rounds:
 
 - flexpar, one `fit()` per round on 2 CPU processes (oversubscribed: 3 processes
-  on 2 cores at the peak) with the schedule "+1" (scale out 2->3), a kill -9 of
+  on 2 cores at the peak; every join by the blocking transfer, `join_stream_mb=0`:
+  join_stream.py measures streamed joins) with the schedule "+1" (scale out 2->3), a kill -9 of
   the joiner during backward (failure 3->2), "+1" again, "-1" (planned scale in
   3->2), then "+1" and "-1" once more, "+1" and a kill once more, "+1" and
   "-1" twice more, and "+1" and a kill a third time (a scale-in costs
@@ -161,6 +162,9 @@ def flexpar_round(settings: Settings, workdir: str, index: int) -> dict:
         display=False,
         quiet=True,
         timeout_s=30.0,
+        # The blocking transfer at every join: what this benchmark and sim_validation.py's scale-out row
+        # measure (a streamed join's boundary holds only the small state; join_stream.py measures those).
+        join_stream_mb=0,
     )
     result = analyse_flexpar(harness.metrics_records(metrics), settings)
     result["wall_s"] = time.perf_counter() - started

@@ -19,7 +19,12 @@ are medians over rounds, read from each run's metrics file:
 - ``time_to_contribute_s``: ``{"stream": {size: s}, "blocking": {size: s}}``,
   from the join boundary's start to the start of the joiner's first step with
   VWs.
-- ``stream_steps``: by size, the steps the stream took.
+- ``stream_steps``: by size, the steps the stream took; ``stream_planned_steps`` the steps its first
+  plan had (the join event's detail).
+- ``state_bytes``: by size, the bytes that streamed (trainable parameters and AdamW's moments).
+- ``step_before_s``, ``compute_before_s``: by size, the members' median step and the slowest member's
+  VW compute (``busy_s``) per step before the joiner started; ``compute_at_join_s`` the same over the 5
+  steps before the join's boundary (what the engine sizes a stream's slices from): flexpar.sim's inputs.
 - ``bitwise_equal``: every streamed run ended with its ``stream`` event, which
   flexpar publishes only after every device checked the joiner's copy of each
   tensor (with its optimizer state) against its senders' bit for bit (a
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 import tempfile
 
@@ -155,14 +161,26 @@ def figures_of_run(records: list, streaming: bool) -> dict:
     during = [r["step_time_s"] - (join["stall_s"] if r["step"] == join["step"] else 0.0) for r in listening]
     extra = sum(max(0.0, time - step_before) for time in during) if before else float("nan")
     boundary_start = join["time"] - join["stall_s"]
+    busy_before = [max(r["busy_s"]) for r in steps if 1 <= r["step"] < JOIN_AT and r.get("busy_s")]
+    # The 5 steps before the join's boundary: what the engine sizes the slices from (its balancer's compute).
+    busy_at_join = [max(r["busy_s"]) for r in steps if r["step"] < join["step"] and r.get("busy_s")][-5:]
+    planned = re.search(r"in (\d+) steps? from", join["detail"])
     result = {
         "stall_s": join["stall_s"],
+        # What a simulator needs to predict the join: the members' step and its compute before the joiner
+        # started, and the stream's planned steps (the join event's detail).
+        "step_before_s": step_before,
+        "compute_before_s": median(busy_before) if busy_before else float("nan"),
+        "compute_at_join_s": median(busy_at_join) if busy_at_join else float("nan"),
         "lost_s": join["stall_s"] + extra,
         # The joiner's first step with VWs starts at the previous commit, or at the join's end.
         "time_to_contribute_s": max(first["time"] - first["step_time_s"], join["time"]) - boundary_start,
         "detail": join["detail"],
     }
     if streaming:
+        result["planned_steps"] = int(planned.group(1)) if planned else float("nan")
+        streamed_bytes = re.search(r"listeners?: (\d+) bytes", join["detail"])
+        result["state_bytes"] = int(streamed_bytes.group(1)) if streamed_bytes else float("nan")
         result["streamed"] = "streamed to" in join["detail"] and any(e["event"] == "stream" for e in events)
         result["stream_steps"] = len(listening)
         result["slowdown"] = median(during) / step_before if during and before else float("nan")
@@ -196,6 +214,11 @@ def figures(runs: dict, sizes) -> dict:
             mode: {label[s]: med(s, mode, "time_to_contribute_s") for s in sizes} for mode in ("stream", "blocking")
         },
         "stream_steps": {label[s]: med(s, "stream", "stream_steps") for s in sizes},
+        "stream_planned_steps": {label[s]: med(s, "stream", "planned_steps") for s in sizes},
+        "state_bytes": {label[s]: med(s, "stream", "state_bytes") for s in sizes},
+        "step_before_s": {label[s]: med(s, "stream", "step_before_s") for s in sizes},
+        "compute_before_s": {label[s]: med(s, "stream", "compute_before_s") for s in sizes},
+        "compute_at_join_s": {label[s]: med(s, "stream", "compute_at_join_s") for s in sizes},
         "bitwise_equal": all(run.get("streamed") is True for s in sizes for run in runs[(s, "stream")]),
         "failed": [
             f"{s} GB {mode}: {run['failed']}" for (s, mode), items in runs.items() for run in items if "failed" in run

@@ -1,10 +1,12 @@
 """Simulator validation: calibrate flexpar.sim on this machine, then predict the benchmarks' figures.
 
     python benchmarks/sim_validation.py [--quick] [--json PATH]
-    python benchmarks/sim_validation.py --balance-json A [--balance-metrics DIR] --elastic-json B --json PATH
+    python benchmarks/sim_validation.py --balance-json A [--balance-metrics DIR] --elastic-json B
+        [--join-stream-json C | skip] --json PATH
 
-Without input JSONs it runs `benchmarks/balance.py` and `benchmarks/elastic.py`
-(their `--quick` versions with `--quick`) as subprocesses. It always runs its
+Without input JSONs it runs `benchmarks/balance.py`, `benchmarks/elastic.py`
+(its joins forced blocking: `join_stream_mb=0`) and `benchmarks/join_stream.py`
+at one state size (their `--quick` versions with `--quick`) as subprocesses. It always runs its
 own small calibration measurement (the "probe": four gloo processes, some
 tens of seconds on this machine, mostly their start-up) for the costs the
 benchmarks do not measure apart from the figures to predict.
@@ -45,6 +47,17 @@ calibrates is never also a prediction):
   of a 3-device step; after the victim's death (its fault point: its first VW's
   backward) at one busy process fewer
 
+Joins (benchmarks/validation/join_rows.py): the simulator's join model
+(flexpar.sim's joins, flexpar.core.join_choice) on join_stream.py's job, the
+way forced to `stream`: the boundary stall, the stream's steps and the
+members' lost time (goal: within 25%), calibrated from the probe's group
+formation, elastic.py's transfer path (the join link) and join_stream.py's
+members' step and compute before the join.
+
+Errors: |predicted - measured| / max(measured, 0.25 s) for figures in
+seconds (issue 49), a plain relative error for counts and for the members'
+lost time.
+
 Predicted (counted in `max_relative_error`, goal <= 0.15): balance.py's
 balanced flexpar step time (`step_time_s`), its torch-DDP uniform step time
 (`uniform_step_s`), flexpar's settled step time after the slowdown
@@ -82,6 +95,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness
 from validation import (
+    JOIN_SIZES,
     PROBE_RUNS,
     balance_noise,
     balance_step_records,
@@ -89,8 +103,11 @@ from validation import (
     combine_probes,
     compare_balance,
     compare_elastic,
+    compare_joins,
     explanations,
     gather_inputs,
+    gather_join_stream,
+    join_calibration_rows,
     print_report,
     run_probe,
     verdict,
@@ -108,10 +125,16 @@ def main(argv=None) -> dict:
         help="balance.py's --keep-metrics folder, for the noise (default: the run's own)",
     )
     parser.add_argument("--elastic-json", metavar="PATH", help="elastic.py's JSON (default: run it now)")
+    parser.add_argument(
+        "--join-stream-json",
+        metavar="PATH",
+        help=f"join_stream.py's JSON (default: run it now at {JOIN_SIZES} GB; 'skip': no join rows)",
+    )
     options = parser.parse_args(argv)
     started = time.perf_counter()
     with harness.run_folder("flexpar-sim-validation-") as scratch:
         balance, elastic, metrics_dir = gather_inputs(options, scratch)
+        join_figures = gather_join_stream(options, scratch)
         probe = combine_probes(
             [run_probe(world=balance["devices"], elastic_model=elastic["model"]) for _ in range(PROBE_RUNS)]
         )
@@ -119,11 +142,13 @@ def main(argv=None) -> dict:
         noise = balance_noise(balance, balance_rounds)
         balance_rows, balance_cal, balance_extra = compare_balance(balance, probe, noise)
     elastic_rows, elastic_cal, elastic_extra = compare_elastic(elastic, probe)
-    comparisons = balance_rows + elastic_rows
+    join_rows, join_predicted = compare_joins(join_figures, elastic_cal.parameters)
+    comparisons = balance_rows + elastic_rows + join_rows
     document = {
         **verdict(comparisons),
         "comparisons": [asdict(row) for row in comparisons],
-        "calibration": calibration_rows(balance, elastic, probe, noise, balance_cal, elastic_cal, elastic_extra),
+        "calibration": calibration_rows(balance, elastic, probe, noise, balance_cal, elastic_cal, elastic_extra)
+        + join_calibration_rows(join_figures, elastic_cal.parameters),
         "calibration_sources": {"balance": dict(balance_cal.sources), "elastic": dict(elastic_cal.sources)},
         "probe": probe,
         "noise_sigma": noise,
@@ -132,13 +157,16 @@ def main(argv=None) -> dict:
         "inputs": {
             "balance_json": options.balance_json or "(run now)",
             "elastic_json": options.elastic_json or "(run now)",
+            "join_stream_json": options.join_stream_json or "(run now)",
             "balance_metrics": metrics_dir if options.balance_metrics else "(temporary, removed)",
             "quick": options.quick,
             "balance_load_average_1min": balance.get("load_average_1min"),
         },
-        "notes": explanations(comparisons, balance, elastic, elastic_extra, balance_extra, probe),
-        # The inputs themselves, so that a run can be re-checked with --balance-json / --elastic-json.
-        "benchmark_results": {"balance": balance, "elastic": elastic},
+        "notes": explanations(comparisons, balance, elastic, elastic_extra, balance_extra, probe, join_figures),
+        "join_predicted": join_predicted,
+        # The inputs themselves, so that a run can be re-checked with --balance-json / --elastic-json /
+        # --join-stream-json.
+        "benchmark_results": {"balance": balance, "elastic": elastic, "join_stream": join_figures},
         "wall_s": time.perf_counter() - started,
     }
     document["summary"] = {key: document[key] for key in verdict(comparisons)}

@@ -8,6 +8,7 @@
 - `balance_rows`: balance.py's step times (balanced, uniform, after the slowdown);
 - `elastic_rows`: elastic.py's scale-out and scale-in stalls, group formation;
 - `failure_rows`: elastic.py's failure stall (the step in flight lost, the notice);
+- `join_rows`: join_stream.py's streamed join (boundary stall, stream steps, members' lost time);
 - `report`: what calibrates what, the notes on misses, the printed tables.
 
 The names below are the package's API, which sim_validation.py and
@@ -29,7 +30,7 @@ from .balance_rows import (
     predict_balance,
     simulated_step_times,
 )
-from .comparison import GOAL, Comparison, error_of, median_interval, verdict
+from .comparison import FLOOR_S, GOAL, Comparison, error_of, median_interval, verdict
 from .elastic_rows import (
     boundary_calibration,
     compare_elastic,
@@ -44,12 +45,15 @@ from .failure_rows import (
     predict_failure_stall,
     recovery_notice_seconds,
 )
-from .inputs import gather_inputs, load_json, read_step_records, run_benchmark
+from .inputs import JOIN_SIZES, gather_inputs, gather_join_stream, load_json, read_step_records, run_benchmark
+from .join_rows import compare_joins, join_calibration_rows, join_scenario, predict_join, why_join
 from .probe import BOUNDARY_REPEATS, PROBE_RUNS, boundaries_by_size, boundary_seconds, combine_probes, run_probe
 from .report import _against_interval, calibration_rows, explanations, print_report
 
 __all__ = [
     "BOUNDARY_REPEATS",
+    "FLOOR_S",
+    "JOIN_SIZES",
     "GOAL",
     "PROBE_RUNS",
     "Comparison",
@@ -64,6 +68,7 @@ __all__ = [
     "combine_probes",
     "compare_balance",
     "compare_elastic",
+    "compare_joins",
     "control",
     "ddp_slowest_seconds_per_vw",
     "error_of",
@@ -72,7 +77,10 @@ __all__ = [
     "failed_steps_inputs",
     "fault_death_fraction",
     "gather_inputs",
+    "gather_join_stream",
     "independent_log_deviations",
+    "join_calibration_rows",
+    "join_scenario",
     "load_json",
     "median_interval",
     "noise_sigma",
@@ -80,6 +88,7 @@ __all__ = [
     "per_vw_samples",
     "predict_balance",
     "predict_failure_stall",
+    "predict_join",
     "print_report",
     "read_step_records",
     "recovery_notice_seconds",
@@ -89,4 +98,5 @@ __all__ = [
     "step_interval_noise_s",
     "transfer_path_seconds",
     "verdict",
+    "why_join",
 ]

@@ -11,6 +11,9 @@ import numpy as np
 from flexpar.sim import relative_error
 
 GOAL = 0.15
+FLOOR_S = 0.25
+"""A row's error is in units of max(measured, FLOOR_S): a 25 ms stall predicted as 50 ms is 0.1, not 100%
+(issue 49: a boundary of milliseconds is judged against what a cluster plan can feel)."""
 
 
 @dataclass
@@ -25,18 +28,23 @@ class Comparison:
     # Where the measured median could have landed with another draw of as many
     # single changes (`median_interval`); None where the figure is not a median of changes.
     measured_interval: tuple | None = None
+    # The error's unit: max(measured, floor) (FLOOR_S for seconds; 0 for counts: plain relative error).
+    floor: float = FLOOR_S
+    goal: float = GOAL  # this row's own goal (the members' lost time: 0.25)
     relative_error: float | None = field(init=False)
 
     def __post_init__(self) -> None:
-        self.relative_error = error_of(self.predicted, self.measured)
+        self.relative_error = error_of(self.predicted, self.measured, self.floor)
 
 
-def error_of(predicted: float | None, measured: float | None) -> float | None:
-    """|predicted - measured| / |measured|; None when either is missing or the measurement is 0."""
-    if predicted is None or measured is None or measured == 0:
+def error_of(predicted: float | None, measured: float | None, floor: float = 0.0) -> float | None:
+    """|predicted - measured| / max(|measured|, floor); None when either is missing or the unit is 0."""
+    if predicted is None or measured is None or max(abs(measured), floor) == 0:
         return None
     if not (math.isfinite(predicted) and math.isfinite(measured)):
         return None
+    if abs(measured) < floor:
+        return abs(predicted - measured) / floor
     return relative_error(predicted, measured)
 
 
@@ -47,18 +55,22 @@ def verdict(comparisons: Sequence[Comparison], goal: float = GOAL) -> dict:
     makes the goal not met: it cannot be shown to hold.
     """
     counted = [row for row in comparisons if row.counted]
-    errors = [row.relative_error for row in counted if row.relative_error is not None]
+    own = [row for row in counted if row.goal == GOAL]  # the rows held to the common goal
+    errors = [row.relative_error for row in own if row.relative_error is not None]
     every = [row.relative_error for row in comparisons if row.relative_error is not None]
     undefined = [row.figure for row in counted if row.relative_error is None]
     worst = max(errors) if errors else None
+    row_goal = {row.figure: (goal if row.goal == GOAL else row.goal) for row in counted}
+    over = [
+        row.figure for row in counted if row.relative_error is not None and row.relative_error > row_goal[row.figure]
+    ]
     return {
         "max_relative_error": worst,
         "max_relative_error_all_rows": max(every) if every else None,
-        "goal": f"<= {goal:g}",
-        "goal_met": bool(counted) and not undefined and worst is not None and worst <= goal,
-        "rows_over_goal": [
-            row.figure for row in counted if row.relative_error is not None and row.relative_error > goal
-        ],
+        "goal": f"<= {goal:g} in units of max(measured, {FLOOR_S:g} s); rows with their own goal: "
+        + (", ".join(f"{row.figure} <= {row.goal:g}" for row in counted if row.goal != GOAL) or "none"),
+        "goal_met": bool(counted) and not undefined and not over,
+        "rows_over_goal": over,
         "rows_without_error": undefined,
     }
 

@@ -60,3 +60,20 @@ def gather_inputs(options, scratch: str) -> tuple:
     else:
         elastic = run_benchmark("elastic.py", os.path.join(scratch, "elastic.json"), options.quick)
     return balance, elastic, metrics_dir
+
+
+JOIN_SIZES = "0.1"
+"""The state size (GB) at which join_stream.py runs for the validation's join rows (a round is about a
+minute at 0.1 GB; the members' step is about 0.1 s)."""
+
+
+def gather_join_stream(options, scratch: str) -> dict | None:
+    """join_stream.py's JSON (given, or run now at JOIN_SIZES); None with `--join-stream-json skip`."""
+    given = getattr(options, "join_stream_json", None)
+    if given == "skip":
+        return None
+    if given:
+        return load_json(given)
+    return run_benchmark(
+        "join_stream.py", os.path.join(scratch, "join_stream.json"), options.quick, ["--sizes", JOIN_SIZES]
+    )

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 from harness import fmt, print_table
 
 from .balance_rows import why_flexpar_step, why_uniform
-from .comparison import GOAL, Comparison
+from .comparison import Comparison
 from .elastic_rows import boundaries_text, why_stall
+from .join_rows import why_join
 
 
 def calibration_rows(
@@ -89,18 +90,22 @@ def explanations(
     elastic_extra: dict,
     balance_extra: dict,
     probe: dict,
+    join_figures: dict | None = None,
 ) -> list[str]:
     """Where the model is off: a note for each counted row over the goal, from the data at hand."""
     notes = []
     for row in comparisons:
-        if row.counted and row.relative_error is not None and row.relative_error > GOAL:
+        if row.counted and row.relative_error is not None and row.relative_error > row.goal:
             direction = "over" if row.predicted > row.measured else "under"
+            unit = f"in units of max(measured, {row.floor:g} s)" if row.floor else "relative"
             head = (
-                f"{row.figure}: predicted {row.predicted:.4g} s vs measured {row.measured:.4g} s "
-                f"({direction} by {row.relative_error:.0%}). "
+                f"{row.figure}: predicted {row.predicted:.4g} vs measured {row.measured:.4g} "
+                f"({direction}; error {row.relative_error:.2f} {unit}, goal {row.goal:g}). "
             )
             notes.append(
-                head + _against_interval(row) + _why(row, balance, elastic, elastic_extra, balance_extra, probe)
+                head
+                + _against_interval(row)
+                + _why(row, balance, elastic, elastic_extra, balance_extra, probe, join_figures)
             )
         elif row.counted and row.relative_error is None:
             notes.append(_why_undefined(row, elastic_extra))
@@ -116,7 +121,9 @@ def explanations(
     return notes
 
 
-def _why(row: Comparison, balance, elastic, elastic_extra, balance_extra, probe) -> str:
+def _why(row: Comparison, balance, elastic, elastic_extra, balance_extra, probe, join_figures=None) -> str:
+    if "join_stream" in row.figure:
+        return why_join(row, join_figures)
     if "uniform" in row.figure:
         return why_uniform(balance)
     if "balance:" in row.figure:

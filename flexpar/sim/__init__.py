@@ -12,8 +12,10 @@ Entry points: ``simulate_command`` (``flexpar simulate``), ``load_scenario``,
 from .calibration import Calibration, calibrate, predict_elastic_stalls, predict_step_seconds, relative_error
 from .cli import main, simulate_command
 from .engine import simulate, simulate_all
+from .joins import choose_join, join_inputs
 from .model import (
     ElasticCosts,
+    JoinModel,
     ModelParameters,
     NetworkModel,
     RestartCosts,
@@ -39,6 +41,7 @@ __all__ = [
     "DeviceSpec",
     "ElasticCosts",
     "Event",
+    "JoinModel",
     "ModelParameters",
     "NetworkModel",
     "POLICY_NAMES",
@@ -52,9 +55,11 @@ __all__ = [
     "WorkloadModel",
     "broadcast_seconds",
     "calibrate",
+    "choose_join",
     "failed_step_lost_seconds",
     "failure_stall_seconds",
     "host_contention",
+    "join_inputs",
     "load_scenario",
     "pg_formation_seconds",
     "main",

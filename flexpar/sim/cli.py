@@ -13,7 +13,7 @@ from typing import Optional, Sequence, TextIO
 
 from .engine import simulate_all
 from .plot import plot_comparison, plot_scalability
-from .report import comparison_summary, comparison_table, scalability_table, write_json
+from .report import comparison_summary, comparison_table, joins_table, scalability_table, write_json
 from .scalability import scalability
 from .scenario_file import load_scenario, shipped_scenarios
 
@@ -61,6 +61,9 @@ def simulate_command(
     else:
         results = simulate_all(scenario)
         print(comparison_table(results), file=out)
+        for result in results:
+            if result.joins():
+                print("\n" + joins_table(result), file=out)
         summary = comparison_summary(results)
         figure = _plot(
             lambda path: plot_comparison(results, path),

@@ -9,7 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-from .model import failure_noticed_seconds
+from flexpar.core.join_choice import JoinChoice
+
+from .joins import choose_join
+from .model import failure_noticed_seconds, uniform_assignment
 from .scenario import Event
 
 
@@ -25,8 +28,65 @@ class Changes:
         return bool(self.joined or self.left or self.failed)
 
 
+@dataclass
+class Stream:
+    """A streamed join in flight: its listeners hold no VWs; every member step is `extra_s` longer."""
+
+    listeners: List[str]
+    steps_left: int
+    extra_s: float
+    lost_s: float  # the members' lost time so far: the boundary's stall, then each step's extra
+    started_s: float  # the boundary's start
+    steps: int = 0
+
+
 class ElasticEvents:
     """Elastic events of `engine._Simulation` (a part of it)."""
+
+    stream: Optional[Stream] = None
+
+    # ---------------------------------------------------------------- streamed joins
+
+    def _join_choice(self, changes: Changes, survivors: List[str]) -> Optional[JoinChoice]:
+        """flexpar's decision for this boundary's joiners (in-place policies), from the members' figures."""
+        if not changes.joined or not survivors or not self.policy.elasticity.keeps_state_in_memory:
+            return None
+        if self.counts is not None and tuple(self.device_ids) == tuple(survivors):
+            counts = self.counts
+        else:
+            counts = uniform_assignment(len(survivors), self.scenario.virtual_workers)
+        seconds = [self.seconds[device_id] for device_id in survivors]
+        return choose_join(survivors, counts, seconds, len(self.active), self.parameters)
+
+    def _advance_stream(self, steps: int) -> None:
+        """`steps` member steps committed while the stream runs; at its end the listeners take VWs."""
+        stream = self.stream
+        stream.steps_left -= steps
+        stream.steps += steps
+        stream.lost_s += steps * stream.extra_s
+        if stream.steps_left <= 0:
+            self.active.extend(stream.listeners)
+            self.layout_stale = True
+            self._end_stream(f"the state streamed over {stream.steps} steps; the joiner takes VWs")
+
+    def _end_stream(self, detail: str) -> None:
+        stream, self.stream = self.stream, None
+        self.record(
+            "stream",
+            tuple(stream.listeners),
+            detail=detail,
+            way="stream",
+            members_lost_s=stream.lost_s,
+            first_vw_s=self.clock - stream.started_s,
+            stream_steps=stream.steps,
+        )
+
+    def _break_stream(self, changes: Changes) -> None:
+        """Another change at a boundary drops the stream: its listeners are joiners again at this boundary."""
+        listeners = list(self.stream.listeners)
+        self._end_stream("broken off by another change: the listener joins again at this boundary")
+        self.active.extend(listeners)
+        changes.joined[:0] = listeners
 
     def _next_time_event(self) -> Optional[Tuple[float, int, Event]]:
         while self.time_position < len(self.time_events) and self.time_events[self.time_position][1] in self.consumed:
@@ -71,6 +131,11 @@ class ElasticEvents:
                 if device_id in self.active:
                     self.active.remove(device_id)
                     bucket.append(device_id)
+                elif self.stream is not None and device_id in self.stream.listeners:
+                    self.stream.listeners.remove(device_id)
+                    self.record("cancelled", (device_id,), detail=f"{event.kind} while listening to its stream")
+                    if not self.stream.listeners:
+                        self._end_stream("no listener left")
                 elif any(device_id == pending_id for _, pending_id in self.pending):
                     self.pending = [
                         (ready, pending_id) for ready, pending_id in self.pending if pending_id != device_id
@@ -99,13 +164,21 @@ class ElasticEvents:
     def _charge_changes(self, changes: Changes, in_flight_lost_s: float = 0.0) -> None:
         """Charge one boundary's changes (and a lost step in flight) to the clock."""
         self.layout_stale = True
+        if self.stream is not None:
+            self._break_stream(changes)
         survivors = [device_id for device_id in self.active if device_id not in changes.joined]
         if not survivors and self.policy.elasticity.keeps_state_in_memory:
             self.lost = True
             self.record("lost", changes.left + changes.failed, detail="no device left holds the training state")
             return
+        choice = self._join_choice(changes, survivors)
         cost = self.policy.elasticity.change_cost(
-            len(changes.joined), len(changes.left), len(changes.failed), len(self.active), self.parameters
+            len(changes.joined),
+            len(changes.left),
+            len(changes.failed),
+            len(self.active),
+            self.parameters,
+            join_stall_s=None if choice is None else choice.chosen.boundary_stall_s,
         )
         stall = in_flight_lost_s + (cost.stall_s if self.active else 0.0)
         took_effect = self.clock
@@ -113,8 +186,34 @@ class ElasticEvents:
         self.stall_s += stall
         for kind, ids in (("failure", changes.failed), ("leave", changes.left), ("join", changes.joined)):
             if ids:
-                self.record(kind, ids, stall_s=stall, detail=f"{len(self.active)} devices after", time_s=took_effect)
+                detail = f"{len(self.active)} devices after"
+                if kind == "join" and choice is not None:
+                    chosen = choice.chosen
+                    self.record(
+                        kind,
+                        ids,
+                        stall_s=stall,
+                        detail=f"{detail}; {choice.reason}",
+                        time_s=took_effect,
+                        way=choice.way,
+                        members_lost_s=chosen.members_lost_s,
+                        first_vw_s=chosen.first_vw_s,
+                        stream_steps=chosen.stream_steps,
+                    )
+                else:
+                    self.record(kind, ids, stall_s=stall, detail=detail, time_s=took_effect)
                 stall = 0.0  # one boundary, one stall: charge it to the first record only
+        if choice is not None and choice.way == "stream":
+            predicted = choice.stream
+            for device_id in changes.joined:
+                self.active.remove(device_id)
+            self.stream = Stream(
+                list(changes.joined),
+                predicted.stream_steps,
+                (predicted.members_lost_s - predicted.boundary_stall_s) / predicted.stream_steps,
+                cost.stall_s,
+                took_effect,
+            )
         if cost.rolls_back:
             self._roll_back()
         elif cost.checkpoints:

@@ -68,6 +68,7 @@ class _Simulation(ElasticEvents):
         self.seconds: Dict[str, float] = {device.device_id: device.seconds_per_vw for device in scenario.devices}
         self.pending: List[Tuple[float, str]] = []
         self.lost = False
+        self.stream = None  # a streamed join in flight (elastic_events.Stream)
         # Events: time-ordered and step-ordered queues; ``consumed`` holds the
         # positions already handled, because an in-flight failure can be taken
         # out of the time queue ahead of earlier boundary events.
@@ -113,11 +114,15 @@ class _Simulation(ElasticEvents):
         stall_s: float = 0.0,
         detail: str = "",
         time_s: Optional[float] = None,
+        **join,
     ) -> None:
-        """Log an event at ``time_s`` (default: now), when it took effect, before its stall."""
+        """Log an event at ``time_s`` (default: now), when it took effect, before its stall.
+
+        ``join``: a join's or a stream's way and costs (``SimulationEvent``'s last fields).
+        """
         when = self.clock if time_s is None else time_s
         self.events.append(
-            SimulationEvent(when, self.committed, kind, tuple(device_ids), stall_s, len(self.active), detail)
+            SimulationEvent(when, self.committed, kind, tuple(device_ids), stall_s, len(self.active), detail, **join)
         )
 
     # ---------------------------------------------------------------- steps
@@ -153,7 +158,9 @@ class _Simulation(ElasticEvents):
             # Mean-one lognormal factors: noise does not change the expected speed.
             busy = busy * np.exp(sigma * self.rng.standard_normal(len(busy)) - 0.5 * sigma * sigma)
         paths = device_critical_paths(self.counts, busy, self.all_reduce_s, self.parameters)
-        return _Step(self.counts, busy, float(paths.max()))
+        # A streamed join in flight: the members' steps are longer by its predicted extra (sim/joins.py).
+        extra = self.stream.extra_s if self.stream is not None else 0.0
+        return _Step(self.counts, busy, float(paths.max()) + extra)
 
     def _commit(self, step: _Step) -> None:
         self.clock += step.seconds
@@ -166,6 +173,8 @@ class _Simulation(ElasticEvents):
         if self.interval_steps >= self.scenario.balance.interval_steps:
             self._observe_interval()
         self.previous = (step.counts, step.seconds, step_imbalance) if self.scenario.noise == 0 else None
+        if self.stream is not None:
+            self._advance_stream(1)
         self._maybe_checkpoint()
 
     def _maybe_checkpoint(self) -> None:
@@ -194,6 +203,8 @@ class _Simulation(ElasticEvents):
             limit = min(limit, self.step_events[self.step_position][0] - self.committed)
         if self.checkpoint_every is not None:
             limit = min(limit, self.checkpoint_every - self.committed % self.checkpoint_every - 1)
+        if self.stream is not None:
+            limit = min(limit, self.stream.steps_left)
         return max(0, limit)
 
     def _try_skip(self) -> bool:
@@ -213,6 +224,8 @@ class _Simulation(ElasticEvents):
         self.committed += steps
         self.work_since_checkpoint_s += steps * seconds
         self.segments.append((self.clock, self.committed, steps, seconds, step_imbalance, len(self.device_ids)))
+        if self.stream is not None:
+            self._advance_stream(steps)
         return True
 
     def run(self) -> SimulationResult:

@@ -196,6 +196,50 @@ class RestartCosts:
         return self.process_start_s + self.import_s + self.rebuild_s
 
 
+JOIN_MODES = ("auto", "stream", "blocking")
+
+
+@dataclass(frozen=True)
+class JoinModel:
+    """How flexpar's joins come in (flexpar/core/join_choice.py decides; sim/joins.py feeds it).
+
+    ``mode``: ``auto`` (the cheaper way for the members), or ``stream`` /
+    ``blocking`` forced. ``link_bytes_per_s``: the link a joiner's state
+    crosses (None: the network's broadcast bandwidth). ``joiner_shares_cores``:
+    a joiner runs on a member's host and shares its ``elastic.host_cores``
+    (CPU workers on one host). ``small_state_bytes``: what crosses the
+    boundary either way. ``stream_share`` and ``slice_link_bytes_per_s``: the
+    engine's slice sizing (a sender's slice per step is ``stream_share`` x
+    the predicted compute step x this assumed link rate; flexpar/worker/streaming.py's
+    STREAM_SHARE and its gloo link). ``max_first_vw_s``: the bound on a
+    streamed joiner's first VW (None: none).
+    """
+
+    mode: str = "auto"
+    link_bytes_per_s: Optional[float] = None
+    joiner_shares_cores: bool = False
+    small_state_bytes: float = 0.0
+    stream_share: float = 0.1
+    slice_link_bytes_per_s: float = 1e9
+    max_first_vw_s: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        _require(self.mode in JOIN_MODES, f"join.mode: expected one of {list(JOIN_MODES)}, got {self.mode!r}")
+        _require(
+            isinstance(self.joiner_shares_cores, bool),
+            f"join.joiner_shares_cores: expected true or false, got {self.joiner_shares_cores!r}",
+        )
+        _check_non_negative("join", small_state_bytes=self.small_state_bytes)
+        _check_positive("join", slice_link_bytes_per_s=self.slice_link_bytes_per_s)
+        for name in ("link_bytes_per_s", "max_first_vw_s"):
+            if getattr(self, name) is not None:
+                _check_positive("join", **{name: getattr(self, name)})
+        _require(
+            isinstance(self.stream_share, (int, float)) and 0 < self.stream_share <= 1,
+            f"join.stream_share: expected a number in (0, 1], got {self.stream_share!r}",
+        )
+
+
 @dataclass(frozen=True)
 class ModelParameters:
     """All cost-model parameters of a scenario; what calibration returns."""
@@ -204,6 +248,7 @@ class ModelParameters:
     workload: WorkloadModel = WorkloadModel()
     elastic: ElasticCosts = ElasticCosts()
     restart: RestartCosts = RestartCosts()
+    join: JoinModel = JoinModel()
 
 
 # --------------------------------------------------------------------------

@@ -33,7 +33,11 @@ def _progress_curve(result: SimulationResult):
 def plot_comparison(results: Sequence[SimulationResult], path) -> Path:
     """Progress (committed steps over time) and step time over time, one line per policy."""
     pyplot = _pyplot()
-    figure, (progress, step_time, devices) = pyplot.subplots(3, 1, figsize=(9, 9), sharex=True)
+    figure, (progress, step_time, devices, joins) = pyplot.subplots(
+        4, 1, figsize=(9, 11), sharex=True, gridspec_kw={"height_ratios": [3, 2, 1.5, 1.5]}
+    )
+    for index, result in enumerate(results):
+        _plot_joins(joins, result, index)
     for result in results:
         hours, steps = _progress_curve(result)
         progress.plot(hours, steps, label=result.label)
@@ -46,12 +50,38 @@ def plot_comparison(results: Sequence[SimulationResult], path) -> Path:
     step_time.set_ylabel("step time (s)")
     step_time.set_yscale("log")
     devices.set_ylabel("devices")
-    devices.set_xlabel("wall time (hours)")
+    joins.set_ylabel("per join (s)")
+    joins.set_xlabel("wall time (hours)")
+    if any(result.joins() for result in results):
+        joins.set_yscale("log")
+        joins.legend(loc="upper right", fontsize="small")
     figure.tight_layout()
     output = Path(path)
     figure.savefig(output, dpi=120)
     pyplot.close(figure)
     return output
+
+
+def _plot_joins(axis, result: SimulationResult, index: int) -> None:
+    """Each join's boundary stall (o) beside the members' lost time (x), at the join's time."""
+    events = [event for event in result.joins() if event.way]
+    if not events:
+        return
+    stalls = {event.device_ids: event.stall_s for event in result.events if event.kind == "join"}
+    hours = [_join_time(result, event) / 3600.0 for event in events]
+    for values, marker, label in (
+        ([stalls.get(event.device_ids, 0.0) for event in events], "o", "boundary stall"),
+        ([event.members_lost_s for event in events], "x", "members' lost"),
+    ):
+        shown = [(hour, value) for hour, value in zip(hours, values) if value > 0]  # a shared boundary: 0
+        if shown:
+            axis.plot(*zip(*shown), marker, color=f"C{index}", fillstyle="none", label=f"{result.policy}: {label}")
+
+
+def _join_time(result: SimulationResult, event) -> float:
+    """When the join (not its stream's end) took effect."""
+    starts = [e.time_s for e in result.events if e.kind == "join" and e.device_ids == event.device_ids]
+    return starts[-1] if starts else event.time_s
 
 
 def plot_scalability(result: ScalabilityResult, path) -> Path:

@@ -181,22 +181,31 @@ class InPlaceElasticity:
         return parameters.elastic.warmup_s
 
     def change_cost(
-        self, joined: int, left: int, failed: int, devices_after: int, parameters: ModelParameters
+        self,
+        joined: int,
+        left: int,
+        failed: int,
+        devices_after: int,
+        parameters: ModelParameters,
+        join_stall_s: Optional[float] = None,
     ) -> ChangeCost:
         """One new process group for all changes of a boundary together.
 
         Plus the state broadcast when someone joined (a leaver takes nothing
         with it), plus the recovery notice when someone failed. The step in
         flight and the detection are charged by the simulator, which knows
-        when in the step the failure happened.
+        when in the step the failure happened. ``join_stall_s``: a join's
+        boundary as the join's way prices it (sim/joins.py: streamed or
+        blocking), instead of the blocking transfer.
         """
         if joined == 0 and left == 0 and failed == 0:
             return ChangeCost(0.0)
-        stall = (
-            join_stall_seconds(devices_after, parameters)
-            if joined
-            else pg_formation_seconds(devices_after, parameters.elastic)
-        )
+        if joined and join_stall_s is not None:
+            stall = join_stall_s
+        elif joined:
+            stall = join_stall_seconds(devices_after, parameters)
+        else:
+            stall = pg_formation_seconds(devices_after, parameters.elastic)
         if failed:
             stall += parameters.elastic.recovery_notice_s
         return ChangeCost(stall)
@@ -220,9 +229,16 @@ class RestartElasticity:
         return 0.0
 
     def change_cost(
-        self, joined: int, left: int, failed: int, devices_after: int, parameters: ModelParameters
+        self,
+        joined: int,
+        left: int,
+        failed: int,
+        devices_after: int,
+        parameters: ModelParameters,
+        join_stall_s: Optional[float] = None,
     ) -> ChangeCost:
-        """One restart for all changes of a boundary together.
+        """One restart for all changes of a boundary together (``join_stall_s`` is not used: a restart moves
+        the state by checkpoint).
 
         After a failure: detection, then a restart without a final save, and
         the job rolls back to its last checkpoint. A planned change (join,

@@ -42,6 +42,7 @@ def comparison_table(results: Sequence[SimulationResult]) -> str:
         "samples/s",
         "time to N steps",
         "stall",
+        "joins' lost",
         "lost work",
         "imbalance (median)",
         "step (median)",
@@ -58,6 +59,7 @@ def comparison_table(results: Sequence[SimulationResult]) -> str:
                 f"{result.samples_per_s:,.0f}",
                 time_to_n,
                 _format_seconds(result.stall_s),
+                _format_seconds(result.join_lost_s),
                 _format_seconds(result.lost_work_s),
                 f"{result.imbalance_median:.3f}",
                 _format_seconds(result.step_time_median_s),
@@ -70,6 +72,25 @@ def comparison_table(results: Sequence[SimulationResult]) -> str:
         else "no results"
     )
     return title + "\n" + _render(header, rows)
+
+
+def joins_table(result: SimulationResult) -> str:
+    """One row per join of a run: the way it took, the boundary stall beside the members' lost time."""
+    header = ["join", "at", "way", "boundary stall", "members' lost", "stream steps", "joiner's first VW"]
+    stalls = {event.device_ids: event.stall_s for event in result.events if event.kind == "join"}
+    rows = [
+        [
+            ", ".join(event.device_ids),
+            _format_seconds(event.time_s),
+            event.way,
+            _format_seconds(stalls.get(event.device_ids, event.stall_s)),
+            _format_seconds(event.members_lost_s),
+            str(event.stream_steps) if event.way == "stream" else "-",
+            _format_seconds(event.first_vw_s),
+        ]
+        for event in result.joins()
+    ]
+    return f"joins of {result.label}\n" + _render(header, rows)
 
 
 def scalability_table(result: ScalabilityResult) -> str:

@@ -13,10 +13,19 @@ import numpy as np
 class SimulationEvent:
     """What happened at one point of a simulated run (for tables, plots, JSON).
 
-    ``kind``: start, join, leave, failure, slowdown, refused (a join past V
-    devices), cancelled (a joiner left during its warm-up), ignored (an event
-    naming a device that is not there), checkpoint, rollback, idle, lost (the
-    job cannot go on). ``stall_s``: the stall this event caused.
+    ``kind``: start, join, stream (a streamed join's joiner takes VWs),
+    leave, failure, slowdown, refused (a join past V devices), cancelled (a
+    joiner left during its warm-up or its stream), ignored (an event naming a
+    device that is not there), checkpoint, rollback, idle, lost (the job
+    cannot go on). ``stall_s``: the stall this event caused.
+
+    A join (flexpar's in-place policies) also says which way it took
+    (``way``: ``stream`` or ``blocking``), the members' training time lost to
+    it (``members_lost_s``: the boundary stall plus, while the state streams,
+    each step's time beyond the step before; on the join as predicted, on its
+    ``stream`` event as simulated) and ``first_vw_s`` (from the boundary's
+    start to the joiner's first step with VWs). ``detail`` holds the
+    decision's reason.
     """
 
     time_s: float
@@ -26,9 +35,13 @@ class SimulationEvent:
     stall_s: float = 0.0
     devices_after: int = 0
     detail: str = ""
+    way: str = ""
+    members_lost_s: float = 0.0
+    first_vw_s: float = 0.0
+    stream_steps: int = 0
 
     def to_dict(self) -> dict:
-        return {
+        data = {
             "time_s": self.time_s,
             "step": self.step,
             "kind": self.kind,
@@ -37,6 +50,14 @@ class SimulationEvent:
             "devices_after": self.devices_after,
             "detail": self.detail,
         }
+        if self.way:
+            data.update(
+                way=self.way,
+                members_lost_s=self.members_lost_s,
+                first_vw_s=self.first_vw_s,
+                stream_steps=self.stream_steps,
+            )
+        return data
 
 
 @dataclass(frozen=True)
@@ -95,6 +116,23 @@ class SimulationResult:
         """How many devices the events of ``kind`` named (events themselves for start, rollback...)."""
         return sum(len(event.device_ids) or 1 for event in self.events if event.kind == kind)
 
+    def joins(self) -> Tuple[SimulationEvent, ...]:
+        """Each join's final record: a streamed join's ``stream`` event (its simulated cost), else the join."""
+        joins, open_streams = [], {}
+        for event in self.events:
+            if event.kind == "join" and event.way:
+                if event.way == "stream":
+                    open_streams[event.device_ids] = len(joins)
+                joins.append(event)
+            elif event.kind == "stream" and event.device_ids in open_streams:
+                joins[open_streams.pop(event.device_ids)] = event
+        return tuple(joins)
+
+    @property
+    def join_lost_s(self) -> float:
+        """The members' training time lost to joins, in all (boundary stalls and streams)."""
+        return sum(event.members_lost_s for event in self.joins())
+
     def summary(self) -> dict:
         """Plain-type summary (JSON-ready)."""
         return {
@@ -116,6 +154,8 @@ class SimulationResult:
             "leaves": self.count("leave"),
             "failures": self.count("failure"),
             "refused_joins": self.count("refused"),
+            "join_lost_s": self.join_lost_s,
+            "streamed_joins": sum(1 for event in self.joins() if event.way == "stream"),
         }
 
 

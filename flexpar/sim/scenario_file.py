@@ -18,6 +18,7 @@ in short::
     [network]                           # NetworkModel
     [elastic]                           # ElasticCosts
     [restart]                           # RestartCosts
+    [join]                              # JoinModel: mode, link_bytes_per_s, joiner_shares_cores...
     [balance]                           # BalanceSettings
     [device_types.A100]                 # speed = 2.5 (relative) or seconds_per_vw = 0.04
     [[devices]]                         # type = "A100", count = 8, id_prefix = "a100"
@@ -32,7 +33,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import tomllib
 
-from .model import ElasticCosts, ModelParameters, NetworkModel, RestartCosts, WorkloadModel
+from .model import JOIN_MODES, ElasticCosts, JoinModel, ModelParameters, NetworkModel, RestartCosts, WorkloadModel
 from .policies import POLICY_NAMES, BalanceSettings
 from .scenario import DEFAULT_DEVICE_COUNTS, EVENT_KINDS, DeviceSpec, Event, ScalabilitySpec, Scenario
 from .toml_fields import TableFields, config_values, describe
@@ -66,13 +67,40 @@ def _parse_parameters(root: TableFields) -> Tuple[ModelParameters, Optional[floa
     restart_values = config_values(RestartCosts, restart, integers=("checkpoint_every_steps",))
     restart.finish()
 
+    elastic_costs = ElasticCosts(**elastic_values)
     parameters = ModelParameters(
         network=NetworkModel(**network_values),
         workload=WorkloadModel(**workload_values),
-        elastic=ElasticCosts(**elastic_values),
+        elastic=elastic_costs,
         restart=RestartCosts(**restart_values),
+        join=_parse_join(root, elastic_costs),
     )
     return parameters, reference
+
+
+def _parse_join(root: TableFields, elastic: ElasticCosts) -> JoinModel:
+    """``[join]``: how joins come in (model.JoinModel)."""
+    reader = root.sub_table("join")
+    mode = reader.string("mode", "auto")
+    if mode not in JOIN_MODES:
+        raise ValueError(f"{reader.path}.mode: expected one of {list(JOIN_MODES)}, got {mode!r}")
+    shares = reader.table.get("joiner_shares_cores", False)
+    reader.used.add("joiner_shares_cores")
+    if not isinstance(shares, bool):
+        raise ValueError(f"{reader.path}.joiner_shares_cores: expected true or false, got {describe(shares)}")
+    if shares and elastic.host_cores is None:
+        raise ValueError(f"{reader.path}.joiner_shares_cores: needs elastic.host_cores (the cores it shares)")
+    join = JoinModel(
+        mode=mode,
+        link_bytes_per_s=reader.number("link_bytes_per_s", None, positive=True),
+        joiner_shares_cores=shares,
+        small_state_bytes=reader.number("small_state_bytes", 0.0, minimum=0.0),
+        stream_share=reader.number("stream_share", 0.1, positive=True),
+        slice_link_bytes_per_s=reader.number("slice_link_bytes_per_s", 1e9, positive=True),
+        max_first_vw_s=reader.number("max_first_vw_s", None, positive=True),
+    )
+    reader.finish()
+    return join
 
 
 def _seconds_per_vw(

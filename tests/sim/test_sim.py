@@ -16,6 +16,7 @@ from flexpar.sim import (
     DeviceSpec,
     ElasticCosts,
     Event,
+    JoinModel,
     ModelParameters,
     NetworkModel,
     RestartCosts,
@@ -261,7 +262,8 @@ def stall_of(result, kind):
 
 def test_in_place_join_waits_for_warm_up_then_stalls_for_group_and_broadcast():
     join = Event("join", ("new",), at_s=1.0, devices=(DeviceSpec("new", 0.2),))
-    scenario = make_scenario([0.2, 0.2], virtual_workers=6, steps=40, events=[join])
+    blocking = dataclasses.replace(PARAMETERS, join=JoinModel(mode="blocking"))
+    scenario = make_scenario([0.2, 0.2], virtual_workers=6, steps=40, events=[join], parameters=blocking)
     result = simulate(scenario, "flexpar")
     (event,) = [event for event in result.events if event.kind == "join"]
     assert event.time_s >= 1.0 + ELASTIC.warmup_s  # warm-up off the critical path

@@ -282,3 +282,46 @@ def test_a_miss_inside_the_measured_interval_is_said_so():
     assert "lies inside" in validation._against_interval(inside)
     assert "lies outside" in validation._against_interval(outside)
     assert validation._against_interval(validation.Comparison("balance: x", 1.0, 2.0, True, "m")) == ""
+
+
+def test_errors_are_in_units_of_the_floor_below_it():
+    assert validation.error_of(0.154, 0.025, validation.FLOOR_S) == pytest.approx(0.516)  # issue 49's scale-out
+    assert validation.error_of(1.1, 1.0, validation.FLOOR_S) == pytest.approx(0.1)
+    row = validation.Comparison("steps", 18, 20, True, "m", floor=0.0)
+    assert row.relative_error == pytest.approx(0.1)
+    lost = validation.Comparison("lost", 1.2, 1.0, True, "m", floor=0.0, goal=0.25)
+    summary = validation.verdict([row, lost])
+    assert summary["goal_met"] is True and summary["max_relative_error"] == pytest.approx(0.1)
+    assert validation.verdict([validation.Comparison("lost", 1.3, 1.0, True, "m", floor=0.0, goal=0.25)])[
+        "rows_over_goal"
+    ] == ["lost"]
+
+
+def test_join_rows_simulate_join_streams_job():
+    from flexpar.sim import ElasticCosts, ModelParameters, NetworkModel
+
+    figures = {
+        "sizes_gb": ["0.1"],
+        "state_bytes": {"0.1": 81451708},
+        "step_before_s": {"0.1": 0.09},
+        "compute_before_s": {"0.1": 0.0227},
+        "compute_at_join_s": {"0.1": 0.0227},
+        "boundary_stall_s": {"0.1": 0.019},
+        "stream_steps": {"0.1": 19.0},
+        "members_lost_s": {"stream": {"0.1": 0.6}, "blocking": {"0.1": 0.06}},
+        "time_to_contribute_s": {"stream": {"0.1": 2.4}, "blocking": {"0.1": 0.06}},
+        "member_slowdown": {"0.1": 1.34},
+        "blocking_stall_s": {"0.1": 0.06},
+    }
+    calibrated = ModelParameters(
+        network=NetworkModel(broadcast_bandwidth_bytes_per_s=2e9),
+        elastic=ElasticCosts(pg_formation_s=0.0025, host_cores=2.0),
+    )
+    rows, predicted = validation.compare_joins(figures, calibrated)
+    stream = predicted["0.1"]["stream"]
+    assert stream["way"] == "stream" and stream["stream_steps"] == 19  # 81.5 MB / (2 x 2.27 MB) = 18 rounds, + 1
+    assert stream["boundary_stall_s"] == pytest.approx(0.0025 * 1.5)
+    assert 1.3 < stream["member_slowdown"] < 1.4
+    assert predicted["0.1"]["blocking"]["way"] == "blocking"
+    assert [row.counted for row in rows] == [True, True, True, False, False, False]
+    assert validation.compare_joins(None, calibrated) == ([], {})
