@@ -265,3 +265,118 @@ def schedule_items(
     for device, _ in devices:
         device.close()
     return result, events
+
+
+# ------------------------------------------------------------ streaming jobs (tests/end_to_end/test_streaming_jobs.py)
+
+
+class PairStream(IterableDataset):
+    """No shards, no state: (inputs, label) pairs of pieces.make_dataset(size), pass p rotated by 7p items.
+
+    With the default 456 items and a global batch of 48 a pass is 9 steps and 24 items (dropped)."""
+
+    def __init__(self, size=456):
+        from pieces import make_dataset
+
+        self.inputs, self.labels = make_dataset(size).tensors
+        self.epoch = 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def order(self, epoch):
+        size = len(self.labels)
+        return [(k + 7 * epoch) % size for k in range(size)]
+
+    def __iter__(self):
+        for index in self.order(self.epoch):
+            yield self.inputs[index], self.labels[index]
+
+
+class ShardedPairs(IterableDataset):
+    """flexpar's shard protocol over (inputs, label) pairs: `shards` shards of `per_shard` items each;
+    odd passes read a shard backwards."""
+
+    def __init__(self, shards=6, per_shard=76, chosen=None):
+        from pieces import make_dataset
+
+        self.inputs, self.labels = make_dataset(shards * per_shard).tensors
+        self.per_shard = per_shard
+        self.total = shards
+        self.chosen = list(range(shards)) if chosen is None else list(chosen)
+        self.epoch = 0
+
+    @property
+    def n_shards(self):
+        return len(self.chosen)
+
+    def shard(self, num_shards, index):
+        per = len(self.chosen) // num_shards
+        picked = ShardedPairs.__new__(ShardedPairs)
+        picked.__dict__.update(self.__dict__)
+        picked.chosen = self.chosen[index * per : (index + 1) * per]
+        return picked
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def shard_order(self, shard, epoch):
+        indices = [shard * self.per_shard + k for k in range(self.per_shard)]
+        return indices[::-1] if epoch % 2 else indices
+
+    def __iter__(self):
+        for shard in self.chosen:
+            for index in self.shard_order(shard, self.epoch):
+                yield self.inputs[index], self.labels[index]
+
+
+def round_robin_items(stream, global_batch, virtual_workers):
+    """items(step, vw) of a plain stream as a plain loop reads it: step s trains on items s*B .. (s+1)*B-1
+    of the pass (a pass of n items is n // B steps, its last n % B items dropped), VW v on v, v+V, ..."""
+    per_pass = len(stream.labels) // global_batch
+
+    def items(step, virtual_worker):
+        order = stream.order(step // per_pass)
+        first = (step % per_pass) * global_batch
+        chunk = order[first : first + global_batch]
+        return [(stream.inputs[i], stream.labels[i]) for i in chunk[virtual_worker::virtual_workers]]
+
+    return items
+
+
+def shard_items(stream, micro_batch):
+    """items(step, vw) of ShardedPairs with one shard per VW: VW v reads shard v, micro_batch items a step."""
+    per_pass = stream.per_shard // micro_batch
+
+    def items(step, virtual_worker):
+        order = stream.shard_order(virtual_worker, step // per_pass)
+        first = (step % per_pass) * micro_batch
+        return [(stream.inputs[i], stream.labels[i]) for i in order[first : first + micro_batch]]
+
+    return items
+
+
+def stream_reference(job, steps, items):
+    """The plain single-process loop over a stream: per step, every VW's items (`items(step, vw)`) under
+    the VW's random stream, the mean loss over the whole global batch, one backward, one update."""
+    from pieces import Loss
+
+    from flexpar.core import batching
+    from flexpar.worker.user_code import build_model, build_optimizer
+
+    model = build_model(job)
+    optimizer, scheduler = build_optimizer(job, model)
+    loss_of = Loss(0.0)
+    collate = torch.utils.data.default_collate
+    for step in range(steps):
+        losses = []
+        for virtual_worker in range(job.virtual_workers):
+            batch = collate(items(step, virtual_worker))
+            torch.manual_seed(batching.virtual_worker_seed(job.seed, step, virtual_worker))
+            losses.append(loss_of(model, batch))
+        torch.stack(losses).mean().backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model
