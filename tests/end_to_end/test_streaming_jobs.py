@@ -9,6 +9,8 @@ kill -9, has the one-device run's digests.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pieces
 import pytest
 import stream_pieces
@@ -32,39 +34,69 @@ def _job(dataset, virtual_workers=6, **extra):
     return pieces.make_job(virtual_workers=virtual_workers, dataset=dataset, deterministic=True, **extra)
 
 
-def test_plain_stream_on_1_device_and_through_a_join_a_leave_and_a_kill(train, tmp_path):
-    """No shards: round-robin, step s = items s*B .. (s+1)*B-1 of the pass, on 1 device and on 2 with
-    +1, -1 and a kill -9 (the redone step reads the same items)."""
+def _joined(path, devices) -> bool:
+    """Some step ran on `devices` devices, every one of them running VWs (a joiner trained)."""
+    return any(
+        len(record["devices"]) == devices and all(record["assignment"])
+        for record in pieces.metrics_records(path)
+        if record["kind"] == "step"
+    )
+
+
+def test_plain_stream_on_1_device_and_through_joins_a_kill_and_a_leave(train, tmp_path):
+    """No shards: round-robin, step s = items s*B .. (s+1)*B-1 of the pass, on 1 device, and on 2 with
+    +2 (streamed joins: the joiners receive the positions with the state), a kill -9 of local-1 in
+    step 8 (the step redone from the committed positions) and -2 (the last device reads on)."""
     stream = stream_pieces.PairStream()
-    job = _job(stream, delay_s=0.02)
-    expected = stream_pieces.stream_reference(job, STEPS, stream_pieces.round_robin_items(stream, 48, 6))
-    one, summary = train(job, steps=STEPS, devices=1, metrics=str(tmp_path / "one.jsonl"))
-    assert summary["steps"] == STEPS
+    job = _job(stream)
+    steps = 16
+    expected = stream_pieces.stream_reference(job, steps, stream_pieces.round_robin_items(stream, 48, 6))
+    one, summary = train(job, steps=steps, devices=1, metrics=str(tmp_path / "one.jsonl"))
+    assert summary["steps"] == steps
     pieces.assert_same_parameters(one, expected, atol=ATOL)
+    # Slow steps until the joiners are in (however long their start takes), fast from then on.
+    job = dataclasses.replace(job, loss=pieces.SlowUntilJoined(pieces.Loss(), devices=4))
     elastic, _ = train(
         job,
-        steps=STEPS,
+        steps=steps,
         devices=2,
-        schedule="2:+1,5:-1",
-        faults="7:local-1:backward",
-        max_devices=3,
+        schedule="2:+2,12:-2",
+        faults="8:local-1:backward",
+        max_devices=4,
         metrics=str(tmp_path / "elastic.jsonl"),
     )
-    events = {record["event"] for record in _events(tmp_path / "elastic.jsonl")}
-    assert {"join", "leave", "failure"} <= events, events
+    events = _events(tmp_path / "elastic.jsonl")
+    assert {"join", "leave", "failure"} <= {record["event"] for record in events}, events
+    assert any("streamed" in record["detail"] for record in events if record["event"] == "join"), events
+    assert _joined(tmp_path / "elastic.jsonl", 4)
+    assert pieces.device_counts(pieces.metrics_records(tmp_path / "elastic.jsonl"))[-1] == 1
     assert _digests(tmp_path / "elastic.jsonl") == _digests(tmp_path / "one.jsonl")
     pieces.assert_same_parameters(elastic, expected, atol=ATOL)
 
 
-def test_sharded_stream_on_1_and_3_devices_with_a_kill(train, tmp_path):
-    """6 shards, 6 VWs: VW v reads shard v; 3 devices, one killed -9 in step 4, against 1 device."""
+def test_sharded_stream_on_1_device_and_through_a_blocking_join_and_a_kill(train, tmp_path):
+    """6 shards, 6 VWs: VW v reads shard v. 1 device, then 2 with +1 (a blocking transfer: the state and
+    the positions at once) and local-1 killed -9 in step 8."""
     stream = stream_pieces.ShardedPairs()
-    job = _job(stream, delay_s=0.01)
+    job = _job(stream)
     expected = stream_pieces.stream_reference(job, STEPS, stream_pieces.shard_items(stream, 8))
     one, _ = train(job, steps=STEPS, devices=1, metrics=str(tmp_path / "one.jsonl"))
     pieces.assert_same_parameters(one, expected, atol=ATOL)
-    three, _ = train(job, steps=STEPS, devices=3, faults="4:local-1:forward", metrics=str(tmp_path / "three.jsonl"))
-    assert [record["step"] for record in _events(tmp_path / "three.jsonl") if record["event"] == "failure"] == [4]
+    job = dataclasses.replace(job, loss=pieces.SlowUntilJoined(pieces.Loss(), devices=3))
+    three, _ = train(
+        job,
+        steps=STEPS,
+        devices=2,
+        schedule="2:+1",
+        join_stream_mb=0,
+        faults="8:local-1:forward",
+        max_devices=3,
+        metrics=str(tmp_path / "three.jsonl"),
+    )
+    events = _events(tmp_path / "three.jsonl")
+    assert any("blocking" in record["detail"] for record in events if record["event"] == "join"), events
+    assert [record["step"] for record in events if record["event"] == "failure"] == [8]
+    assert _joined(tmp_path / "three.jsonl", 3)
     assert _digests(tmp_path / "three.jsonl") == _digests(tmp_path / "one.jsonl")
     pieces.assert_same_parameters(three, expected, atol=ATOL)
 
