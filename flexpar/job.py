@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import sys
 import traceback
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional, Union
 
@@ -137,7 +138,9 @@ class Job:
     def _check_stream(self) -> None:
         """An iterable dataset: what flexpar/data refuses (one line each), and what streaming jobs do not
         support yet (docs/guide.md, streaming datasets)."""
-        describe(self.dataset)
+        source = describe(self.dataset)
+        if source.note:  # what flexpar changed in the pipeline (flexpar/data/sources.py), said once
+            warnings.warn(f"flexpar: {source.note}", stacklevel=4)
         if self.sample_cost is not None:
             raise ArgumentError(
                 "sample_cost= takes a sample's index, and a streaming dataset has none: balancing by cost "

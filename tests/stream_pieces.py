@@ -367,7 +367,7 @@ def stream_reference(job, steps, items):
     model = build_model(job)
     optimizer, scheduler = build_optimizer(job, model)
     loss_of = Loss(0.0)
-    collate = torch.utils.data.default_collate
+    collate = job.collate_fn or torch.utils.data.default_collate
     for step in range(steps):
         losses = []
         for virtual_worker in range(job.virtual_workers):
@@ -380,3 +380,39 @@ def stream_reference(job, steps, items):
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     return model
+
+
+def huggingface_pairs(shards=6, per_shard=76, buffer_size=32, seed=3):
+    """pieces.make_dataset's pairs as a Hugging Face IterableDataset of `shards` shards, shuffled with a
+    buffer (its state_dict() then leaves the buffer out: flexpar positions it by skipping)."""
+    from datasets import Dataset
+    from pieces import make_dataset
+
+    inputs, labels = make_dataset(shards * per_shard).tensors
+    table = Dataset.from_dict({"inputs": inputs.tolist(), "label": labels.tolist()})
+    return table.to_iterable_dataset(num_shards=shards).shuffle(seed=seed, buffer_size=buffer_size)
+
+
+def collate_rows(rows):
+    """Hugging Face rows ({"inputs": [...], "label": k}) -> (inputs, labels), as pieces.Loss takes them."""
+    inputs = torch.tensor([row["inputs"] for row in rows], dtype=torch.float32)
+    return inputs, torch.tensor([row["label"] for row in rows])
+
+
+def huggingface_items(dataset, virtual_workers, micro_batch, steps):
+    """items(step, vw) of a Hugging Face dataset of one shard per VW, as a plain loop reads them: VW v
+    iterates `dataset.shard(num_shards=V, index=v)` pass after pass (`set_epoch(pass)` first), a pass's
+    last items that do not fill a micro-batch dropped."""
+    read = {}
+    for virtual_worker in range(virtual_workers):
+        batches = []
+        epoch = 0
+        while len(batches) < steps:
+            shard = dataset.shard(num_shards=virtual_workers, index=virtual_worker)
+            shard.set_epoch(epoch)
+            rows = list(shard)
+            whole = len(rows) // micro_batch
+            batches += [rows[k * micro_batch : (k + 1) * micro_batch] for k in range(whole)]
+            epoch += 1
+        read[virtual_worker] = batches
+    return lambda step, virtual_worker: read[virtual_worker][step]

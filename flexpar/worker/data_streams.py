@@ -14,7 +14,7 @@ flexpar/core/stream_split.py's.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from flexpar.data import VirtualWorkerStreams, describe
 
@@ -45,13 +45,13 @@ class DataStreams:
     not since the last load), so `hold` is asked once per step.
     """
 
-    def __init__(self, job, source=None):
+    def __init__(self, job, say: Callable[[str], None] = lambda line: None, source=None):
         self.job = job
+        self.say = say  # a line on the device's stderr: what reaching restored positions cost
         self.source = source if source is not None else describe(job.dataset)
         self.virtual_workers = job.virtual_workers
         self.reader = self._new_reader()
         self.ready_at: Optional[int] = None
-        self.restores: list = []  # how positions were reached (state / skip), for the boundary's event
 
     def _new_reader(self) -> VirtualWorkerStreams:
         job = self.job
@@ -69,8 +69,6 @@ class DataStreams:
         if self.ready_at != step:
             self.reader.hold(range(self.virtual_workers), step)
             self.ready_at = step
-            self.restores.extend(self.reader.restores)
-            self.reader.restores.clear()
 
     def batch(self, step: int, virtual_worker: int):
         """The batch of `virtual_worker` at `step` (the loader's interface: StepRun reads it so)."""
@@ -99,13 +97,17 @@ class DataStreams:
             self.reader = self._new_reader()
         self.reader.load(state)
         self.ready_at = None
+        self.reader.restores.clear()
         self._ready(step)  # the skip (or the dataset's own load_state_dict) is paid here, in the boundary
         self.reader.commit(step)
-
-    def take_restores(self) -> list:
-        """The `Restore` records since the last call (group, step, how, items skipped, seconds)."""
-        taken, self.restores = self.restores, []
-        return taken
+        skipped = [restore for restore in self.reader.restores if restore.how == "skip"]
+        if skipped:  # a dataset without a complete state: its positions were reached by reading
+            items, seconds = sum(r.skipped for r in skipped), sum(r.seconds for r in skipped)
+            self.say(
+                f"stream positions of step {step}: {len(skipped)} of {self.reader.split.groups} stream groups "
+                f"reached by skipping {items} items ({seconds:.2f} s; a dataset with a complete state_dict() "
+                "loads its position instead)"
+            )
 
     def close(self) -> None:
         """Close every stream read here (and its DataLoader processes)."""

@@ -95,7 +95,7 @@ class Worker:
         self.forward_model, self.scaler = training.forward_model, training.scaler
         self.reaper = GroupReaper()
         # A streaming dataset: one owner of every VW stream and its committed position (data_streams.py).
-        self.data_streams = DataStreams(self.job) if is_stream(self.job.dataset) else None
+        self.data_streams = DataStreams(self.job, self._say) if is_stream(self.job.dataset) else None
         self.loader = self.data_streams or VirtualWorkerLoader(
             self.job,
             lambda step: self.step_loop.plan(step),
