@@ -14,6 +14,7 @@ import dataclasses
 import pieces
 import pytest
 import stream_pieces
+import torch
 
 import flexpar
 from flexpar.errors import ArgumentError
@@ -140,3 +141,39 @@ def test_what_a_streaming_job_refuses_before_any_process_starts(train):
     with pytest.raises(ArgumentError, match="sample_ledger=True"):
         train(job, steps=1, devices=1, sample_ledger=True)
     assert flexpar.Job is type(job)
+
+
+# A streaming job whose driver is killed -9 in step 6's forward; the devices wait, the resume command
+# they print restarts the driver, which re-adopts them with their stream positions.
+DRIVER_KILLED = """
+import stream_pieces
+import torch
+if __name__ == "__main__":
+    import os, torch
+    job = pieces.make_job(virtual_workers=6, dataset=stream_pieces.PairStream(), delay_s=0.02)
+    model, summary = job.fit(
+        steps={steps}, devices=2, port=int(os.environ["TEST_PORT"]), faults="6:driver:forward", driver_grace_s=60
+    )
+    torch.save(model.state_dict(), "final.pt")
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_driver_killed_and_restarted_re_adopts_the_devices_with_their_positions(
+    tmp_path, command_line_job, monkeypatch
+):
+    from conftest import free_port
+    from test_driver_loss import _restart_until_done
+
+    monkeypatch.setenv("TEST_PORT", str(free_port()))
+    drivers, records, said = _restart_until_done(tmp_path, command_line_job, DRIVER_KILLED.format(steps=STEPS), 1)
+    out = "".join(drivers[-1].output())
+    assert "re-adopted 2 devices (local-0, local-1)" in out and "no checkpoint read" in out, out
+    assert [record["event"] for record in records if record["kind"] == "event"].count("adopt") == 1
+    assert [record["step"] for record in records if record["kind"] == "step"] == list(range(STEPS))
+    model = pieces.make_model()
+    model.load_state_dict(torch.load(tmp_path / "final.pt", weights_only=True))
+    stream = stream_pieces.PairStream()
+    job = pieces.make_job(virtual_workers=6, dataset=stream)
+    expected = stream_pieces.stream_reference(job, STEPS, stream_pieces.round_robin_items(stream, 48, 6))
+    pieces.assert_same_parameters(model, expected, atol=ATOL)
