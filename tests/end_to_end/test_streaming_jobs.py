@@ -102,6 +102,17 @@ def test_sharded_stream_on_1_device_and_through_a_blocking_join_and_a_kill(train
     pieces.assert_same_parameters(three, expected, atol=ATOL)
 
 
+def test_dataloader_processes_keep_the_bits(train, tmp_path):
+    """num_workers=2: each stream group read behind a DataLoader of 2 processes (its order is that
+    loader's); 2 devices, one killed -9 in step 3, have the one device's digests."""
+    job = _job(stream_pieces.ShardedPairs(), num_workers=2)
+    train(job, steps=8, devices=1, metrics=str(tmp_path / "one.jsonl"))
+    train(job, steps=8, devices=2, faults="3:local-1:forward", metrics=str(tmp_path / "two.jsonl"))
+    assert [record["event"] for record in _events(tmp_path / "two.jsonl")].count("failure") == 1
+    assert _digests(tmp_path / "two.jsonl") == _digests(tmp_path / "one.jsonl")
+    assert len({digest for _, digest in _digests(tmp_path / "one.jsonl")}) == 8
+
+
 def test_resume_on_another_device_count_continues_at_the_next_item(train, tmp_path):
     """A Hugging Face stream, to_iterable_dataset(num_shards=6) with a shuffle buffer (its own state
     leaves the buffer out: positioned by skipping). 2 devices checkpoint step 6; the resume on 3
