@@ -330,6 +330,18 @@ class ShardedPairs(IterableDataset):
                 yield self.inputs[index], self.labels[index]
 
 
+class SplitsByRank(PairStream):
+    """Reads the rank to keep its own share: would split a second time, by a rank that changes."""
+
+    def __iter__(self):
+        import torch.distributed as dist
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        for k, pair in enumerate(super().__iter__()):
+            if k % world == rank:
+                yield pair
+
+
 def round_robin_items(stream, global_batch, virtual_workers):
     """items(step, vw) of a plain stream as a plain loop reads it: step s trains on items s*B .. (s+1)*B-1
     of the pass (a pass of n items is n // B steps, its last n % B items dropped), VW v on v, v+V, ..."""

@@ -146,6 +146,8 @@ def test_what_a_streaming_job_refuses_before_any_process_starts(train):
         pieces.make_job(dataset=stream, eval_dataset=stream, evaluate=len)
     with pytest.raises(ArgumentError, match="is an iterator"):
         pieces.make_job(dataset=iter(stream))
+    with pytest.raises(ArgumentError, match="get_rank"):
+        pieces.make_job(dataset=stream_pieces.SplitsByRank())
     job = pieces.make_job(dataset=stream)
     with pytest.raises(ArgumentError, match="epochs= needs"):
         train(job, epochs=1, devices=1)
