@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import evaluation_pieces
 import pieces
 import pytest
 import stream_pieces
@@ -18,6 +19,7 @@ import torch
 
 import flexpar
 from flexpar.errors import ArgumentError
+from flexpar.worker.evaluator import evaluate_all
 
 STEPS = 12
 ATOL = 1e-6  # exact sums against the float loop: last-bit differences, a few ulps over 12 steps
@@ -77,13 +79,19 @@ def test_plain_stream_on_1_device_and_through_joins_a_kill_and_a_leave(train, tm
 
 def test_sharded_stream_on_1_device_and_through_a_blocking_join_and_a_kill(train, tmp_path):
     """6 shards, 6 VWs: VW v reads shard v. 1 device, then 2 with +1 (a blocking transfer: the state and
-    the positions at once) and local-1 killed -9 in step 8."""
+    the positions at once) and local-1 killed -9 in step 8; the second run evaluates a map-style
+    evaluation set beside the stream (every 6 steps and after the last)."""
     stream = stream_pieces.ShardedPairs()
     job = _job(stream)
     expected = stream_pieces.stream_reference(job, STEPS, stream_pieces.shard_items(stream, 8))
     one, _ = train(job, steps=STEPS, devices=1, metrics=str(tmp_path / "one.jsonl"))
     pieces.assert_same_parameters(one, expected, atol=ATOL)
-    job = dataclasses.replace(job, loss=pieces.SlowUntilJoined(pieces.Loss(), devices=3))
+    job = dataclasses.replace(
+        job,
+        loss=pieces.SlowUntilJoined(pieces.Loss(), devices=3),
+        eval_dataset=evaluation_pieces.make_eval_dataset(),
+        evaluate=evaluation_pieces.Evaluate(),
+    )
     three, _ = train(
         job,
         steps=STEPS,
@@ -92,8 +100,12 @@ def test_sharded_stream_on_1_device_and_through_a_blocking_join_and_a_kill(train
         join_stream_mb=0,
         faults="8:local-1:forward",
         max_devices=3,
+        eval_every=6,
         metrics=str(tmp_path / "three.jsonl"),
     )
+    evals = [record for record in pieces.metrics_records(tmp_path / "three.jsonl") if record["kind"] == "eval"]
+    assert [record["step"] for record in evals] == [6, 12]
+    evaluation_pieces.assert_metrics_equal(evals[-1]["metrics"], evaluate_all(job, expected), rtol=1e-4)
     events = _events(tmp_path / "three.jsonl")
     assert any("blocking" in record["detail"] for record in events if record["event"] == "join"), events
     assert [record["step"] for record in events if record["event"] == "failure"] == [8]
