@@ -330,6 +330,32 @@ class ShardedPairs(IterableDataset):
                 yield self.inputs[index], self.labels[index]
 
 
+class StatefulPairs(PairStream):
+    """PairStream with torchdata's Stateful protocol: state_dict() is (pass, items of it yielded), a
+    complete position, so flexpar restores it with load_state_dict instead of skipping."""
+
+    def __init__(self, size=456):
+        super().__init__(size)
+        self._next = 0
+
+    def set_epoch(self, epoch):
+        if epoch != self.epoch:
+            self.epoch, self._next = epoch, 0
+
+    def __iter__(self):
+        order = self.order(self.epoch)
+        while self._next < len(order):
+            index = order[self._next]
+            self._next += 1
+            yield self.inputs[index], self.labels[index]
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "next": self._next}
+
+    def load_state_dict(self, state):
+        self.epoch, self._next = state["epoch"], state["next"]
+
+
 class SplitsByRank(PairStream):
     """Reads the rank to keep its own share: would split a second time, by a rank that changes."""
 

@@ -114,6 +114,31 @@ def test_sharded_stream_on_1_device_and_through_a_blocking_join_and_a_kill(train
     pieces.assert_same_parameters(three, expected, atol=ATOL)
 
 
+def test_a_stateful_stream_moves_by_its_own_state(train, tmp_path):
+    """A dataset with state_dict()/load_state_dict() (a complete position): a blocking join at step 2
+    and a resume from step 6 on another device count restore it by its state (no skipping)."""
+    stream = stream_pieces.StatefulPairs()
+    job = _job(stream)
+    folder = str(tmp_path / "checkpoints")
+    joining = dataclasses.replace(job, loss=pieces.SlowUntilJoined(pieces.Loss(), devices=3))
+    train(
+        joining,
+        steps=6,
+        devices=2,
+        schedule="2:+1",
+        join_stream_mb=0,
+        max_devices=3,
+        checkpoint_every=6,
+        checkpoint_dir=folder,
+        metrics=str(tmp_path / "a.jsonl"),
+    )
+    assert _joined(tmp_path / "a.jsonl", 3)
+    model, summary = train(job, steps=STEPS, devices=1, checkpoint_dir=folder, resume=True)
+    assert summary["resumed_from"] == 6
+    expected = stream_pieces.stream_reference(job, STEPS, stream_pieces.round_robin_items(stream, 48, 6))
+    pieces.assert_same_parameters(model, expected, atol=ATOL)
+
+
 def test_dataloader_processes_keep_the_bits(train, tmp_path):
     """num_workers=2: each stream group read behind a DataLoader of 2 processes (its order is that
     loader's); 2 devices, one killed -9 in step 3, have the one device's digests."""
