@@ -140,7 +140,7 @@ class Job:
         support yet (docs/guide.md, streaming datasets)."""
         source = describe(self.dataset)
         if source.note:  # what flexpar changed in the pipeline (flexpar/data/sources.py), said once
-            warnings.warn(f"flexpar: {source.note}", stacklevel=4)
+            warnings.warn(f"flexpar: {source.note}", stacklevel=5)  # at the Job(...) call
         if self.sample_cost is not None:
             raise ArgumentError(
                 "sample_cost= takes a sample's index, and a streaming dataset has none: balancing by cost "

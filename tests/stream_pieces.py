@@ -454,3 +454,37 @@ def huggingface_items(dataset, virtual_workers, micro_batch, steps):
             epoch += 1
         read[virtual_worker] = batches
     return lambda step, virtual_worker: read[virtual_worker][step]
+
+
+class TarRows:
+    """collate_fn for a WebDataset of write_tar_shards(directory, [per_shard] * n): each sample's
+    "shard:index" text names row shard * per_shard + index of pieces.make_dataset(n * per_shard)."""
+
+    def __init__(self, shards=6, per_shard=76):
+        from pieces import make_dataset
+
+        self.inputs, self.labels = make_dataset(shards * per_shard).tensors
+        self.per_shard = per_shard
+
+    def rows(self, samples):
+        rows = []
+        for sample in samples:
+            shard, index = (int(part) for part in sample["txt"].split(":"))
+            rows.append(shard * self.per_shard + index)
+        return rows
+
+    def __call__(self, samples):
+        rows = self.rows(samples)
+        return self.inputs[rows], self.labels[rows]
+
+
+def tar_items(per_shard, micro_batch):
+    """items(step, vw) of the tar shards with one shard per VW, read in order every pass (the samples'
+    text only: what TarRows collates)."""
+    per_pass = per_shard // micro_batch
+
+    def items(step, virtual_worker):
+        first = (step % per_pass) * micro_batch
+        return [{"txt": f"{virtual_worker}:{index}"} for index in range(first, first + micro_batch)]
+
+    return items

@@ -139,6 +139,19 @@ def test_a_stateful_stream_moves_by_its_own_state(train, tmp_path):
     pieces.assert_same_parameters(model, expected, atol=ATOL)
 
 
+def test_a_webdataset_pipeline_over_tar_shards(train, tmp_path):
+    """6 tar shards the test writes, one per VW; 3 devices, one killed -9 in step 5. WebDataset's default
+    node splitter (single_node_only) is replaced, and the Job says so."""
+    paths = stream_pieces.write_tar_shards(tmp_path, [76] * 6)
+    rows = stream_pieces.TarRows()
+    with pytest.warns(UserWarning, match="single_node_only"):
+        job = _job(stream_pieces.webdataset_stream(paths), collate_fn=rows)
+    model, _ = train(job, steps=STEPS, devices=3, faults="5:local-2:forward", metrics=str(tmp_path / "m.jsonl"))
+    assert [record["step"] for record in _events(tmp_path / "m.jsonl") if record["event"] == "failure"] == [5]
+    expected = stream_pieces.stream_reference(job, STEPS, stream_pieces.tar_items(76, 8))
+    pieces.assert_same_parameters(model, expected, atol=ATOL)
+
+
 def test_dataloader_processes_keep_the_bits(train, tmp_path):
     """num_workers=2: each stream group read behind a DataLoader of 2 processes (its order is that
     loader's); 2 devices, one killed -9 in step 3, have the one device's digests."""
