@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import sys
 import traceback
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional, Union
 
@@ -23,6 +24,7 @@ from torch import nn
 from flexpar import options as options_module
 from flexpar import recipes
 from flexpar.core import batching
+from flexpar.data import describe, is_stream
 from flexpar.driver import launch
 from flexpar.errors import ArgumentError, TrainingError, UserCodeError
 from flexpar.worker.settings import EXIT_MAIN_GUARD
@@ -46,7 +48,9 @@ class Job:
     loss:           loss(model, batch) -> scalar mean loss of the batch, or a pair
                     (loss_sum, count): the gradient is then the token mean of the whole
                     global batch, sum of loss_sum / sum of count over every VW and device
-    dataset:        any map-style torch Dataset
+    dataset:        any map-style torch Dataset, or an iterable one (a torch IterableDataset, a Hugging
+                    Face datasets.IterableDataset): split into V streams, one per VW, whose positions are
+                    training state (docs/guide.md, streaming datasets); fit() then needs steps=
     global_batch:   samples per optimizer step, independent of the device count
     virtual_workers / micro_batch: how the global batch is cut (give one)
     lr_scheduler:   optional, maps the optimizer to a scheduler stepped once per step
@@ -113,9 +117,14 @@ class Job:
         if isinstance(self.global_batch, bool) or not isinstance(self.global_batch, int) or self.global_batch < 1:
             raise ArgumentError(f"global_batch={self.global_batch!r} must be a positive whole number")
         object.__setattr__(self, "virtual_workers", self._virtual_workers())
-        if not hasattr(self.dataset, "__getitem__") or not hasattr(self.dataset, "__len__"):
-            raise ArgumentError("dataset= must be a map-style Dataset (with __getitem__ and __len__)")
-        if len(self.dataset) < self.global_batch:
+        if is_stream(self.dataset):
+            self._check_stream()
+        elif not hasattr(self.dataset, "__getitem__") or not hasattr(self.dataset, "__len__"):
+            raise ArgumentError(
+                "dataset= must be a map-style Dataset (with __getitem__ and __len__) or an iterable one "
+                "(a torch IterableDataset)"
+            )
+        elif len(self.dataset) < self.global_batch:
             raise ArgumentError(
                 f"the dataset has {len(self.dataset)} samples, fewer than one global batch of "
                 f"{self.global_batch}; use a smaller global_batch or more data"
@@ -125,6 +134,28 @@ class Job:
         self._check_evaluation()
         self._check_recipe()
         self._check_sharding()
+
+    def _check_stream(self) -> None:
+        """An iterable dataset: what flexpar/data refuses (one line each), and what streaming jobs do not
+        support yet (docs/guide.md, streaming datasets)."""
+        source = describe(self.dataset)
+        if source.note:  # what flexpar changed in the pipeline (flexpar/data/sources.py), said once
+            warnings.warn(f"flexpar: {source.note}", stacklevel=5)  # at the Job(...) call
+        if self.sample_cost is not None:
+            raise ArgumentError(
+                "sample_cost= takes a sample's index, and a streaming dataset has none: balancing by cost "
+                "is for map-style datasets (not supported with an iterable dataset= yet)"
+            )
+        if self.shard_optimizer:
+            raise ArgumentError(
+                "shard_optimizer= with an iterable dataset= is not supported yet: train the stream with "
+                "shard_optimizer=False, or use a map-style dataset"
+            )
+
+    @property
+    def streaming(self) -> bool:
+        """Whether dataset= is an iterable (streaming) dataset (flexpar/data)."""
+        return is_stream(self.dataset)
 
     def _check_pieces(self) -> None:
         """model, optimizer, loss, lr_scheduler and sample_cost are functions; a model or optimizer
@@ -253,7 +284,10 @@ class Job:
                 f"evaluate= must be a function evaluate(model, batch) -> dict (got {type(self.evaluate).__name__})"
             )
         if not hasattr(self.eval_dataset, "__getitem__") or not hasattr(self.eval_dataset, "__len__"):
-            raise ArgumentError("eval_dataset= must be a map-style Dataset (with __getitem__ and __len__)")
+            raise ArgumentError(
+                "eval_dataset= must be a map-style Dataset (with __getitem__ and __len__): an iterable "
+                "evaluation set is not supported yet"
+            )
         if len(self.eval_dataset) < 1:
             raise ArgumentError("eval_dataset= is empty")
         if self.eval_batch is not None and (
@@ -301,6 +335,11 @@ class Job:
         return self.global_batch // self.virtual_workers
 
     def steps_per_epoch(self) -> int:
+        if self.streaming:
+            raise ArgumentError(
+                "epochs= needs the steps of an epoch, and a streaming dataset's length is not known: give "
+                "steps= (steps beyond the end of the stream start its next pass)"
+            )
         return batching.steps_per_epoch(len(self.dataset), self.global_batch)
 
     def fit(self, steps=None, epochs=None, devices=None, **options) -> FitResult:

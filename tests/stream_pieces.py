@@ -265,3 +265,226 @@ def schedule_items(
     for device, _ in devices:
         device.close()
     return result, events
+
+
+# ------------------------------------------------------------ streaming jobs (tests/end_to_end/test_streaming_jobs.py)
+
+
+class PairStream(IterableDataset):
+    """No shards, no state: (inputs, label) pairs of pieces.make_dataset(size), pass p rotated by 7p items.
+
+    With the default 456 items and a global batch of 48 a pass is 9 steps and 24 items (dropped)."""
+
+    def __init__(self, size=456):
+        from pieces import make_dataset
+
+        self.inputs, self.labels = make_dataset(size).tensors
+        self.epoch = 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def order(self, epoch):
+        size = len(self.labels)
+        return [(k + 7 * epoch) % size for k in range(size)]
+
+    def __iter__(self):
+        for index in self.order(self.epoch):
+            yield self.inputs[index], self.labels[index]
+
+
+class ShardedPairs(IterableDataset):
+    """flexpar's shard protocol over (inputs, label) pairs: `shards` shards of `per_shard` items each;
+    odd passes read a shard backwards."""
+
+    def __init__(self, shards=6, per_shard=76, chosen=None):
+        from pieces import make_dataset
+
+        self.inputs, self.labels = make_dataset(shards * per_shard).tensors
+        self.per_shard = per_shard
+        self.total = shards
+        self.chosen = list(range(shards)) if chosen is None else list(chosen)
+        self.epoch = 0
+
+    @property
+    def n_shards(self):
+        return len(self.chosen)
+
+    def shard(self, num_shards, index):
+        per = len(self.chosen) // num_shards
+        picked = ShardedPairs.__new__(ShardedPairs)
+        picked.__dict__.update(self.__dict__)
+        picked.chosen = self.chosen[index * per : (index + 1) * per]
+        return picked
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def shard_order(self, shard, epoch):
+        indices = [shard * self.per_shard + k for k in range(self.per_shard)]
+        return indices[::-1] if epoch % 2 else indices
+
+    def __iter__(self):
+        for shard in self.chosen:
+            for index in self.shard_order(shard, self.epoch):
+                yield self.inputs[index], self.labels[index]
+
+
+class StatefulPairs(PairStream):
+    """PairStream with torchdata's Stateful protocol: state_dict() is (pass, items of it yielded), a
+    complete position, so flexpar restores it with load_state_dict instead of skipping."""
+
+    def __init__(self, size=456):
+        super().__init__(size)
+        self._next = 0
+
+    def set_epoch(self, epoch):
+        if epoch != self.epoch:
+            self.epoch, self._next = epoch, 0
+
+    def __iter__(self):
+        order = self.order(self.epoch)
+        while self._next < len(order):
+            index = order[self._next]
+            self._next += 1
+            yield self.inputs[index], self.labels[index]
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "next": self._next}
+
+    def load_state_dict(self, state):
+        self.epoch, self._next = state["epoch"], state["next"]
+
+
+class SplitsByRank(PairStream):
+    """Reads the rank to keep its own share: would split a second time, by a rank that changes."""
+
+    def __iter__(self):
+        import torch.distributed as dist
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        for k, pair in enumerate(super().__iter__()):
+            if k % world == rank:
+                yield pair
+
+
+def round_robin_items(stream, global_batch, virtual_workers):
+    """items(step, vw) of a plain stream as a plain loop reads it: step s trains on items s*B .. (s+1)*B-1
+    of the pass (a pass of n items is n // B steps, its last n % B items dropped), VW v on v, v+V, ..."""
+    per_pass = len(stream.labels) // global_batch
+
+    def items(step, virtual_worker):
+        order = stream.order(step // per_pass)
+        first = (step % per_pass) * global_batch
+        chunk = order[first : first + global_batch]
+        return [(stream.inputs[i], stream.labels[i]) for i in chunk[virtual_worker::virtual_workers]]
+
+    return items
+
+
+def shard_items(stream, micro_batch):
+    """items(step, vw) of ShardedPairs with one shard per VW: VW v reads shard v, micro_batch items a step."""
+    per_pass = stream.per_shard // micro_batch
+
+    def items(step, virtual_worker):
+        order = stream.shard_order(virtual_worker, step // per_pass)
+        first = (step % per_pass) * micro_batch
+        return [(stream.inputs[i], stream.labels[i]) for i in order[first : first + micro_batch]]
+
+    return items
+
+
+def stream_reference(job, steps, items):
+    """The plain single-process loop over a stream: per step, every VW's items (`items(step, vw)`) under
+    the VW's random stream, the mean loss over the whole global batch, one backward, one update."""
+    from pieces import Loss
+
+    from flexpar.core import batching
+    from flexpar.worker.user_code import build_model, build_optimizer
+
+    model = build_model(job)
+    optimizer, scheduler = build_optimizer(job, model)
+    loss_of = Loss(0.0)
+    collate = job.collate_fn or torch.utils.data.default_collate
+    for step in range(steps):
+        losses = []
+        for virtual_worker in range(job.virtual_workers):
+            batch = collate(items(step, virtual_worker))
+            torch.manual_seed(batching.virtual_worker_seed(job.seed, step, virtual_worker))
+            losses.append(loss_of(model, batch))
+        torch.stack(losses).mean().backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model
+
+
+def huggingface_pairs(shards=6, per_shard=76, buffer_size=32, seed=3):
+    """pieces.make_dataset's pairs as a Hugging Face IterableDataset of `shards` shards, shuffled with a
+    buffer (its state_dict() then leaves the buffer out: flexpar positions it by skipping)."""
+    from datasets import Dataset
+    from pieces import make_dataset
+
+    inputs, labels = make_dataset(shards * per_shard).tensors
+    table = Dataset.from_dict({"inputs": inputs.tolist(), "label": labels.tolist()})
+    return table.to_iterable_dataset(num_shards=shards).shuffle(seed=seed, buffer_size=buffer_size)
+
+
+def collate_rows(rows):
+    """Hugging Face rows ({"inputs": [...], "label": k}) -> (inputs, labels), as pieces.Loss takes them."""
+    inputs = torch.tensor([row["inputs"] for row in rows], dtype=torch.float32)
+    return inputs, torch.tensor([row["label"] for row in rows])
+
+
+def huggingface_items(dataset, virtual_workers, micro_batch, steps):
+    """items(step, vw) of a Hugging Face dataset of one shard per VW, as a plain loop reads them: VW v
+    iterates `dataset.shard(num_shards=V, index=v)` pass after pass (`set_epoch(pass)` first), a pass's
+    last items that do not fill a micro-batch dropped."""
+    read = {}
+    for virtual_worker in range(virtual_workers):
+        batches = []
+        epoch = 0
+        while len(batches) < steps:
+            shard = dataset.shard(num_shards=virtual_workers, index=virtual_worker)
+            shard.set_epoch(epoch)
+            rows = list(shard)
+            whole = len(rows) // micro_batch
+            batches += [rows[k * micro_batch : (k + 1) * micro_batch] for k in range(whole)]
+            epoch += 1
+        read[virtual_worker] = batches
+    return lambda step, virtual_worker: read[virtual_worker][step]
+
+
+class TarRows:
+    """collate_fn for a WebDataset of write_tar_shards(directory, [per_shard] * n): each sample's
+    "shard:index" text names row shard * per_shard + index of pieces.make_dataset(n * per_shard)."""
+
+    def __init__(self, shards=6, per_shard=76):
+        from pieces import make_dataset
+
+        self.inputs, self.labels = make_dataset(shards * per_shard).tensors
+        self.per_shard = per_shard
+
+    def rows(self, samples):
+        rows = []
+        for sample in samples:
+            shard, index = (int(part) for part in sample["txt"].split(":"))
+            rows.append(shard * self.per_shard + index)
+        return rows
+
+    def __call__(self, samples):
+        rows = self.rows(samples)
+        return self.inputs[rows], self.labels[rows]
+
+
+def tar_items(per_shard, micro_batch):
+    """items(step, vw) of the tar shards with one shard per VW, read in order every pass (the samples'
+    text only: what TarRows collates)."""
+    per_pass = per_shard // micro_batch
+
+    def items(step, virtual_worker):
+        first = (step % per_pass) * micro_batch
+        return [{"txt": f"{virtual_worker}:{index}"} for index in range(first, first + micro_batch)]
+
+    return items

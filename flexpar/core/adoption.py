@@ -254,7 +254,12 @@ def fingerprint(job, settings, version: str) -> dict:
     checked by the coordinator as for a joiner; this covers the rest of the job: its plain fields,
     which optional pieces it has, its dataset's size, and the run settings the collectives depend on.
     """
-    values = {"version": version, "dataset_size": len(job.dataset)}
+    sized = hasattr(job.dataset, "__getitem__") and hasattr(job.dataset, "__len__")
+    try:
+        size = len(job.dataset) if sized else "stream"
+    except TypeError:  # a torch IterableDataset (its __getitem__ is Dataset's) without a length
+        size = "stream"
+    values = {"version": version, "dataset_size": size}
     values.update({name: _plain(getattr(job, name, None)) for name in _JOB_FIELDS})
     values.update({f"has_{name}": getattr(job, name, None) is not None for name in _JOB_PIECES})
     values.update({name: _plain(getattr(settings, name)) for name in _SETTINGS_FIELDS})

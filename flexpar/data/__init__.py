@@ -7,7 +7,7 @@ and the pass-end rule are pure: flexpar/core/stream_split.py. The worker owns a
 `VirtualWorkerStreams` where it owns a `VirtualWorkerLoader` for map-style data.
 """
 
-from flexpar.data.sources import StreamSource, describe
+from flexpar.data.sources import StreamSource, describe, is_stream
 from flexpar.data.streams import Restore, VirtualWorkerStreams
 
-__all__ = ["Restore", "StreamSource", "VirtualWorkerStreams", "describe"]
+__all__ = ["Restore", "StreamSource", "VirtualWorkerStreams", "describe", "is_stream"]

@@ -167,6 +167,19 @@ def _copy(dataset):
         return dataset
 
 
+def is_stream(dataset) -> bool:
+    """Whether `dataset=` is an iterable (streaming) dataset rather than a map-style one: a torch
+    `IterableDataset` (a Hugging Face `datasets.IterableDataset` is one), or anything iterable
+    without both `__getitem__` and `__len__`."""
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return True
+    hf = sys.modules.get("datasets")
+    if hf is not None and isinstance(dataset, getattr(hf, "IterableDataset", ())):
+        return True
+    mapped = hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
+    return not mapped and callable(getattr(dataset, "__iter__", None))
+
+
 def describe(dataset) -> StreamSource:
     """What `dataset` is to the split; ArgumentError (one line: what to remove) for what is refused."""
     if not callable(getattr(dataset, "__iter__", None)):

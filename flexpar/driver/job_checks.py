@@ -30,7 +30,7 @@ from flexpar.core.shard_state import ELEMENTWISE, UNSHARDABLE
 from flexpar.errors import UserCodeError
 from flexpar.worker import checkpoints
 from flexpar.worker.cost_planner import sample_costs
-from flexpar.worker.loader import load_batch
+from flexpar.worker.loader import first_batch
 from flexpar.worker.user_code import loss_terms, nonfinite_message
 
 
@@ -63,8 +63,7 @@ def pickle_pieces(job) -> bytes:
 
 def first_batch_check(job, model: nn.Module) -> None:
     """Run the loss on virtual worker 0 of step 0 in the driver, to report errors once."""
-    indices = batching.virtual_worker_indices(job.seed, 0, 0, len(job.dataset), job.global_batch, job.virtual_workers)
-    batch = load_batch(job, indices, batching.data_seed(job.seed, 0, 0))
+    batch = first_batch(job)
     if not torch.cuda.is_available():  # a CPU job: the workers' device type is known here already
         recipes.check_mixed_precision(job, "cpu")
         recipes.check_compile(job, "cpu")
@@ -81,7 +80,10 @@ def first_batch_check(job, model: nn.Module) -> None:
         model.train(was_training)
     if not math.isfinite(value):
         raise UserCodeError(nonfinite_message(0, 0))
-    if job.sample_cost is not None:
+    if job.sample_cost is not None:  # map-style only (Job refuses it with a stream)
+        indices = batching.virtual_worker_indices(
+            job.seed, 0, 0, len(job.dataset), job.global_batch, job.virtual_workers
+        )
         check_sample_cost(job, indices)
 
 

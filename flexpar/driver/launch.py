@@ -42,6 +42,7 @@ from flexpar.driver.coordinator import Coordinator
 from flexpar.driver.fork_server import worker_context
 from flexpar.driver.job_checks import check_checkpoint_folder, check_sharding, first_batch_check, pickle_pieces
 from flexpar.driver.local_devices import LocalDevices, detect_devices
+from flexpar.errors import ArgumentError
 from flexpar.observe import trackers as trackers_module
 from flexpar.observe.log_lines import format_sharding
 from flexpar.options import FitOptions, is_loopback
@@ -107,6 +108,14 @@ def run(job, options: FitOptions) -> tuple:
 def _check_job(job, options: FitOptions) -> CheckedJob:
     """Everything that can be checked before any process starts (the folder was checked and taken before);
     raises the first problem found."""
+    if job.streaming:  # what a streaming job does not support yet (docs/guide.md, streaming datasets)
+        if options.steps is None:
+            job.steps_per_epoch()  # raises: epochs= needs a length a stream does not have
+        if options.sample_ledger:
+            raise ArgumentError(
+                "sample_ledger=True counts a map-style dataset's sample indices: not supported with an "
+                "iterable dataset= yet"
+            )
     kind, available, backend = detect_devices(options.backend)
     context = worker_context(options.verbose)
     initial = options.devices or (available if kind == "cuda" else 1)

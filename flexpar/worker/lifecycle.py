@@ -29,11 +29,13 @@ from flexpar.comm import state_transfer as training_state
 from flexpar.comm.collectives import GroupReaper, PeerFailure, collective, wait_for_collective
 from flexpar.comm.protocol import adopt_proof, get_blob, get_json, join_proof, put_blob, tell_driver
 from flexpar.core import adoption
+from flexpar.data import is_stream
 from flexpar.version import __version__
 from flexpar.worker import checkpoints, orphan
 from flexpar.worker.boundaries import Boundaries
 from flexpar.worker.committed import CommittedStep
 from flexpar.worker.cost_planner import CostPlanner
+from flexpar.worker.data_streams import DataStreams
 from flexpar.worker.determinism import ExactSteps
 from flexpar.worker.device_link import DeviceLink, DriverLost, Evicted
 from flexpar.worker.evaluator import Evaluation
@@ -64,7 +66,7 @@ class Worker:
     Each piece of the device's state has one owner (owners.py: the
     membership, the committed step, the records, the faults, the stream
     session, the checkpoints, the evaluation, the applied gradient, the
-    exact steps, the cost planner; the shard holdings are the
+    exact steps, the cost planner, a streaming job's data streams; the shard holdings are the
     `ShardedOptimizer`'s), built here and handed to the parts that carry
     out the work: the joins (`streamed_join`, `shard_levelling`,
     `shard_streaming`), the boundaries (`boundaries`) and the steps
@@ -92,7 +94,9 @@ class Worker:
         self.shards, self.sync, self.exact = training.shards, training.sync, training.exact
         self.forward_model, self.scaler = training.forward_model, training.scaler
         self.reaper = GroupReaper()
-        self.loader = VirtualWorkerLoader(
+        # A streaming dataset: one owner of every VW stream and its committed position (data_streams.py).
+        self.data_streams = DataStreams(self.job, self._say) if is_stream(self.job.dataset) else None
+        self.loader = self.data_streams or VirtualWorkerLoader(
             self.job,
             lambda step: self.step_loop.plan(step),
             self.settings.total_steps,
@@ -109,7 +113,9 @@ class Worker:
         self.faults = FaultSchedule(args.device_id, self.settings.faults, self.settings.driver_pid, args.remote)
         self.streams = StreamSession()  # a streamed join in flight (stream_session.py)
         self.records = RecordQueue(link)  # kept until the driver acknowledges them (records.py)
-        self.state = TrainingState(self.job, training, self.committed, self.records, self.cost_planner)
+        self.state = TrainingState(
+            self.job, training, self.committed, self.records, self.cost_planner, self.data_streams
+        )
         self.checkpoints = Checkpoints(self.state, self.shards, self.faults, self._say)
         self.evaluation = Evaluation(self.job, self.model, self.device, link, self.records, self.faults)
         # Job(deterministic=True): the step's exact-sum checks and digests (determinism.py).
@@ -126,6 +132,7 @@ class Worker:
             AppliedGradient(self.job, self.sync, self.scaler),  # the gradient a step applies (gradient.py)
             exact_steps,
             self.cost_planner,
+            self.data_streams,
         )
         joins = (StreamedJoin(training, owners, self.device, args.device_id), None, None)  # streaming.py
         if self.shards is not None:  # Job(shard_optimizer=...): the chunks levelled, and streamed to joiners

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from flexpar.core import batching
+from flexpar.data import VirtualWorkerStreams, is_stream
 
 
 def seed_everything(seed: int) -> None:
@@ -78,6 +79,30 @@ def load_batch(job, indices, seed: int):
     seed_everything(seed)
     collate = job.collate_fn or default_collate
     return collate([job.dataset[index] for index in indices])
+
+
+def first_batch(job):
+    """VW 0's batch of step 0, loaded in this process (the driver's check and the warm-up).
+
+    A streaming dataset's is read from the start of its stream, without DataLoader processes
+    (with `num_workers=k` the job's stream may deal other items to it: a check needs a batch, not that one).
+    """
+    if is_stream(job.dataset):
+        reader = VirtualWorkerStreams(
+            job.dataset,
+            job.virtual_workers,
+            job.micro_batch_size,
+            seed=job.seed,
+            collate_fn=job.collate_fn,
+            virtual_worker_ids=(0,),
+        )
+        try:
+            return reader.batch(0, 0)
+        finally:
+            reader.close()
+    dataset_size, batch, workers = len(job.dataset), job.global_batch, job.virtual_workers
+    indices = batching.virtual_worker_indices(job.seed, 0, 0, dataset_size, batch, workers)
+    return load_batch(job, indices, batching.data_seed(job.seed, 0, 0))
 
 
 _LOADER_CONTEXT = "fork" if "fork" in multiprocessing.get_all_start_methods() else None

@@ -6,6 +6,7 @@ from typing import NamedTuple, Optional
 
 from flexpar.worker.committed import CommittedStep
 from flexpar.worker.cost_planner import CostPlanner
+from flexpar.worker.data_streams import DataStreams
 from flexpar.worker.determinism import ExactSteps
 from flexpar.worker.evaluator import Evaluation
 from flexpar.worker.fault_injection import FaultSchedule
@@ -34,3 +35,4 @@ class Owners(NamedTuple):
     gradient: AppliedGradient  # the gradient a step applies
     exact_steps: Optional[ExactSteps]  # Job(deterministic=True): the exact sums' checks and digests
     cost_planner: Optional[CostPlanner]  # Job(sample_cost=...): the cost rates and VW plans
+    data_streams: Optional[DataStreams] = None  # an iterable dataset: every VW stream and its committed position

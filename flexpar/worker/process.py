@@ -89,7 +89,7 @@ def main(args: WorkerArgs) -> None:
         code = 1
     finally:
         if worker is not None:
-            worker.loader.close()
+            worker.loader.close()  # a streaming job's DataStreams closes its streams
             worker.checkpoints.wait()  # a checkpoint in flight is finished before the process exits
         link.close()
         if dist.is_initialized():

@@ -33,8 +33,9 @@ class TrainingState:
     piece at once with a peer's or a checkpoint's.
     """
 
-    def __init__(self, job, training, committed, records, cost_planner):
+    def __init__(self, job, training, committed, records, cost_planner, data_streams=None):
         self.job = job
+        self.data_streams = data_streams  # an iterable dataset's VW streams (data_streams.py), else None
         self.model, self.optimizer, self.scheduler = training.model, training.optimizer, training.scheduler
         self.frozen = training.frozen
         self.committed = committed
@@ -65,6 +66,8 @@ class TrainingState:
             extra["cost_rates"] = self.cost_planner.state()
         if self.exact is not None:  # Job(deterministic=True): the exact sums' exponents are training state
             extra["exact_sum"] = self.exact.state_dict()
+        if self.data_streams is not None:  # a streaming job: every VW stream's position at the committed step
+            extra["data_streams"] = self.data_streams.capture(self.committed.step)
         if checkpoint_settings is not None:  # what resume and export check the factory's rebuild against
             whole = model_state is not None and set(self.model.state_dict()) <= set(model_state)
             extra["frozen"] = self.frozen.checkpoint_entry(
@@ -104,6 +107,13 @@ class TrainingState:
             self.cost_planner.restore(extra["cost_rates"])
         if self.exact is not None and "exact_sum" in extra:
             self.exact.load_state_dict(extra["exact_sum"])
+        if self.data_streams is not None:
+            if "data_streams" not in extra:
+                raise UserCodeError(
+                    f"the state of step {state['step']} holds no stream positions (a checkpoint of a job "
+                    "over a map-style dataset?): a streaming job resumes only from its own checkpoints"
+                )
+            self.data_streams.restore(extra["data_streams"])
 
 
 class Checkpoints:

@@ -57,6 +57,7 @@ class StepLoop:
         self.membership, self.committed, self.records = owners.membership, owners.committed, owners.records
         self.streams, self.checkpoints, self.evaluation = owners.streams, owners.checkpoints, owners.evaluation
         self.gradient, self.exact_steps, self.cost_planner = owners.gradient, owners.exact_steps, owners.cost_planner
+        self.data_streams = owners.data_streams  # a streaming job's positions commit with the step
         # The joins carried out: unsharded, and (sharded jobs only) the levelling and the sharded stream.
         self.streamed_join, self.shard_levelling, self.shard_streaming = joins
         self.assignment: tuple = ()
@@ -220,6 +221,8 @@ class StepLoop:
             self.streams.without_listeners(assignment),
             self.streams.without_listeners(busy),
         )
+        if self.data_streams is not None:  # every VW stream past this step's items, on every device
+            self.data_streams.commit(self.committed.step)
         record = records.step_record(
             step,
             loss,

@@ -7,10 +7,10 @@ import time
 import torch
 
 from flexpar import recipes
-from flexpar.core import batching, factory_checks
+from flexpar.core import factory_checks
 from flexpar.errors import UserCodeError
 from flexpar.version import __version__
-from flexpar.worker.loader import load_batch, to_device
+from flexpar.worker.loader import first_batch, to_device
 from flexpar.worker.user_code import loss_terms, model_digest
 
 
@@ -23,8 +23,7 @@ def warm_up(job, model, forward_model, device, sync, frozen, zero_grad, device_i
     token-weighted, which every device learns alike from the same batch.
     """
     started = time.perf_counter()
-    indices = batching.virtual_worker_indices(job.seed, 0, 0, len(job.dataset), job.global_batch, job.virtual_workers)
-    batch = to_device(load_batch(job, indices, batching.data_seed(job.seed, 0, 0)), device)
+    batch = to_device(first_batch(job), device)
     buffers = [(name, buffer.clone()) for name, buffer in model.named_buffers()]  # BatchNorm must not count it
     try:  # under the step's autocast: with compile=True, this compiles the graph the steps run
         with recipes.autocast(job, device.type):

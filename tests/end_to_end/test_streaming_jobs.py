@@ -1,0 +1,242 @@
+"""Streaming (iterable) datasets in real jobs: the parameters equal a plain loop over the same stream.
+
+Each VW's stream position is training state (flexpar/worker/data_streams.py): committed with the step,
+kept by every device, sent to joiners, restored for a redone step, checkpointed. The runs are short
+(12 steps: a pass of these streams is 9, so each run crosses a pass end that drops the pass's last
+items) and deterministic (exact sums): a run on another device set, through joins, leaves and a
+kill -9, has the one-device run's digests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import evaluation_pieces
+import pieces
+import pytest
+import stream_pieces
+import torch
+
+import flexpar
+from flexpar.errors import ArgumentError
+from flexpar.worker.evaluator import evaluate_all
+
+STEPS = 12
+ATOL = 1e-6  # exact sums against the float loop: last-bit differences, a few ulps over 12 steps
+
+
+def _digests(path) -> list:
+    return [(record["step"], record["digest"]) for record in pieces.metrics_records(path) if record["kind"] == "step"]
+
+
+def _events(path) -> list:
+    return [record for record in pieces.metrics_records(path) if record["kind"] == "event"]
+
+
+def _job(dataset, virtual_workers=6, **extra):
+    return pieces.make_job(virtual_workers=virtual_workers, dataset=dataset, deterministic=True, **extra)
+
+
+def _joined(path, devices) -> bool:
+    """Some step ran on `devices` devices, every one of them running VWs (a joiner trained)."""
+    return any(
+        len(record["devices"]) == devices and all(record["assignment"])
+        for record in pieces.metrics_records(path)
+        if record["kind"] == "step"
+    )
+
+
+def test_plain_stream_on_1_device_and_through_joins_a_kill_and_a_leave(train, tmp_path):
+    """No shards: round-robin, step s = items s*B .. (s+1)*B-1 of the pass, on 1 device, and on 2 with
+    +2 (streamed joins: the joiners receive the positions with the state), a kill -9 of local-1 in
+    step 8 (the step redone from the committed positions) and -2 (the last device reads on)."""
+    stream = stream_pieces.PairStream()
+    job = _job(stream)
+    steps = 16
+    expected = stream_pieces.stream_reference(job, steps, stream_pieces.round_robin_items(stream, 48, 6))
+    one, summary = train(job, steps=steps, devices=1, metrics=str(tmp_path / "one.jsonl"))
+    assert summary["steps"] == steps
+    pieces.assert_same_parameters(one, expected, atol=ATOL)
+    # Slow steps until the joiners are in (however long their start takes), fast from then on.
+    job = dataclasses.replace(job, loss=pieces.SlowUntilJoined(pieces.Loss(), devices=4))
+    elastic, _ = train(
+        job,
+        steps=steps,
+        devices=2,
+        schedule="2:+2,12:-2",
+        faults="8:local-1:backward",
+        max_devices=4,
+        metrics=str(tmp_path / "elastic.jsonl"),
+    )
+    events = _events(tmp_path / "elastic.jsonl")
+    assert {"join", "leave", "failure"} <= {record["event"] for record in events}, events
+    assert any("streamed" in record["detail"] for record in events if record["event"] == "join"), events
+    assert _joined(tmp_path / "elastic.jsonl", 4)
+    assert pieces.device_counts(pieces.metrics_records(tmp_path / "elastic.jsonl"))[-1] == 1
+    assert _digests(tmp_path / "elastic.jsonl") == _digests(tmp_path / "one.jsonl")
+    pieces.assert_same_parameters(elastic, expected, atol=ATOL)
+
+
+def test_sharded_stream_on_1_device_and_through_a_blocking_join_and_a_kill(train, tmp_path):
+    """6 shards, 6 VWs: VW v reads shard v. 1 device, then 2 with +1 (a blocking transfer: the state and
+    the positions at once) and local-1 killed -9 in step 8; the second run evaluates a map-style
+    evaluation set beside the stream (every 6 steps and after the last)."""
+    stream = stream_pieces.ShardedPairs()
+    job = _job(stream)
+    expected = stream_pieces.stream_reference(job, STEPS, stream_pieces.shard_items(stream, 8))
+    one, _ = train(job, steps=STEPS, devices=1, metrics=str(tmp_path / "one.jsonl"))
+    pieces.assert_same_parameters(one, expected, atol=ATOL)
+    job = dataclasses.replace(
+        job,
+        loss=pieces.SlowUntilJoined(pieces.Loss(), devices=3),
+        eval_dataset=evaluation_pieces.make_eval_dataset(),
+        evaluate=evaluation_pieces.Evaluate(),
+    )
+    three, _ = train(
+        job,
+        steps=STEPS,
+        devices=2,
+        schedule="2:+1",
+        join_stream_mb=0,
+        faults="8:local-1:forward",
+        max_devices=3,
+        eval_every=6,
+        metrics=str(tmp_path / "three.jsonl"),
+    )
+    evals = [record for record in pieces.metrics_records(tmp_path / "three.jsonl") if record["kind"] == "eval"]
+    assert [record["step"] for record in evals] == [6, 12]
+    evaluation_pieces.assert_metrics_equal(evals[-1]["metrics"], evaluate_all(job, expected), rtol=1e-4)
+    events = _events(tmp_path / "three.jsonl")
+    assert any("blocking" in record["detail"] for record in events if record["event"] == "join"), events
+    assert [record["step"] for record in events if record["event"] == "failure"] == [8]
+    assert _joined(tmp_path / "three.jsonl", 3)
+    assert _digests(tmp_path / "three.jsonl") == _digests(tmp_path / "one.jsonl")
+    pieces.assert_same_parameters(three, expected, atol=ATOL)
+
+
+def test_a_stateful_stream_moves_by_its_own_state(train, tmp_path):
+    """A dataset with state_dict()/load_state_dict() (a complete position): a blocking join at step 2
+    and a resume from step 6 on another device count restore it by its state (no skipping)."""
+    stream = stream_pieces.StatefulPairs()
+    job = _job(stream)
+    folder = str(tmp_path / "checkpoints")
+    joining = dataclasses.replace(job, loss=pieces.SlowUntilJoined(pieces.Loss(), devices=3))
+    train(
+        joining,
+        steps=6,
+        devices=2,
+        schedule="2:+1",
+        join_stream_mb=0,
+        max_devices=3,
+        checkpoint_every=6,
+        checkpoint_dir=folder,
+        metrics=str(tmp_path / "a.jsonl"),
+    )
+    assert _joined(tmp_path / "a.jsonl", 3)
+    model, summary = train(job, steps=STEPS, devices=1, checkpoint_dir=folder, resume=True)
+    assert summary["resumed_from"] == 6
+    expected = stream_pieces.stream_reference(job, STEPS, stream_pieces.round_robin_items(stream, 48, 6))
+    pieces.assert_same_parameters(model, expected, atol=ATOL)
+
+
+def test_a_webdataset_pipeline_over_tar_shards(train, tmp_path):
+    """6 tar shards the test writes, one per VW; 3 devices, one killed -9 in step 5. WebDataset's default
+    node splitter (single_node_only) is replaced, and the Job says so."""
+    paths = stream_pieces.write_tar_shards(tmp_path, [76] * 6)
+    rows = stream_pieces.TarRows()
+    with pytest.warns(UserWarning, match="single_node_only"):
+        job = _job(stream_pieces.webdataset_stream(paths), collate_fn=rows)
+    model, _ = train(job, steps=STEPS, devices=3, faults="5:local-2:forward", metrics=str(tmp_path / "m.jsonl"))
+    assert [record["step"] for record in _events(tmp_path / "m.jsonl") if record["event"] == "failure"] == [5]
+    expected = stream_pieces.stream_reference(job, STEPS, stream_pieces.tar_items(76, 8))
+    pieces.assert_same_parameters(model, expected, atol=ATOL)
+
+
+def test_dataloader_processes_keep_the_bits(train, tmp_path):
+    """num_workers=2: each stream group read behind a DataLoader of 2 processes (its order is that
+    loader's); 2 devices, one killed -9 in step 3, have the one device's digests."""
+    job = _job(stream_pieces.ShardedPairs(), num_workers=2)
+    train(job, steps=8, devices=1, metrics=str(tmp_path / "one.jsonl"))
+    train(job, steps=8, devices=2, faults="3:local-1:forward", metrics=str(tmp_path / "two.jsonl"))
+    assert [record["event"] for record in _events(tmp_path / "two.jsonl")].count("failure") == 1
+    assert _digests(tmp_path / "two.jsonl") == _digests(tmp_path / "one.jsonl")
+    assert len({digest for _, digest in _digests(tmp_path / "one.jsonl")}) == 8
+
+
+def test_resume_on_another_device_count_continues_at_the_next_item(train, tmp_path):
+    """A Hugging Face stream, to_iterable_dataset(num_shards=6) with a shuffle buffer (its own state
+    leaves the buffer out: positioned by skipping). 2 devices checkpoint step 6; the resume on 3
+    devices (then -2: one) trains the items a plain loop trains from step 6 on."""
+    stream = stream_pieces.huggingface_pairs()
+    job = _job(stream, collate_fn=stream_pieces.collate_rows)
+    folder = str(tmp_path / "checkpoints")
+    train(job, steps=6, devices=2, checkpoint_every=3, checkpoint_dir=folder, metrics=str(tmp_path / "a.jsonl"))
+    model, summary = train(
+        job,
+        steps=STEPS,
+        devices=3,
+        schedule="9:-2",
+        checkpoint_dir=folder,
+        resume=True,
+        metrics=str(tmp_path / "b.jsonl"),
+    )
+    assert summary["resumed_from"] == 6
+    assert pieces.device_counts(pieces.metrics_records(tmp_path / "b.jsonl")) == [3, 1]
+    items = stream_pieces.huggingface_items(stream, 6, 8, STEPS)
+    pieces.assert_same_parameters(model, stream_pieces.stream_reference(job, STEPS, items), atol=ATOL)
+
+
+def test_what_a_streaming_job_refuses_before_any_process_starts(train):
+    stream = stream_pieces.PairStream()
+    with pytest.raises(ArgumentError, match="sample_cost="):
+        pieces.make_job(dataset=stream, sample_cost=len)
+    with pytest.raises(ArgumentError, match="shard_optimizer="):
+        pieces.make_job(dataset=stream, shard_optimizer=True)
+    with pytest.raises(ArgumentError, match="an iterable evaluation set is not supported yet"):
+        pieces.make_job(dataset=stream, eval_dataset=stream, evaluate=len)
+    with pytest.raises(ArgumentError, match="is an iterator"):
+        pieces.make_job(dataset=iter(stream))
+    with pytest.raises(ArgumentError, match="get_rank"):
+        pieces.make_job(dataset=stream_pieces.SplitsByRank())
+    job = pieces.make_job(dataset=stream)
+    with pytest.raises(ArgumentError, match="epochs= needs"):
+        train(job, epochs=1, devices=1)
+    with pytest.raises(ArgumentError, match="sample_ledger=True"):
+        train(job, steps=1, devices=1, sample_ledger=True)
+    assert flexpar.Job is type(job)
+
+
+# A streaming job whose driver is killed -9 in step 6's forward; the devices wait, the resume command
+# they print restarts the driver, which re-adopts them with their stream positions.
+DRIVER_KILLED = """
+import stream_pieces
+import torch
+if __name__ == "__main__":
+    import os, torch
+    job = pieces.make_job(virtual_workers=6, dataset=stream_pieces.PairStream(), delay_s=0.02)
+    model, summary = job.fit(
+        steps={steps}, devices=2, port=int(os.environ["TEST_PORT"]), faults="6:driver:forward", driver_grace_s=60
+    )
+    torch.save(model.state_dict(), "final.pt")
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_driver_killed_and_restarted_re_adopts_the_devices_with_their_positions(
+    tmp_path, command_line_job, monkeypatch
+):
+    from conftest import free_port
+    from test_driver_loss import _restart_until_done
+
+    monkeypatch.setenv("TEST_PORT", str(free_port()))
+    drivers, records, said = _restart_until_done(tmp_path, command_line_job, DRIVER_KILLED.format(steps=STEPS), 1)
+    out = "".join(drivers[-1].output())
+    assert "re-adopted 2 devices (local-0, local-1)" in out and "no checkpoint read" in out, out
+    assert [record["event"] for record in records if record["kind"] == "event"].count("adopt") == 1
+    assert [record["step"] for record in records if record["kind"] == "step"] == list(range(STEPS))
+    model = pieces.make_model()
+    model.load_state_dict(torch.load(tmp_path / "final.pt", weights_only=True))
+    stream = stream_pieces.PairStream()
+    job = pieces.make_job(virtual_workers=6, dataset=stream)
+    expected = stream_pieces.stream_reference(job, STEPS, stream_pieces.round_robin_items(stream, 48, 6))
+    pieces.assert_same_parameters(model, expected, atol=ATOL)
