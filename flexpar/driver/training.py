@@ -34,7 +34,7 @@ from flexpar.worker.settings import RunSettings
 def train(job, options: FitOptions, checked, hosted, coordinator, local) -> tuple:
     """Train until the job ends; returns (the summary, whether SIGTERM finished it) with the result in the model.
 
-    `checked` and `hosted` are launch's CheckedJob and HostedJob.
+    `checked` and `hosted` are prestart's CheckedJob and launch's HostedJob.
 
     Ctrl-C or a second SIGTERM stops the workers at once (exit 130 or 143); whatever happens, the
     devices that are this driver's are told to stop and the callbacks are closed.

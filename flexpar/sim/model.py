@@ -2,7 +2,8 @@
 
 Everything the simulator charges for time comes from the functions here, so
 that a reader can check every figure by hand and so that calibration
-(``calibration.py``) has one place to fit. The model follows the real step loop
+(``calibration.py``) has one place to fit; the parameters they read (one
+dataclass per group, checked on construction) are ``parameters.py``. The model follows the real step loop
 of DESIGN.md section 3:
 
 1. each device runs its assigned virtual workers (VWs) one after another:
@@ -30,226 +31,20 @@ latency grows with the depth, the bytes cross each link once).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
 from typing import Optional, Sequence
 
 import numpy as np
 
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
-
-
-def _check_non_negative(owner: str, **values: float) -> None:
-    for name, value in values.items():
-        _require(
-            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0,
-            f"{owner}.{name}: expected a finite number >= 0, got {value!r}",
-        )
-
-
-def _check_positive(owner: str, **values: float) -> None:
-    for name, value in values.items():
-        _require(
-            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0,
-            f"{owner}.{name}: expected a finite positive number, got {value!r}",
-        )
-
-
-@dataclass(frozen=True)
-class NetworkModel:
-    """Alpha-beta parameters of the collectives.
-
-    ``alpha_s``: latency of one message hop. ``bandwidth_bytes_per_s``: the
-    per-link bandwidth a ring all-reduce sees. ``broadcast_bandwidth_bytes_per_s``:
-    the same for the state broadcast to a joiner (kept separate because the
-    measured figures differ: a broadcast of a whole state in one call versus
-    many bucketed all-reduces). ``bucket_bytes``: gradient bucket size (each
-    bucket pays the latency term once). ``overlap_fraction`` in [0, 1]: the part
-    of the all-reduce that can run during the last VW's backward pass.
-    ``backward_fraction`` in [0, 1]: the share of a VW's compute time that is
-    backward (about 2/3 for the usual 1:2 forward:backward cost ratio), which
-    bounds how much communication can hide.
-    """
-
-    alpha_s: float = 20e-6
-    bandwidth_bytes_per_s: float = 10e9
-    broadcast_bandwidth_bytes_per_s: float = 10e9
-    bucket_bytes: float = 25e6
-    overlap_fraction: float = 0.0
-    backward_fraction: float = 2.0 / 3.0
-
-    def __post_init__(self) -> None:
-        _check_non_negative("network", alpha_s=self.alpha_s)
-        _check_positive(
-            "network",
-            bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
-            broadcast_bandwidth_bytes_per_s=self.broadcast_bandwidth_bytes_per_s,
-            bucket_bytes=self.bucket_bytes,
-        )
-        for name in ("overlap_fraction", "backward_fraction"):
-            value = getattr(self, name)
-            _require(
-                isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0,
-                f"network.{name}: expected a number in [0, 1], got {value!r}",
-            )
-
-
-@dataclass(frozen=True)
-class WorkloadModel:
-    """What one step moves and costs besides compute.
-
-    ``gradient_bytes``: bytes all-reduced per step (dense gradients).
-    ``state_bytes``: full training state a joiner receives (parameters,
-    buffers, optimizer state). ``optimizer_s``: the optimizer step, same on
-    every device. ``samples_per_vw``: samples in one VW (global batch / V), used
-    only to turn steps into samples per second.
-    """
-
-    gradient_bytes: float = 100e6
-    state_bytes: float = 300e6
-    optimizer_s: float = 0.0
-    samples_per_vw: int = 32
-
-    def __post_init__(self) -> None:
-        _check_non_negative(
-            "model", gradient_bytes=self.gradient_bytes, state_bytes=self.state_bytes, optimizer_s=self.optimizer_s
-        )
-        _require(
-            isinstance(self.samples_per_vw, int)
-            and not isinstance(self.samples_per_vw, bool)
-            and self.samples_per_vw >= 1,
-            f"model.samples_per_vw: expected an integer >= 1, got {self.samples_per_vw!r}",
-        )
-
-
-@dataclass(frozen=True)
-class ElasticCosts:
-    """Costs of flexpar's in-place elasticity (DESIGN.md section 4).
-
-    ``warmup_s``: a joiner's start, model build and warm-up step, off the
-    running devices' critical path. ``pg_formation_s`` (+ ``per_device`` times
-    the group size): forming a fresh process group in running processes.
-    ``detection_s``: from a peer's death to the survivors' error in the
-    collective, when they are already waiting in it. ``recovery_notice_s``:
-    from the survivors' failure reports to their seeing the rebuilt
-    generation (the coordinator's and the devices' polls; a planned change
-    needs none, its new generation rides in the step's all-reduce).
-    ``host_cores``: the cores that a host's worker processes share, when
-    they do (CPU workers); None when each device computes on its own.
-    """
-
-    warmup_s: float = 30.0
-    pg_formation_s: float = 0.01
-    pg_formation_per_device_s: float = 0.0
-    detection_s: float = 0.1
-    recovery_notice_s: float = 0.0
-    host_cores: Optional[float] = None
-
-    def __post_init__(self) -> None:
-        _check_non_negative(
-            "elastic", **{field.name: getattr(self, field.name) for field in fields(self) if field.name != "host_cores"}
-        )
-        if self.host_cores is not None:
-            _check_positive("elastic", host_cores=self.host_cores)
-
-
-@dataclass(frozen=True)
-class RestartCosts:
-    """Costs of checkpoint-restart elasticity (torchrun-like).
-
-    On any membership change every worker process is stopped and started
-    again: ``process_start_s`` + ``import_s`` + ``rebuild_s`` (model, optimizer,
-    data) + checkpoint save (planned changes only) + ``checkpoint_load_s`` +
-    process group formation. The job also saves a checkpoint every
-    ``checkpoint_every_steps`` steps (``checkpoint_save_s`` each, blocking),
-    because after a failure it resumes from the last one and redoes the steps
-    since.
-    """
-
-    process_start_s: float = 5.0
-    import_s: float = 2.0
-    rebuild_s: float = 10.0
-    checkpoint_save_s: float = 5.0
-    checkpoint_load_s: float = 5.0
-    checkpoint_every_steps: int = 500
-
-    def __post_init__(self) -> None:
-        _check_non_negative(
-            "restart",
-            process_start_s=self.process_start_s,
-            import_s=self.import_s,
-            rebuild_s=self.rebuild_s,
-            checkpoint_save_s=self.checkpoint_save_s,
-            checkpoint_load_s=self.checkpoint_load_s,
-        )
-        _require(
-            isinstance(self.checkpoint_every_steps, int)
-            and not isinstance(self.checkpoint_every_steps, bool)
-            and self.checkpoint_every_steps >= 1,
-            f"restart.checkpoint_every_steps: expected an integer >= 1, got {self.checkpoint_every_steps!r}",
-        )
-
-    def relaunch_s(self) -> float:
-        """Process start, import and rebuild: what every restart pays before loading."""
-        return self.process_start_s + self.import_s + self.rebuild_s
-
-
-JOIN_MODES = ("auto", "stream", "blocking")
-
-
-@dataclass(frozen=True)
-class JoinModel:
-    """How flexpar's joins come in (flexpar/core/join_choice.py decides; sim/joins.py feeds it).
-
-    ``mode``: ``auto`` (the cheaper way for the members), or ``stream`` /
-    ``blocking`` forced. ``link_bytes_per_s``: the link a joiner's state
-    crosses (None: the network's broadcast bandwidth). ``joiner_shares_cores``:
-    a joiner runs on a member's host and shares its ``elastic.host_cores``
-    (CPU workers on one host). ``small_state_bytes``: what crosses the
-    boundary either way. ``stream_share`` and ``slice_link_bytes_per_s``: the
-    engine's slice sizing (a sender's slice per step is ``stream_share`` x
-    the predicted compute step x this assumed link rate; flexpar/worker/streaming.py's
-    STREAM_SHARE and its gloo link). ``max_first_vw_s``: the bound on a
-    streamed joiner's first VW (None: none).
-    """
-
-    mode: str = "auto"
-    link_bytes_per_s: Optional[float] = None
-    joiner_shares_cores: bool = False
-    small_state_bytes: float = 0.0
-    stream_share: float = 0.1
-    slice_link_bytes_per_s: float = 1e9
-    max_first_vw_s: Optional[float] = None
-
-    def __post_init__(self) -> None:
-        _require(self.mode in JOIN_MODES, f"join.mode: expected one of {list(JOIN_MODES)}, got {self.mode!r}")
-        _require(
-            isinstance(self.joiner_shares_cores, bool),
-            f"join.joiner_shares_cores: expected true or false, got {self.joiner_shares_cores!r}",
-        )
-        _check_non_negative("join", small_state_bytes=self.small_state_bytes)
-        _check_positive("join", slice_link_bytes_per_s=self.slice_link_bytes_per_s)
-        for name in ("link_bytes_per_s", "max_first_vw_s"):
-            if getattr(self, name) is not None:
-                _check_positive("join", **{name: getattr(self, name)})
-        _require(
-            isinstance(self.stream_share, (int, float)) and 0 < self.stream_share <= 1,
-            f"join.stream_share: expected a number in (0, 1], got {self.stream_share!r}",
-        )
-
-
-@dataclass(frozen=True)
-class ModelParameters:
-    """All cost-model parameters of a scenario; what calibration returns."""
-
-    network: NetworkModel = NetworkModel()
-    workload: WorkloadModel = WorkloadModel()
-    elastic: ElasticCosts = ElasticCosts()
-    restart: RestartCosts = RestartCosts()
-    join: JoinModel = JoinModel()
-
+# The parameters (parameters.py), importable from here as before.
+from .parameters import (  # noqa: F401
+    JOIN_MODES,
+    ElasticCosts,
+    JoinModel,
+    ModelParameters,
+    NetworkModel,
+    RestartCosts,
+    WorkloadModel,
+)
 
 # --------------------------------------------------------------------------
 # closed-form costs
@@ -394,10 +189,11 @@ def step_seconds(assignment: Sequence[int], seconds_per_vw: Sequence[float], par
 
 def uniform_assignment(devices: int, virtual_workers: int) -> tuple:
     """DDP-style equal split: ``V // n`` each, the remainder one each to the first ranks."""
-    _require(devices >= 1, f"uniform split needs at least one device, got {devices}")
-    _require(
-        virtual_workers >= devices,
-        f"virtual_workers={virtual_workers} is fewer than the {devices} devices; every device needs one",
-    )
+    if devices < 1:
+        raise ValueError(f"uniform split needs at least one device, got {devices}")
+    if virtual_workers < devices:
+        raise ValueError(
+            f"virtual_workers={virtual_workers} is fewer than the {devices} devices; every device needs one"
+        )
     base, remainder = divmod(virtual_workers, devices)
     return tuple(base + 1 if rank < remainder else base for rank in range(devices))

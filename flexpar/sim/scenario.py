@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from .model import ModelParameters
+from .parameters import ModelParameters
 from .policies import POLICY_NAMES, BalanceSettings
 
 EVENT_KINDS: Tuple[str, ...] = ("join", "leave", "failure", "slowdown")

@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import tomllib
 
-from .model import JOIN_MODES, ElasticCosts, JoinModel, ModelParameters, NetworkModel, RestartCosts, WorkloadModel
+from .parameters import JOIN_MODES, ElasticCosts, JoinModel, ModelParameters, NetworkModel, RestartCosts, WorkloadModel
 from .policies import POLICY_NAMES, BalanceSettings
 from .scenario import DEFAULT_DEVICE_COUNTS, EVENT_KINDS, DeviceSpec, Event, ScalabilitySpec, Scenario
 from .toml_fields import TableFields, config_values, describe
@@ -79,7 +79,7 @@ def _parse_parameters(root: TableFields) -> Tuple[ModelParameters, Optional[floa
 
 
 def _parse_join(root: TableFields, elastic: ElasticCosts) -> JoinModel:
-    """``[join]``: how joins come in (model.JoinModel)."""
+    """``[join]``: how joins come in (parameters.JoinModel)."""
     reader = root.sub_table("join")
     mode = reader.string("mode", "auto")
     if mode not in JOIN_MODES:
