@@ -82,11 +82,14 @@ def test_join_leave_and_kill_keep_the_bits(train, tmp_path):
     job = _mlp_job(delay_s=0.02)
     steps = 10
     reference = _run(train, tmp_path, "one", job, steps, devices=1)
+    # Steps slow until the joiner is in (the bits do not depend on it): a joiner whose start-up a loaded host
+    # (three test processes on two cores) stretches past the leave's decision at step 4 would be cancelled.
+    joining = dataclasses.replace(job, loss=pieces.SlowUntilJoined(job.loss, devices=3, waiting_s=0.6))
     elastic = _run(
         train,
         tmp_path,
         "elastic",
-        job,
+        joining,
         steps,
         devices=2,
         schedule="2:+1,5:-1",

@@ -157,12 +157,13 @@ def test_frozen_trunk_elastic_run_refusal_checkpoint_and_resume(train, metrics_f
     complete = checkpoints.read_checkpoint(checkpoints.checkpoint_path(str(resumed_folder), 8), torch.device("cpu"))
     assert set(complete["model"]) == set(model.state_dict()) and complete["extra"]["frozen"]["complete"]
     assert torch.equal(complete["model"]["trunk.2.weight"], model.state_dict()["trunk.2.weight"])
-    # A resume whose factory builds another trunk is refused before any worker starts, naming it.
+    # A resume whose factory builds another trunk is refused before any worker starts, naming it (its
+    # steps reach past the folder's newest checkpoint, which a resume with nothing to train refuses first).
     other = tmp_path / "other-trunk.pt"
     frozen_pieces.write_trunk(other, perturbed="0.weight")
     with pytest.raises(ValueError, match=r"trunk\.0\.weight"):
         dataclasses.replace(reference_job, model=frozen_pieces.FrozenTrunk(str(other))).fit(
-            steps=8, devices=1, resume=True, checkpoint_dir=str(folder), display=False, quiet=True
+            steps=10_000, devices=1, resume=True, checkpoint_dir=str(folder), display=False, quiet=True
         )
 
 
