@@ -132,12 +132,8 @@ def _check_recipe(job) -> None:
                 'grad_scaler= tunes fp16 loss scaling; it needs mixed_precision="fp16" '
                 "(bf16 and full precision need no scaler)"
             )
-        if not isinstance(job.grad_scaler, dict) or set(job.grad_scaler) - set(recipes.SCALER_DEFAULTS):
-            unknown = (
-                sorted(set(job.grad_scaler) - set(recipes.SCALER_DEFAULTS))
-                if isinstance(job.grad_scaler, dict)
-                else job.grad_scaler
-            )
+        unknown = _not_keywords_of(job.grad_scaler, recipes.SCALER_DEFAULTS)
+        if unknown is not None:
             raise ArgumentError(
                 f"grad_scaler= takes a dict with keys {', '.join(recipes.SCALER_DEFAULTS)}; got {unknown!r}"
             )
@@ -161,12 +157,8 @@ def _check_recipe(job) -> None:
     if job.compile_options is not None:
         if not job.compile:
             raise ArgumentError("compile_options= needs compile=True")
-        if not isinstance(job.compile_options, dict) or set(job.compile_options) - set(recipes.COMPILE_KEYS):
-            unknown = (
-                sorted(set(job.compile_options) - set(recipes.COMPILE_KEYS))
-                if isinstance(job.compile_options, dict)
-                else job.compile_options
-            )
+        unknown = _not_keywords_of(job.compile_options, recipes.COMPILE_KEYS)
+        if unknown is not None:
             raise ArgumentError(
                 f"compile_options= takes torch.compile's keyword arguments "
                 f"({', '.join(recipes.COMPILE_KEYS)}); got {unknown!r}"
@@ -241,3 +233,12 @@ def _optimizer_call(optimizer: torch.optim.Optimizer) -> str:
     rate = optimizer.defaults.get("lr")
     rate_text = f"lr={rate!r}" if isinstance(rate, (int, float)) and not isinstance(rate, bool) else "lr=..."
     return f"{where}{kind}(parameters, {rate_text})"
+
+
+def _not_keywords_of(value, allowed):
+    """None where `value` is a dict whose keys are all in `allowed`; else what to name in the error:
+    the unknown keys, sorted, or the value itself where it is no dict."""
+    if not isinstance(value, dict):
+        return value
+    unknown = sorted(set(value) - set(allowed))
+    return unknown or None
