@@ -148,6 +148,18 @@ def flexpar_run(
 # ---------------------------------------------------------------- main
 
 
+def _accumulation_ratio(accumulation: dict) -> dict:
+    """accumulation_ratio (and its best rounds): flexpar's 16 VWs over the accumulation loop, from the runs."""
+    return ratio_of_medians(
+        accumulation,
+        "samples_per_s",
+        ("flexpar_16x", "flexpar_16x_samples_per_s"),
+        ("loop_16x", "loop_16x_samples_per_s"),
+        "accumulation_ratio",
+        best_rounds=True,
+    )
+
+
 def measure(config: Config, work_dir: str) -> dict:
     """All runs, alternating ours and the baseline within each comparison; medians."""
     devices = 2
@@ -176,14 +188,7 @@ def measure(config: Config, work_dir: str) -> dict:
             "ddp_ratio",
             best_rounds=True,
         ),
-        **ratio_of_medians(
-            accumulation,
-            "samples_per_s",
-            ("flexpar_16x", "flexpar_16x_samples_per_s"),
-            ("loop_16x", "loop_16x_samples_per_s"),
-            "accumulation_ratio",
-            best_rounds=True,
-        ),
+        **_accumulation_ratio(accumulation),
         **ratio_of_medians(
             accumulation,
             "peak_rss_bytes",
@@ -215,14 +220,7 @@ def measure_on_gpu(config: Config, work_dir: str) -> dict:
         },
         config.repeats,
     )
-    figures = ratio_of_medians(
-        accumulation,
-        "samples_per_s",
-        ("flexpar_16x", "flexpar_16x_samples_per_s"),
-        ("loop_16x", "loop_16x_samples_per_s"),
-        "accumulation_ratio",
-        best_rounds=True,
-    )
+    figures = _accumulation_ratio(accumulation)
     figures["runs"] = {"accumulation_comparison": accumulation}
     return figures
 
