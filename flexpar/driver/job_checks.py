@@ -205,13 +205,22 @@ def _same_file(descriptor: int, path: str) -> bool:
 
 
 def _holder(descriptor: int) -> str:
-    """The holder the lock file names, as " (pid 123 on host h, since 17:02:11)"; "" if unreadable."""
-    try:
-        record = json.loads(os.pread(descriptor, 4096, 0) or b"null")
-        since = time.strftime("%H:%M:%S", time.localtime(record["since"]))
-        return f" (pid {record['pid']} on host {record['host']}, since {since})"
-    except (OSError, ValueError, TypeError, KeyError):
-        return ""
+    """The holder the lock file names, as " (pid 123 on host h, since 17:02:11)"; "" if unreadable.
+
+    The holder writes its record just after it takes the lock, so a run refused
+    in between finds the file empty (or truncated): it reads again for up to a
+    second before it gives up on naming the holder.
+    """
+    for _ in range(50):
+        try:
+            record = json.loads(os.pread(descriptor, 4096, 0) or b"null")
+            since = time.strftime("%H:%M:%S", time.localtime(record["since"]))
+            return f" (pid {record['pid']} on host {record['host']}, since {since})"
+        except OSError:
+            return ""
+        except (ValueError, TypeError, KeyError):
+            time.sleep(0.02)
+    return ""
 
 
 def checkpoint_folder(options) -> tuple:
