@@ -83,6 +83,8 @@ class Outcome:
     applied_step: Optional[int] = None
     detail: str = ""
     devices: set = field(default_factory=set)  # devices still to come (join) or go (leave)
+    # A leave carried out while no driver was there: the members that left (`ScheduleTracker`'s not_back).
+    left_unseen: tuple = ()
 
     def as_dict(self) -> dict:
         return {
@@ -137,6 +139,7 @@ class ScheduleTracker:
                     outcome.unsure = unsure
                     if unsure and not_back:
                         outcome.status, outcome.applied_step = "on time", outcome.step
+                        outcome.left_unseen = tuple(not_back)
                         outcome.detail = (
                             f"{outcome.label} applied at step {outcome.step}, taken as done: "
                             f"{', '.join(not_back)} did not come back to the restarted driver"

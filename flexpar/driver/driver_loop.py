@@ -139,6 +139,7 @@ class DriverLoop:
             )
             if not self.display.uses_rich:
                 log_to_stderr()
+        self._report_left_unseen(coordinator.published[-1] if adopted and coordinator.published else None)
         self._report_schedule(self.schedule.taken_as_done())  # a re-adopted job's leave, inferred: said
 
     def run(self, waker: DriverWaker = None) -> None:
@@ -332,6 +333,27 @@ class DriverLoop:
         if hold != self._hold:  # after the generation it waited for: publishing came first (device_link)
             tell_devices(self.store, SCHEDULE_HOLD_KEY, str(hold))
             self._hold = hold
+
+    def _report_left_unseen(self, adoption) -> None:
+        """A scheduled leave its members carried out while no driver was there (they crossed the boundary
+        of its generation, published ahead of its step, before the driver was lost): the restarted driver
+        writes the leave event nobody wrote, at the leave's step, so the timeline shows it."""
+        for outcome in self.schedule.outcomes:
+            if not outcome.left_unseen or adoption is None:
+                continue
+            record = {
+                "kind": "event",
+                "event": "leave",
+                "step": outcome.step,
+                "time": time.time(),
+                "generation": adoption.generation,
+                "devices": list(adoption.members),
+                "stall_s": 0.0,
+                "detail": "left: " + ", ".join(outcome.left_unseen) + " (as scheduled, while no driver was there)",
+            }
+            self.events.append(record)
+            self._emit(record)
+            self._notify("on_event", record)
 
     def _report_schedule(self, lines: list) -> None:
         """A schedule entry was late, refused or never applied: log, metrics file, summary."""

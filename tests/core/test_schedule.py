@@ -116,6 +116,8 @@ def test_a_leave_at_the_re_adopted_step_with_a_member_not_back_counts_as_applied
         "scheduled -1 for step 8 applied at step 8, taken as done: local-2 did not come back to the restarted driver"
     )
     assert tracker.summary()[0]["status"] == "on time"
+    # The driver writes the leave event nobody wrote (flexpar/driver/driver_loop.py, _report_left_unseen).
+    assert [outcome.left_unseen for outcome in tracker.outcomes] == [("local-2",)]
 
 
 def test_an_unsure_leave_decided_again_late_says_why():

@@ -203,18 +203,20 @@ def test_a_killed_driver_restarted_with_resume_re_adopts_the_devices(tmp_path, c
     assert all(event["detail"].startswith(f"joined: {JOINER}") for event in joins), events
     # The leave at step 13 falls on the step where the second driver kill stopped the devices. Where they had
     # crossed that boundary (its generation published ahead of the step), the joiner left while no driver was
-    # there to record it, and the restarted driver takes the -1 as done (core/schedule.py, ScheduleTracker):
-    # its schedule note then stands for the leave event. Exactly one of the two, either way.
+    # there to record it: the restarted driver takes the -1 as done (core/schedule.py, ScheduleTracker), says
+    # so in a schedule note and writes the leave event itself. One leave event, either way.
     taken = [
         event
         for event in events
         if event["event"] == "schedule" and f"taken as done: {JOINER} did not come back" in event["detail"]
     ]
-    leaves = [] if taken else ["leave"]
     assert len(taken) <= 1, events
-    assert [event["event"] for event in events if event["event"] in ("join", "leave")] == ["join"] * len(
-        joins
-    ) + leaves, events
+    assert [event["event"] for event in events if event["event"] in ("join", "leave")] == ["join"] * len(joins) + [
+        "leave"
+    ], events
+    leave = next(event for event in events if event["event"] == "leave")
+    assert leave["detail"].startswith(f"left: {JOINER}"), leave
+    assert ("while no driver was there" in leave["detail"]) == bool(taken), (leave, taken)
     for device in DEVICES:  # each member was re-adopted by every restarted driver
         assert said.count(f"device {device}: re-adopted by the restarted driver") == len(drivers) - 1, said
 
