@@ -59,6 +59,7 @@ class Restore:
     how: str  # "state": the dataset's own state_dict; "skip": skipped from the pass start; "start"
     skipped: int = 0  # items read and thrown away to get there
     seconds: float = 0.0
+    replayed: int = 0  # items read forward from an older boundary's position to the one held (chunks, whole)
 
 
 @dataclass
@@ -72,6 +73,7 @@ class _GroupReader:
     positions: dict = field(default_factory=dict)  # step -> Position at the boundary before it
     pass_ends: list = field(default_factory=list)
     iterator: Any = None
+    read: int = 0  # items taken from the stream (the chunks', skipped ones and those of a dropped pass end)
 
     @property
     def next_step(self) -> int:
@@ -86,6 +88,7 @@ class _GroupReader:
         while not filler.full:
             try:
                 item = next(self.iterator)
+                self.read += 1
             except StopIteration:
                 ended, drop = filler.end()
                 self.pass_ends.append(ended)
@@ -150,7 +153,7 @@ def _open_at(source: GroupSource, position: Position, chunk: int, pass_end: str)
                 ) from None
         skipped = position.consumed
         how = "skip" if skipped else "start"
-    reader = _GroupReader(source, ChunkFiller(position, chunk, pass_end), iterator=iterator)
+    reader = _GroupReader(source, ChunkFiller(position, chunk, pass_end), iterator=iterator, read=skipped)
     reader.positions[position.step] = Position(
         position.group, position.step, position.pass_, position.consumed, source.state()
     )
@@ -203,6 +206,7 @@ class VirtualWorkerStreams:
         self.restores: list = []  # Restore records, in order (the caller reports and clears them)
         self._readers: dict = {}
         self._retired_ends: list = []  # pass ends met by group readers closed since
+        self._read_retired = 0  # items read by group readers closed since
         self._loaded: dict = {}  # group -> Position loaded, not yet opened
         self._held: tuple = ()
         self._committed = step
@@ -217,8 +221,10 @@ class VirtualWorkerStreams:
     def hold(self, virtual_workers: Iterable[int], step: int) -> None:
         """Run `virtual_workers` from the boundary before `step` on.
 
-        A group this device did not read must have a position for `step` (from
-        `load`), except at step 0, where it starts. Groups no longer needed are closed.
+        A group this device did not read must have a position for `step` or an
+        earlier boundary (from `load`; from an earlier one, the group's stream is
+        read forward to `step`, which is exact), except at step 0, where it starts.
+        Groups no longer needed are closed.
         """
         wanted = tuple(sorted(set(int(v) for v in virtual_workers)))
         for v in wanted:
@@ -236,16 +242,22 @@ class VirtualWorkerStreams:
             if reader is not None:
                 self._retire(group)
             position = self._loaded.pop(group, None)
-            if position is None or position.step != step:
+            if position is None or position.step > step:
                 if step != 0:
                     raise RuntimeError(
                         f"no position of stream group {group} (VWs {list(self.split.members(group))}) "
                         f"at step {step}: load() it from the device that held it, or from position_at()"
                     )
                 position = start(group)
+            began = time.perf_counter()
             reader, restore = _open_at(
                 self.source.group(self.split, group, self.num_workers, self.seed), position, self.chunk, self.pass_end
             )
+            if position.step < step:  # an older boundary's position: read forward, chunk by chunk (exact)
+                reader.chunk(step - 1)
+                reader.forget_before(step)
+                restore.replayed = (step - position.step) * self.chunk
+                restore.seconds = time.perf_counter() - began
             self._readers[group] = reader
             self.restores.append(restore)
         self._held = wanted
@@ -311,7 +323,7 @@ class VirtualWorkerStreams:
                     f"stream group {group} has no position at step {step} here (known: {sorted(reader.positions)})"
                 )
             positions.append(reader.positions[step].to_dict())
-        return {**self._header(), "step": step, "groups": positions}
+        return {**self.header(), "step": step, "groups": positions}
 
     def load(self, state: dict) -> None:
         """Take the positions in `state` (from `state()` here or on another device).
@@ -321,7 +333,7 @@ class VirtualWorkerStreams:
         """
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"stream state format {state.get('format')!r}, expected {STATE_FORMAT}")
-        mine = self._header()
+        mine = self.header()
         theirs = {key: state.get(key) for key in mine}
         if theirs != mine:
             raise ValueError(f"the stream state is of another split or stream: {theirs}, here {mine}")
@@ -334,6 +346,28 @@ class VirtualWorkerStreams:
             if reader is not None:
                 self._retire(position.group)
             self._loaded[position.group] = position
+
+    @property
+    def items_read(self) -> int:
+        """Items taken from the streams by this reader since it was made (groups closed since included)."""
+        return self._read_retired + sum(reader.read for reader in self._readers.values())
+
+    def reading(self) -> list:
+        """The groups read here now."""
+        return sorted(self._readers)
+
+    def newest_position(self, group: int, step: int) -> Optional[Position]:
+        """The newest position of `group` known here at a boundary up to `step` (None: not read here)."""
+        reader = self._readers.get(group)
+        if reader is None:
+            return None
+        known = [at for at in reader.positions if at <= step]
+        return reader.positions[max(known)] if known else None
+
+    def drop_group(self, group: int) -> None:
+        """Stop reading `group` here (a later `hold` opens it from a loaded position)."""
+        if group in self._readers:
+            self._retire(group)
 
     def pass_ends(self) -> list:
         """The pass ends met so far by the groups read here (PassEnd records, one per group and pass), oldest first.
@@ -350,9 +384,9 @@ class VirtualWorkerStreams:
         source state: loading it skips from the pass start). For a group whose reader was lost."""
         lengths = [ended.items for ended in sorted(pass_ends, key=lambda e: e.pass_) if ended.group == group]
         position = position_at(group, step, lengths, self.chunk, self.pass_end)
-        return {**self._header(), "step": step, "groups": [position.to_dict()]}
+        return {**self.header(), "step": step, "groups": [position.to_dict()]}
 
-    def _header(self) -> dict:
+    def header(self) -> dict:
         """What a position means: the split, the chunk, the pass-end rule, and the stream's order
         (which num_workers, and with it the seed of the loader processes, decides)."""
         return {
@@ -367,6 +401,7 @@ class VirtualWorkerStreams:
     def _retire(self, group: int) -> None:
         reader = self._readers.pop(group)
         self._retired_ends.extend(reader.pass_ends)
+        self._read_retired += reader.read
         reader.close()
 
     def close(self) -> None:
