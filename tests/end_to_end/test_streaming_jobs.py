@@ -46,6 +46,21 @@ def _joined(path, devices) -> bool:
     )
 
 
+def _steady_reads(path) -> list:
+    """(items read, items left out at pass ends, devices running VWs) of every step that runs on the
+    same generation and assignment as the step before (no stream moved: nothing skipped or read forward)."""
+    steps = [record for record in pieces.metrics_records(path) if record["kind"] == "step"]
+    return [
+        (
+            record["stream_items_read"],
+            sum(end["left_out"][1] - end["left_out"][0] for end in record.get("pass_ends", []) if end["left_out"]),
+            sum(1 for share in record["assignment"] if share),
+        )
+        for before, record in zip(steps, steps[1:])
+        if (before["generation"], before["assignment"]) == (record["generation"], record["assignment"])
+    ]
+
+
 def test_plain_stream_on_1_device_and_through_joins_a_kill_and_a_leave(train, tmp_path):
     """No shards: round-robin, step s = items s*B .. (s+1)*B-1 of the pass, on 1 device, and on 2 with
     +2 (streamed joins: the joiners receive the positions with the state), a kill -9 of local-1 in
@@ -74,6 +89,10 @@ def test_plain_stream_on_1_device_and_through_joins_a_kill_and_a_leave(train, tm
     assert _joined(tmp_path / "elastic.jsonl", 4)
     assert pieces.device_counts(pieces.metrics_records(tmp_path / "elastic.jsonl"))[-1] == 1
     assert _digests(tmp_path / "elastic.jsonl") == _digests(tmp_path / "one.jsonl")
+    # Round-robin: every device running VWs reads the whole stream (the pass end's dropped items too).
+    steady = _steady_reads(tmp_path / "elastic.jsonl")
+    assert len(steady) >= 4 and {devices for _, _, devices in steady} >= {1, 2}, steady
+    assert all(read == devices * (48 + left_out) for read, left_out, devices in steady), steady
     pieces.assert_same_parameters(elastic, expected, atol=ATOL)
 
 
@@ -111,6 +130,13 @@ def test_sharded_stream_on_1_device_and_through_a_blocking_join_and_a_kill(train
     assert [record["step"] for record in events if record["event"] == "failure"] == [8]
     assert _joined(tmp_path / "three.jsonl", 3)
     assert _digests(tmp_path / "three.jsonl") == _digests(tmp_path / "one.jsonl")
+    # One VW per shard: each item is read once in the whole job, on 2 and 3 devices alike.
+    steady = _steady_reads(tmp_path / "three.jsonl")
+    assert len(steady) >= 4 and {devices for _, _, devices in steady} >= {3}, steady
+    assert all(read == 48 + left_out for read, left_out, _ in steady), steady
+    assert any(left_out for _, left_out, _ in steady) or any(
+        record.get("pass_ends") for record in pieces.metrics_records(tmp_path / "three.jsonl")
+    )
     pieces.assert_same_parameters(three, expected, atol=ATOL)
 
 
