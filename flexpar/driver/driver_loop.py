@@ -302,7 +302,7 @@ class DriverLoop:
         if self.ledger_file is None:
             path = os.path.join(self.run_dir, "ledger.jsonl")
             self.ledger_file = open(path, "a" if self.resumed else "w", encoding="utf-8")
-        sample_ledger.write_entry(self.ledger_file, record["step"], indices)
+        sample_ledger.write_entry(self.ledger_file, record["step"], indices, record.get("pass_ends"))
 
     def _emit(self, record: dict) -> None:
         self.devices = list(record["devices"])

@@ -53,11 +53,6 @@ def check_job(job, options: FitOptions) -> CheckedJob:
     if job.streaming:  # what a streaming job does not support yet (docs/guide.md, streaming datasets)
         if options.steps is None:
             job.steps_per_epoch()  # raises: epochs= needs a length a stream does not have
-        if options.sample_ledger:
-            raise ArgumentError(
-                "sample_ledger=True counts a map-style dataset's sample indices: not supported with an "
-                "iterable dataset= yet"
-            )
     kind, available, backend = detect_devices(options.backend)
     context = worker_context(options.verbose)
     initial = options.devices or (available if kind == "cuda" else 1)

@@ -10,6 +10,7 @@ kill -9, has the one-device run's digests.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import evaluation_pieces
 import pieces
@@ -18,6 +19,8 @@ import stream_pieces
 import torch
 
 import flexpar
+from flexpar.core import ledger
+from flexpar.core.stream_split import split_stream
 from flexpar.errors import ArgumentError
 from flexpar.worker.evaluator import evaluate_all
 
@@ -44,6 +47,16 @@ def _joined(path, devices) -> bool:
         for record in pieces.metrics_records(path)
         if record["kind"] == "step"
     )
+
+
+def _ledger_audit(directory, job, steps: int, shards=None):
+    """The sample ledger of the run(s) under `directory` against the items each step should train."""
+    paths = sorted(Path(directory).rglob("ledger.jsonl"))
+    assert paths, f"no ledger under {directory}"
+    entries = {step: items for path in paths for step, items in ledger.read(path).items()}
+    ends = {(e["group"], e["pass"]): e for path in paths for e in ledger.read_pass_ends(path)}
+    split = split_stream(job.virtual_workers, shards)
+    return ledger.audit_stream(entries, list(ends.values()), split, job.micro_batch_size, steps)
 
 
 def _steady_reads(path) -> list:
@@ -82,6 +95,7 @@ def test_plain_stream_on_1_device_and_through_joins_a_kill_and_a_leave(train, tm
         faults="8:local-1:backward",
         max_devices=4,
         metrics=str(tmp_path / "elastic.jsonl"),
+        sample_ledger=True,  # ledger.jsonl beside the metrics file (the one run with a ledger here)
     )
     events = _events(tmp_path / "elastic.jsonl")
     assert {"join", "leave", "failure"} <= {record["event"] for record in events}, events
@@ -93,6 +107,11 @@ def test_plain_stream_on_1_device_and_through_joins_a_kill_and_a_leave(train, tm
     steady = _steady_reads(tmp_path / "elastic.jsonl")
     assert len(steady) >= 4 and {devices for _, _, devices in steady} >= {1, 2}, steady
     assert all(read == devices * (48 + left_out) for read, left_out, devices in steady), steady
+    # The ledger: every item of the stream trained once, in its step, through +2, the kill and -2;
+    # the pass end at step 9 left out its last 24 items (456 = 9 * 48 + 24), recorded, not silent.
+    audit = _ledger_audit(tmp_path, job, steps)
+    assert audit.clean and audit.pass_ends_differing == 0, audit
+    assert audit.items_left_out == 24, audit
     pieces.assert_same_parameters(elastic, expected, atol=ATOL)
 
 
@@ -121,6 +140,7 @@ def test_sharded_stream_on_1_device_and_through_a_blocking_join_and_a_kill(train
         max_devices=3,
         eval_every=6,
         metrics=str(tmp_path / "three.jsonl"),
+        sample_ledger=True,  # ledger.jsonl beside the metrics file (the one run with a ledger here)
     )
     evals = [record for record in pieces.metrics_records(tmp_path / "three.jsonl") if record["kind"] == "eval"]
     assert [record["step"] for record in evals] == [6, 12]
@@ -134,9 +154,9 @@ def test_sharded_stream_on_1_device_and_through_a_blocking_join_and_a_kill(train
     steady = _steady_reads(tmp_path / "three.jsonl")
     assert len(steady) >= 4 and {devices for _, _, devices in steady} >= {3}, steady
     assert all(read == 48 + left_out for read, left_out, _ in steady), steady
-    assert any(left_out for _, left_out, _ in steady) or any(
-        record.get("pass_ends") for record in pieces.metrics_records(tmp_path / "three.jsonl")
-    )
+    audit = _ledger_audit(tmp_path, job, STEPS, shards=6)
+    assert audit.clean and audit.pass_ends_differing == 0, audit
+    assert audit.items_left_out == 6 * 4, audit  # each shard's pass of 76 leaves 4 out at step 9
     pieces.assert_same_parameters(three, expected, atol=ATOL)
 
 
@@ -227,8 +247,6 @@ def test_what_a_streaming_job_refuses_before_any_process_starts(train):
     job = pieces.make_job(dataset=stream)
     with pytest.raises(ArgumentError, match="epochs= needs"):
         train(job, epochs=1, devices=1)
-    with pytest.raises(ArgumentError, match="sample_ledger=True"):
-        train(job, steps=1, devices=1, sample_ledger=True)
     assert flexpar.Job is type(job)
 
 
@@ -241,7 +259,8 @@ if __name__ == "__main__":
     import os, torch
     job = pieces.make_job(virtual_workers=6, dataset=stream_pieces.PairStream(), delay_s=0.02)
     model, summary = job.fit(
-        steps={steps}, devices=2, port=int(os.environ["TEST_PORT"]), faults="6:driver:forward", driver_grace_s=60
+        steps={steps}, devices=2, port=int(os.environ["TEST_PORT"]), faults="6:driver:forward", driver_grace_s=60,
+        sample_ledger=True,
     )
     torch.save(model.state_dict(), "final.pt")
 """
@@ -266,3 +285,5 @@ def test_a_driver_killed_and_restarted_re_adopts_the_devices_with_their_position
     job = pieces.make_job(virtual_workers=6, dataset=stream)
     expected = stream_pieces.stream_reference(job, STEPS, stream_pieces.round_robin_items(stream, 48, 6))
     pieces.assert_same_parameters(model, expected, atol=ATOL)
+    audit = _ledger_audit(tmp_path, job, STEPS)  # both drivers' ledgers: each step once, each item once
+    assert audit.clean and audit.pass_ends_differing == 0 and audit.items_left_out == 24, audit
