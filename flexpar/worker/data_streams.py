@@ -91,6 +91,24 @@ class DataStreams:
         self.layout = layout
         self._hold(holdings[rank], step)
 
+    def open_at_boundary(self, step: int, holdings: Sequence[Sequence[int]], rank: int, generation: int) -> dict:
+        """`prepare` at a generation's boundary, and what reaching the positions cost on all members
+        together ({} if nothing was skipped or read forward): the event's `stream_skipped_items` and
+        `stream_skip_s` (the slowest member's seconds)."""
+        self.prepare(step, holdings, rank, generation)
+        mine = self.take_restore_costs()
+        parts = [mine]
+        if len(holdings) > 1:
+            parts = [None] * len(holdings)
+            collective(lambda: dist.all_gather_object(parts, mine))
+        parts = [part for part in parts if part]
+        if not parts:
+            return {}
+        return {
+            "stream_skipped_items": sum(part["stream_skipped_items"] for part in parts),
+            "stream_skip_s": max(part["stream_skip_s"] for part in parts),
+        }
+
     def _exchange(self, step: int, world: int) -> None:
         """Every member's positions at the committed boundary `step`; each keeps the newest per group."""
         mine = [position.to_dict() for position in self._positions(step)]

@@ -179,6 +179,8 @@ def test_a_stateful_stream_moves_by_its_own_state(train, tmp_path):
         metrics=str(tmp_path / "a.jsonl"),
     )
     assert _joined(tmp_path / "a.jsonl", 3)
+    joins = [record for record in _events(tmp_path / "a.jsonl") if record["event"] == "join"]
+    assert joins and all("stream_skipped_items" not in record for record in joins), joins  # by its state
     model, summary = train(job, steps=STEPS, devices=1, checkpoint_dir=folder, resume=True)
     assert summary["resumed_from"] == 6
     expected = stream_pieces.stream_reference(job, STEPS, stream_pieces.round_robin_items(stream, 48, 6))
@@ -228,6 +230,11 @@ def test_resume_on_another_device_count_continues_at_the_next_item(train, tmp_pa
     )
     assert summary["resumed_from"] == 6
     assert pieces.device_counts(pieces.metrics_records(tmp_path / "b.jsonl")) == [3, 1]
+    # The shuffled stream's state is not complete: each of the 6 groups skips its 6 * 8 items, in the
+    # resume's boundary, and its start event says so.
+    start = [record for record in _events(tmp_path / "b.jsonl") if record["event"] == "start"]
+    assert [record.get("stream_skipped_items") for record in start] == [6 * 6 * 8], start
+    assert start[0]["stream_skip_s"] >= 0.0, start
     items = stream_pieces.huggingface_items(stream, 6, 8, STEPS)
     pieces.assert_same_parameters(model, stream_pieces.stream_reference(job, STEPS, items), atol=ATOL)
 
