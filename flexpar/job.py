@@ -78,6 +78,8 @@ class Job:
     deterministic:  True: exact, order-free gradient sums (int64 fixed point), so the parameters, optimizer
                     state and recorded losses are bit-for-bit those of the one-device run on any device set
                     and schedule; costs memory and time (docs/guide.md), and CPU devices run 1 thread each
+    pass_end:       an iterable dataset only: "drop" (default) leaves out the items of a pass that do not
+                    fill a step's share of a stream; "carry" fills it from the next pass (docs/guide.md)
     """
 
     model: Callable[[], nn.Module]
@@ -103,6 +105,7 @@ class Job:
     shard_optimizer: Union[bool, str] = False
     shard_redundancy: Optional[int] = None
     deterministic: bool = False
+    pass_end: str = "drop"
 
     def __post_init__(self):
         try:

@@ -1,24 +1,19 @@
 """One device's virtual-worker streams over an iterable dataset: batches by (step, VW), positions as data.
 
-`VirtualWorkerStreams` is what a device owns for a streaming dataset: given the
-dataset, `V`, the per-VW batch and the VWs it runs, it yields each VW's batch
-of a step (collated as the map-style path's), reading each stream group it
-needs once (flexpar/core/stream_split.py has the split and the pass-end rule)
-and keeping only its VWs' items.
+`VirtualWorkerStreams` is what a device owns for a streaming dataset: given the dataset, `V`, the
+per-VW batch and the VWs it runs, it yields each VW's batch of a step (collated as the map-style
+path's), reading each stream group it needs once (flexpar/core/stream_split.py has the split and
+the pass-end rule) and keeping only its VWs' items.
 
-Positions are training state. At every step boundary the reader knows each of
-its groups' `Position` (pass, items of the pass read, the dataset's state where
-complete); `state(step)` returns those of the boundary before `step` as plain
-picklable data, and `load(state)` puts them in another reader, so a VW's
-stream can move to another device at a boundary, be restored to the last
-committed boundary after a failure, or be checkpointed. Between commits the
-reader keeps the chunks it read, so a step read again (a redo after a failure,
-on the same device) gets the same items without reading anything; `commit(step)`
-forgets what came before the boundary `step`.
+Positions are training state. At every step boundary the reader knows each of its groups'
+`Position`; `state(step)` returns those of the boundary before `step` as plain picklable data, and
+`load(state)` puts them in another reader (a position of an earlier boundary is read forward to
+the one held), so a VW's stream can move to another device, be restored to the last committed
+boundary after a failure, or be checkpointed. Between commits the reader keeps the chunks it read,
+so a redone step gets the same items without reading; `commit(step)` forgets what came before.
 
-The promise the tests keep: a step's items (VW by VW) are the same whichever
-readers hold which VWs, however VWs move between readers at boundaries, and
-equal to those of one reader that holds every VW.
+The promise the tests keep: a step's items (VW by VW) are the same whichever readers hold which
+VWs, however VWs move between readers at boundaries, and equal to those of one reader holding every VW.
 """
 
 from __future__ import annotations

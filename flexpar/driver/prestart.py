@@ -23,7 +23,6 @@ from flexpar.core import frozen
 from flexpar.driver.fork_server import worker_context
 from flexpar.driver.job_checks import check_sharding, first_batch_check, pickle_pieces
 from flexpar.driver.local_devices import detect_devices
-from flexpar.errors import ArgumentError
 from flexpar.options import FitOptions
 from flexpar.worker import checkpoints, evaluator
 from flexpar.worker.user_code import build_model, build_optimizer

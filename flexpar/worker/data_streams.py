@@ -61,7 +61,7 @@ class DataStreams:
         self.known: dict = {group: start(group) for group in range(self.split.groups)}
         self.layout: Optional[tuple] = None  # (generation, groups by member) of the last step prepared
         self.prepared: Optional[int] = None  # the step whose VWs the reader holds
-        self.read_reported = 0  # the reader's items_read at the last `read_since`
+        self.read_at_commit = 0  # the reader's items_read at the last commit
         self.ahead: list = []  # positions past the committed boundary heard before a generation change
         self.restore_costs: list = []  # Restore records of positions reached since the caller last took them
 
@@ -74,7 +74,7 @@ class DataStreams:
             seed=job.seed,
             collate_fn=job.collate_fn,
             num_workers=job.num_workers,
-            pass_end=getattr(job, "pass_end", "drop"),
+            pass_end=job.pass_end,
             source=self.source,
         )
 
@@ -171,10 +171,10 @@ class DataStreams:
         return [ended.to_dict() for ended in self.reader.pass_ends() if ended.step == step]
 
     def read_since(self, step: int) -> tuple:
-        """(items this device took from its streams since the last call, pass ends it met at `step`)."""
-        read = self.reader.items_read
-        since, self.read_reported = read - self.read_reported, read
-        return since, len(self.pass_ends_at(step))
+        """(items this device took from its streams since the last commit, pass ends it met at `step`):
+        the same again for a step run again (exact sums' redo); a step broken off adds its reads to
+        the one redone, and a boundary's skips to the step after it."""
+        return self.reader.items_read - self.read_at_commit, len(self.pass_ends_at(step))
 
     def trained_items(self, step: int, virtual_workers: Sequence[int], world: int) -> list:
         """The sample ledger's entry of `step`: every member's items, sorted (a gather; tests and the soak)."""
@@ -201,6 +201,7 @@ class DataStreams:
         self.ahead = []
         self._positions(step)
         self.reader.commit(step)
+        self.read_at_commit = self.reader.items_read
 
     # -- the training state ------------------------------------------------------------------------
 
@@ -214,7 +215,7 @@ class DataStreams:
         if step < self.reader.committed:  # an older state than this reader's: read it anew
             self.reader.close()
             self.reader = self._new_reader()
-            self.known, self.read_reported = {}, 0
+            self.known, self.read_at_commit = {}, 0
         else:
             self._positions(step)  # this device's own, where newer than the state's
         self.known = stream_holding.newest(self.known, [Position.from_dict(d) for d in state["groups"]], step)

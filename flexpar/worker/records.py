@@ -149,9 +149,7 @@ class RecordQueue:
             detail = "failed: " + ", ".join(record["left"]) + " (while leaving)" + goes_on
             self.publish_event("failure", detail, stall, **where, **sent_with)
         elif record["left"]:
-            self.publish_event(
-                "leave", "left: " + ", ".join(record["left"]) + goes_on, stall, **where, **sent_with
-            )
+            self.publish_event("leave", "left: " + ", ".join(record["left"]) + goes_on, stall, **where, **sent_with)
         if record["joined"]:
             kind = "start" if generation == 1 else "join"
             joined = record["joined"]

@@ -239,6 +239,30 @@ def test_resume_on_another_device_count_continues_at_the_next_item(train, tmp_pa
     pieces.assert_same_parameters(model, stream_pieces.stream_reference(job, STEPS, items), atol=ATOL)
 
 
+def test_a_carried_pass_end_on_2_devices_through_a_kill(train, tmp_path):
+    """pass_end="carry": the step holding the end of pass 0 (456 = 9 * 48 + 24 items) fills from pass 1,
+    nothing is left out; 2 devices, local-1 killed -9 in step 9 (that very step); the ledger finds every
+    item once and no item left out."""
+    from flexpar.data import VirtualWorkerStreams
+
+    stream = stream_pieces.PairStream()
+    job = _job(stream, pass_end="carry")
+    reader = VirtualWorkerStreams(stream_pieces.PairStream(), 6, 8, pass_end="carry", virtual_worker_ids=range(6))
+    chunks = {(step, v): reader.items(step, v) for step in range(STEPS) for v in range(6)}
+    model, _ = train(
+        job, steps=STEPS, devices=2, faults="9:local-1:forward", metrics=str(tmp_path / "m.jsonl"), sample_ledger=True
+    )
+    assert [record["step"] for record in _events(tmp_path / "m.jsonl") if record["event"] == "failure"] == [9]
+    expected = stream_pieces.stream_reference(job, STEPS, lambda step, v: chunks[(step, v)])
+    pieces.assert_same_parameters(model, expected, atol=ATOL)
+    records = [r for r in pieces.metrics_records(tmp_path / "m.jsonl") if r["kind"] == "step"]
+    assert [end["left_out"] for r in records for end in r.get("pass_ends", [])] == [[]], records
+    split = split_stream(6, None)
+    ends = ledger.read_pass_ends(tmp_path / "ledger.jsonl")
+    audit = ledger.audit_stream(ledger.read(tmp_path / "ledger.jsonl"), ends, split, 8, STEPS, pass_end="carry")
+    assert audit.clean and audit.items_left_out == 0 and audit.pass_ends_differing == 0, audit
+
+
 def test_what_a_streaming_job_refuses_before_any_process_starts(train):
     stream = stream_pieces.PairStream()
     with pytest.raises(ArgumentError, match="sample_cost="):
@@ -247,6 +271,10 @@ def test_what_a_streaming_job_refuses_before_any_process_starts(train):
         pieces.make_job(dataset=stream, shard_optimizer=True)
     with pytest.raises(ArgumentError, match="an iterable evaluation set is not supported yet"):
         pieces.make_job(dataset=stream, eval_dataset=stream, evaluate=len)
+    with pytest.raises(ArgumentError, match="pass_end='keep' must be one of"):
+        pieces.make_job(dataset=stream, pass_end="keep")
+    with pytest.raises(ArgumentError, match="is for an iterable dataset="):
+        pieces.make_job(pass_end="carry")
     with pytest.raises(ArgumentError, match="is an iterator"):
         pieces.make_job(dataset=iter(stream))
     with pytest.raises(ArgumentError, match="get_rank"):
