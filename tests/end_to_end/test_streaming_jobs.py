@@ -263,6 +263,42 @@ def test_a_carried_pass_end_on_2_devices_through_a_kill(train, tmp_path):
     assert audit.clean and audit.items_left_out == 0 and audit.pass_ends_differing == 0, audit
 
 
+def test_a_packing_dataset_carries_its_leftover_tokens_through_a_join_and_a_kill(train, tmp_path):
+    """A stateful packing stream (documents of random length cut into 8-token sequences; the leftover
+    tokens are its state and carry into the next pass): 2 devices, a blocking join at step 2 (the
+    joiner loads the moved streams' states) and local-0 killed -9 in step 7 (its streams are
+    reopened from the exchanged positions, read forward). 12 steps cross two pass ends."""
+    from flexpar.data import VirtualWorkerStreams
+
+    def packing():
+        return stream_pieces.PackingStream(documents=30, sequence=8)
+
+    job = _job(packing(), virtual_workers=3, global_batch=6, collate_fn=stream_pieces.TokenFeatures())
+    job = dataclasses.replace(job, loss=pieces.SlowUntilJoined(pieces.Loss(), devices=3))
+    reader = VirtualWorkerStreams(packing(), 3, 2, virtual_worker_ids=range(3))
+    chunks = {}
+    for step in range(STEPS):
+        chunks.update({(step, v): reader.items(step, v) for v in range(3)})
+        reader.commit(step + 1)
+    assert len(reader.pass_ends()) >= 2
+    model, _ = train(
+        job,
+        steps=STEPS,
+        devices=2,
+        schedule="2:+1",
+        join_stream_mb=0,
+        faults="7:local-0:forward",
+        max_devices=3,
+        metrics=str(tmp_path / "m.jsonl"),
+        sample_ledger=True,
+    )
+    assert _joined(tmp_path / "m.jsonl", 3)
+    assert [record["step"] for record in _events(tmp_path / "m.jsonl") if record["event"] == "failure"] == [7]
+    expected = stream_pieces.stream_reference(job, STEPS, lambda step, v: chunks[(step, v)])
+    pieces.assert_same_parameters(model, expected, atol=ATOL)
+    assert _ledger_audit(tmp_path, job, STEPS).clean
+
+
 def test_what_a_streaming_job_refuses_before_any_process_starts(train):
     stream = stream_pieces.PairStream()
     with pytest.raises(ArgumentError, match="sample_cost="):
