@@ -56,7 +56,8 @@ class Job:
     lr_scheduler:   optional, maps the optimizer to a scheduler stepped once per step
     eval_dataset / evaluate: optional evaluation set and evaluate(model, batch) -> dict of
                     metrics summed over the batch ({"loss_sum": ..., "correct": ..., "count": ...}),
-                    run every `eval_every` steps and after the last (flexpar/worker/evaluator.py)
+                    run every `eval_every` steps and after the last (flexpar/worker/evaluator.py); an
+                    iterable evaluation set is read once, here, into the list of its items
     eval_batch:     samples per evaluation batch (default: the micro-batch, global_batch / V)
     mixed_precision: None, "bf16" or "fp16": each VW's forward and loss run under torch.autocast;
                     "fp16" adds dynamic loss scaling (flexpar/recipes.py), tuned by

@@ -18,6 +18,7 @@ from torch import nn
 from flexpar import recipes
 from flexpar.core.stream_split import PASS_ENDS
 from flexpar.data import describe, is_stream
+from flexpar.data.eval_items import EvalItems
 from flexpar.errors import ArgumentError
 from flexpar.worker.user_code import is_real
 
@@ -189,10 +190,11 @@ def _check_evaluation(job) -> None:
         raise ArgumentError(
             f"evaluate= must be a function evaluate(model, batch) -> dict (got {type(job.evaluate).__name__})"
         )
+    if is_stream(job.eval_dataset):  # read once, here: its items in its order (flexpar/data/eval_items.py)
+        object.__setattr__(job, "eval_dataset", EvalItems.read(job.eval_dataset))
     if not hasattr(job.eval_dataset, "__getitem__") or not hasattr(job.eval_dataset, "__len__"):
         raise ArgumentError(
-            "eval_dataset= must be a map-style Dataset (with __getitem__ and __len__): an iterable "
-            "evaluation set is not supported yet"
+            "eval_dataset= must be a map-style Dataset (with __getitem__ and __len__) or a finite iterable one"
         )
     if len(job.eval_dataset) < 1:
         raise ArgumentError("eval_dataset= is empty")

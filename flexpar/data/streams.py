@@ -42,7 +42,7 @@ from flexpar.core.stream_split import (
 from flexpar.data.sources import GroupSource, StreamSource, describe
 from flexpar.errors import ArgumentError
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2  # 2: a num_workers stream's loader hands over a per-VW batch at a time
 
 
 @dataclass
@@ -165,8 +165,9 @@ class VirtualWorkerStreams:
     seed:            the job's seed (each VW's batch is collated under its data seed, as map-style batches)
     collate_fn:      as Job(collate_fn=...); default: torch's default_collate
     num_workers:     DataLoader worker processes per stream group read here (0: read in this process).
-                     With k > 0 a group's stream is the order of DataLoader(group's dataset, batch_size=None,
-                     num_workers=k): the same on every device for the job's k, positioned by skipping
+                     With k > 0 a group's stream is the order of DataLoader(group's dataset, batch_size=batch,
+                     num_workers=k), item by item: the same on every device for the job's k, positioned
+                     by skipping
     pass_end:        "drop" (default) or "carry": flexpar/core/stream_split.py
     virtual_worker_ids, step: the VWs held from the boundary before `step` (default: none yet; `hold`)
     """
@@ -245,9 +246,8 @@ class VirtualWorkerStreams:
                     )
                 position = start(group)
             began = time.perf_counter()
-            reader, restore = _open_at(
-                self.source.group(self.split, group, self.num_workers, self.seed), position, self.chunk, self.pass_end
-            )
+            source = self.source.group(self.split, group, self.num_workers, self.seed, self.batch_size)
+            reader, restore = _open_at(source, position, self.chunk, self.pass_end)
             if position.step < step:  # an older boundary's position: read forward, chunk by chunk (exact)
                 reader.chunk(step - 1)
                 reader.forget_before(step)
@@ -326,9 +326,11 @@ class VirtualWorkerStreams:
         A group read here already at the same place is left as it is; any other
         is (re)opened at the loaded position when `hold` next needs it.
         """
-        if state.get("format") != STATE_FORMAT:
+        read_before = state.get("format") == 1 and not self.num_workers  # format 1: the same without loaders
+        if state.get("format") != STATE_FORMAT and not read_before:
             raise ValueError(f"stream state format {state.get('format')!r}, expected {STATE_FORMAT}")
         mine = self.header()
+        mine.pop("format")
         theirs = {key: state.get(key) for key in mine}
         if theirs != mine:
             raise ValueError(f"the stream state is of another split or stream: {theirs}, here {mine}")
