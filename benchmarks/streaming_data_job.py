@@ -1,11 +1,12 @@
 """The pieces benchmarks/streaming_data.py trains: streams of rows, the model, the plain DataLoader loop.
 
 Rows are `(features, label)` pairs of one seeded tensor, read one at a time
-(each item a fresh tensor, as a decoder would give); the same rows serve as a
+(each item a view of its row, as a `TensorDataset` gives it: the two sides of
+`throughput_ratio` do the same work per item); the same rows serve as a
 map-style `TensorDataset` and as streams:
 
 - `ShardedRows`: flexpar's shard protocol (`n_shards`, `shard(num_shards,
-  index)`), shards read one after another; with `stateful=True` it has
+  index)`), shards read one after another; `StatefulRows` has
   `state_dict()`/`load_state_dict()` (a complete position: pass, shard,
   item), so a moved stream is reached by its state instead of skipping;
 - `PlainRows`: the same rows as one stream with no shards (the round-robin
@@ -57,7 +58,7 @@ class PlainRows(IterableDataset):
         info = get_worker_info()
         for k, index in enumerate(self.order()):
             if info is None or k % info.num_workers == info.id:
-                yield self.inputs[index].clone(), self.labels[index].clone()
+                yield self.inputs[index], self.labels[index]
 
 
 class ShardedRows(IterableDataset):
@@ -107,7 +108,7 @@ class ShardedRows(IterableDataset):
             for item in range(first_item if position == first_shard else 0, len(labels)):
                 if info is None or item % info.num_workers == info.id:
                     self._at = (position, item + 1)
-                    yield inputs[item].clone(), labels[item].clone()
+                    yield inputs[item], labels[item]
 
 
 class StatefulRows(ShardedRows):
