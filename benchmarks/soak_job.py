@@ -150,8 +150,10 @@ def _reference(steps: int, eval_every: int, streaming: bool = False):
     evaluations = {}
     # A stream's batches from one reader holding every VW (the data layer's promise: the same items and
     # collation on any device set; tests/data check it against the split's spec).
-    stream = VirtualWorkerStreams(job.dataset, job.virtual_workers, job.micro_batch_size, seed=job.seed)
-    stream.hold(range(job.virtual_workers), 0)
+    stream = None
+    if streaming:
+        stream = VirtualWorkerStreams(job.dataset, job.virtual_workers, job.micro_batch_size, seed=job.seed)
+        stream.hold(range(job.virtual_workers), 0)
     for step in range(steps):
         losses = []
         for virtual_worker in range(job.virtual_workers):
@@ -166,7 +168,8 @@ def _reference(steps: int, eval_every: int, streaming: bool = False):
             inputs, labels = batch
             losses.append(nn.functional.cross_entropy(model(inputs), labels))
         torch.stack(losses).mean().backward()
-        stream.commit(step + 1)
+        if stream is not None:
+            stream.commit(step + 1)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if (step + 1) % eval_every == 0 or step + 1 == steps:
