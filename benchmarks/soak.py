@@ -37,6 +37,8 @@ scheduled), during_recovery (signals that fired while the job recovered from
 another device's kill or SIGSTOP); what was drawn and did not fire:
 not_fired, not_fired_by_kind, not_fired_by_phase; and per-run details.
 
+Every third run (from the second; not with `--shard`) trains the same samples as a stream of 6
+shards (soak_job.ShardStream), its ledger's items checked against the split and the pass ends.
 With `--shard` the job's optimizer state is sharded (`Job(shard_optimizer=True)`)
 and the signals are dealt one more phase, "update"; the checks are the same,
 but for one stop allowed after two failures at once (`lost_state_stops`,
@@ -120,8 +122,6 @@ def run_one(
     import soak_job
     import torch
 
-    from flexpar.core import ledger
-
     output = os.path.join(folder, f"run-{plan.index:03d}")
     os.makedirs(output, exist_ok=True)
     spec = {
@@ -136,6 +136,7 @@ def run_one(
         "checkpoint_every": CHECKPOINT_EVERY,
         "eval_every": EVAL_EVERY,
         "shard": shard,
+        "streaming": plan.streaming,
     }
     spec_path = os.path.join(output, "spec.json")
     with open(spec_path, "w") as handle:
@@ -169,18 +170,19 @@ def run_one(
         return result
     result.steps = summary["steps"]
     result.failed = ending_problem(summary)[:300]
-    if "model" not in references:
-        references["model"], references["evaluations"] = soak_job.reference(STEPS, EVAL_EVERY)
-        references["model"] = references["model"].state_dict()
+    kind = "stream" if plan.streaming else "map"
+    if kind not in references:  # the failure-free loop over the same data, once per kind
+        model, evaluations = soak_job.reference(STEPS, EVAL_EVERY, plan.streaming)
+        references[kind] = {"model": model.state_dict(), "evaluations": evaluations}
+    reference = references[kind]
     model = torch.load(os.path.join(output, "model.pt"), weights_only=True)
-    for name, value in references["model"].items():
+    for name, value in reference["model"].items():
         if not torch.allclose(model[name], value, rtol=1e-5, atol=1e-6):
             result.divergent = True
-    job = soak_job.make_job()
-    audit = ledger.audit(ledger.read(summary["sample_ledger"]), job.seed, len(job.dataset), job.global_batch, STEPS)
-    result.samples_lost = audit.samples_lost + audit.steps_missing * job.global_batch
+    audit = soak_job.audit(summary["sample_ledger"], STEPS, plan.streaming)
+    result.samples_lost = audit.samples_lost + audit.steps_missing * soak_job.GLOBAL_BATCH
     result.samples_repeated = audit.samples_repeated
-    soak_checks.check_evaluations(result, [r for r in records if r["kind"] == "eval"], references["evaluations"])
+    soak_checks.check_evaluations(result, [r for r in records if r["kind"] == "eval"], reference["evaluations"])
     failures = [e for e in events if e["event"] == "failure"]
     for fault in result.fired:
         if fault["kind"] == "stop":
@@ -280,7 +282,7 @@ def run_soak(
     references = {} if references is None else references
     results = []
     injected = 0
-    for plan in plans(seed, SHARDED_PHASES if shard else SIGNAL_PHASES):
+    for plan in plans(seed, SHARDED_PHASES if shard else SIGNAL_PHASES, streaming=not shard):
         if injected >= faults:
             break
         result = run_one(plan, folder, timeout_s, heartbeat_timeout_s, references, shard)

@@ -3,7 +3,8 @@
 `python benchmarks/soak_job.py SPEC.json` trains the job as the spec says (devices,
 schedule, faults, steps, timeouts, evaluations) with the sample ledger on, and
 writes `model.pt` and `summary.json` into the spec's output folder; with the spec's
-`shard`, the job's optimizer state is sharded (soak.py --shard). Worker
+`shard`, the job's optimizer state is sharded (soak.py --shard); with its `streaming`, the job
+trains the same samples as a stream of 6 shards (`ShardStream`). Worker
 processes import this file for its pieces, so everything they need is at module
 level. `reference(steps, eval_every)` is the plain single-process loop the soak
 compares with, and its evaluations.
@@ -30,7 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from soak_plan import VIRTUAL_WORKERS
 
 import flexpar
-from flexpar.core import batching
+from flexpar.core import batching, ledger
+from flexpar.core.stream_split import split_stream
+from flexpar.data import VirtualWorkerStreams
 from flexpar.worker import evaluator
 from flexpar.worker.loader import load_batch
 from flexpar.worker.user_code import build_model, build_optimizer
@@ -80,14 +83,42 @@ def loss(model, batch):
     return nn.functional.cross_entropy(model(inputs), labels)
 
 
-def make_job(shard: bool = False):
+class ShardStream(torch.utils.data.IterableDataset):
+    """The dataset's samples as a stream of 6 shards of 80 (flexpar's shard protocol: one shard per VW);
+    odd passes read a shard backwards. 80 = 10 steps of 8 a pass, so a run crosses pass ends."""
+
+    def __init__(self, chosen=tuple(range(6))):
+        self.inputs, self.labels = make_dataset().tensors
+        self.chosen, self.epoch = list(chosen), 0
+
+    @property
+    def n_shards(self):
+        return len(self.chosen)
+
+    def shard(self, num_shards, index):
+        per = len(self.chosen) // num_shards
+        return ShardStream(self.chosen[index * per : (index + 1) * per])
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        per_shard = SAMPLES // 6
+        for shard in self.chosen:
+            order = range(shard * per_shard, (shard + 1) * per_shard)
+            for index in reversed(order) if self.epoch % 2 else order:
+                yield self.inputs[index], self.labels[index]
+
+
+def make_job(shard: bool = False, streaming: bool = False):
     """The soak's job; `shard`: its optimizer state sharded (Job(shard_optimizer=True), the default
-    redundancy: 2 copies of each part, every device holding everything on 2 devices)."""
+    redundancy: 2 copies of each part, every device holding everything on 2 devices); `streaming`:
+    the same samples as a stream (ShardStream) instead of the map-style dataset."""
     return flexpar.Job(
         model=make_model,
         optimizer=make_optimizer,
         loss=loss,
-        dataset=make_dataset(),
+        dataset=ShardStream() if streaming else make_dataset(),
         global_batch=GLOBAL_BATCH,
         virtual_workers=VIRTUAL_WORKERS,
         seed=3,
@@ -98,7 +129,7 @@ def make_job(shard: bool = False):
     )
 
 
-def reference(steps: int, eval_every: int):
+def reference(steps: int, eval_every: int, streaming: bool = False):
     """The failure-free single-process loop over the same global batches: (model, {step: metrics})
     with the whole evaluation set evaluated after every `eval_every` steps and the last.
 
@@ -107,27 +138,38 @@ def reference(steps: int, eval_every: int):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _reference(steps, eval_every)
+        return _reference(steps, eval_every, streaming)
     finally:
         torch.set_num_threads(threads)
 
 
-def _reference(steps: int, eval_every: int):
-    job = make_job()
+def _reference(steps: int, eval_every: int, streaming: bool = False):
+    job = make_job(streaming=streaming)
     model = build_model(job)
     optimizer, _ = build_optimizer(job, model)
     evaluations = {}
+    # A stream's batches from one reader holding every VW (the data layer's promise: the same items and
+    # collation on any device set; tests/data check it against the split's spec).
+    stream = None
+    if streaming:
+        stream = VirtualWorkerStreams(job.dataset, job.virtual_workers, job.micro_batch_size, seed=job.seed)
+        stream.hold(range(job.virtual_workers), 0)
     for step in range(steps):
         losses = []
         for virtual_worker in range(job.virtual_workers):
-            indices = batching.virtual_worker_indices(
-                job.seed, step, virtual_worker, len(job.dataset), job.global_batch, job.virtual_workers
-            )
-            batch = load_batch(job, indices, batching.data_seed(job.seed, step, virtual_worker))
+            if streaming:
+                batch = stream.batch(step, virtual_worker)
+            else:
+                indices = batching.virtual_worker_indices(
+                    job.seed, step, virtual_worker, len(job.dataset), job.global_batch, job.virtual_workers
+                )
+                batch = load_batch(job, indices, batching.data_seed(job.seed, step, virtual_worker))
             torch.manual_seed(batching.virtual_worker_seed(job.seed, step, virtual_worker))
             inputs, labels = batch
             losses.append(nn.functional.cross_entropy(model(inputs), labels))
         torch.stack(losses).mean().backward()
+        if stream is not None:
+            stream.commit(step + 1)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if (step + 1) % eval_every == 0 or step + 1 == steps:
@@ -135,10 +177,21 @@ def _reference(steps: int, eval_every: int):
     return model, evaluations
 
 
+def audit(ledger_path: str, steps: int, streaming: bool):
+    """The run's sample ledger against what its steps should train (a stream's: by the split and the
+    pass ends recorded; a map-style one's: by the batching order)."""
+    job = make_job(streaming=streaming)
+    entries = ledger.read(ledger_path)
+    if streaming:
+        split = split_stream(job.virtual_workers, job.dataset.n_shards)
+        return ledger.audit_stream(entries, ledger.read_pass_ends(ledger_path), split, job.micro_batch_size, steps)
+    return ledger.audit(entries, job.seed, len(job.dataset), job.global_batch, steps)
+
+
 if __name__ == "__main__":
     spec = json.load(open(sys.argv[1]))
     output = spec["output"]
-    model, summary = make_job(spec.get("shard", False)).fit(
+    model, summary = make_job(spec.get("shard", False), spec.get("streaming", False)).fit(
         steps=spec["steps"],
         devices=spec["devices"],
         max_devices=spec["max_devices"],

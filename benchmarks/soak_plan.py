@@ -38,6 +38,9 @@ FAULT_KINDS = ("kill", "stop", "term", "join", "leave", "driver")
 # Every DRIVER_EVERY-th run also gets a kill -9 of its driver at one of these phases (fired by rank 0, or
 # by the sender of a join's state); the soak restarts the driver with the devices' resume command.
 DRIVER_EVERY = 4
+# Every STREAMING_EVERY-th run (from the second) trains a streaming dataset (6 shards, one per VW)
+# instead of the map-style one: its stream positions go through the same faults (not with --shard).
+STREAMING_EVERY = 3
 DRIVER_PHASES = ("forward", "backward", "sync", "transfer")
 # Relative frequency of each kind of fault in a drawn run.
 KIND_WEIGHTS = {"kill": 4, "stop": 2, "term": 3, "join": 3, "leave": 2}
@@ -60,6 +63,7 @@ class RunPlan:
     schedule: list = field(default_factory=list)  # (step, +1 | -1)
     faults: list = field(default_factory=list)  # (step, device, phase, signal name)
     driver_fault: Optional[tuple] = None  # (step, phase): kill -9 of the driver
+    streaming: bool = False  # the job trains an iterable dataset (soak_job.make_stream)
 
     @property
     def size(self) -> int:
@@ -225,10 +229,11 @@ def draw_driver_fault(rng: random.Random, plan: RunPlan) -> tuple:
     return rng.randint(FIRST_STEP, last), phase
 
 
-def plans(seed: int, phases: tuple = SIGNAL_PHASES):
+def plans(seed: int, phases: tuple = SIGNAL_PHASES, streaming: bool = True):
     """The soak's runs for `seed`, endless; their signals' phases dealt from `phases`. The driver
     faults are drawn from an rng of their own, so every other draw of a seed stays what it was
-    before the soak had them."""
+    before the soak had them; every STREAMING_EVERY-th run (from the second) trains a stream where
+    `streaming`, which changes no other draw."""
     rng = random.Random(seed)
     driver_rng = random.Random(f"driver-{seed}")
     deck = PhaseDeck(rng, phases)
@@ -237,5 +242,6 @@ def plans(seed: int, phases: tuple = SIGNAL_PHASES):
         plan = draw_run(rng, index, deck)
         if index % DRIVER_EVERY == DRIVER_EVERY - 1:
             plan.driver_fault = draw_driver_fault(driver_rng, plan)
+        plan.streaming = streaming and index % STREAMING_EVERY == 1
         yield plan
         index += 1

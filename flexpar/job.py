@@ -56,7 +56,8 @@ class Job:
     lr_scheduler:   optional, maps the optimizer to a scheduler stepped once per step
     eval_dataset / evaluate: optional evaluation set and evaluate(model, batch) -> dict of
                     metrics summed over the batch ({"loss_sum": ..., "correct": ..., "count": ...}),
-                    run every `eval_every` steps and after the last (flexpar/worker/evaluator.py)
+                    run every `eval_every` steps and after the last (flexpar/worker/evaluator.py); an
+                    iterable evaluation set is read once, here, into the list of its items
     eval_batch:     samples per evaluation batch (default: the micro-batch, global_batch / V)
     mixed_precision: None, "bf16" or "fp16": each VW's forward and loss run under torch.autocast;
                     "fp16" adds dynamic loss scaling (flexpar/recipes.py), tuned by
@@ -78,6 +79,8 @@ class Job:
     deterministic:  True: exact, order-free gradient sums (int64 fixed point), so the parameters, optimizer
                     state and recorded losses are bit-for-bit those of the one-device run on any device set
                     and schedule; costs memory and time (docs/guide.md), and CPU devices run 1 thread each
+    pass_end:       an iterable dataset only: "drop" (default) leaves out the items of a pass that do not
+                    fill a step's share of a stream; "carry" fills it from the next pass (docs/guide.md)
     """
 
     model: Callable[[], nn.Module]
@@ -103,6 +106,7 @@ class Job:
     shard_optimizer: Union[bool, str] = False
     shard_redundancy: Optional[int] = None
     deterministic: bool = False
+    pass_end: str = "drop"
 
     def __post_init__(self):
         try:

@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 from flexpar import recipes
+from flexpar.core.stream_split import PASS_ENDS
 from flexpar.data import describe, is_stream
+from flexpar.data.eval_items import EvalItems
 from flexpar.errors import ArgumentError
 from flexpar.worker.user_code import is_real
 
@@ -33,6 +35,11 @@ def check_arguments(job) -> None:
         raise ArgumentError(
             "dataset= must be a map-style Dataset (with __getitem__ and __len__) or an iterable one "
             "(a torch IterableDataset)"
+        )
+    elif job.pass_end != "drop":
+        raise ArgumentError(
+            f"pass_end={job.pass_end!r} is for an iterable dataset=: a map-style epoch drops its last "
+            "incomplete global batch"
         )
     elif len(job.dataset) < job.global_batch:
         raise ArgumentError(
@@ -62,6 +69,8 @@ def _check_stream(job) -> None:
             "shard_optimizer= with an iterable dataset= is not supported yet: train the stream with "
             "shard_optimizer=False, or use a map-style dataset"
         )
+    if job.pass_end not in PASS_ENDS:
+        raise ArgumentError(f"pass_end={job.pass_end!r} must be one of {', '.join(map(repr, PASS_ENDS))}")
 
 
 def _check_pieces(job) -> None:
@@ -181,10 +190,11 @@ def _check_evaluation(job) -> None:
         raise ArgumentError(
             f"evaluate= must be a function evaluate(model, batch) -> dict (got {type(job.evaluate).__name__})"
         )
+    if is_stream(job.eval_dataset):  # read once, here: its items in its order (flexpar/data/eval_items.py)
+        object.__setattr__(job, "eval_dataset", EvalItems.read(job.eval_dataset))
     if not hasattr(job.eval_dataset, "__getitem__") or not hasattr(job.eval_dataset, "__len__"):
         raise ArgumentError(
-            "eval_dataset= must be a map-style Dataset (with __getitem__ and __len__): an iterable "
-            "evaluation set is not supported yet"
+            "eval_dataset= must be a map-style Dataset (with __getitem__ and __len__) or a finite iterable one"
         )
     if len(job.eval_dataset) < 1:
         raise ArgumentError("eval_dataset= is empty")

@@ -488,3 +488,16 @@ def tar_items(per_shard, micro_batch):
         return [{"txt": f"{virtual_worker}:{index}"} for index in range(first, first + micro_batch)]
 
     return items
+
+
+class TokenFeatures:
+    """A collate_fn for PackingStream's token sequences: pieces' (inputs, labels) pairs, a fixed function
+    of the tokens (FEATURES features from the sequence's tokens, the label from its first token)."""
+
+    def __call__(self, sequences):
+        from pieces import CLASSES, FEATURES
+
+        tokens = torch.stack(list(sequences)).double()
+        steps = torch.arange(1, FEATURES + 1, dtype=torch.float64)
+        inputs = torch.sin(tokens[:, :1] * 0.001 * steps + tokens[:, -1:] * 0.0003).float()
+        return inputs, (tokens[:, 0].long() % CLASSES)

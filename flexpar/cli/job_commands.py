@@ -128,6 +128,8 @@ def command_status(arguments) -> int:
             f"{status['samples_per_s']:.1f} samples/s, "
             f"loss {status['loss']:.4f}, assignment {status['assignment']}"
         )
+    if "stream_items" in status:  # a streaming dataset: its length is unknown, its progress is in items
+        print(f"stream: {status['stream_items']} items trained, pass {status['stream_passes_ended']} (from 0)")
     streaming = [
         f"{device} (streaming, {share:.0%} of the state)" for device, share in status.get("streaming", {}).items()
     ]

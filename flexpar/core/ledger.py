@@ -11,6 +11,14 @@ directory.
 `audit` compares a ledger with what the steps should have consumed (the pure
 `batching` order) and counts samples lost (expected, never consumed) and
 repeated (consumed more often than expected), step by step.
+
+A streaming dataset's items have no index: the ledger names each by `[group,
+pass, index]` (its stream group, the pass, its place in that pass of the
+group's stream: flexpar/core/stream_split.py), and an entry whose step ended
+a pass carries the `pass_ends` (with the items left out). `audit_stream`
+derives each step's items from the split and those pass ends alone
+(`stream_split.plan_chunks`) and counts the same lost and repeated, and the
+items left out by pass ends.
 """
 
 from __future__ import annotations
@@ -18,10 +26,12 @@ from __future__ import annotations
 import collections
 import json
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from flexpar.core import batching
+from flexpar.core.stream_split import StreamSplit, plan_chunks
 
 
 def count_vector(dataset_size: int) -> torch.Tensor:
@@ -35,8 +45,11 @@ def consumed(counts: torch.Tensor) -> list:
     return [index for index in indices for _ in range(int(round(float(counts[index]))))]
 
 
-def write_entry(handle, step: int, indices: list) -> None:
-    handle.write(json.dumps({"step": step, "indices": indices}, separators=(",", ":")) + "\n")
+def write_entry(handle, step: int, indices: list, pass_ends: Optional[list] = None) -> None:
+    entry = {"step": step, "indices": indices}
+    if pass_ends:  # a streaming dataset's pass ends met in this step (and the items they left out)
+        entry["pass_ends"] = pass_ends
+    handle.write(json.dumps(entry, separators=(",", ":")) + "\n")
     handle.flush()
 
 
@@ -48,6 +61,16 @@ def read(path) -> dict:
             entry = json.loads(line)
             entries.setdefault(entry["step"], entry["indices"])
     return entries
+
+
+def read_pass_ends(path) -> list:
+    """The pass ends a streaming job's ledger file records, one per (group, pass), by step."""
+    ends: dict = {}
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            for ended in json.loads(line).get("pass_ends", []):
+                ends.setdefault((ended["group"], ended["pass"]), ended)
+    return sorted(ends.values(), key=lambda ended: (ended["step"], ended["group"], ended["pass"]))
 
 
 @dataclass(frozen=True)
@@ -75,3 +98,40 @@ def audit(entries: dict, seed: int, dataset_size: int, global_batch: int, steps:
     extra = [step for step in entries if not 0 <= step < steps]
     repeated += sum(len(entries[step]) for step in extra)
     return Audit(missing, lost, repeated)
+
+
+@dataclass(frozen=True)
+class StreamAudit(Audit):
+    items_left_out: int = 0  # items pass ends left out ("drop"), as the recorded pass ends say
+    pass_ends_differing: int = 0  # recorded pass ends that are not where the stream's pass lengths put them
+
+
+def audit_stream(
+    entries: dict, pass_ends: list, split: StreamSplit, batch: int, steps: int, pass_end: str = "drop"
+) -> StreamAudit:
+    """Compare a streaming job's ledger `entries` ({step: [[group, pass, index], ...]}) of steps
+    0..steps-1 with the items each step should have trained, given the recorded `pass_ends` (the
+    lengths of the passes that ended; a pass not ended is taken as long enough)."""
+    chunk = split.chunk(batch)
+    expected: dict = {step: collections.Counter() for step in range(steps)}
+    planned_ends = []
+    for group in range(split.groups):
+        lengths = [e["items"] for e in sorted(pass_ends, key=lambda e: e["pass"]) if e["group"] == group]
+        chunks, ends = plan_chunks(lengths + [chunk * (steps + 1)], chunk, steps, pass_end, group)
+        planned_ends += [ended.to_dict() for ended in ends]
+        for step, places in enumerate(chunks):
+            expected[step].update((group, pass_, index) for pass_, index in places)
+    missing = lost = repeated = 0
+    for step in range(steps):
+        if step not in entries:
+            missing += 1
+            continue
+        got = collections.Counter(tuple(item) for item in entries[step])
+        lost += sum((expected[step] - got).values())
+        repeated += sum((got - expected[step]).values())
+    repeated += sum(len(entries[step]) for step in entries if not 0 <= step < steps)
+    recorded = {(e["group"], e["pass"]): (e["step"], list(e["left_out"])) for e in pass_ends}
+    planned = {(e["group"], e["pass"]): (e["step"], list(e["left_out"])) for e in planned_ends}
+    differing = sum(1 for key in set(recorded) | set(planned) if recorded.get(key) != planned.get(key))
+    left_out = sum(e["left_out"][1] - e["left_out"][0] for e in pass_ends if e["left_out"])
+    return StreamAudit(missing, lost, repeated, left_out, differing)

@@ -21,7 +21,8 @@ class StatsLayout:
     every device skip the step); each device's optimizer-state KiB, one slot
     per rank (for the step record); each device's previous step time (wall
     seconds, one slot per rank: a streamed join sizes its slices by the
-    members' step times, flexpar/worker/streaming.py); then, with `Job(deterministic=True)`
+    members' step times, flexpar/worker/streaming.py); a streaming dataset's
+    items read and pass ends met (summed over devices); then, with `Job(deterministic=True)`
     (`virtual_workers` and `tensors` > 0), each VW's loss term and count in its
     own slot (summed in VW order afterwards: the same float sum on any device
     set), each rank's largest |VW gradient| per tensor (the exact sums'
@@ -42,7 +43,9 @@ class StatsLayout:
         self.overflow = 3 * world + 4
         self.optimizer = slice(3 * world + 5, 4 * world + 5)
         self.previous_step_s = slice(4 * world + 5, 5 * world + 5)
-        end = 5 * world + 5
+        self.stream_read = 5 * world + 5  # a streaming job: items its devices took from the streams this step
+        self.pass_ends = 5 * world + 6  # a streaming job: pass ends its devices met in this step's chunks
+        end = 5 * world + 7
         self.world, self.tensors = world, tensors
         self.virtual_worker_loss = slice(end, end + virtual_workers)
         self.virtual_worker_count = slice(end + virtual_workers, end + 2 * virtual_workers)

@@ -50,7 +50,9 @@ or the `RANK`/`WORLD_SIZE`/`LOCAL_RANK` environment variables is refused.
 from __future__ import annotations
 
 import copy
+import io
 import multiprocessing
+import pickle
 import sys
 import types
 from dataclasses import dataclass
@@ -71,9 +73,58 @@ _LOADER_CONTEXT = "fork" if "fork" in multiprocessing.get_all_start_methods() el
 """DataLoader processes are forked from the device's process, so they end with it (as worker/loader.py's)."""
 
 
-def _identity(item):
-    """The DataLoader's collate_fn with batch_size=None: items as the dataset yields them."""
-    return item
+_NUMPY_DTYPES = frozenset(
+    (torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+    + (torch.bool, torch.complex64, torch.complex128)
+)
+
+
+class _ItemPickler(pickle.Pickler):
+    """Pickles a plain CPU tensor as its numpy array (its elements' bytes: fast, and a view carries
+    only what it shows); anything else as pickle does."""
+
+    def reducer_override(self, obj):
+        if (
+            type(obj) is torch.Tensor
+            and obj.device.type == "cpu"
+            and obj.layout == torch.strided
+            and obj.dtype in _NUMPY_DTYPES
+            and not obj.requires_grad
+        ):
+            return torch.from_numpy, (obj.contiguous().numpy(),)
+        return NotImplemented
+
+
+def _pickled(items) -> bytes:
+    """A loader process's collate_fn: its run of items as one pickled message (one transfer, where
+    torch would put each tensor of each item in shared memory of its own: about 1 ms an item)."""
+    buffer = io.BytesIO()
+    _ItemPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(items)
+    return buffer.getvalue()
+
+
+class _LoaderItems:
+    """The items of a DataLoader whose batches are `_pickled` runs, one by one, in the loader's order."""
+
+    def __init__(self, loader):
+        self._runs = iter(loader)
+        self._items: Iterator = iter(())
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        while True:
+            try:
+                return next(self._items)
+            except StopIteration:
+                self._items = iter(pickle.loads(next(self._runs)))
+
+    def close(self) -> None:
+        """Shut the loader's processes down."""
+        shutdown = getattr(self._runs, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()
 
 
 def _pass_through(source):
@@ -93,6 +144,7 @@ class GroupSource:
     num_workers: int = 0  # > 0: the stream is a DataLoader's over the dataset with that many processes
     group: int = 0
     seed: int = 0  # the job's: with num_workers, pass p's loader processes are seeded from (seed, group, p)
+    loader_batch: int = 1  # with num_workers: the items a loader process hands over at a time
     _live: Any = None
 
     def open(self, pass_: int, state: Any = None) -> Iterator:
@@ -109,19 +161,20 @@ class GroupSource:
             dataset.load_state_dict(state)
         if not self.num_workers:
             return iter(dataset)
-        # The DataLoader's own order: its worker processes take turns, one item each, an exhausted
-        # one dropping out; the same on every run for the same dataset and num_workers.
+        # The DataLoader's own order: its worker processes take turns, `loader_batch` items each (the
+        # per-VW batch: the order of a plain loop over DataLoader(batch_size=that)), an exhausted one
+        # dropping out; the same on every run for the same dataset, num_workers and batch.
         loader = DataLoader(
             dataset,
-            batch_size=None,
+            batch_size=self.loader_batch,
             num_workers=self.num_workers,
-            collate_fn=_identity,
+            collate_fn=_pickled,
             multiprocessing_context=_LOADER_CONTEXT,
             # Its processes seed torch and random from a draw of this generator: the device's own
             # generator would give each device, and each run, other random streams.
             generator=torch.Generator().manual_seed(pass_seed(self.seed, self.group, pass_)),
         )
-        return iter(loader)
+        return _LoaderItems(loader)
 
     def state(self) -> Any:
         """The open dataset's state (after the last item it yielded), or None without a complete one."""
@@ -140,9 +193,12 @@ class StreamSource:
     stateful: bool  # positions carry the dataset's state_dict (else: skipped to)
     note: str = ""  # what flexpar changed in the pipeline, to say so once
 
-    def group(self, split: StreamSplit, group: int, num_workers: int = 0, seed: int = 0) -> GroupSource:
-        """The source of `group`'s stream under `split` (behind a DataLoader of `num_workers` processes)."""
-        loading = {"num_workers": num_workers, "group": group, "seed": seed}
+    def group(
+        self, split: StreamSplit, group: int, num_workers: int = 0, seed: int = 0, loader_batch: int = 1
+    ) -> GroupSource:
+        """The source of `group`'s stream under `split` (behind a DataLoader of `num_workers` processes
+        handing over `loader_batch` items at a time)."""
+        loading = {"num_workers": num_workers, "group": group, "seed": seed, "loader_batch": loader_batch}
         if self.kind == "webdataset":
             return GroupSource(_webdataset_group(self.dataset, split, group), False, True, _webdataset_epoch, **loading)
         if self.kind in ("huggingface", "sharded") and split.sharded:

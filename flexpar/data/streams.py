@@ -1,24 +1,19 @@
 """One device's virtual-worker streams over an iterable dataset: batches by (step, VW), positions as data.
 
-`VirtualWorkerStreams` is what a device owns for a streaming dataset: given the
-dataset, `V`, the per-VW batch and the VWs it runs, it yields each VW's batch
-of a step (collated as the map-style path's), reading each stream group it
-needs once (flexpar/core/stream_split.py has the split and the pass-end rule)
-and keeping only its VWs' items.
+`VirtualWorkerStreams` is what a device owns for a streaming dataset: given the dataset, `V`, the
+per-VW batch and the VWs it runs, it yields each VW's batch of a step (collated as the map-style
+path's), reading each stream group it needs once (flexpar/core/stream_split.py has the split and
+the pass-end rule) and keeping only its VWs' items.
 
-Positions are training state. At every step boundary the reader knows each of
-its groups' `Position` (pass, items of the pass read, the dataset's state where
-complete); `state(step)` returns those of the boundary before `step` as plain
-picklable data, and `load(state)` puts them in another reader, so a VW's
-stream can move to another device at a boundary, be restored to the last
-committed boundary after a failure, or be checkpointed. Between commits the
-reader keeps the chunks it read, so a step read again (a redo after a failure,
-on the same device) gets the same items without reading anything; `commit(step)`
-forgets what came before the boundary `step`.
+Positions are training state. At every step boundary the reader knows each of its groups'
+`Position`; `state(step)` returns those of the boundary before `step` as plain picklable data, and
+`load(state)` puts them in another reader (a position of an earlier boundary is read forward to
+the one held), so a VW's stream can move to another device, be restored to the last committed
+boundary after a failure, or be checkpointed. Between commits the reader keeps the chunks it read,
+so a redone step gets the same items without reading; `commit(step)` forgets what came before.
 
-The promise the tests keep: a step's items (VW by VW) are the same whichever
-readers hold which VWs, however VWs move between readers at boundaries, and
-equal to those of one reader that holds every VW.
+The promise the tests keep: a step's items (VW by VW) are the same whichever readers hold which
+VWs, however VWs move between readers at boundaries, and equal to those of one reader holding every VW.
 """
 
 from __future__ import annotations
@@ -47,7 +42,7 @@ from flexpar.core.stream_split import (
 from flexpar.data.sources import GroupSource, StreamSource, describe
 from flexpar.errors import ArgumentError
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2  # 2: a num_workers stream's loader hands over a per-VW batch at a time
 
 
 @dataclass
@@ -59,6 +54,7 @@ class Restore:
     how: str  # "state": the dataset's own state_dict; "skip": skipped from the pass start; "start"
     skipped: int = 0  # items read and thrown away to get there
     seconds: float = 0.0
+    replayed: int = 0  # items read forward from an older boundary's position to the one held (chunks, whole)
 
 
 @dataclass
@@ -72,6 +68,7 @@ class _GroupReader:
     positions: dict = field(default_factory=dict)  # step -> Position at the boundary before it
     pass_ends: list = field(default_factory=list)
     iterator: Any = None
+    read: int = 0  # items taken from the stream (the chunks', skipped ones and those of a dropped pass end)
 
     @property
     def next_step(self) -> int:
@@ -86,6 +83,7 @@ class _GroupReader:
         while not filler.full:
             try:
                 item = next(self.iterator)
+                self.read += 1
             except StopIteration:
                 ended, drop = filler.end()
                 self.pass_ends.append(ended)
@@ -150,7 +148,7 @@ def _open_at(source: GroupSource, position: Position, chunk: int, pass_end: str)
                 ) from None
         skipped = position.consumed
         how = "skip" if skipped else "start"
-    reader = _GroupReader(source, ChunkFiller(position, chunk, pass_end), iterator=iterator)
+    reader = _GroupReader(source, ChunkFiller(position, chunk, pass_end), iterator=iterator, read=skipped)
     reader.positions[position.step] = Position(
         position.group, position.step, position.pass_, position.consumed, source.state()
     )
@@ -167,8 +165,9 @@ class VirtualWorkerStreams:
     seed:            the job's seed (each VW's batch is collated under its data seed, as map-style batches)
     collate_fn:      as Job(collate_fn=...); default: torch's default_collate
     num_workers:     DataLoader worker processes per stream group read here (0: read in this process).
-                     With k > 0 a group's stream is the order of DataLoader(group's dataset, batch_size=None,
-                     num_workers=k): the same on every device for the job's k, positioned by skipping
+                     With k > 0 a group's stream is the order of DataLoader(group's dataset, batch_size=batch,
+                     num_workers=k), item by item: the same on every device for the job's k, positioned
+                     by skipping
     pass_end:        "drop" (default) or "carry": flexpar/core/stream_split.py
     virtual_worker_ids, step: the VWs held from the boundary before `step` (default: none yet; `hold`)
     """
@@ -203,6 +202,7 @@ class VirtualWorkerStreams:
         self.restores: list = []  # Restore records, in order (the caller reports and clears them)
         self._readers: dict = {}
         self._retired_ends: list = []  # pass ends met by group readers closed since
+        self._read_retired = 0  # items read by group readers closed since
         self._loaded: dict = {}  # group -> Position loaded, not yet opened
         self._held: tuple = ()
         self._committed = step
@@ -217,8 +217,10 @@ class VirtualWorkerStreams:
     def hold(self, virtual_workers: Iterable[int], step: int) -> None:
         """Run `virtual_workers` from the boundary before `step` on.
 
-        A group this device did not read must have a position for `step` (from
-        `load`), except at step 0, where it starts. Groups no longer needed are closed.
+        A group this device did not read must have a position for `step` or an
+        earlier boundary (from `load`; from an earlier one, the group's stream is
+        read forward to `step`, which is exact), except at step 0, where it starts.
+        Groups no longer needed are closed.
         """
         wanted = tuple(sorted(set(int(v) for v in virtual_workers)))
         for v in wanted:
@@ -236,16 +238,21 @@ class VirtualWorkerStreams:
             if reader is not None:
                 self._retire(group)
             position = self._loaded.pop(group, None)
-            if position is None or position.step != step:
+            if position is None or position.step > step:
                 if step != 0:
                     raise RuntimeError(
                         f"no position of stream group {group} (VWs {list(self.split.members(group))}) "
                         f"at step {step}: load() it from the device that held it, or from position_at()"
                     )
                 position = start(group)
-            reader, restore = _open_at(
-                self.source.group(self.split, group, self.num_workers, self.seed), position, self.chunk, self.pass_end
-            )
+            began = time.perf_counter()
+            source = self.source.group(self.split, group, self.num_workers, self.seed, self.batch_size)
+            reader, restore = _open_at(source, position, self.chunk, self.pass_end)
+            if position.step < step:  # an older boundary's position: read forward, chunk by chunk (exact)
+                reader.chunk(step - 1)
+                reader.forget_before(step)
+                restore.replayed = (step - position.step) * self.chunk
+                restore.seconds = time.perf_counter() - began
             self._readers[group] = reader
             self.restores.append(restore)
         self._held = wanted
@@ -311,7 +318,7 @@ class VirtualWorkerStreams:
                     f"stream group {group} has no position at step {step} here (known: {sorted(reader.positions)})"
                 )
             positions.append(reader.positions[step].to_dict())
-        return {**self._header(), "step": step, "groups": positions}
+        return {**self.header(), "step": step, "groups": positions}
 
     def load(self, state: dict) -> None:
         """Take the positions in `state` (from `state()` here or on another device).
@@ -319,9 +326,11 @@ class VirtualWorkerStreams:
         A group read here already at the same place is left as it is; any other
         is (re)opened at the loaded position when `hold` next needs it.
         """
-        if state.get("format") != STATE_FORMAT:
+        read_before = state.get("format") == 1 and not self.num_workers  # format 1: the same without loaders
+        if state.get("format") != STATE_FORMAT and not read_before:
             raise ValueError(f"stream state format {state.get('format')!r}, expected {STATE_FORMAT}")
-        mine = self._header()
+        mine = self.header()
+        mine.pop("format")
         theirs = {key: state.get(key) for key in mine}
         if theirs != mine:
             raise ValueError(f"the stream state is of another split or stream: {theirs}, here {mine}")
@@ -334,6 +343,28 @@ class VirtualWorkerStreams:
             if reader is not None:
                 self._retire(position.group)
             self._loaded[position.group] = position
+
+    @property
+    def items_read(self) -> int:
+        """Items taken from the streams by this reader since it was made (groups closed since included)."""
+        return self._read_retired + sum(reader.read for reader in self._readers.values())
+
+    def reading(self) -> list:
+        """The groups read here now."""
+        return sorted(self._readers)
+
+    def newest_position(self, group: int, step: int) -> Optional[Position]:
+        """The newest position of `group` known here at a boundary up to `step` (None: not read here)."""
+        reader = self._readers.get(group)
+        if reader is None:
+            return None
+        known = [at for at in reader.positions if at <= step]
+        return reader.positions[max(known)] if known else None
+
+    def drop_group(self, group: int) -> None:
+        """Stop reading `group` here (a later `hold` opens it from a loaded position)."""
+        if group in self._readers:
+            self._retire(group)
 
     def pass_ends(self) -> list:
         """The pass ends met so far by the groups read here (PassEnd records, one per group and pass), oldest first.
@@ -350,9 +381,9 @@ class VirtualWorkerStreams:
         source state: loading it skips from the pass start). For a group whose reader was lost."""
         lengths = [ended.items for ended in sorted(pass_ends, key=lambda e: e.pass_) if ended.group == group]
         position = position_at(group, step, lengths, self.chunk, self.pass_end)
-        return {**self._header(), "step": step, "groups": [position.to_dict()]}
+        return {**self.header(), "step": step, "groups": [position.to_dict()]}
 
-    def _header(self) -> dict:
+    def header(self) -> dict:
         """What a position means: the split, the chunk, the pass-end rule, and the stream's order
         (which num_workers, and with it the seed of the loader processes, decides)."""
         return {
@@ -367,6 +398,7 @@ class VirtualWorkerStreams:
     def _retire(self, group: int) -> None:
         reader = self._readers.pop(group)
         self._retired_ends.extend(reader.pass_ends)
+        self._read_retired += reader.read
         reader.close()
 
     def close(self) -> None:

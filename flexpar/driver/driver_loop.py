@@ -27,6 +27,7 @@ from flexpar.driver import stop_messages
 from flexpar.driver.waker import DriverWaker
 from flexpar.errors import TrainingError
 from flexpar.observe.display import LiveDisplay, log_to_stderr
+from flexpar.observe.log_lines import stream_progress
 from flexpar.observe.metrics import DEVICE_SET_EVENTS, MetricsWriter, resume_point
 from flexpar.worker.fault_injection import die_before_writing, record_faults
 
@@ -95,6 +96,7 @@ class DriverLoop:
         last_step = None
         self.delivery = delivery.Delivery()
         self.ledger_steps: set = set()  # steps the ledger file holds (a resumed job's earlier ones)
+        self.stream_passes: dict = {}  # a streaming dataset: stream group -> passes ended (step records')
         self.events_before: list = []  # a resumed job's event records in its metrics file
         if self.resumed:  # the metrics file goes on where the job's earlier driver stopped
             started, last_step, records = resume_point(metrics_path)
@@ -264,8 +266,14 @@ class DriverLoop:
                     "assignment": record["assignment"],
                     "address": self.address,
                     "streaming": record.get("joining", {}),  # listening joiners: the share of the state they hold
+                    **self._stream_status(record),
                 }
             )
+
+    def _stream_status(self, record: dict) -> dict:
+        """A streaming dataset's progress where its length is unknown: items trained, and the passes of
+        its stream groups that ended (as this driver's step records said), for `flexpar status`."""
+        return stream_progress(self.stream_passes, record, self.global_batch)
 
     def _relay_eval(self, record: dict, new: bool) -> None:
         """One record per evaluated step (a new generation, or the devices a restarted driver re-adopted,
@@ -303,7 +311,7 @@ class DriverLoop:
         if self.ledger_file is None:
             path = os.path.join(self.run_dir, "ledger.jsonl")
             self.ledger_file = open(path, "a" if self.resumed else "w", encoding="utf-8")
-        sample_ledger.write_entry(self.ledger_file, record["step"], indices)
+        sample_ledger.write_entry(self.ledger_file, record["step"], indices, record.get("pass_ends"))
 
     def _emit(self, record: dict) -> None:
         self.devices = list(record["devices"])

@@ -23,7 +23,6 @@ from flexpar.core import frozen
 from flexpar.driver.fork_server import worker_context
 from flexpar.driver.job_checks import check_sharding, first_batch_check, pickle_pieces
 from flexpar.driver.local_devices import detect_devices
-from flexpar.errors import ArgumentError
 from flexpar.options import FitOptions
 from flexpar.worker import checkpoints, evaluator
 from flexpar.worker.user_code import build_model, build_optimizer
@@ -53,11 +52,6 @@ def check_job(job, options: FitOptions) -> CheckedJob:
     if job.streaming:  # what a streaming job does not support yet (docs/guide.md, streaming datasets)
         if options.steps is None:
             job.steps_per_epoch()  # raises: epochs= needs a length a stream does not have
-        if options.sample_ledger:
-            raise ArgumentError(
-                "sample_ledger=True counts a map-style dataset's sample indices: not supported with an "
-                "iterable dataset= yet"
-            )
     kind, available, backend = detect_devices(options.backend)
     context = worker_context(options.verbose)
     initial = options.devices or (available if kind == "cuda" else 1)

@@ -168,3 +168,18 @@ def format_rebalance_summary(count: int, last: Optional[Mapping[str, Any]]) -> s
     change = rebalance_change(last)
     moved = f": {format_split(change[0])} -> {format_split(change[1])}" if change is not None else ""
     return f"rebalances: {count} (last at step {last['step']}{moved})"
+
+
+def stream_progress(passes: dict, record: Mapping[str, Any], global_batch: int) -> dict:
+    """A streaming dataset's progress after a step `record` (its length unknown, so no epoch count):
+    the items trained, and the passes the stream groups ended, as the records since this driver
+    started said (`passes`, group -> passes ended, is updated from the record's `pass_ends`; the
+    figure is the furthest group's: groups of unequal shards drift apart). {} for a map-style job."""
+    if "stream_items_read" not in record:
+        return {}
+    for ended in record.get("pass_ends", []):
+        passes[ended["group"]] = max(passes.get(ended["group"], 0), ended["pass"] + 1)
+    return {
+        "stream_items": (record["step"] + 1) * global_batch,
+        "stream_passes_ended": max(passes.values()) if passes else 0,
+    }

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from flexpar.comm import state_transfer as training_state
 from flexpar.comm.collectives import PeerFailure, collective, fresh_group
-from flexpar.core import factory_checks
+from flexpar.core import balance, batching, factory_checks
 from flexpar.worker import checkpoints, stream_rules
 from flexpar.worker.device_link import DriverLost
 from flexpar.worker.shard_streaming import ShardStream
@@ -63,6 +63,7 @@ class Boundaries:
         self.membership, self.committed, self.records = owners.membership, owners.committed, owners.records
         self.faults, self.streams, self.state = owners.faults, owners.streams, owners.state
         self.exact_steps = owners.exact_steps  # Job(deterministic=True) only
+        self.data_streams = owners.data_streams  # a streaming job's VW streams, else None
         self.by_cost = owners.cost_planner is not None
         # The joins carried out: unsharded, and (sharded jobs only) the levelling and the sharded stream.
         self.streamed_join, self.shard_levelling, self.shard_streaming = joins
@@ -148,6 +149,7 @@ class Boundaries:
         self.link.report_head = (generation, members)  # what it tells a restarted driver, should this one go
         self.committed.break_off()  # a step broken off before this boundary is redone from here
         self.sync.start_generation(len(members))
+        moved = self._open_streams(generation, members, rank)  # inside the stall: a joiner's streams too
         if rank == 0:
             # The previous rank 0 (or driver) may have died with records unsent or unread, or this
             # device may have been brought level without committing the last ones: send again every
@@ -165,7 +167,20 @@ class Boundaries:
                 step=self.committed.step,
                 generation=generation,
                 members=members,
+                stream_moves=moved,
             )
+
+    def _open_streams(self, generation: int, members: tuple, rank: int) -> dict:
+        """A streaming job: every member opens the stream groups of its VWs of the next step (the
+        positions exchanged first), so what reaching them costs is paid in the boundary and named in
+        its event; the step loop finds them open (flexpar/worker/data_streams.py)."""
+        if self.data_streams is None:
+            return {}
+        contributors = self.streams.contributors(members)
+        split = balance.next_assignment(self.committed.balance, contributors, self.data_streams.virtual_workers)
+        assignment = self.streams.with_listeners(split, len(members))
+        holdings = [batching.virtual_workers_of(assignment, member) for member in range(len(members))]
+        return self.data_streams.open_at_boundary(self.committed.step, holdings, rank, generation)
 
     def abandon_stream(self) -> list:
         """Drop the stream in flight, if any (a lost driver, or a boundary where it cannot go on): a

@@ -91,9 +91,12 @@ class RecordQueue:
         generation: int,
         members: tuple,
         state_bytes_sent: Optional[int] = None,
+        stream_moves: Optional[dict] = None,
     ) -> None:
-        """An event of rank 0 after committed step `step`, in `generation` of `members`."""
+        """An event of rank 0 after committed step `step`, in `generation` of `members` (`stream_moves`:
+        a streaming job's cost of reaching its moved streams' positions, DataStreams.open_at_boundary)."""
         extra = {} if state_bytes_sent is None else {"state_bytes_sent": int(state_bytes_sent)}
+        extra.update(stream_moves or {})
         self.publish_kept(
             {
                 **extra,
@@ -109,12 +112,23 @@ class RecordQueue:
         )
 
     def publish_generation_events(
-        self, record: dict, stall: float, sent: int, stream_note: str, *, step: int, generation: int, members: tuple
+        self,
+        record: dict,
+        stall: float,
+        sent: int,
+        stream_note: str,
+        *,
+        step: int,
+        generation: int,
+        members: tuple,
+        stream_moves: Optional[dict] = None,
     ) -> None:
         """Rank 0 at a boundary: what the generation `record` changed (adopt, failure, leave, start,
-        join), with the boundary's stall and the bytes it sent (all senders)."""
+        join), with the boundary's stall and the bytes it sent (all senders), and what reaching the
+        streams' positions cost (`stream_moves`, in each event but adopt)."""
         recovered, self.after_failure = self.after_failure, False
         where = {"step": step, "generation": generation, "members": members}
+        sent_with = {"state_bytes_sent": sent, "stream_moves": stream_moves}
         if record.get("adopted"):  # the first generation of a restarted driver: one record says what came back
             self.publish_kept(adoption_record(record, stall, **where))
             record = dict(record, failed=[])
@@ -126,18 +140,16 @@ class RecordQueue:
             goes_on = f"; the stream starts over, {stream_note}"
         if record["failed"]:
             self.publish_event(
-                "failure", "failed: " + ", ".join(record["failed"]) + goes_on, stall, **where, state_bytes_sent=sent
+                "failure", "failed: " + ", ".join(record["failed"]) + goes_on, stall, **where, **sent_with
             )
         if record["left"] and recovered and not record["failed"]:
             # A planned leave ends gracefully at a boundary and breaks no collective; this
             # generation follows a broken one, so a leaver died on the way (its grace ran
             # out, or a second SIGTERM): the others lost the step in flight, as in a failure.
             detail = "failed: " + ", ".join(record["left"]) + " (while leaving)" + goes_on
-            self.publish_event("failure", detail, stall, **where, state_bytes_sent=sent)
+            self.publish_event("failure", detail, stall, **where, **sent_with)
         elif record["left"]:
-            self.publish_event(
-                "leave", "left: " + ", ".join(record["left"]) + goes_on, stall, **where, state_bytes_sent=sent
-            )
+            self.publish_event("leave", "left: " + ", ".join(record["left"]) + goes_on, stall, **where, **sent_with)
         if record["joined"]:
             kind = "start" if generation == 1 else "join"
             joined = record["joined"]
@@ -152,7 +164,7 @@ class RecordQueue:
                 ]
             note = f"; {stream_note}" if kind == "join" and stream_note else ""
             detail = "joined: " + ", ".join(joined) + note
-            self.publish_event(kind, detail, 0.0 if kind == "start" else stall, **where, state_bytes_sent=sent)
+            self.publish_event(kind, detail, 0.0 if kind == "start" else stall, **where, **sent_with)
 
 
 def adoption_record(record: dict, stall: float, *, step: int, generation: int, members: tuple) -> dict:

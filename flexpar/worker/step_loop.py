@@ -101,8 +101,14 @@ class StepLoop:
                     self._publish_rebalance(f"{list(self.assignment)} -> {list(assignment)}")
                 mine = batching.virtual_workers_of(assignment, self.membership.rank)
             self.assignment = assignment
+            if self.data_streams is not None:  # the stream groups of every member's VWs (exchanges positions)
+                holdings = [batching.virtual_workers_of(assignment, r) for r in range(len(assignment))]
+                self.data_streams.prepare(
+                    self.committed.step, holdings, self.membership.rank, self.membership.generation
+                )
             step = self.committed.begin()  # in flight until it commits or a collective breaks off
             summed = self.step_run.run(step, mine)
+            pass_ends = self._pass_ends(step, summed)
             self.frozen.check_flags(step)  # user code changed requires_grad: stop before applying anything
             slots = statistics_layout(len(self.membership.members), self.job, self.exact)
             bad = [int(value) for value in summed[slots.bad].tolist() if value > 0]
@@ -116,9 +122,11 @@ class StepLoop:
             stopping = float(summed[slots.stop]) > 0
             target = int(max(summed[slots.seen].tolist()))
             upcoming = self._upcoming(target, step) if target > self.membership.generation and not stopping else None
+            if upcoming is not None and self.data_streams is not None:  # a leaver's streams' positions stay
+                self.data_streams.exchange_ahead(step + 1, len(self.membership.members))
             if upcoming is not None and self._skips_last_update(upcoming[1]):
                 return upcoming
-            pending = (step, summed, assignment, sets if self.cost_planner is not None else None)
+            pending = (step, summed, assignment, sets if self.cost_planner is not None else None, pass_ends)
             if self.shards is not None:  # sharded: every member holds this gradient before any applies it
                 self.shard_streaming.land_pieces()  # a sharded stream's pieces in flight: before the step is pending
                 self.shard_levelling.confirm_gradient(pending)
@@ -184,7 +192,16 @@ class StepLoop:
         from_step = record.get("from_step")
         return (target, record) if from_step is None or step + 1 >= from_step else None
 
-    def commit_step(self, step: int, summed: torch.Tensor, assignment: tuple, sets) -> str:
+    def _pass_ends(self, step: int, summed: torch.Tensor) -> list:
+        """A streaming job's pass ends met in this step's chunks (gathered only where the sum says any)."""
+        if self.data_streams is None:
+            return []
+        slots = statistics_layout(len(self.membership.members), self.job, self.exact)
+        if round(float(summed[slots.pass_ends])) == 0:
+            return []
+        return self.data_streams.pass_ends_of(step, len(self.membership.members))
+
+    def commit_step(self, step: int, summed: torch.Tensor, assignment: tuple, sets, pass_ends=()) -> str:
         """Apply step `step` from its summed gradient (in `.grad`) and statistics, and commit it.
 
         Everything here is a function of what every member holds alike after
@@ -237,6 +254,10 @@ class StepLoop:
             contributors_busy=self.streams.without_listeners(busy),
             lr=float(self.optimizer.param_groups[0]["lr"]),
         )
+        if self.data_streams is not None:  # what the streams cost and where their passes ended
+            record["stream_items_read"] = int(round(float(summed[slots.stream_read])))
+            if pass_ends:
+                record["pass_ends"] = list(pass_ends)
         if self.streams.current is not None:  # a streamed join: how much of the state each listener holds
             record["joining"] = self.streamed_join.listener_shares()
         record["optimizer_bytes"] = [int(round(value)) * 1024 for value in summed[slots.optimizer].tolist()]

@@ -50,6 +50,8 @@ class VirtualWorkerTotals:
     count: float = 0.0  # their summed counts
     terms: list = dataclasses.field(default_factory=list)  # exact sums: (VW, loss term, count) per VW
     published: int = 0  # a scheduled leave's generation, read before the last VW (await_scheduled_leave)
+    stream_read: int = 0  # a streaming job: items this device took from its streams for the step
+    pass_ends: int = 0  # a streaming job: pass ends this device met in the step's chunks
 
 
 class StepRun:
@@ -84,8 +86,11 @@ class StepRun:
         self.sync.reset()
         if exact is not None:
             exact.begin(redo)
-        ledger = sample_ledger.count_vector(len(self.job.dataset)) if self.sample_ledger else None
+        streaming = hasattr(self.loader, "item_ids")  # a streaming job's DataStreams (its ledger: stream_ledger)
+        ledger = sample_ledger.count_vector(len(self.job.dataset)) if self.sample_ledger and not streaming else None
         totals = self._virtual_workers(step, virtual_workers, ledger)
+        if streaming:  # what this device took from the streams for this step, and the pass ends it met
+            totals.stream_read, totals.pass_ends = self.loader.read_since(step)
         slots = statistics_layout(world, self.job, exact)
         stats = self._statistics(totals, slots, world)
         if exact is not None:
@@ -111,6 +116,8 @@ class StepRun:
                 ledger = ledger.to(self.device)
                 collective(lambda: dist.all_reduce(ledger))
             self.step_samples = sample_ledger.consumed(ledger.cpu())
+        if streaming and self.sample_ledger:  # the (group, pass, index) of every item the step trained
+            self.step_samples = self.loader.trained_items(step, virtual_workers, world)
         return summed
 
     def _virtual_workers(self, step: int, virtual_workers: Sequence[int], ledger) -> VirtualWorkerTotals:
@@ -196,6 +203,8 @@ class StepRun:
         stats[slots.pairs] = totals.pairs
         # This device's optimizer-state bytes (KiB: exact in a float32 carrier up to 16 GiB), for the record.
         stats[slots.optimizer.start + rank] = optimizer_bytes(self.optimizer, self.shards) // 1024
+        stats[slots.stream_read] = totals.stream_read
+        stats[slots.pass_ends] = totals.pass_ends
         last = self.records.last
         if last is not None and last.get("kind") == "step":
             stats[slots.previous_step_s.start + rank] = float(last["step_time_s"])

@@ -78,3 +78,35 @@ def test_a_stale_batch_shows_in_the_ledger_even_though_the_plan_is_right(train, 
     assert ledger.audit(entries, job.seed, len(job.dataset), job.global_batch, 6) == ledger.Audit(
         0, job.global_batch, job.global_batch
     )
+
+
+def _stream_entries(split, batch, steps, lengths, pass_end="drop"):
+    """The ledger a correct streaming job writes: each step's chunks of every group, and its pass ends."""
+    from flexpar.core.stream_split import plan_chunks
+
+    entries = {step: [] for step in range(steps)}
+    ends = []
+    for group in range(split.groups):
+        chunks, group_ends = plan_chunks(lengths, split.chunk(batch), steps, pass_end, group)
+        ends += [ended.to_dict() for ended in group_ends]
+        for step, places in enumerate(chunks):
+            entries[step] += [[group, pass_, index] for pass_, index in places]
+    return entries, ends
+
+
+def test_the_stream_audit_finds_lost_repeated_and_left_out_items():
+    from flexpar.core.stream_split import split_stream
+
+    split = split_stream(4, 8)  # 4 groups of one VW
+    entries, ends = _stream_entries(split, 3, 7, [10])  # a pass of 10: 3 steps, 1 item left out per group
+    audit = ledger.audit_stream(entries, ends, split, 3, 7)
+    assert audit.clean and audit.items_left_out == 2 * 4 and audit.pass_ends_differing == 0, audit
+    broken = {step: list(items) for step, items in entries.items()}
+    broken[2] = broken[2][1:]  # an item lost
+    broken[5] = broken[5] + [broken[5][0]]  # an item trained twice
+    audit = ledger.audit_stream(broken, ends, split, 3, 7)
+    assert (audit.samples_lost, audit.samples_repeated) == (1, 1), audit
+    audit = ledger.audit_stream(entries, ends[1:], split, 3, 7)  # a pass end not recorded
+    assert audit.pass_ends_differing >= 1 and not audit.clean, audit
+    del entries[4]
+    assert ledger.audit_stream(entries, ends, split, 3, 7).steps_missing == 1

@@ -252,3 +252,26 @@ def test_state_of_another_split_is_refused():
         VirtualWorkerStreams(_plain(), 4, 3, num_workers=1).load(state)  # another order
     with pytest.raises(RuntimeError, match="no position"):
         VirtualWorkerStreams(_plain(), 4, 3).hold([0], 5)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_a_position_of_an_older_boundary_reads_forward_to_the_same_items(kind, tar_paths):
+    """A group opened from a position several steps before the one held reads those chunks forward
+    (counted in items_read and the Restore's `replayed`) and yields the uninterrupted stream's items."""
+    make, virtual_workers, batch = KINDS[kind]
+    expected, _ = sp.reference_items(make(), virtual_workers, batch, STEPS)
+    early = VirtualWorkerStreams(make(), virtual_workers, batch, virtual_worker_ids=range(virtual_workers))
+    for step in range(3):
+        for v in range(virtual_workers):
+            early.items(step, v)
+        early.commit(step + 1)
+    old = early.state(3, range(virtual_workers))
+    late = VirtualWorkerStreams(make(), virtual_workers, batch)
+    late.load(old)
+    late.hold(range(virtual_workers), 7)  # four steps past the loaded positions
+    assert {restore.replayed for restore in late.restores} == {4 * late.chunk}
+    assert late.items_read >= 4 * late.chunk * late.split.groups
+    for step in range(7, STEPS):
+        assert [[sp.plain(item) for item in late.items(step, v)] for v in range(virtual_workers)] == expected[step]
+        late.commit(step + 1)
+    early.close(), late.close()

@@ -235,6 +235,18 @@ def test_a_sharded_run_through_a_join_a_leave_and_a_kill_after_the_update_is_the
     assert ("kill", "update", 18) in [(f["kind"], f["phase"], f["step"]) for f in result.fired], result.fired
 
 
+@pytest.mark.timeout(240)
+def test_a_streaming_run_through_a_join_a_leave_and_a_kill_is_the_failure_free_run(tmp_path):
+    # The soak's streaming draw on one run: 6 shards, one per VW; the ledger names stream items.
+    assert [plan.streaming for plan, _ in zip(soak_plan.plans(9), range(6))] == [False, True, False] * 2
+    assert not any(plan.streaming for plan, _ in zip(soak_plan.plans(9, streaming=False), range(6)))
+    plan = RunPlan(0, 2, [(4, +1), (14, -1)], [(18, "local-1", "forward", "kill")], streaming=True)
+    result = soak.run_one(plan, str(tmp_path), timeout_s=10.0, heartbeat_timeout_s=3.0, references=_REFERENCES)
+    assert not result.bad, soak.describe(plan, result)
+    assert result.steps == soak_plan.STEPS
+    assert ("kill", "forward", 18) in [(f["kind"], f["phase"], f["step"]) for f in result.fired], result.fired
+
+
 # ------------------------------------------------------------ the soak itself
 
 

@@ -10,6 +10,7 @@ kill -9, has the one-device run's digests.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import evaluation_pieces
 import pieces
@@ -18,6 +19,8 @@ import stream_pieces
 import torch
 
 import flexpar
+from flexpar.core import ledger
+from flexpar.core.stream_split import split_stream
 from flexpar.errors import ArgumentError
 from flexpar.worker.evaluator import evaluate_all
 
@@ -46,6 +49,31 @@ def _joined(path, devices) -> bool:
     )
 
 
+def _ledger_audit(directory, job, steps: int, shards=None):
+    """The sample ledger of the run(s) under `directory` against the items each step should train."""
+    paths = sorted(Path(directory).rglob("ledger.jsonl"))
+    assert paths, f"no ledger under {directory}"
+    entries = {step: items for path in paths for step, items in ledger.read(path).items()}
+    ends = {(e["group"], e["pass"]): e for path in paths for e in ledger.read_pass_ends(path)}
+    split = split_stream(job.virtual_workers, shards)
+    return ledger.audit_stream(entries, list(ends.values()), split, job.micro_batch_size, steps)
+
+
+def _steady_reads(path) -> list:
+    """(items read, items left out at pass ends, devices running VWs) of every step that runs on the
+    same generation and assignment as the step before (no stream moved: nothing skipped or read forward)."""
+    steps = [record for record in pieces.metrics_records(path) if record["kind"] == "step"]
+    return [
+        (
+            record["stream_items_read"],
+            sum(end["left_out"][1] - end["left_out"][0] for end in record.get("pass_ends", []) if end["left_out"]),
+            sum(1 for share in record["assignment"] if share),
+        )
+        for before, record in zip(steps, steps[1:])
+        if (before["generation"], before["assignment"]) == (record["generation"], record["assignment"])
+    ]
+
+
 def test_plain_stream_on_1_device_and_through_joins_a_kill_and_a_leave(train, tmp_path):
     """No shards: round-robin, step s = items s*B .. (s+1)*B-1 of the pass, on 1 device, and on 2 with
     +2 (streamed joins: the joiners receive the positions with the state), a kill -9 of local-1 in
@@ -67,6 +95,7 @@ def test_plain_stream_on_1_device_and_through_joins_a_kill_and_a_leave(train, tm
         faults="8:local-1:backward",
         max_devices=4,
         metrics=str(tmp_path / "elastic.jsonl"),
+        sample_ledger=True,  # ledger.jsonl beside the metrics file (the one run with a ledger here)
     )
     events = _events(tmp_path / "elastic.jsonl")
     assert {"join", "leave", "failure"} <= {record["event"] for record in events}, events
@@ -74,6 +103,15 @@ def test_plain_stream_on_1_device_and_through_joins_a_kill_and_a_leave(train, tm
     assert _joined(tmp_path / "elastic.jsonl", 4)
     assert pieces.device_counts(pieces.metrics_records(tmp_path / "elastic.jsonl"))[-1] == 1
     assert _digests(tmp_path / "elastic.jsonl") == _digests(tmp_path / "one.jsonl")
+    # Round-robin: every device running VWs reads the whole stream (the pass end's dropped items too).
+    steady = _steady_reads(tmp_path / "elastic.jsonl")
+    assert len(steady) >= 4 and {devices for _, _, devices in steady} >= {1, 2}, steady
+    assert all(read == devices * (48 + left_out) for read, left_out, devices in steady), steady
+    # The ledger: every item of the stream trained once, in its step, through +2, the kill and -2;
+    # the pass end at step 9 left out its last 24 items (456 = 9 * 48 + 24), recorded, not silent.
+    audit = _ledger_audit(tmp_path, job, steps)
+    assert audit.clean and audit.pass_ends_differing == 0, audit
+    assert audit.items_left_out == 24, audit
     pieces.assert_same_parameters(elastic, expected, atol=ATOL)
 
 
@@ -102,6 +140,7 @@ def test_sharded_stream_on_1_device_and_through_a_blocking_join_and_a_kill(train
         max_devices=3,
         eval_every=6,
         metrics=str(tmp_path / "three.jsonl"),
+        sample_ledger=True,  # ledger.jsonl beside the metrics file (the one run with a ledger here)
     )
     evals = [record for record in pieces.metrics_records(tmp_path / "three.jsonl") if record["kind"] == "eval"]
     assert [record["step"] for record in evals] == [6, 12]
@@ -111,6 +150,13 @@ def test_sharded_stream_on_1_device_and_through_a_blocking_join_and_a_kill(train
     assert [record["step"] for record in events if record["event"] == "failure"] == [8]
     assert _joined(tmp_path / "three.jsonl", 3)
     assert _digests(tmp_path / "three.jsonl") == _digests(tmp_path / "one.jsonl")
+    # One VW per shard: each item is read once in the whole job, on 2 and 3 devices alike.
+    steady = _steady_reads(tmp_path / "three.jsonl")
+    assert len(steady) >= 4 and {devices for _, _, devices in steady} >= {3}, steady
+    assert all(read == 48 + left_out for read, left_out, _ in steady), steady
+    audit = _ledger_audit(tmp_path, job, STEPS, shards=6)
+    assert audit.clean and audit.pass_ends_differing == 0, audit
+    assert audit.items_left_out == 6 * 4, audit  # each shard's pass of 76 leaves 4 out at step 9
     pieces.assert_same_parameters(three, expected, atol=ATOL)
 
 
@@ -133,6 +179,8 @@ def test_a_stateful_stream_moves_by_its_own_state(train, tmp_path):
         metrics=str(tmp_path / "a.jsonl"),
     )
     assert _joined(tmp_path / "a.jsonl", 3)
+    joins = [record for record in _events(tmp_path / "a.jsonl") if record["event"] == "join"]
+    assert joins and all("stream_skipped_items" not in record for record in joins), joins  # by its state
     model, summary = train(job, steps=STEPS, devices=1, checkpoint_dir=folder, resume=True)
     assert summary["resumed_from"] == 6
     expected = stream_pieces.stream_reference(job, STEPS, stream_pieces.round_robin_items(stream, 48, 6))
@@ -182,8 +230,85 @@ def test_resume_on_another_device_count_continues_at_the_next_item(train, tmp_pa
     )
     assert summary["resumed_from"] == 6
     assert pieces.device_counts(pieces.metrics_records(tmp_path / "b.jsonl")) == [3, 1]
+    # The shuffled stream's state is not complete: each of the 6 groups skips its 6 * 8 items, in the
+    # resume's boundary, and its start event says so.
+    start = [record for record in _events(tmp_path / "b.jsonl") if record["event"] == "start"]
+    assert [record.get("stream_skipped_items") for record in start] == [6 * 6 * 8], start
+    assert start[0]["stream_skip_s"] >= 0.0, start
     items = stream_pieces.huggingface_items(stream, 6, 8, STEPS)
     pieces.assert_same_parameters(model, stream_pieces.stream_reference(job, STEPS, items), atol=ATOL)
+
+
+def test_a_carried_pass_end_on_2_devices_through_a_kill(train, tmp_path):
+    """pass_end="carry": the step holding the end of pass 0 (456 = 9 * 48 + 24 items) fills from pass 1,
+    nothing is left out; 2 devices, local-1 killed -9 in step 9 (that very step); the ledger finds every
+    item once and no item left out. The evaluation set is an iterable one (read once where the Job is
+    built), evaluated at steps 6 and 12 as the plain loop's model."""
+    from flexpar.data import VirtualWorkerStreams
+
+    stream = stream_pieces.PairStream()
+    evaluation_stream = stream_pieces.PairStream(size=40)  # an iterable evaluation set: read once, here
+    job = _job(stream, pass_end="carry", eval_dataset=evaluation_stream, evaluate=evaluation_pieces.Evaluate())
+    assert len(job.eval_dataset) == 40 and torch.equal(job.eval_dataset[3][0], evaluation_stream.inputs[3])
+    reader = VirtualWorkerStreams(stream_pieces.PairStream(), 6, 8, pass_end="carry", virtual_worker_ids=range(6))
+    chunks = {(step, v): reader.items(step, v) for step in range(STEPS) for v in range(6)}
+    model, _ = train(
+        job,
+        steps=STEPS,
+        devices=2,
+        faults="9:local-1:forward",
+        metrics=str(tmp_path / "m.jsonl"),
+        sample_ledger=True,
+        eval_every=6,
+    )
+    assert [record["step"] for record in _events(tmp_path / "m.jsonl") if record["event"] == "failure"] == [9]
+    expected = stream_pieces.stream_reference(job, STEPS, lambda step, v: chunks[(step, v)])
+    pieces.assert_same_parameters(model, expected, atol=ATOL)
+    evals = [record for record in pieces.metrics_records(tmp_path / "m.jsonl") if record["kind"] == "eval"]
+    assert [record["step"] for record in evals] == [6, 12]
+    evaluation_pieces.assert_metrics_equal(evals[-1]["metrics"], evaluate_all(job, expected), rtol=1e-4)
+    records = [r for r in pieces.metrics_records(tmp_path / "m.jsonl") if r["kind"] == "step"]
+    assert [end["left_out"] for r in records for end in r.get("pass_ends", [])] == [[]], records
+    split = split_stream(6, None)
+    ends = ledger.read_pass_ends(tmp_path / "ledger.jsonl")
+    audit = ledger.audit_stream(ledger.read(tmp_path / "ledger.jsonl"), ends, split, 8, STEPS, pass_end="carry")
+    assert audit.clean and audit.items_left_out == 0 and audit.pass_ends_differing == 0, audit
+
+
+def test_a_packing_dataset_carries_its_leftover_tokens_through_a_join_and_a_kill(train, tmp_path):
+    """A stateful packing stream (documents of random length cut into 8-token sequences; the leftover
+    tokens are its state and carry into the next pass): 2 devices, a blocking join at step 2 (the
+    joiner loads the stream's state) and local-0, rank 0, killed -9 in step 7 (the survivors redo
+    it from their committed positions). 12 steps cross a pass end, whose leftover starts pass 1."""
+    from flexpar.data import VirtualWorkerStreams
+
+    def packing():
+        return stream_pieces.PackingStream(documents=30, sequence=8)
+
+    job = _job(packing(), virtual_workers=3, global_batch=6, collate_fn=stream_pieces.TokenFeatures())
+    job = dataclasses.replace(job, loss=pieces.SlowUntilJoined(pieces.Loss(), devices=3))
+    reader = VirtualWorkerStreams(packing(), 3, 2, virtual_worker_ids=range(3))
+    chunks = {}
+    for step in range(STEPS):
+        chunks.update({(step, v): reader.items(step, v) for v in range(3)})
+        reader.commit(step + 1)
+    assert len(reader.pass_ends()) == 1  # a pass of 48 sequences: 8 steps
+    model, _ = train(
+        job,
+        steps=STEPS,
+        devices=2,
+        schedule="2:+1",
+        join_stream_mb=0,
+        faults="7:local-0:forward",
+        max_devices=3,
+        metrics=str(tmp_path / "m.jsonl"),
+        sample_ledger=True,
+    )
+    assert _joined(tmp_path / "m.jsonl", 3)
+    assert [record["step"] for record in _events(tmp_path / "m.jsonl") if record["event"] == "failure"] == [7]
+    expected = stream_pieces.stream_reference(job, STEPS, lambda step, v: chunks[(step, v)])
+    pieces.assert_same_parameters(model, expected, atol=ATOL)
+    assert _ledger_audit(tmp_path, job, STEPS).clean
 
 
 def test_what_a_streaming_job_refuses_before_any_process_starts(train):
@@ -192,8 +317,10 @@ def test_what_a_streaming_job_refuses_before_any_process_starts(train):
         pieces.make_job(dataset=stream, sample_cost=len)
     with pytest.raises(ArgumentError, match="shard_optimizer="):
         pieces.make_job(dataset=stream, shard_optimizer=True)
-    with pytest.raises(ArgumentError, match="an iterable evaluation set is not supported yet"):
-        pieces.make_job(dataset=stream, eval_dataset=stream, evaluate=len)
+    with pytest.raises(ArgumentError, match="pass_end='keep' must be one of"):
+        pieces.make_job(dataset=stream, pass_end="keep")
+    with pytest.raises(ArgumentError, match="is for an iterable dataset="):
+        pieces.make_job(pass_end="carry")
     with pytest.raises(ArgumentError, match="is an iterator"):
         pieces.make_job(dataset=iter(stream))
     with pytest.raises(ArgumentError, match="get_rank"):
@@ -201,8 +328,6 @@ def test_what_a_streaming_job_refuses_before_any_process_starts(train):
     job = pieces.make_job(dataset=stream)
     with pytest.raises(ArgumentError, match="epochs= needs"):
         train(job, epochs=1, devices=1)
-    with pytest.raises(ArgumentError, match="sample_ledger=True"):
-        train(job, steps=1, devices=1, sample_ledger=True)
     assert flexpar.Job is type(job)
 
 
@@ -215,7 +340,8 @@ if __name__ == "__main__":
     import os, torch
     job = pieces.make_job(virtual_workers=6, dataset=stream_pieces.PairStream(), delay_s=0.02)
     model, summary = job.fit(
-        steps={steps}, devices=2, port=int(os.environ["TEST_PORT"]), faults="6:driver:forward", driver_grace_s=60
+        steps={steps}, devices=2, port=int(os.environ["TEST_PORT"]), faults="6:driver:forward", driver_grace_s=60,
+        sample_ledger=True,
     )
     torch.save(model.state_dict(), "final.pt")
 """
@@ -240,3 +366,5 @@ def test_a_driver_killed_and_restarted_re_adopts_the_devices_with_their_position
     job = pieces.make_job(virtual_workers=6, dataset=stream)
     expected = stream_pieces.stream_reference(job, STEPS, stream_pieces.round_robin_items(stream, 48, 6))
     pieces.assert_same_parameters(model, expected, atol=ATOL)
+    audit = _ledger_audit(tmp_path, job, STEPS)  # both drivers' ledgers: each step once, each item once
+    assert audit.clean and audit.pass_ends_differing == 0 and audit.items_left_out == 24, audit

@@ -339,3 +339,20 @@ def test_a_listening_joiner_shows_as_joining_with_its_share_of_the_state(records
     display.close()
     row = next(row for row in table.splitlines() if row.lstrip().startswith("local-9"))
     assert "joining 45%" in row, row
+
+
+def test_a_streaming_jobs_progress_is_items_and_passes():
+    from flexpar.observe.log_lines import stream_progress
+
+    passes: dict = {}
+    assert stream_progress(passes, {"step": 3}, 48) == {}  # a map-style job's record
+    assert stream_progress(passes, {"step": 3, "stream_items_read": 48}, 48) == {
+        "stream_items": 192,
+        "stream_passes_ended": 0,
+    }
+    ended = [{"group": 0, "pass": 0}, {"group": 1, "pass": 0}]
+    assert stream_progress(passes, {"step": 8, "stream_items_read": 72, "pass_ends": ended}, 48) == {
+        "stream_items": 432,
+        "stream_passes_ended": 1,
+    }
+    assert passes == {0: 1, 1: 1}
