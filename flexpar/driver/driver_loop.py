@@ -346,42 +346,34 @@ class DriverLoop:
         """A scheduled leave its members carried out while no driver was there (they crossed the boundary
         of its generation, published ahead of its step, before the driver was lost): the restarted driver
         writes the leave event nobody wrote, at the leave's step, so the timeline shows it."""
-        for outcome in self.schedule.outcomes:
-            if not outcome.left_unseen or adoption is None:
-                continue
-            record = {
-                "kind": "event",
-                "event": "leave",
-                "step": outcome.step,
-                "time": time.time(),
-                "generation": adoption.generation,
-                "devices": list(adoption.members),
-                "stall_s": 0.0,
-                "detail": "left: " + ", ".join(outcome.left_unseen) + " (as scheduled, while no driver was there)",
-            }
-            self.events.append(record)
-            self._emit(record)
-            self._notify("on_event", record)
+        for outcome in self.schedule.outcomes if adoption is not None else ():
+            if outcome.left_unseen:
+                detail = "left: " + ", ".join(outcome.left_unseen) + " (as scheduled, while no driver was there)"
+                self._driver_event("leave", outcome.step, adoption.generation, adoption.members, detail)
 
     def _report_schedule(self, lines: list) -> None:
         """A schedule entry was late, refused or never applied: log, metrics file, summary."""
         for line in lines:
             step = self.steps[-1]["step"] + 1 if self.steps else 0
-            record = {
-                "kind": "event",
-                "event": "schedule",
-                "step": step,
-                "time": time.time(),
-                "generation": max(1, self.generation),
-                "devices": list(self.devices),
-                "stall_s": 0.0,
-                "detail": line,
-            }
-            self.events.append(record)
-            self._emit(record)
-            self._notify("on_event", record)
+            self._driver_event("schedule", step, max(1, self.generation), self.devices, line)
             if self.display is None and not self.options.quiet:
                 print(f"flexpar: {line}", file=sys.stderr, flush=True)
+
+    def _driver_event(self, event: str, step: int, generation: int, devices, detail: str) -> None:
+        """An event the driver itself writes (no device saw it): metrics file, display, callbacks."""
+        record = {
+            "kind": "event",
+            "event": event,
+            "step": step,
+            "time": time.time(),
+            "generation": generation,
+            "devices": list(devices),
+            "stall_s": 0.0,
+            "detail": detail,
+        }
+        self.events.append(record)
+        self._emit(record)
+        self._notify("on_event", record)
 
     def summary(self, final_step: int) -> dict:
         rates = [record["samples_per_s"] for record in self.steps[1:]] or [0.0]
