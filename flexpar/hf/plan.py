@@ -76,7 +76,10 @@ def refuse_constructor(optimizers, optimizer_cls_and_kwargs, train_dataset, eval
             "sampler over a map-style dataset: give a map-style one (datasets.Dataset, torch Dataset), or use "
             "flexpar.Job with the iterable one"
         )
-    if isinstance(eval_dataset, dict) and str(getattr(args, "eval_strategy", "no")) not in ("no", "IntervalStrategy.NO"):
+    if isinstance(eval_dataset, dict) and str(getattr(args, "eval_strategy", "no")) not in (
+        "no",
+        "IntervalStrategy.NO",
+    ):
         return (
             "eval_dataset= is a dict and eval_strategy evaluates during training; flexpar evaluates one set "
             "during training: give one eval set, or set eval_strategy='no' and call trainer.evaluate() per set"
@@ -91,27 +94,57 @@ def _value(option) -> str:
 def refuse_arguments(args) -> Optional[str]:
     """TrainingArguments that flexpar cannot honour, one line each."""
     checks = [
-        (args.deepspeed, "deepspeed=", "flexpar shards optimizer state itself: remove deepspeed= (pass "
-         "flexpar={'shard_optimizer': True} is not needed for small jobs)"),
-        (args.fsdp not in (None, "", [], ()), "fsdp=", "flexpar trains data-parallel with a full model per "
-         "device: remove fsdp="),
-        (_value(args.train_sampling_strategy) != "random" if hasattr(args, "train_sampling_strategy") else False,
-         f"train_sampling_strategy={_value(getattr(args, 'train_sampling_strategy', ''))!r}",
-         "flexpar reproduces the Trainer's random sampler only: remove it (group_by_length too)"),
-        (getattr(args, "group_by_length", False), "group_by_length=True",
-         "flexpar reproduces the Trainer's random sampler only: remove it"),
-        (args.label_smoothing_factor != 0, f"label_smoothing_factor={args.label_smoothing_factor}",
-         "not reproduced by flexpar: remove it, or put the smoothing in compute_loss_func="),
-        (args.auto_find_batch_size, "auto_find_batch_size=True",
-         "flexpar keeps the global batch fixed: give per_device_train_batch_size"),
-        (_value(args.save_strategy) == "best" or args.load_best_model_at_end,
-         "save_strategy='best' / load_best_model_at_end=True", "not supported by flexpar: save by steps or epochs"),
-        (_value(args.lr_scheduler_type) not in SCHEDULES, f"lr_scheduler_type={_value(args.lr_scheduler_type)!r}",
-         f"flexpar steps the schedule on every device from the step alone: use one of {', '.join(SCHEDULES)}"),
-        (getattr(args, "neftune_noise_alpha", None) is not None, "neftune_noise_alpha=",
-         "not reproduced by flexpar: remove it"),
-        (_value(getattr(args, "include_num_input_tokens_seen", "no")) not in ("no", False),
-         "include_num_input_tokens_seen=", "not counted by flexpar: remove it"),
+        (
+            args.deepspeed,
+            "deepspeed=",
+            "flexpar shards optimizer state itself: remove deepspeed= (pass "
+            "flexpar={'shard_optimizer': True} is not needed for small jobs)",
+        ),
+        (
+            args.fsdp not in (None, "", [], ()),
+            "fsdp=",
+            "flexpar trains data-parallel with a full model per device: remove fsdp=",
+        ),
+        (
+            _value(args.train_sampling_strategy) != "random" if hasattr(args, "train_sampling_strategy") else False,
+            f"train_sampling_strategy={_value(getattr(args, 'train_sampling_strategy', ''))!r}",
+            "flexpar reproduces the Trainer's random sampler only: remove it (group_by_length too)",
+        ),
+        (
+            getattr(args, "group_by_length", False),
+            "group_by_length=True",
+            "flexpar reproduces the Trainer's random sampler only: remove it",
+        ),
+        (
+            args.label_smoothing_factor != 0,
+            f"label_smoothing_factor={args.label_smoothing_factor}",
+            "not reproduced by flexpar: remove it, or put the smoothing in compute_loss_func=",
+        ),
+        (
+            args.auto_find_batch_size,
+            "auto_find_batch_size=True",
+            "flexpar keeps the global batch fixed: give per_device_train_batch_size",
+        ),
+        (
+            _value(args.save_strategy) == "best" or args.load_best_model_at_end,
+            "save_strategy='best' / load_best_model_at_end=True",
+            "not supported by flexpar: save by steps or epochs",
+        ),
+        (
+            _value(args.lr_scheduler_type) not in SCHEDULES,
+            f"lr_scheduler_type={_value(args.lr_scheduler_type)!r}",
+            f"flexpar steps the schedule on every device from the step alone: use one of {', '.join(SCHEDULES)}",
+        ),
+        (
+            getattr(args, "neftune_noise_alpha", None) is not None,
+            "neftune_noise_alpha=",
+            "not reproduced by flexpar: remove it",
+        ),
+        (
+            _value(getattr(args, "include_num_input_tokens_seen", "no")) not in ("no", False),
+            "include_num_input_tokens_seen=",
+            "not counted by flexpar: remove it",
+        ),
         (getattr(args, "use_liger_kernel", False), "use_liger_kernel=True", "not applied by flexpar: remove it"),
     ]
     for failed, name, fix in checks:

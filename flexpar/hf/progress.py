@@ -12,6 +12,7 @@ end, log, evaluate, save, epoch end), and `checkpoint-N` folders under
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shutil
@@ -150,11 +151,19 @@ class TrainerProgress(flexpar.Callback):
         config = getattr(trainer.model, "config", None)
         if config is not None and hasattr(config, "save_pretrained"):
             config.save_pretrained(folder)
-        trainer.state.save_to_json(os.path.join(folder, "trainer_state.json"))
+        state = self.state_at(step)
+        state.save_to_json(os.path.join(folder, "trainer_state.json"))
         torch.save(trainer.args, os.path.join(folder, "training_args.bin"))
         self.mirrored.add(step)
-        trainer.control = trainer.callback_handler.on_save(trainer.args, trainer.state, trainer.control)
+        trainer.control = trainer.callback_handler.on_save(trainer.args, state, trainer.control)
         trainer.control.should_save = False
+
+    def state_at(self, step: int):
+        """The Trainer's state as it was after step `step` (a checkpoint is mirrored a step or two after it)."""
+        state = copy.deepcopy(self.trainer.state)
+        state.global_step, state.epoch = step, step / self.plan.steps_per_epoch
+        state.log_history = [entry for entry in state.log_history if entry.get("step", 0) <= step]
+        return state
 
 
 def checkpoint_folders(output_dir: str) -> list:

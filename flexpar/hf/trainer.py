@@ -23,7 +23,8 @@ from transformers.trainer_utils import TrainOutput, get_last_checkpoint, speed_m
 
 from flexpar import job as job_module
 from flexpar import options as options_module
-from flexpar.hf import pieces, plan as plan_module, progress
+from flexpar.hf import pieces, progress
+from flexpar.hf import plan as plan_module
 from flexpar.hf.order import TrainerOrder
 from flexpar.hf.refusals import refused
 
@@ -133,8 +134,9 @@ class Trainer(transformers.Trainer):
         eval_dataset = self.eval_dataset if self._evaluates() else None
         job = job_module.Job(
             model=factory,
-            optimizer=pieces.TrainerOptimizer(optimizer_class, dict(keywords), tuple(n in decay for n in names),
-                                              args.weight_decay),
+            optimizer=pieces.TrainerOptimizer(
+                optimizer_class, dict(keywords), tuple(n in decay for n in names), args.weight_decay
+            ),
             loss=loss,
             dataset=TrainerOrder(train_dataset, self._data_seed(), args.seed, plan.steps, plan.global_batch),
             global_batch=plan.global_batch,
@@ -235,7 +237,3 @@ class Trainer(transformers.Trainer):
         self.state.global_step = step
         self.state.epoch = previous.epoch
         return True
-
-
-
-

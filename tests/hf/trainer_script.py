@@ -43,11 +43,33 @@ class Sequences(torch.utils.data.Dataset):
 
 def build_model():
     config = GPT2Config(
-        vocab_size=VOCABULARY, n_positions=LENGTH, n_embd=32, n_layer=2, n_head=2,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+        vocab_size=VOCABULARY,
+        n_positions=LENGTH,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
     )
     torch.manual_seed(1234)
-    return GPT2LMHeadModel(config)
+    model = GPT2LMHeadModel(config)
+    if os.environ.get("HF_SCRIPT_LORA") == "1":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=4,
+                lora_alpha=8,
+                lora_dropout=0.0,
+                fan_in_fan_out=True,
+                target_modules=["c_attn"],
+                task_type="CAUSAL_LM",
+            ),
+        )
+    return model
 
 
 def compute_metrics(prediction):
@@ -123,8 +145,12 @@ def main():
     metrics = trainer.evaluate()
     trainer.save_model(os.path.join(output_dir, "final"))
     torch.save(
-        {"state": trainer.model.state_dict(), "log_history": trainer.state.log_history,
-         "global_step": trainer.state.global_step, "metrics": metrics},
+        {
+            "state": trainer.model.state_dict(),
+            "log_history": trainer.state.log_history,
+            "global_step": trainer.state.global_step,
+            "metrics": metrics,
+        },
         os.path.join(output_dir, "result.pt"),
     )
 
