@@ -8,6 +8,7 @@ computes them on one device (`set_initial_training_values`).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -234,6 +235,20 @@ def plan_run(args, dataset_size: int, world_size: int, virtual_workers: Optional
             virtual_workers = max(candidates)
     epochs = math.ceil(steps / steps_per_epoch)
     return RunPlan(steps, steps_per_epoch, global_batch, virtual_workers, global_batch // virtual_workers, epochs)
+
+
+def environment_options() -> dict:
+    """flexpar= options from the environment, for a script left unchanged: FLEXPAR_HF_OPTIONS (a JSON object)."""
+    text = os.environ.get("FLEXPAR_HF_OPTIONS")
+    if not text:
+        return {}
+    try:
+        options = json.loads(text)
+    except ValueError:
+        options = None
+    if not isinstance(options, dict):
+        raise ValueError(f"FLEXPAR_HF_OPTIONS={text!r} is not a JSON object of flexpar options")
+    return options
 
 
 def world_size_of(options: dict) -> int:

@@ -44,6 +44,7 @@ class Trainer(transformers.Trainer):
     def __init__(self, model=None, args=None, *positional, flexpar: Optional[dict] = None, **keywords):
         names = ("data_collator", "train_dataset", "eval_dataset", "processing_class", "model_init")
         keywords.update(zip(names, positional))
+        flexpar = {**plan_module.environment_options(), **(flexpar or {})}
         if args is None:
             args = transformers.TrainingArguments(output_dir="trainer_output")
         refused(
