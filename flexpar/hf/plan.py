@@ -212,13 +212,17 @@ class RunPlan:
         return 1.0 / self.steps_per_epoch
 
 
-def plan_run(args, dataset_size: int, world_size: int, virtual_workers: Optional[int], counts_items: bool) -> RunPlan:
+def plan_run(
+    args, dataset_size: int, world_size: int, virtual_workers: Optional[int], counts_items: bool, devices: int = 1
+) -> RunPlan:
     """Steps and batches: the global batch is per-device batch x accumulation x world size.
 
-    The virtual workers default to accumulation x world size (one VW per
-    micro-batch the Trainer would run); with a loss normalised by its items,
-    whose result does not depend on the cut, up to 8 VWs of the same
-    micro-batch multiple, so that a few devices can share the batch.
+    The virtual workers default to accumulation x world size: one VW per
+    micro-batch the Trainer runs, of its per-device batch (the same work per
+    forward as the Trainer's). Where the run may reach more `devices` than
+    that and the loss is normalised by its items (its result does not depend
+    on the cut), the fewest VWs, a multiple of that, which give every device
+    one and divide the global batch.
     """
     micro = args.per_device_train_batch_size
     accumulation = args.gradient_accumulation_steps
@@ -229,12 +233,30 @@ def plan_run(args, dataset_size: int, world_size: int, virtual_workers: Optional
     steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
     if virtual_workers is None:
         virtual_workers = accumulation * world_size
-        if counts_items:
-            candidates = [v for v in range(virtual_workers, max(8, virtual_workers) + 1) if global_batch % v == 0]
-            candidates = [v for v in candidates if v % (accumulation * world_size) == 0]
-            virtual_workers = max(candidates)
+        if counts_items and devices > virtual_workers:
+            fitting = [
+                v for v in range(devices, global_batch + 1) if v % virtual_workers == 0 and global_batch % v == 0
+            ]
+            virtual_workers = fitting[0] if fitting else virtual_workers
     epochs = math.ceil(steps / steps_per_epoch)
     return RunPlan(steps, steps_per_epoch, global_batch, virtual_workers, global_batch // virtual_workers, epochs)
+
+
+def devices_wanted(options: dict, command_line: dict) -> int:
+    """The most devices the run may reach, from fit()'s options and the command line (which wins)."""
+    merged = {**options, **{key: value for key, value in command_line.items() if value is not None}}
+    initial = merged.get("devices")
+    if initial is None:
+        import torch
+
+        initial = torch.cuda.device_count() or 1
+    peak, count = initial, initial
+    from flexpar.options import parse_schedule
+
+    for change in sorted(parse_schedule(merged.get("schedule")), key=lambda change: change.step):
+        count += change.delta
+        peak = max(peak, count)
+    return max(peak, merged.get("max_devices") or 1)
 
 
 def environment_options() -> dict:

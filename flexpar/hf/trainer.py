@@ -79,6 +79,13 @@ class Trainer(transformers.Trainer):
             refused("train(trial=...) (hyper-parameter search) is not run by flexpar: call train() without it")
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
+        command_line = options_module._command_line.get() or {}
+        for name in ("steps", "epochs"):
+            if command_line.get(name) is not None or name in self.flexpar_options:
+                refused(
+                    f"--{name} / flexpar={{'{name}': ...}}: the Trainer's length is TrainingArguments' "
+                    "max_steps or num_train_epochs: set it there"
+                )
         args = self.args
         if self.model_init is not None:
             self.model = self.call_model_init()
@@ -116,7 +123,10 @@ class Trainer(transformers.Trainer):
         collator = self._get_collator_with_removed_columns(self.data_collator, description="training")
         train_dataset = self._without_unused_columns(self.train_dataset, "training")
         counts_items = self._counts_items(collator, train_dataset)
-        plan = plan_module.plan_run(args, len(train_dataset), world_size, options.get("virtual_workers"), counts_items)
+        devices = plan_module.devices_wanted(options, options_module._command_line.get() or {})
+        plan = plan_module.plan_run(
+            args, len(train_dataset), world_size, options.get("virtual_workers"), counts_items, devices
+        )
         optimizer_class, keywords = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(args, model)
         refused(plan_module.refuse_optimizer(optimizer_class))
         decay = set(self.get_decay_parameter_names(model))

@@ -67,8 +67,8 @@ def test_flexpar_steps_take_the_trainers_accumulated_batches(tmp_path):
         report_to=[],
         use_cpu=True,
     )
-    plan = plan_run(args, 24, world_size=1, virtual_workers=None, counts_items=True)
-    assert (plan.steps, plan.global_batch, plan.steps_per_epoch) == (6, 8, 3)
+    plan = plan_run(args, 24, world_size=1, virtual_workers=None, counts_items=True, devices=3)
+    assert (plan.steps, plan.global_batch, plan.steps_per_epoch, plan.virtual_workers) == (6, 8, 3, 4)
     dataset = TrainerOrder(Indices(24), data_seed=7, flexpar_seed=7, steps=plan.steps, global_batch=plan.global_batch)
     for step in range(plan.steps):
         positions = batching.global_batch_indices(7, step, len(dataset), plan.global_batch).tolist()
