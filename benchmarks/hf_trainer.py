@@ -13,7 +13,7 @@ with warm-up, clipping at 1.0, the item-normalised causal-LM loss), its import s
   training losses (logging_steps=1), over both flexpar runs.
 - `elastic_bitwise_equal`: with FLEXPAR_HF_OPTIONS='{"deterministic": true}', the last step's parameter
   digest of 1 device equals that of 3 devices with one killed (kill -9) at step 5, and so do the
-  trained parameters, bit for bit.
+  trained parameters, bit for bit (both runs with --max-devices 3: the same VWs).
 
 Run: `python benchmarks/hf_trainer.py [--quick] [--json PATH]` (needs flexpar[hf]). --quick: one timing
 round of 20 steps (else three of 40).
@@ -125,7 +125,11 @@ def main() -> int:
         print(f"largest error of the other tensors (1 device): {max(without_key_bias):.2e}", flush=True)
         curve = max(abs(a - b) for run_ in (one, elastic) for a, b in zip(losses(baseline), losses(run_)))
         deterministic = json.dumps({"deterministic": True})
-        exact_one = run(folder, "exact-1", _flexpar("--devices", "1"), FLEXPAR_HF_OPTIONS=deterministic)
+        # The same --max-devices: the VWs follow the most devices a run may reach (docs/guide.md), and
+        # runs compared bit for bit need the same cut.
+        exact_one = run(
+            folder, "exact-1", _flexpar("--devices", "1", "--max-devices", "3"), FLEXPAR_HF_OPTIONS=deterministic
+        )
         killed = json.dumps({"deterministic": True, "faults": "5:local-1:backward"})
         exact_three = run(folder, "exact-3", _flexpar("--devices", "3"), FLEXPAR_HF_OPTIONS=killed)
         failures = [record for record in exact_three["records"] if record.get("event") == "failure"]

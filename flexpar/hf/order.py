@@ -32,12 +32,17 @@ def trainer_epoch_order(dataset_size: int, data_seed: int, epoch: int) -> torch.
     return torch.randperm(dataset_size, generator=generator)
 
 
-def trainer_order(dataset_size: int, data_seed: int, samples: int) -> torch.Tensor:
-    """The first `samples` sample indices the Trainer trains, epoch after epoch."""
+def trainer_order(dataset_size: int, data_seed: int, samples: int, epoch_samples: Optional[int] = None) -> torch.Tensor:
+    """The first `samples` sample indices the Trainer trains, epoch after epoch.
+
+    `epoch_samples`: how many of each epoch's order it trains (dataloader_drop_last drops the partial
+    last micro-batch); default all.
+    """
+    epoch_samples = dataset_size if epoch_samples is None else epoch_samples
     orders, total, epoch = [], 0, 0
     while total < samples:
-        orders.append(trainer_epoch_order(dataset_size, data_seed, epoch))
-        total += dataset_size
+        orders.append(trainer_epoch_order(dataset_size, data_seed, epoch)[:epoch_samples])
+        total += epoch_samples
         epoch += 1
     return torch.cat(orders)[:samples]
 
@@ -51,10 +56,18 @@ class TrainerOrder(Dataset):
     epoch 0 for `flexpar_seed`.
     """
 
-    def __init__(self, dataset: Any, data_seed: int, flexpar_seed: int, steps: int, global_batch: int):
+    def __init__(
+        self,
+        dataset: Any,
+        data_seed: int,
+        flexpar_seed: int,
+        steps: int,
+        global_batch: int,
+        epoch_samples: Optional[int] = None,
+    ):
         self.dataset = dataset
         samples = steps * global_batch
-        order = trainer_order(len(dataset), data_seed, samples)
+        order = trainer_order(len(dataset), data_seed, samples, epoch_samples)
         permutation = batching.epoch_permutation(flexpar_seed, 0, samples)
         self.indices = torch.empty(samples, dtype=torch.int64)
         self.indices[permutation] = order  # flexpar reads position k at permutation[k]

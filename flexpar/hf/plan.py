@@ -147,6 +147,12 @@ def refuse_arguments(args) -> Optional[str]:
             "not counted by flexpar: remove it",
         ),
         (getattr(args, "use_liger_kernel", False), "use_liger_kernel=True", "not applied by flexpar: remove it"),
+        (
+            args.push_to_hub,
+            "push_to_hub=True",
+            "flexpar does not push checkpoints: call trainer.push_to_hub() after train()",
+        ),
+        ((args.eval_delay or 0) > 0, f"eval_delay={args.eval_delay}", "not applied by flexpar: remove it"),
     ]
     for failed, name, fix in checks:
         if failed:

@@ -149,7 +149,9 @@ class Trainer(transformers.Trainer):
                 optimizer_class, dict(keywords), tuple(n in decay for n in names), args.weight_decay
             ),
             loss=loss,
-            dataset=TrainerOrder(train_dataset, self._data_seed(), args.seed, plan.steps, plan.global_batch),
+            dataset=TrainerOrder(
+                train_dataset, self._data_seed(), args.seed, plan.steps, plan.global_batch, self._epoch_samples()
+            ),
             global_batch=plan.global_batch,
             virtual_workers=plan.virtual_workers,
             seed=args.seed,
@@ -162,6 +164,8 @@ class Trainer(transformers.Trainer):
             mixed_precision="bf16" if args.bf16 else "fp16" if args.fp16 else None,
             max_grad_norm=args.max_grad_norm or None,
             deterministic=bool(options.get("deterministic", False)),
+            compile=bool(args.torch_compile),
+            compile_options=self._compile_options(),
         )
         return job, plan, progress.LearningRates(schedule, args.learning_rate)
 
@@ -180,6 +184,20 @@ class Trainer(transformers.Trainer):
         if isinstance(dataset, datasets.Dataset):
             return self._remove_unused_columns(dataset, description=description)
         return dataset
+
+    def _epoch_samples(self) -> Optional[int]:
+        """The samples of an epoch the Trainer trains: all, or whole micro-batches (dataloader_drop_last)."""
+        if not self.args.dataloader_drop_last:
+            return None
+        micro = self.args.per_device_train_batch_size
+        return len(self.train_dataset) // micro * micro
+
+    def _compile_options(self) -> Optional[dict]:
+        """torch_compile_backend / torch_compile_mode as torch.compile's keywords (torch_compile=True)."""
+        if not self.args.torch_compile:
+            return None
+        options = {"backend": self.args.torch_compile_backend, "mode": self.args.torch_compile_mode}
+        return {key: value for key, value in options.items() if value is not None} or None
 
     def _data_seed(self) -> int:
         return self.args.data_seed if self.args.data_seed is not None else self.args.seed

@@ -27,7 +27,7 @@ def _indices(features):
     return [feature["index"] for feature in features]
 
 
-def _trainer_batches(tmp_path, size, seed, data_seed, epochs):
+def _trainer_batches(tmp_path, size, seed, data_seed, epochs, drop_last=False):
     """The index batches of the real Trainer's training dataloader, epoch after epoch."""
     model = GPT2LMHeadModel(GPT2Config(vocab_size=8, n_positions=4, n_embd=8, n_layer=1, n_head=1))
     args = TrainingArguments(
@@ -54,6 +54,13 @@ def test_the_order_is_the_trainers_over_epochs(tmp_path, seed, data_seed):
     batches = _trainer_batches(tmp_path, 24, seed, data_seed, epochs=3)
     expected = [index for batch in batches for index in batch]
     assert trainer_order(24, data_seed if data_seed is not None else seed, len(expected)).tolist() == expected
+
+
+def test_with_drop_last_each_epoch_loses_its_partial_micro_batch(tmp_path):
+    batches = _trainer_batches(tmp_path, 22, 7, None, epochs=2, drop_last=True)
+    expected = [index for batch in batches for index in batch]
+    assert len(expected) == 40
+    assert trainer_order(22, 7, 40, epoch_samples=20).tolist() == expected
 
 
 def test_flexpar_steps_take_the_trainers_accumulated_batches(tmp_path):

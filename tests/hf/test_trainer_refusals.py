@@ -59,6 +59,8 @@ def _refusal(build) -> str:
         ({"load_best_model_at_end": True}, "load_best_model_at_end"),
         ({"lr_scheduler_type": "reduce_lr_on_plateau"}, "reduce_lr_on_plateau"),
         ({"report_to": ["comet_ml"]}, "comet_ml"),
+        ({"push_to_hub": True}, "push_to_hub=True"),
+        ({"eval_delay": 2}, "eval_delay=2"),
     ],
 )
 def test_training_arguments_flexpar_cannot_honour_are_refused(model, tmp_path, changes, named):
