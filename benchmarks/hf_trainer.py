@@ -121,8 +121,9 @@ def main() -> int:
             f"{max(elastic_errors.values()):.2e} ({max(elastic_errors, key=elastic_errors.get)})",
             flush=True,
         )
-        without_key_bias = [value for name, value in {**errors}.items() if not name.endswith("c_attn.bias")]
-        print(f"largest error of the other tensors (1 device): {max(without_key_bias):.2e}", flush=True)
+        for label, found in (("1 device", errors), ("elastic", elastic_errors)):
+            others = [value for name, value in found.items() if not name.endswith("c_attn.bias")]
+            print(f"{label}: largest error of the tensors other than c_attn.bias: {max(others):.2e}", flush=True)
         curve = max(abs(a - b) for run_ in (one, elastic) for a, b in zip(losses(baseline), losses(run_)))
         deterministic = json.dumps({"deterministic": True})
         # The same --max-devices: the VWs follow the most devices a run may reach (docs/guide.md), and
