@@ -37,6 +37,7 @@ def _trainer_batches(tmp_path, size, seed, data_seed, epochs, drop_last=False):
         data_seed=data_seed,
         report_to=[],
         remove_unused_columns=False,
+        dataloader_drop_last=drop_last,
         use_cpu=True,
     )
     trainer = Trainer(model=model, args=args, train_dataset=Indices(size), data_collator=_indices)
