@@ -8,11 +8,16 @@ computes them on one device (`set_initial_training_values`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 from dataclasses import dataclass
 from typing import Optional
+
+import torch
+
+from flexpar.options import FitOptions, parse_schedule
 
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 """report_to names and the flexpar tracker each maps onto (flexpar/observe/trackers.py)."""
@@ -191,10 +196,6 @@ def refuse_optimizer(optimizer_class) -> Optional[str]:
 
 
 def refuse_flexpar_options(options: dict) -> Optional[str]:
-    import dataclasses
-
-    from flexpar.options import FitOptions
-
     known = set(FLEXPAR_KEYS) | {field.name for field in dataclasses.fields(FitOptions)}
     for key in options:
         if key not in known:
@@ -253,12 +254,8 @@ def devices_wanted(options: dict, command_line: dict) -> int:
     merged = {**options, **{key: value for key, value in command_line.items() if value is not None}}
     initial = merged.get("devices")
     if initial is None:
-        import torch
-
         initial = torch.cuda.device_count() or 1
     peak, count = initial, initial
-    from flexpar.options import parse_schedule
-
     for change in sorted(parse_schedule(merged.get("schedule")), key=lambda change: change.step):
         count += change.delta
         peak = max(peak, count)

@@ -79,26 +79,13 @@ class Trainer(transformers.Trainer):
             refused("train(trial=...) (hyper-parameter search) is not run by flexpar: call train() without it")
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
-        command_line = options_module._command_line.get() or {}
-        for name in ("steps", "epochs"):
-            if command_line.get(name) is not None or name in self.flexpar_options:
-                refused(
-                    f"--{name} / flexpar={{'{name}': ...}}: the Trainer's length is TrainingArguments' "
-                    "max_steps or num_train_epochs: set it there"
-                )
+        self._refuse_length_options()
         args = self.args
         if self.model_init is not None:
             self.model = self.call_model_init()
         checkpoint = self._checkpoint_to_resume(resume_from_checkpoint)
         job, plan, rates = self.build_job()
-        self.state = TrainerState(
-            stateful_callbacks=[
-                cb for cb in self.callback_handler.callbacks + [self.control] if isinstance(cb, ExportableState)
-            ]
-        )
-        self.state.train_batch_size = args.per_device_train_batch_size
-        self.state.compute_steps(args, plan.steps)
-        self.state.init_training_references(self, plan.steps, plan.epochs, None)
+        self._start_state(plan)
         folder = os.path.join(args.output_dir, progress.FLEXPAR_FOLDER)
         resume = self._prepare_flexpar_folder(folder, checkpoint)
         bridge = progress.TrainerProgress(self, plan, rates, folder if self._saves() else None)
@@ -114,6 +101,24 @@ class Trainer(transformers.Trainer):
         self.log(metrics)
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
+
+    def _refuse_length_options(self) -> None:
+        """--steps / --epochs (or flexpar={'steps': ...}) would cut the Trainer's order short or overrun it."""
+        command_line = options_module._command_line.get() or {}
+        for name in ("steps", "epochs"):
+            if command_line.get(name) is not None or name in self.flexpar_options:
+                refused(
+                    f"--{name} / flexpar={{'{name}': ...}}: the Trainer's length is TrainingArguments' "
+                    "max_steps or num_train_epochs: set it there"
+                )
+
+    def _start_state(self, plan) -> None:
+        """A fresh TrainerState for this run, as the Trainer's _init_training_state makes it."""
+        callbacks = self.callback_handler.callbacks + [self.control]
+        self.state = TrainerState(stateful_callbacks=[cb for cb in callbacks if isinstance(cb, ExportableState)])
+        self.state.train_batch_size = self.args.per_device_train_batch_size
+        self.state.compute_steps(self.args, plan.steps)
+        self.state.init_training_references(self, plan.steps, plan.epochs, None)
 
     def build_job(self):
         """The flexpar Job of this Trainer, its RunPlan and the replica of its learning-rate schedule."""
@@ -257,9 +262,7 @@ class Trainer(transformers.Trainer):
                 os.remove(os.path.join(folder, name))
         if checkpoint is None:
             return False
-        from transformers.trainer_callback import TrainerState as State
-
-        previous = State.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
+        previous = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
         step = previous.global_step
         os.link(os.path.join(checkpoint, progress.STATE_FILE), os.path.join(folder, f"step-{step:08d}.pt"))
         self.state.log_history = list(previous.log_history)
