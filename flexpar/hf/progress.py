@@ -62,6 +62,36 @@ class TrainerProgress(flexpar.Callback):
         self.total_loss, self.steps_run = 0.0, 0
         self.last_grad_norm = None
         self.mirrored: set = set()
+        self.began = False
+
+    # ------------------------------------------------------------ the start
+
+    def on_event(self, record: dict):
+        """The job's start begins the Trainer's run; an `adopt` (a restarted driver re-adopting the devices)
+        does not: it began under the driver that was lost."""
+        if record.get("event") in ("start", "adopt"):
+            self.begin(re_adopted=record["event"] == "adopt")
+        return None
+
+    def begin(self, re_adopted: bool) -> None:
+        """on_train_begin once per run: for every callback at its start, for transformers' own display
+        callbacks only in a driver that re-adopted the devices."""
+        if self.began:
+            return
+        self.began = True
+        trainer = self.trainer
+        if not re_adopted:
+            trainer.control = trainer.callback_handler.on_train_begin(trainer.args, trainer.state, trainer.control)
+        else:
+            self.restart_display()
+
+    def restart_display(self) -> None:
+        """transformers' own callbacks (progress bar, printer) begin again in this driver; the user's saw
+        on_train_begin under the driver that was lost, and do not see it twice."""
+        trainer = self.trainer
+        for callback in trainer.callback_handler.callbacks:
+            if type(callback).__module__.startswith("transformers."):
+                callback.on_train_begin(trainer.args, trainer.state, trainer.control)
 
     # ------------------------------------------------------------ steps
 
@@ -70,6 +100,8 @@ class TrainerProgress(flexpar.Callback):
         handler, step = trainer.callback_handler, record["step"] + 1
         if state.global_step >= step:
             return None  # a resumed run's records before the resume point are not this run's
+        # A first record beyond the state this driver holds: it re-adopted devices mid-run.
+        self.begin(re_adopted=state.global_step < step - 1)
         per_epoch = self.plan.steps_per_epoch
         if (step - 1) % per_epoch == 0:
             trainer.control = handler.on_epoch_begin(args, state, trainer.control)
@@ -134,7 +166,11 @@ class TrainerProgress(flexpar.Callback):
         for name in sorted(os.listdir(self.flexpar_folder)):
             match = _STEP_FILE.match(name)
             if match and int(match.group(1)) not in self.mirrored:
-                self.mirror(int(match.group(1)), os.path.join(self.flexpar_folder, name))
+                step, source = int(match.group(1)), os.path.join(self.flexpar_folder, name)
+                if self.mirrored_before(step, source):
+                    self.mirrored.add(step)  # by the driver this one re-adopted the devices from
+                else:
+                    self.mirror(step, source)
         rotate_checkpoints(self.trainer.args.output_dir, self.trainer.args.save_total_limit)
 
     def mirror(self, step: int, source: str) -> None:
@@ -157,6 +193,14 @@ class TrainerProgress(flexpar.Callback):
         self.mirrored.add(step)
         trainer.control = trainer.callback_handler.on_save(trainer.args, state, trainer.control)
         trainer.control.should_save = False
+
+    def mirrored_before(self, step: int, source: str) -> bool:
+        """Whether checkpoint-`step` already holds `source` itself (a hard link made by a driver before this one)."""
+        target = os.path.join(self.trainer.args.output_dir, f"checkpoint-{step}", STATE_FILE)
+        try:
+            return os.path.samefile(source, target)
+        except OSError:
+            return False
 
     def state_at(self, step: int):
         """The Trainer's state as it was after step `step` (a checkpoint is mirrored a step or two after it)."""

@@ -89,8 +89,7 @@ class Trainer(transformers.Trainer):
         folder = os.path.join(args.output_dir, progress.FLEXPAR_FOLDER)
         resume = self._prepare_flexpar_folder(folder, checkpoint)
         bridge = progress.TrainerProgress(self, plan, rates, folder if self._saves() else None)
-        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
-        start = time.time()
+        start = time.time()  # on_train_begin: at the job's start event (progress.py)
         model, summary = job.fit(steps=plan.steps, **self._fit_options(plan, folder, resume, bridge))
         self.flexpar_summary = summary
         self.model = self.model_wrapped = model.to(args.device)

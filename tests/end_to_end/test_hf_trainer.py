@@ -11,11 +11,13 @@ another device count, and a peft LoRA model.
 import glob
 import json
 import os
+import shlex
 import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import free_port, wait_for
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hf", "trainer_script.py")
 STEPS = 24
@@ -164,3 +166,42 @@ def test_a_peft_lora_model_trains_as_with_the_trainer_and_its_frozen_weights_nev
     # The checkpoints hold the adapters (the trainable state) only.
     state = torch.load(output / "checkpoint-8" / "flexpar-state.pt", weights_only=True)
     assert state["model"] and all("lora_" in name for name in state["model"]), sorted(state["model"])[:4]
+
+
+@pytest.mark.timeout(400)
+def test_trainer_callbacks_see_each_event_once_across_a_driver_kill_and_re_adoption(tmp_path):
+    """The driver is killed as step 10's record reaches it; the devices wait; the resume command they print
+    re-adopts them; the TrainerCallback saw each step, save and the train's begin and end once."""
+    output, events, stderr = tmp_path / "out", tmp_path / "events.jsonl", tmp_path / "stderr-1.txt"
+    options = {"faults": "10:driver:record", "driver_grace_s": 90, "port": free_port()}
+    environment = {
+        **os.environ,
+        "HF_SCRIPT_OUTPUT": str(output),
+        "HF_SCRIPT_STEPS": str(STEPS),
+        "HF_SCRIPT_EVENTS": str(events),
+        "FLEXPAR_HF_OPTIONS": json.dumps(options),
+    }
+    flags = ["--no-display", "--oversubscribe", "--devices", "2", "--emulate-speeds", "0.3,0.3"]
+    first = subprocess.Popen(
+        [sys.executable, "-m", "flexpar", "run", *flags, SCRIPT],
+        env=environment,
+        cwd=tmp_path,
+        stdout=open(tmp_path / "stdout-1.txt", "w"),
+        stderr=open(stderr, "w"),
+        start_new_session=True,
+    )
+    assert first.wait(timeout=240) != 0
+    wait_for(lambda: "restart it with: " in stderr.read_text(), "the devices' note that they wait", timeout_s=120)
+    line = [text for text in stderr.read_text().splitlines() if "restart it with: " in text][-1]
+    command = shlex.split(line.split("restart it with: ", 1)[1])
+    assert command[:3] == ["flexpar", "run", "--resume"], command
+    second = subprocess.run(
+        [sys.executable, "-m", *command], env=environment, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert second.returncode == 0, second.stderr[-6000:]
+    names = [json.loads(text) for text in open(events)]
+    assert [step for name, step in names if name == "step_end"] == list(range(1, STEPS + 1)), names
+    assert [name for name, _ in names].count("train_begin") == 1
+    assert [name for name, _ in names].count("train_end") == 1
+    saves = [step for name, step in names if name == "save"]
+    assert saves == sorted(set(saves)) and saves[-1] == STEPS, saves
