@@ -1,7 +1,7 @@
 """A plain transformers.Trainer script; the one line that makes it flexpar's is marked.
 
     python examples/hf_trainer.py                              # one CPU process (or every local GPU)
-    flexpar run --devices 2 --max-devices 3 --oversubscribe --schedule 20:+1,50:-1 examples/hf_trainer.py
+    flexpar run --devices 2 examples/hf_trainer.py                 # two devices (or elastic: README, Launching)
 
 A small GPT-2 built from a config (random initialisation: nothing is downloaded) learns the bytes of
 this file's own directory; pip install -e ".[hf]" in flexpar's checkout.
