@@ -64,8 +64,19 @@ class ModelFromFile:
         for name, parameter in model.named_parameters():
             parameter.requires_grad_(name not in self.frozen)
         if self.gradient_checkpointing is not None:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=self.gradient_checkpointing)
+            enable_checkpointing(model, dict(self.gradient_checkpointing))
         return model
+
+
+def enable_checkpointing(model: nn.Module, keywords: dict) -> None:
+    """Activation (gradient) checkpointing as the Trainer turns it on (activation_checkpointing_kwargs)."""
+    every_n_layers, offload = keywords.pop("every_n_layers", 1), keywords.pop("offload", False)
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs=keywords or None, every_n_layers=every_n_layers, offload=offload
+        )
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=keywords or None)
 
 
 def save_model_file(model: nn.Module, folder: str, gradient_checkpointing: Optional[dict]) -> ModelFromFile:

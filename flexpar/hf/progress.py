@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-import flexpar
+from flexpar.callbacks import STOP, Callback
 from flexpar.hf.plan import RunPlan
 
 STATE_FILE = "flexpar-state.pt"
@@ -50,7 +50,7 @@ class LearningRates:
         return float(self.scheduler.get_last_lr()[0])
 
 
-class TrainerProgress(flexpar.Callback):
+class TrainerProgress(Callback):
     """flexpar's records -> the Trainer's state, logs, callbacks and checkpoint folders (driver only)."""
 
     never_stops = False
@@ -122,7 +122,7 @@ class TrainerProgress(flexpar.Callback):
         if step % per_epoch == 0:
             trainer.control = handler.on_epoch_end(args, state, trainer.control)
         if trainer.control.should_training_stop and step < self.plan.steps:
-            return flexpar.STOP
+            return STOP
         return None
 
     def log_training(self) -> None:

@@ -17,6 +17,7 @@ import os
 import time
 from typing import Optional
 
+import torch
 import transformers
 from transformers.trainer_callback import ExportableState, TrainerState
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint, speed_metrics
@@ -69,6 +70,7 @@ class Trainer(transformers.Trainer):
         for callback in get_reporting_integration_callbacks(report_to):  # flexpar's trackers log instead
             self.remove_callback(callback)
         self.flexpar_summary = None
+        self.data_seed = None  # the Trainer's sampler seed, taken when train() starts
 
     # ------------------------------------------------------------ train
 
@@ -81,8 +83,11 @@ class Trainer(transformers.Trainer):
             raise ValueError("Trainer: training requires a train_dataset.")
         self._refuse_length_options()
         args = self.args
-        if self.model_init is not None:
+        if self.model_init is not None:  # as the Trainer: the seed set, then the model built
+            transformers.set_seed(args.seed)
             self.model = self.call_model_init()
+        # The Trainer's sampler takes the global generator's seed when it is built (after the model).
+        self.data_seed = args.data_seed if args.data_seed is not None else torch.random.initial_seed()
         checkpoint = self._checkpoint_to_resume(resume_from_checkpoint)
         job, plan, rates = self.build_job()
         self._start_state(plan)
@@ -142,8 +147,9 @@ class Trainer(transformers.Trainer):
             dict(args.lr_scheduler_kwargs or {}),
         )
         checkpointing = None
-        if args.gradient_checkpointing:
-            checkpointing = dict(args.gradient_checkpointing_kwargs or {"use_reentrant": True})
+        if getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing:
+            keywords_of = getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs
+            checkpointing = dict(keywords_of or {})
         factory = pieces.save_model_file(model, os.path.join(args.output_dir, "flexpar-model"), checkpointing)
         loss = pieces.TrainerLoss(counts_items, bool(self._loss_shifts_labels), self.compute_loss_func)
         eval_dataset = self.eval_dataset if self._evaluates() else None
@@ -154,7 +160,12 @@ class Trainer(transformers.Trainer):
             ),
             loss=loss,
             dataset=TrainerOrder(
-                train_dataset, self._data_seed(), args.seed, plan.steps, plan.global_batch, self._epoch_samples()
+                train_dataset,
+                self.data_seed if self.data_seed is not None else (args.data_seed or args.seed),
+                args.seed,
+                plan.steps,
+                plan.global_batch,
+                self._epoch_samples(),
             ),
             global_batch=plan.global_batch,
             virtual_workers=plan.virtual_workers,
@@ -202,9 +213,6 @@ class Trainer(transformers.Trainer):
             return None
         options = {"backend": self.args.torch_compile_backend, "mode": self.args.torch_compile_mode}
         return {key: value for key, value in options.items() if value is not None} or None
-
-    def _data_seed(self) -> int:
-        return self.args.data_seed if self.args.data_seed is not None else self.args.seed
 
     def _strategy(self, name: str) -> str:
         value = getattr(self.args, name)

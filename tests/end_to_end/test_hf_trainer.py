@@ -205,3 +205,22 @@ def test_trainer_callbacks_see_each_event_once_across_a_driver_kill_and_re_adopt
     assert [name for name, _ in names].count("train_end") == 1
     saves = [step for name, step in names if name == "save"]
     assert saves == sorted(set(saves)) and saves[-1] == STEPS, saves
+
+
+@pytest.mark.timeout(300)
+def test_model_init_and_compute_loss_func_train_as_with_the_trainer_and_predict_runs(tmp_path):
+    script = os.path.join(os.path.dirname(SCRIPT), "model_init_script.py")
+    environment = {**os.environ, "PYTHONPATH": os.path.dirname(SCRIPT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    completed = subprocess.run(
+        [sys.executable, script, str(tmp_path / "both.pt")],
+        cwd=tmp_path,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert completed.returncode == 0, completed.stderr[-6000:]
+    both = torch.load(tmp_path / "both.pt", weights_only=False)
+    (expected, expected_shape), (got, got_shape) = both["baseline"], both["flexpar"]
+    assert _largest_relative_difference(expected, got) < FLOOR
+    assert got_shape == expected_shape == (8, 16, 97)
