@@ -136,6 +136,14 @@ class Trainer(transformers.Trainer):
         plan = plan_module.plan_run(
             args, len(train_dataset), world_size, options.get("virtual_workers"), counts_items, devices
         )
+        if devices > plan.virtual_workers:
+            refused(
+                f"the run may reach {devices} devices, but the Trainer's batch is {plan.virtual_workers} "
+                "micro-batch(es) "
+                "(gradient_accumulation_steps x world_size) and its loss a mean per micro-batch, so each device "
+                "needs one: set flexpar={'virtual_workers': N} (or FLEXPAR_HF_OPTIONS) with N >= the devices, "
+                "which averages N smaller micro-batches instead, or raise gradient_accumulation_steps"
+            )
         optimizer_class, keywords = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(args, model)
         refused(plan_module.refuse_optimizer(optimizer_class))
         decay = set(self.get_decay_parameter_names(model))
