@@ -141,8 +141,9 @@ def test_one_device_equals_the_trainer_with_its_logs_callbacks_checkpoints_and_t
 @pytest.mark.timeout(400)
 def test_elastic_run_with_a_join_and_a_leave_then_a_resume_on_one_device(baseline, tmp_path):
     output = tmp_path / "out"
-    # Slowed devices (emulated speed 0.15) so that the joiner, started at step 2, is in well before the leave.
-    flags = ["--devices", "2", "--max-devices", "3", "--schedule", "2:+1,20:-1", "--emulate-speeds", "0.15,0.15,0.15"]
+    # Slowed devices (emulated speed 0.05: about 0.4 s a step) so that the joiner, started at step 2, is in
+    # well before the leave at step 20 on a loaded host (its start takes seconds).
+    flags = ["--devices", "2", "--max-devices", "3", "--schedule", "2:+1,20:-1", "--emulate-speeds", "0.05,0.05,0.05"]
     result = _flexpar_run(output, flags)
     assert _largest_relative_difference(baseline["state"], result["state"]) < FLOOR
     records = _metrics_records(output)
