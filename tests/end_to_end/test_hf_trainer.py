@@ -141,10 +141,10 @@ def test_one_device_equals_the_trainer_with_its_logs_callbacks_checkpoints_and_t
 @pytest.mark.timeout(400)
 def test_elastic_run_with_a_join_and_a_leave_then_a_resume_on_one_device(baseline, tmp_path):
     output = tmp_path / "out"
-    # Slowed devices (emulated speed 0.05: about 0.4 s a step) so that the joiner, started at step 2, is in
-    # well before the leave at step 20 on a loaded host (its start takes seconds).
-    flags = ["--devices", "2", "--max-devices", "3", "--schedule", "2:+1,20:-1", "--emulate-speeds", "0.05,0.05,0.05"]
-    result = _flexpar_run(output, flags)
+    # The steps are slow until the joiner, started at step 2, is in (the script's SlowUntilJoined model),
+    # so that it joins well before the leave at step 20 however long its start takes on a loaded host.
+    flags = ["--devices", "2", "--max-devices", "3", "--schedule", "2:+1,20:-1"]
+    result = _flexpar_run(output, flags, HF_SCRIPT_SLOW_UNTIL="3")
     assert _largest_relative_difference(baseline["state"], result["state"]) < FLOOR
     records = _metrics_records(output)
     kinds = [record["event"] for record in records if record["kind"] == "event"]

@@ -7,6 +7,7 @@ class: `flexpar.hf.Trainer` (the default) or `transformers.Trainer` (the baselin
 Settings come from the environment (HF_SCRIPT_*), so the same file runs every test's variant.
 """
 
+import inspect
 import json
 import os
 
@@ -41,6 +42,29 @@ class Sequences(torch.utils.data.Dataset):
         return {"input_ids": self.tokens[index], "attention_mask": mask, "labels": labels}
 
 
+class SlowUntilJoined(GPT2LMHeadModel):
+    """A GPT-2 whose forward sleeps 0.3 s on a device until it has trained in a group of `devices`
+    (tests/pieces.py's SlowUntilJoined, as a model): however long a joiner takes to start on a loaded
+    host, the steps before it joins are slow, so a leave scheduled later finds it in. Same bits."""
+
+    def __init__(self, config, devices=3):
+        super().__init__(config)
+        self.devices, self.joined = devices, False
+
+    def forward(self, *args, **kwargs):
+        import time
+
+        import torch.distributed as distributed
+
+        if distributed.is_initialized() and not self.joined:
+            self.joined = distributed.get_world_size() >= self.devices
+            time.sleep(0 if self.joined else 0.3)
+        return super().forward(*args, **kwargs)
+
+    # GPT-2's own signature, which the Trainer reads (its label names, whether the loss takes num_items).
+    forward.__signature__ = inspect.signature(GPT2LMHeadModel.forward)
+
+
 def build_model():
     config = GPT2Config(
         vocab_size=VOCABULARY,
@@ -54,7 +78,8 @@ def build_model():
         use_cache=False,
     )
     torch.manual_seed(1234)
-    model = GPT2LMHeadModel(config)
+    slow_until = int(os.environ.get("HF_SCRIPT_SLOW_UNTIL", "0"))
+    model = SlowUntilJoined(config, slow_until) if slow_until else GPT2LMHeadModel(config)
     if os.environ.get("HF_SCRIPT_LORA") == "1":
         from peft import LoraConfig, get_peft_model
 
