@@ -138,7 +138,7 @@ class Job:
         return batching.steps_per_epoch(len(self.dataset), self.global_batch)
 
     def steps_for_epochs(self, epochs: int) -> int:
-        """The steps of `epochs` epochs: for a stream, its passes read and counted first (flexpar/data/pass_count.py)."""
+        """The steps of `epochs` epochs: a stream's passes are read and counted first (data/pass_count.py)."""
         if self.streaming:
             return pass_count.steps_for_epochs(self, epochs)
         return epochs * self.steps_per_epoch()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from flexpar.core.stream_split import steps_for_passes, split_stream
+from flexpar.core.stream_split import split_stream, steps_for_passes
 from flexpar.data.sources import StreamSource, describe
 
 
