@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from flexpar.core import frozen
+from flexpar.data import pass_count
 from flexpar.driver.fork_server import worker_context
 from flexpar.driver.job_checks import check_sharding, first_batch_check, pickle_pieces
 from flexpar.driver.local_devices import detect_devices
@@ -69,7 +70,12 @@ def check_job(job, options: FitOptions) -> CheckedJob:
     reference = digesting.submit(_reference_digests, model, available if kind == "cpu" else os.cpu_count() or 1)
     digesting.shutdown(wait=False)
     payload = pickle_pieces(job)
-    total_steps = options.steps or job.steps_for_epochs(options.epochs)
+    if options.steps is None and job.streaming:  # epochs= over a stream: its passes counted first
+        total_steps, note = pass_count.count_epochs(job, options.epochs)
+        if not options.quiet:
+            print(f"flexpar: {note}", file=sys.stderr, flush=True)
+    else:
+        total_steps = options.steps or job.steps_for_epochs(options.epochs)
     # --resume: devices that outlived the job's driver first (an adoption window), else the newest checkpoint.
     newest = checkpoints.latest_checkpoint(options.checkpoint_dir) if options.resume else None
     if newest is not None:

@@ -62,3 +62,22 @@ def test_a_job_counts_its_stream_for_epochs_and_its_length_for_a_map_style_datas
     assert job.steps_for_epochs(2) == 18
     assert stream.epoch == 0  # the user's dataset is not iterated or set
     assert pieces.make_job().steps_for_epochs(3) == 3 * pieces.make_job().steps_per_epoch()
+
+
+def test_the_note_says_what_was_counted_and_what_no_step_meets():
+    from flexpar.data.pass_count import count_epochs, epochs_note
+
+    steps, note = count_epochs(pieces.make_job(dataset=sp.PairStream(size=456), virtual_workers=6), 2)
+    assert steps == 18
+    assert note == (
+        "epochs=2 over a stream: 2 passes of 1 stream group counted (456 items a pass): 18 steps; the last "
+        "pass's final 24 items fill no step and are left out (no step meets that pass end)"
+    )
+    # Uneven groups: group 0 (4 steps a pass) meets its pass ends inside the job; group 1's last 3 items are unmet.
+    assert epochs_note([[20, 20], [40, 43]], 5, "drop", 16, 2).endswith(
+        "final 3 items fill no step and are left out (no step meets that pass end)"
+    )
+    assert (
+        epochs_note([[20, 23]], 5, "carry", 9, 2)
+        == "epochs=2 over a stream: 2 passes of 1 stream group counted (20-23 items a pass): 9 steps"
+    )
