@@ -24,7 +24,7 @@ from torch import nn
 from flexpar import options as options_module
 from flexpar import recipes  # noqa: F401  (kept: tests patch flexpar.job.recipes)
 from flexpar.core import batching
-from flexpar.data import is_stream
+from flexpar.data import is_stream, pass_count
 from flexpar.driver import launch
 from flexpar.errors import ArgumentError, TrainingError, UserCodeError
 from flexpar.job_arguments import check_arguments
@@ -132,10 +132,16 @@ class Job:
     def steps_per_epoch(self) -> int:
         if self.streaming:
             raise ArgumentError(
-                "epochs= needs the steps of an epoch, and a streaming dataset's length is not known: give "
-                "steps= (steps beyond the end of the stream start its next pass)"
+                "a streaming dataset's length is not known, so it has no steps per epoch: fit(epochs=N) "
+                "counts its first N passes (steps_for_epochs)"
             )
         return batching.steps_per_epoch(len(self.dataset), self.global_batch)
+
+    def steps_for_epochs(self, epochs: int) -> int:
+        """The steps of `epochs` epochs: a stream's passes are read and counted first (data/pass_count.py)."""
+        if self.streaming:
+            return pass_count.steps_for_epochs(self, epochs)
+        return epochs * self.steps_per_epoch()
 
     def fit(self, steps=None, epochs=None, devices=None, **options) -> FitResult:
         """Train on worker processes and return the trained model here, in the driver.

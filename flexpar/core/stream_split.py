@@ -331,3 +331,25 @@ def plan_chunks(
         filler.finish()
         chunks.append(held)
     return chunks, ends
+
+
+def steps_for_passes(pass_lengths: Sequence[Sequence[int]], chunk: int, pass_end: str = "drop") -> int:
+    """The steps of a job of `epochs=N` over a stream whose groups' first N passes have the lengths given.
+
+    `pass_lengths[g]` lists group g's N pass lengths. The job ends with the step that trains the last item
+    of pass N that any group trains: with "drop", group g's N passes fill `sum(length // chunk)` steps (the
+    last `length % chunk` items of each pass are left out); with "carry", `ceil(sum(length) / chunk)` steps
+    (the last of them may start pass N + 1). A group whose passes end sooner starts its pass N + 1 in the
+    steps the others still need (those items train, under pass N + 1).
+    """
+    if pass_end not in PASS_ENDS:
+        raise ValueError(f"pass_end={pass_end!r} must be one of {PASS_ENDS}")
+    steps = 0
+    for group, lengths in enumerate(pass_lengths):
+        for pass_, length in enumerate(lengths):
+            too_short(group, pass_, length, chunk, pass_end)
+        if pass_end == "drop":
+            steps = max(steps, sum(length // chunk for length in lengths))
+        else:
+            steps = max(steps, -(-sum(lengths) // chunk))
+    return steps

@@ -138,6 +138,8 @@ class DriverLoop:
                 log_every=options.log_every,
                 force_terminal=False if options.display is False else None,
                 sharding=sharding,  # how the optimizer state is held (log_lines.format_sharding)
+                global_batch=self.global_batch,  # a streaming job's items and pass (its length unknown)
+                passes=options.epochs,
             )
             if not self.display.uses_rich:
                 log_to_stderr()

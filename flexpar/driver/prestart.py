@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from flexpar.core import frozen
+from flexpar.data import pass_count
 from flexpar.driver.fork_server import worker_context
 from flexpar.driver.job_checks import check_sharding, first_batch_check, pickle_pieces
 from flexpar.driver.local_devices import detect_devices
@@ -49,9 +50,6 @@ class CheckedJob:
 def check_job(job, options: FitOptions) -> CheckedJob:
     """Everything that can be checked before any process starts (the folder was checked and taken before);
     raises the first problem found."""
-    if job.streaming:  # what a streaming job does not support yet (docs/guide.md, streaming datasets)
-        if options.steps is None:
-            job.steps_per_epoch()  # raises: epochs= needs a length a stream does not have
     kind, available, backend = detect_devices(options.backend)
     context = worker_context(options.verbose)
     initial = options.devices or (available if kind == "cuda" else 1)
@@ -72,7 +70,12 @@ def check_job(job, options: FitOptions) -> CheckedJob:
     reference = digesting.submit(_reference_digests, model, available if kind == "cpu" else os.cpu_count() or 1)
     digesting.shutdown(wait=False)
     payload = pickle_pieces(job)
-    total_steps = options.steps or options.epochs * job.steps_per_epoch()
+    if options.steps is None and job.streaming:  # epochs= over a stream: its passes counted first
+        total_steps, note = pass_count.count_epochs(job, options.epochs)
+        if not options.quiet:
+            print(f"flexpar: {note}", file=sys.stderr, flush=True)
+    else:
+        total_steps = options.steps or job.steps_for_epochs(options.epochs)
     # --resume: devices that outlived the job's driver first (an adoption window), else the newest checkpoint.
     newest = checkpoints.latest_checkpoint(options.checkpoint_dir) if options.resume else None
     if newest is not None:

@@ -27,6 +27,8 @@ from flexpar.observe.log_lines import (
     format_rebalance_line,
     format_rebalance_summary,
     format_step_line,
+    format_stream_progress,
+    stream_progress,
 )
 from flexpar.observe.metrics import (
     LOGGER_NAME,
@@ -102,6 +104,8 @@ class LiveDisplay:
         console=None,
         force_terminal: Optional[bool] = None,
         sharding: str = "",
+        global_batch: Optional[int] = None,
+        passes: Optional[int] = None,
     ):
         if not _is_int(total_steps) or total_steps < 1:
             raise ValueError(f"total_steps must be an int >= 1, got {total_steps!r}")
@@ -110,6 +114,12 @@ class LiveDisplay:
         self.total_steps = total_steps
         self.log_every = log_every
         self.sharding = sharding  # log_lines.format_sharding's phrase: "" unless the optimizer is sharded
+        # A streaming job's step records carry its progress in items and passes (its length is unknown):
+        # shown in the panel's progress line and the log lines (log_lines.format_stream_progress).
+        self.global_batch = global_batch
+        self.passes = passes  # the job's epochs= where known
+        self._stream_passes: dict = {}  # group -> passes ended, from the step records' pass_ends
+        self._stream = ""
         self._logger = logging.getLogger(LOGGER_NAME)
         self._lock = threading.Lock()
         self._last_step: Optional[Mapping[str, Any]] = None
@@ -162,7 +172,7 @@ class LiveDisplay:
             console = Console(force_terminal=True)
         # The progress bar is rendered inside our own Live, never started on its own.
         self._progress = Progress(
-            TextColumn("[bold]training"),
+            TextColumn("[bold]{task.description}"),  # "training", a stream's "training, pass 2, 12,480 items"
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("steps"),
@@ -213,12 +223,20 @@ class LiveDisplay:
             self._last_step = record
             self._devices = tuple(record["devices"])
             self._generation = record["generation"]
+            if self.global_batch:
+                progress = stream_progress(self._stream_passes, record, self.global_batch)
+                self._stream = format_stream_progress(progress, self.passes)
+            stream = self._stream
         done = record["step"] + 1
         if self._progress is not None:
-            self._progress.update(self._task, completed=done, eta=format_duration(self._remaining_s(record)))
+            description = f"training, {stream}" if stream else "training"
+            self._progress.update(
+                self._task, completed=done, eta=format_duration(self._remaining_s(record)), description=description
+            )
             return
         if done % self.log_every == 0 or done == self.total_steps:
-            self._logger.info(format_step_line(record, self.total_steps, self._remaining_s(record), self.sharding))
+            remaining = self._remaining_s(record)
+            self._logger.info(format_step_line(record, self.total_steps, remaining, self.sharding, stream))
             self._report_rebalances(record, done)
 
     def _remaining_s(self, record: Mapping[str, Any]) -> Optional[float]:

@@ -81,7 +81,7 @@ def held_optimizer_bytes(record: Mapping[str, Any]) -> list:
 
 
 def format_step_line(
-    record: Mapping[str, Any], total_steps: int, remaining_s: Optional[float], sharding: str = ""
+    record: Mapping[str, Any], total_steps: int, remaining_s: Optional[float], sharding: str = "", stream: str = ""
 ) -> str:
     """The plain log line of a step record (used without a terminal): "step 19 (20/60 done, 33%) ...".
 
@@ -91,14 +91,16 @@ def format_step_line(
     With the record's `optimizer_bytes` (every job's workers report it), the line
     ends with the optimizer-state sizes of the devices that take part (not a
     streamed joiner's: `held_optimizer_bytes`), and how a sharded job holds it
-    (`sharding`, `format_sharding`'s phrase).
+    (`sharding`, `format_sharding`'s phrase). A streaming job's `stream` phrase
+    (`format_stream_progress`: its pass and items trained) follows the count.
     """
     done = record["step"] + 1
     percent = 100.0 * done / total_steps if total_steps else 0.0
     optimizer = held_optimizer_bytes(record)
     # The step as the metrics file numbers it (from 0), and how many of the run's steps are done.
     return (
-        f"step {record['step']} ({done}/{total_steps} done, {percent:.0f}%) loss {record['loss']:.4g} | "
+        f"step {record['step']} ({done}/{total_steps} done, {percent:.0f}%{'; ' + stream if stream else ''}) "
+        f"loss {record['loss']:.4g} | "
         f"{record['samples_per_s']:.1f} samples/s | step {record['step_time_s']:.3f} s | "
         f"generation {record['generation']}, VWs {format_assignment(record['devices'], record['assignment'])} | "
         f"imbalance {100.0 * record['imbalance']:.1f}% | ETA {format_duration(remaining_s)}"
@@ -183,3 +185,16 @@ def stream_progress(passes: dict, record: Mapping[str, Any], global_batch: int) 
         "stream_items": (record["step"] + 1) * global_batch,
         "stream_passes_ended": max(passes.values()) if passes else 0,
     }
+
+
+def format_stream_progress(progress: Mapping[str, Any], passes: Optional[int] = None) -> str:
+    """A streaming job's progress (`stream_progress`) for people, as "pass 2, 12,480 items": the pass in
+    hand counted from 1 (the passes ended + 1; "pass 2/3" where `passes`, the job's `epochs=`, is known),
+    and the items trained. "" for a map-style job (an empty `progress`)."""
+    if not progress:
+        return ""
+    current = progress["stream_passes_ended"] + 1
+    if passes:
+        current = min(current, passes)  # the steps after the last pass's end (uneven groups) are of it
+    of = f"/{passes}" if passes else ""
+    return f"pass {current}{of}, {progress['stream_items']:,} items"

@@ -325,10 +325,27 @@ def test_what_a_streaming_job_refuses_before_any_process_starts(train):
         pieces.make_job(dataset=iter(stream))
     with pytest.raises(ArgumentError, match="get_rank"):
         pieces.make_job(dataset=stream_pieces.SplitsByRank())
-    job = pieces.make_job(dataset=stream)
-    with pytest.raises(ArgumentError, match="epochs= needs"):
-        train(job, epochs=1, devices=1)
-    assert flexpar.Job is type(job)
+    assert flexpar.Job is type(pieces.make_job(dataset=stream))
+
+
+def test_epochs_over_a_stream_train_each_item_once_per_pass_through_a_join(train, tmp_path):
+    """epochs=2 over a stream of unknown length (432 items, 9 steps a pass: its passes counted before the
+    devices start, flexpar/data/pass_count.py) on 2 devices with +1 in step 3: 18 steps, equal to a plain
+    loop over the same items (pass 1 rotated by set_epoch(1)), and the ledger names every item exactly
+    twice, once per pass."""
+    stream = stream_pieces.PairStream(size=432)
+    job = dataclasses.replace(_job(stream), loss=pieces.SlowUntilJoined(pieces.Loss(), devices=3))
+    model, summary = train(
+        job, epochs=2, devices=2, schedule="3:+1", max_devices=3, sample_ledger=True, metrics=str(tmp_path / "m.jsonl")
+    )
+    assert summary["steps"] == 18
+    assert _joined(tmp_path / "m.jsonl", 3)
+    expected = stream_pieces.stream_reference(job, 18, stream_pieces.round_robin_items(stream, 48, 6))
+    pieces.assert_same_parameters(model, expected, atol=ATOL)
+    (path,) = Path(tmp_path).rglob("ledger.jsonl")
+    trained = [tuple(item) for items in ledger.read(path).values() for item in items]
+    assert sorted(trained) == sorted((0, pass_, index) for pass_ in (0, 1) for index in range(432))
+    assert _ledger_audit(tmp_path, job, 18).clean
 
 
 # A streaming job whose driver is killed -9 in step 6's forward; the devices wait, the resume command

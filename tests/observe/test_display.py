@@ -356,3 +356,53 @@ def test_a_streaming_jobs_progress_is_items_and_passes():
         "stream_passes_ended": 1,
     }
     assert passes == {0: 1, 1: 1}
+
+
+def _stream_steps(records, steps_per_pass: int = 9) -> list:
+    """The synthetic run's records as a streaming job's: every step record with `stream_items_read`, and a
+    pass end (of each of 2 groups) met every `steps_per_pass` steps."""
+    streamed = []
+    for record in records:
+        if record["kind"] == "step":
+            record = {**record, "stream_items_read": 48}
+            if record["step"] and record["step"] % steps_per_pass == 0:
+                ended = record["step"] // steps_per_pass - 1
+                record["pass_ends"] = [{"group": g, "pass": ended, "left_out": []} for g in (0, 1)]
+        streamed.append(record)
+    return streamed
+
+
+def test_a_streaming_jobs_display_shows_its_pass_and_items_trained(records, caplog):
+    """The dataset's length is unknown: the log lines and the panel's progress line say the pass in hand
+    (from 1; "pass k/N" where the job's epochs= is known) and the items trained, never an epoch."""
+    from rich.console import Console
+
+    from flexpar.observe.log_lines import format_stream_progress
+
+    assert format_stream_progress({}) == ""  # a map-style job's
+    assert format_stream_progress({"stream_items": 12480, "stream_passes_ended": 1}) == "pass 2, 12,480 items"
+    assert format_stream_progress({"stream_items": 96, "stream_passes_ended": 0}, passes=3) == "pass 1/3, 96 items"
+    assert format_stream_progress({"stream_items": 960, "stream_passes_ended": 3}, passes=3) == "pass 3/3, 960 items"
+    streamed = _stream_steps(records)
+    steps = [record for record in streamed if record["kind"] == "step"]
+    caplog.set_level(logging.INFO, logger="flexpar")
+    with LiveDisplay(TOTAL_STEPS, log_every=10, force_terminal=False, global_batch=48) as display:
+        for record in streamed:
+            display.update(record)
+    lines = [entry.getMessage() for entry in flexpar_lines(caplog) if entry.getMessage().startswith("step ")]
+    by_step = {int(line.split()[1]): line for line in lines}
+    assert "(10/60 done, 17%; pass 2, 480 items) loss" in by_step[9], by_step[9]  # step 9 met pass 1's end
+    assert f"; pass {steps[-1]['step'] // 9 + 1}, {(steps[-1]['step'] + 1) * 48:,} items)" in by_step[steps[-1]["step"]]
+    assert "epoch" not in " ".join(lines)
+    display = LiveDisplay(
+        TOTAL_STEPS, console=Console(file=io.StringIO(), width=160), force_terminal=True, global_batch=48, passes=7
+    )
+    for record in streamed[: streamed.index(steps[20]) + 1]:
+        display.update(record)
+    text = rendered_text(display)
+    display.close()
+    assert "training, pass 3/7, 1,008 items" in text, text
+    plain = LiveDisplay(TOTAL_STEPS, force_terminal=False, global_batch=48)  # a map-style job's records
+    plain.update(records[[r["kind"] for r in records].index("step")])
+    assert plain._stream == ""
+    plain.close()

@@ -1,0 +1,68 @@
+"""The steps of `epochs=N` over a stream of unknown length: its passes counted before the devices start.
+
+A stream says nothing of its length, so `fit(epochs=N)` reads each stream group's first N passes here,
+in the driver, item by item (nothing is collated or kept: one read of the data per pass, with set_epoch
+and the DataLoader processes of `num_workers` as a device reads them), and the pure rule in
+flexpar/core/stream_split.py (`steps_for_passes`) turns the lengths into the job's step count. The
+devices then run that many steps, so every device set, resume and re-adoption agrees on the job's end.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from flexpar.core.stream_split import split_stream, steps_for_passes
+from flexpar.data.sources import StreamSource, describe
+
+
+def pass_lengths(
+    dataset,
+    virtual_workers: int,
+    batch: int,
+    passes: int,
+    seed: int = 0,
+    num_workers: int = 0,
+    source: Optional[StreamSource] = None,
+) -> list:
+    """Each stream group's first `passes` pass lengths (`[group][pass]`), read as a device reads them."""
+    source = source if source is not None else describe(dataset)
+    split = split_stream(virtual_workers, source.shards)
+    lengths = []
+    for group in range(split.groups):
+        group_source = source.group(split, group, num_workers, seed, batch)
+        counted = []
+        for pass_ in range(passes):  # in order: a dataset's state may carry from one pass to the next
+            counted.append(sum(1 for _ in group_source.open(pass_)))
+        lengths.append(counted)
+    return lengths
+
+
+def steps_for_epochs(job, epochs: int) -> int:
+    """The steps of `job` trained for `epochs` passes over its stream (stream_split.steps_for_passes)."""
+    return count_epochs(job, epochs)[0]
+
+
+def count_epochs(job, epochs: int) -> tuple:
+    """(steps, note): the steps of `epochs` passes over `job`'s stream, and one line saying what was
+    counted and what the last pass leaves out that no step meets (so no record names it)."""
+    lengths = pass_lengths(job.dataset, job.virtual_workers, job.micro_batch_size, epochs, job.seed, job.num_workers)
+    chunk = split_stream(job.virtual_workers, describe(job.dataset).shards).chunk(job.micro_batch_size)
+    steps = steps_for_passes(lengths, chunk, job.pass_end)
+    return steps, epochs_note(lengths, chunk, job.pass_end, steps, epochs)
+
+
+def epochs_note(lengths: list, chunk: int, pass_end: str, steps: int, epochs: int) -> str:
+    """e.g. "epochs=2 over a stream: 2 passes of 1 stream group counted (430-432 items a pass): 17 steps;
+    the last pass's final 22 items fill no step and are left out (no step meets that pass end)"."""
+    every = [length for group in lengths for length in group]
+    groups = f"{len(lengths)} stream group{'s' if len(lengths) != 1 else ''}"
+    sizes = f"{min(every)}" if min(every) == max(every) else f"{min(every)}-{max(every)}"
+    note = f"epochs={epochs} over a stream: {epochs} passes of {groups} counted ({sizes} items a pass): {steps} steps"
+    if pass_end != "drop":
+        return note
+    # A group whose passes fill all the steps ends its last pass in the step after the job's last:
+    # that pass end, and the items it leaves out, are met by no step.
+    unmet = sum(group[-1] % chunk for group in lengths if sum(length // chunk for length in group) == steps)
+    if unmet:
+        note += f"; the last pass's final {unmet} items fill no step and are left out (no step meets that pass end)"
+    return note
