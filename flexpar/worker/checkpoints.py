@@ -12,6 +12,7 @@ reports always exists.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -74,9 +75,13 @@ def part_path(directory: str, step: int, part: int, parts: int) -> str:
 def complete_parts(path: str) -> Optional[list]:
     """The part files of checkpoint `path` when they are all there ([] for an unsharded one), else None.
 
-    A sharded checkpoint is complete when `step-N.pt` and, for some K, all K
-    parts of one partition exist (each written by its own device: one may be
-    missing while it is still written, or if its writer died).
+    A sharded checkpoint is complete when `step-N.pt` and all K parts of the
+    partition it records exist (each written by its own device: one may be
+    missing while it is still written, or if its writer died). Only that K
+    counts: a step written again with another part count (a rollback after a
+    failure, a resume on another device count) may leave the earlier
+    partition's parts beside it until its writer removes them
+    (`remove_other_partitions`), and they must never be read with the new file.
     """
     if not os.path.isfile(path):
         return None
@@ -88,10 +93,40 @@ def complete_parts(path: str) -> Optional[list]:
         match = _PART.match(name)
         if match:
             by_count.setdefault(int(match.group(2)), set()).add(int(match.group(1)))
-    for count, found in sorted(by_count.items()):
-        if found >= set(range(count)):
-            return [os.path.join(folder, f"part-{index}-of-{count}.pt") for index in range(count)]
-    return None
+    complete = [count for count, found in sorted(by_count.items()) if found >= set(range(count))]
+    if not complete:
+        return None
+    recorded = recorded_parts(path)
+    if recorded is not None:
+        complete = [count for count in complete if count == recorded]
+    elif len(complete) > 1:
+        return None  # a checkpoint that does not say which (older than the record): neither set is sure
+    if not complete:
+        return None
+    return [os.path.join(folder, f"part-{index}-of-{complete[0]}.pt") for index in range(complete[0])]
+
+
+def recorded_parts(path: str) -> Optional[int]:
+    """The part count a sharded checkpoint's `step-N.pt` records (None: unreadable, or written before
+    it was recorded). Memory-mapped: only the file's index is read, not its tensors."""
+    try:
+        common = _load(path)
+    except Exception:  # noqa: BLE001  (a file being replaced, or not a checkpoint: no count to go by)
+        return None
+    optimizer = common.get("optimizer") if isinstance(common, dict) else None
+    sharded = optimizer.get("sharded") if isinstance(optimizer, dict) else None
+    parts = sharded.get("parts") if isinstance(sharded, dict) else None
+    return parts if isinstance(parts, int) else None
+
+
+def remove_other_partitions(directory: str, step: int, parts: int) -> None:
+    """Remove the parts of step `step` that belong to a partition into other than `parts` parts."""
+    folder = parts_folder(checkpoint_path(directory, step))
+    for name in os.listdir(folder) if os.path.isdir(folder) else ():
+        match = _PART.match(name)
+        if match and int(match.group(2)) != parts:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(folder, name))
 
 
 def checkpoint_steps(directory: str) -> list:
@@ -295,13 +330,21 @@ class CheckpointWriter:
         path = checkpoint_path(directory, step)
         return self.submit_files(directory, step, [(path, state)], stale=parts_folder(path))
 
-    def submit_files(self, directory: str, step: int, files: list, stale: Optional[str] = None) -> str:
+    def submit_files(
+        self,
+        directory: str,
+        step: int,
+        files: list,
+        stale: Optional[str] = None,
+        other_partitions: Optional[int] = None,
+    ) -> str:
         """Start writing [(path, state)] in order (private copies), the checkpoint of `step`; returns its path.
 
         A sharded job's device writes its part first and (rank 0) `step-N.pt`
         last, so that `step-N.pt` implies its parts folder exists. An existing
         file is replaced (atomically), never kept: a write is never skipped.
-        `stale`: a folder removed once the files are written.
+        `stale`: a folder removed once the files are written. `other_partitions`: a sharded
+        `step-N.pt`'s part count; parts of this step into another count go once it is written.
         """
         self.wait()
         path = checkpoint_path(directory, step)
@@ -314,6 +357,8 @@ class CheckpointWriter:
                     write_file(file_path, state)
                 if stale and os.path.isdir(stale):
                     shutil.rmtree(stale)
+                if other_partitions is not None:
+                    remove_other_partitions(directory, step, other_partitions)
                 prune(directory, self.keep)
             except BaseException as error:  # reported in the step loop, at the next submit or wait
                 self._error = error

@@ -174,7 +174,10 @@ class Checkpoints:
         writer = self.writer_now(settings)
         if self.shards is not None:
             files = self._sharded_files(settings, directory, rank, parts, common)
-            writer.submit_files(directory, step, checkpoints.cpu_copy(files))
+            # The common file's writer removes an earlier partition's parts of this step once it is in place.
+            writes_common = any(path == checkpoints.checkpoint_path(directory, step) for path, _ in files)
+            partition = self.shards.partition.world_size if writes_common else None
+            writer.submit_files(directory, step, checkpoints.cpu_copy(files), other_partitions=partition)
         else:
             state = checkpoints.cpu_copy(self.state.capture(checkpoint_settings=settings))
             if settings.checkpoint_frozen:
@@ -214,7 +217,8 @@ class Checkpoints:
             shapes = {
                 shards.number_of(k): list(shards.parameters[index].shape) for k, index in enumerate(shards.sharded)
             }
-            optimizer = {**replicated, "sharded": {"by": shards.by, "shapes": shapes}}
+            # "parts": which partition's part files belong to this step-N.pt (checkpoints.complete_parts).
+            optimizer = {**replicated, "sharded": {"by": shards.by, "shapes": shapes, "parts": layout.world_size}}
             scheduler = self.state.scheduler.state_dict() if self.state.scheduler is not None else None
             model_state = self.state.model_state()
             common_state = {"model": model_state, "optimizer": optimizer, "scheduler": scheduler}

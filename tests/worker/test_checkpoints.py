@@ -160,3 +160,41 @@ def test_a_folder_of_unfinished_checkpoints_alone_is_refused_without_offering_re
         f"checkpoint_dir {folder} holds another run's unfinished checkpoints (steps 100, 200), which --resume "
         "cannot continue from: remove its step-* files and folders, or give this run another folder"
     )
+
+
+def _sharded_step(folder, step: int, recorded, counts) -> str:
+    """A sharded checkpoint of `step` whose step-N.pt records `recorded` parts, with every part of each count."""
+    path = checkpoints.checkpoint_path(str(folder), step)
+    sharded = (
+        {"by": "elements", "shapes": {}} if recorded is None else {"by": "elements", "shapes": {}, "parts": recorded}
+    )
+    checkpoints.write_file(path, {"model": {}, "optimizer": {"state": {}, "sharded": sharded}, "step": step})
+    for count in counts:
+        for index in range(count):
+            checkpoints.write_file(checkpoints.part_path(str(folder), step, index, count), {"parts": count})
+    return path
+
+
+def test_a_step_written_again_with_another_part_count_is_read_with_its_own_parts_only(tmp_path):
+    # Step 6 written by 2 devices, then again by 3 (a rollback, a resume on another count): both sets complete.
+    path = _sharded_step(tmp_path, 6, recorded=3, counts=(2, 3))
+    assert [os.path.basename(part) for part in checkpoints.complete_parts(path)] == [
+        "part-0-of-3.pt",
+        "part-1-of-3.pt",
+        "part-2-of-3.pt",
+    ]
+    # The new set not complete yet: the stale complete set is not taken instead.
+    os.unlink(checkpoints.part_path(str(tmp_path), 6, 2, 3))
+    assert checkpoints.complete_parts(path) is None
+    # A checkpoint written before the count was recorded: one complete set is taken, two are not sure.
+    older = _sharded_step(tmp_path, 9, recorded=None, counts=(2,))
+    assert len(checkpoints.complete_parts(older)) == 2
+    assert checkpoints.complete_parts(_sharded_step(tmp_path, 12, recorded=None, counts=(2, 3))) is None
+    # The common file's writer removes the other partition's parts once step-N.pt is written.
+    writer = checkpoints.CheckpointWriter()
+    writer.submit_files(str(tmp_path), 15, [(_sharded_step(tmp_path, 15, 2, (2, 3)), {})], other_partitions=2)
+    writer.wait()
+    assert sorted(os.listdir(checkpoints.parts_folder(checkpoints.checkpoint_path(str(tmp_path), 15)))) == [
+        "part-0-of-2.pt",
+        "part-1-of-2.pt",
+    ]
