@@ -72,6 +72,7 @@ class StepRun:
         self.sample_ledger = sample_ledger
         self.membership, self.records, self.faults = owners.membership, owners.records, owners.faults
         self.streams, self.gradient, self.exact_steps = owners.streams, owners.gradient, owners.exact_steps
+        self.streaming = owners.data_streams is not None  # the loader is then the DataStreams (stream ledger)
         self.step_samples = None
 
     def run(self, step: int, virtual_workers: Sequence[int], redo: bool = False) -> torch.Tensor:
@@ -86,7 +87,7 @@ class StepRun:
         self.sync.reset()
         if exact is not None:
             exact.begin(redo)
-        streaming = hasattr(self.loader, "item_ids")  # a streaming job's DataStreams (its ledger: stream_ledger)
+        streaming = self.streaming
         ledger = sample_ledger.count_vector(len(self.job.dataset)) if self.sample_ledger and not streaming else None
         totals = self._virtual_workers(step, virtual_workers, ledger)
         if streaming:  # what this device took from the streams for this step, and the pass ends it met
