@@ -50,9 +50,7 @@ or the `RANK`/`WORLD_SIZE`/`LOCAL_RANK` environment variables is refused.
 from __future__ import annotations
 
 import copy
-import io
 import multiprocessing
-import pickle
 import sys
 import types
 from dataclasses import dataclass
@@ -62,6 +60,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from flexpar.core.stream_split import StreamSplit, pass_seed
+from flexpar.data import loader_handover
 from flexpar.errors import ArgumentError
 
 _RANK_NAMES = frozenset({"get_rank", "get_world_size", "get_node_local_rank"})
@@ -71,60 +70,6 @@ _LIBRARY_MODULES = ("torch.", "datasets.", "webdataset.", "torchdata.", "builtin
 
 _LOADER_CONTEXT = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
 """DataLoader processes are forked from the device's process, so they end with it (as worker/loader.py's)."""
-
-
-_NUMPY_DTYPES = frozenset(
-    (torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-    + (torch.bool, torch.complex64, torch.complex128)
-)
-
-
-class _ItemPickler(pickle.Pickler):
-    """Pickles a plain CPU tensor as its numpy array (its elements' bytes: fast, and a view carries
-    only what it shows); anything else as pickle does."""
-
-    def reducer_override(self, obj):
-        if (
-            type(obj) is torch.Tensor
-            and obj.device.type == "cpu"
-            and obj.layout == torch.strided
-            and obj.dtype in _NUMPY_DTYPES
-            and not obj.requires_grad
-        ):
-            return torch.from_numpy, (obj.contiguous().numpy(),)
-        return NotImplemented
-
-
-def _pickled(items) -> bytes:
-    """A loader process's collate_fn: its run of items as one pickled message (one transfer, where
-    torch would put each tensor of each item in shared memory of its own: about 1 ms an item)."""
-    buffer = io.BytesIO()
-    _ItemPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(items)
-    return buffer.getvalue()
-
-
-class _LoaderItems:
-    """The items of a DataLoader whose batches are `_pickled` runs, one by one, in the loader's order."""
-
-    def __init__(self, loader):
-        self._runs = iter(loader)
-        self._items: Iterator = iter(())
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        while True:
-            try:
-                return next(self._items)
-            except StopIteration:
-                self._items = iter(pickle.loads(next(self._runs)))
-
-    def close(self) -> None:
-        """Shut the loader's processes down."""
-        shutdown = getattr(self._runs, "_shutdown_workers", None)
-        if callable(shutdown):
-            shutdown()
 
 
 def _pass_through(source):
@@ -168,13 +113,13 @@ class GroupSource:
             dataset,
             batch_size=self.loader_batch,
             num_workers=self.num_workers,
-            collate_fn=_pickled,
+            collate_fn=loader_handover.pack,  # a run of items in one message (data/loader_handover.py)
             multiprocessing_context=_LOADER_CONTEXT,
             # Its processes seed torch and random from a draw of this generator: the device's own
             # generator would give each device, and each run, other random streams.
             generator=torch.Generator().manual_seed(pass_seed(self.seed, self.group, pass_)),
         )
-        return _LoaderItems(loader)
+        return loader_handover.LoaderItems(loader)
 
     def state(self) -> Any:
         """The open dataset's state (after the last item it yielded), or None without a complete one."""
