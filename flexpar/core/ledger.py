@@ -15,7 +15,9 @@ repeated (consumed more often than expected), step by step.
 A streaming dataset's items have no index: the ledger names each by `[group,
 pass, index]` (its stream group, the pass, its place in that pass of the
 group's stream: flexpar/core/stream_split.py), and an entry whose step ended
-a pass carries the `pass_ends` (with the items left out). `audit_stream`
+a pass carries the `pass_ends` (with the items left out); under `epochs=`, the pass ends no
+step meets (the last pass's) are added by the driver at the job's end (`write_job_end`), so
+every item of the job's passes is named trained or left out. `audit_stream`
 derives each step's items from the split and those pass ends alone
 (`stream_split.plan_chunks`) and counts the same lost and repeated, and the
 items left out by pass ends.

@@ -395,16 +395,17 @@ def test_a_resumed_epochs_job_reads_no_pass_again_shows_its_pass_and_names_every
     assert sorted(trained + left) == [(0, pass_, k) for pass_ in (0, 1) for k in range(456)]
 
 
-# A streaming job whose driver is killed -9 in step 6's forward; the devices wait, the resume command
-# they print restarts the driver, which re-adopts them with their stream positions.
+# A streaming job of epochs=2 whose driver is killed -9 in step 6's forward; the devices wait, the resume
+# command they print restarts the driver, which re-adopts them with their stream positions.
 DRIVER_KILLED = """
 import stream_pieces
 import torch
 if __name__ == "__main__":
     import os, torch
-    job = pieces.make_job(virtual_workers=6, dataset=stream_pieces.PairStream(), delay_s=0.02)
+    stream = stream_pieces.ReadLoggedPairs("reads")
+    job = pieces.make_job(virtual_workers=6, dataset=stream, delay_s=0.02)
     model, summary = job.fit(
-        steps={steps}, devices=2, port=int(os.environ["TEST_PORT"]), faults="6:driver:forward", driver_grace_s=60,
+        epochs=2, devices=2, port=int(os.environ["TEST_PORT"]), faults="6:driver:forward", driver_grace_s=60,
         sample_ledger=True,
     )
     torch.save(model.state_dict(), "final.pt")
@@ -415,20 +416,26 @@ if __name__ == "__main__":
 def test_a_driver_killed_and_restarted_re_adopts_the_devices_with_their_positions(
     tmp_path, command_line_job, monkeypatch
 ):
+    """The restarted driver takes the pass lengths its predecessor counted (no pass read while the devices
+    wait for it), and its ledger adds the last pass's leftovers at the job's end: 18 steps of one run."""
     from conftest import free_port
     from test_driver_loss import _restart_until_done
 
     monkeypatch.setenv("TEST_PORT", str(free_port()))
-    drivers, records, said = _restart_until_done(tmp_path, command_line_job, DRIVER_KILLED.format(steps=STEPS), 1)
+    drivers, records, said = _restart_until_done(tmp_path, command_line_job, DRIVER_KILLED, 1)
     out = "".join(drivers[-1].output())
     assert "re-adopted 2 devices (local-0, local-1)" in out and "no checkpoint read" in out, out
+    assert "2 passes of 1 stream group taken from the run's record, not read again" in out, out
+    readers = (tmp_path / "reads").read_text().split()
+    first, restarted = (readers.count(str(driver.process.pid)) for driver in drivers)
+    assert first - restarted == 2, readers  # the first driver counted the 2 passes, the restarted none
     assert [record["event"] for record in records if record["kind"] == "event"].count("adopt") == 1
-    assert [record["step"] for record in records if record["kind"] == "step"] == list(range(STEPS))
+    assert [record["step"] for record in records if record["kind"] == "step"] == list(range(18))
     model = pieces.make_model()
     model.load_state_dict(torch.load(tmp_path / "final.pt", weights_only=True))
     stream = stream_pieces.PairStream()
     job = pieces.make_job(virtual_workers=6, dataset=stream)
-    expected = stream_pieces.stream_reference(job, STEPS, stream_pieces.round_robin_items(stream, 48, 6))
+    expected = stream_pieces.stream_reference(job, 18, stream_pieces.round_robin_items(stream, 48, 6))
     pieces.assert_same_parameters(model, expected, atol=ATOL)
-    audit = _ledger_audit(tmp_path, job, STEPS)  # both drivers' ledgers: each step once, each item once
-    assert audit.clean and audit.pass_ends_differing == 0 and audit.items_left_out == 24, audit
+    audit = _ledger_audit(tmp_path, job, 18)  # both drivers' ledgers: each step once, each item once
+    assert audit.clean and audit.pass_ends_differing == 0 and audit.items_left_out == 2 * 24, audit
