@@ -270,14 +270,10 @@ class DriverLoop:
                     "assignment": record["assignment"],
                     "address": self.address,
                     "streaming": record.get("joining", {}),  # listening joiners: the share of the state they hold
-                    **self._stream_status(record),
+                    # A stream's items trained and passes ended (the step records', a restarted driver's file's too)
+                    **stream_progress(self.stream_passes, record, self.global_batch),
                 }
             )
-
-    def _stream_status(self, record: dict) -> dict:
-        """A streaming dataset's progress where its length is unknown: items trained, and the passes of
-        its stream groups that ended (as this driver's step records said), for `flexpar status`."""
-        return stream_progress(self.stream_passes, record, self.global_batch)
 
     def _relay_eval(self, record: dict, new: bool) -> None:
         """One record per evaluated step (a new generation, or the devices a restarted driver re-adopted,
