@@ -12,11 +12,13 @@ step's items, VW by VW, to compare with one reader holding every VW.
 from __future__ import annotations
 
 import collections
+import os
 import random
 
 import torch
 from torch.utils.data import IterableDataset
 
+import flexpar
 from flexpar.data import VirtualWorkerStreams
 
 
@@ -366,6 +368,30 @@ class SplitsByRank(PairStream):
         for k, pair in enumerate(super().__iter__()):
             if k % world == rank:
                 yield pair
+
+
+class ReadLoggedPairs(PairStream):
+    """A PairStream that appends the reading process's pid to `log` each time a pass starts (any copy of it,
+    in any process): who read the stream, and how often."""
+
+    def __init__(self, log, size=456):
+        super().__init__(size)
+        self.log = str(log)
+
+    def __iter__(self):
+        with open(self.log, "a", encoding="utf-8") as handle:
+            handle.write(f"{os.getpid()}\n")
+        return super().__iter__()
+
+
+class StopAfter(flexpar.Callback):
+    """A callback that stops the job once the step record of `step` arrives (flexpar.STOP)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step(self, record):
+        return flexpar.STOP if record["step"] >= self.step else None
 
 
 def round_robin_items(stream, global_batch, virtual_workers):

@@ -15,7 +15,9 @@ repeated (consumed more often than expected), step by step.
 A streaming dataset's items have no index: the ledger names each by `[group,
 pass, index]` (its stream group, the pass, its place in that pass of the
 group's stream: flexpar/core/stream_split.py), and an entry whose step ended
-a pass carries the `pass_ends` (with the items left out). `audit_stream`
+a pass carries the `pass_ends` (with the items left out); under `epochs=`, the pass ends no
+step meets (the last pass's) are added by the driver at the job's end (`write_job_end`), so
+every item of the job's passes is named trained or left out. `audit_stream`
 derives each step's items from the split and those pass ends alone
 (`stream_split.plan_chunks`) and counts the same lost and repeated, and the
 items left out by pass ends.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -53,13 +56,30 @@ def write_entry(handle, step: int, indices: list, pass_ends: Optional[list] = No
     handle.flush()
 
 
+def write_job_end(path, steps: int, pass_ends: list) -> None:
+    """Append the pass ends the job's end met (`stream_split.job_end_pass_ends`, dated `steps`) to the
+    ledger file at `path`, as one `{"job_end": steps, "pass_ends": [...]}` line (no step's entry: `read`
+    skips it, `read_pass_ends` takes it); once: a driver resumed at the job's last step adds none again."""
+    ends = [ended.to_dict() if hasattr(ended, "to_dict") else dict(ended) for ended in pass_ends]
+    if not ends:
+        return
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as handle:
+            if any('"job_end"' in line and json.loads(line).get("job_end") == steps for line in handle):
+                return
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps({"job_end": steps, "pass_ends": ends}, separators=(",", ":")) + "\n")
+
+
 def read(path) -> dict:
-    """{step: [indices]} from a ledger file; a step written twice keeps its first entry."""
+    """{step: [indices]} from a ledger file; a step written twice keeps its first entry (the job's end
+    line, which names no step, is not one)."""
     entries: dict = {}
     with open(path, encoding="utf-8") as handle:
         for line in handle:
             entry = json.loads(line)
-            entries.setdefault(entry["step"], entry["indices"])
+            if "step" in entry:
+                entries.setdefault(entry["step"], entry["indices"])
     return entries
 
 
@@ -111,15 +131,17 @@ def audit_stream(
 ) -> StreamAudit:
     """Compare a streaming job's ledger `entries` ({step: [[group, pass, index], ...]}) of steps
     0..steps-1 with the items each step should have trained, given the recorded `pass_ends` (the
-    lengths of the passes that ended; a pass not ended is taken as long enough)."""
+    lengths of the passes that ended; a pass not ended is taken as long enough). A pass end dated
+    `steps` is one the job's end met (`epochs=`: stream_split.job_end_pass_ends), planned as the
+    step after the last would meet it."""
     chunk = split.chunk(batch)
     expected: dict = {step: collections.Counter() for step in range(steps)}
     planned_ends = []
     for group in range(split.groups):
         lengths = [e["items"] for e in sorted(pass_ends, key=lambda e: e["pass"]) if e["group"] == group]
-        chunks, ends = plan_chunks(lengths + [chunk * (steps + 1)], chunk, steps, pass_end, group)
+        chunks, ends = plan_chunks(lengths + [chunk * (steps + 2)], chunk, steps + 1, pass_end, group)
         planned_ends += [ended.to_dict() for ended in ends]
-        for step, places in enumerate(chunks):
+        for step, places in enumerate(chunks[:steps]):
             expected[step].update((group, pass_, index) for pass_, index in places)
     missing = lost = repeated = 0
     for step in range(steps):

@@ -353,3 +353,26 @@ def steps_for_passes(pass_lengths: Sequence[Sequence[int]], chunk: int, pass_end
         else:
             steps = max(steps, -(-sum(lengths) // chunk))
     return steps
+
+
+def job_end_pass_ends(pass_lengths: Sequence[Sequence[int]], chunk: int, steps: int, pass_end: str = "drop") -> list:
+    """The pass ends of `epochs=N` (`pass_lengths[g]`: group g's N pass lengths) that the job's end meets
+    rather than a step: a group whose passes fill the job's `steps` exactly notices its last pass's end only
+    when it reads for the step after the last, which no device runs. Each is dated `steps` (that step), so
+    that with the pass ends the steps met, every item of the N passes is either trained once or named as
+    left out ("drop": the last pass's final `length % chunk` items). With "carry" only a group whose items
+    fill the steps exactly has one (nothing left out): any other starts pass N + 1 in the last step."""
+    if pass_end not in PASS_ENDS:
+        raise ValueError(f"pass_end={pass_end!r} must be one of {PASS_ENDS}")
+    ends = []
+    for group, lengths in enumerate(pass_lengths):
+        last = lengths[-1]
+        if pass_end == "drop":
+            filled = sum(length // chunk for length in lengths) == steps
+            left_out = (last - last % chunk, last) if last % chunk else ()
+        else:
+            filled = sum(lengths) == steps * chunk
+            left_out = ()
+        if filled:
+            ends.append(PassEnd(group, len(lengths) - 1, last, steps, left_out))
+    return ends

@@ -9,9 +9,11 @@ devices then run that many steps, so every device set, resume and re-adoption ag
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 from flexpar.core.stream_split import split_stream, steps_for_passes
+from flexpar.data import pass_record
 from flexpar.data.sources import StreamSource, describe
 
 
@@ -37,18 +39,47 @@ def pass_lengths(
     return lengths
 
 
+@dataclass(frozen=True)
+class EpochCount:
+    """What `epochs=N` over a stream comes to: the job's steps, the pass lengths they were derived from,
+    and what the driver says about it (counted, or taken from the run's record, and what is left out)."""
+
+    steps: int
+    lengths: tuple  # [group][pass]: each stream group's first N pass lengths
+    chunk: int  # items a group's stream gives each step
+    fingerprint: dict  # what the lengths depend on (pass_record.fingerprint)
+    note: str
+    reused: bool = False  # taken from the run's record (a resumed or re-adopting driver), not read again
+
+    def __post_init__(self):
+        if self.steps < 1 or self.chunk < 1 or not self.lengths:
+            raise ValueError(f"EpochCount: steps and chunk must be >= 1 and lengths given, got {self!r}")
+
+
 def steps_for_epochs(job, epochs: int) -> int:
     """The steps of `job` trained for `epochs` passes over its stream (stream_split.steps_for_passes)."""
-    return count_epochs(job, epochs)[0]
+    return count_epochs(job, epochs).steps
 
 
-def count_epochs(job, epochs: int) -> tuple:
-    """(steps, note): the steps of `epochs` passes over `job`'s stream, and one line saying what was
-    counted and what the last pass leaves out that no step meets (so no record names it)."""
-    lengths = pass_lengths(job.dataset, job.virtual_workers, job.micro_batch_size, epochs, job.seed, job.num_workers)
-    chunk = split_stream(job.virtual_workers, describe(job.dataset).shards).chunk(job.micro_batch_size)
+def count_epochs(job, epochs: int, recorded: Optional[dict] = None) -> EpochCount:
+    """The steps of `epochs` passes over `job`'s stream, from the pass lengths in `recorded` (the run's
+    record: flexpar/data/pass_record.py) where they were counted for this job and dataset, else counted
+    here; its note says which, and what the last pass leaves out that no step meets."""
+    source = describe(job.dataset)
+    split = split_stream(job.virtual_workers, source.shards)
+    chunk = split.chunk(job.micro_batch_size)
+    expected = pass_record.fingerprint(job, source, split.groups, chunk)
+    lengths, why = pass_record.reusable(recorded, expected, epochs)
+    if lengths is None:
+        lengths = pass_lengths(
+            job.dataset, job.virtual_workers, job.micro_batch_size, epochs, job.seed, job.num_workers, source
+        )
     steps = steps_for_passes(lengths, chunk, job.pass_end)
-    return steps, epochs_note(lengths, chunk, job.pass_end, steps, epochs)
+    note = epochs_note(lengths, chunk, job.pass_end, steps, epochs)
+    if recorded is not None:  # a resumed driver: say whether the stream was read again, and why
+        how = "counted again: " + why if why else "taken from the run's record, not read again"
+        note = note.replace(" counted (", f" {how} (", 1)
+    return EpochCount(steps, tuple(tuple(group) for group in lengths), chunk, expected, note, reused=not why)
 
 
 def epochs_note(lengths: list, chunk: int, pass_end: str, steps: int, epochs: int) -> str:

@@ -27,7 +27,7 @@ from flexpar.driver import stop_messages
 from flexpar.driver.waker import DriverWaker
 from flexpar.errors import TrainingError
 from flexpar.observe.display import LiveDisplay, log_to_stderr
-from flexpar.observe.log_lines import stream_progress
+from flexpar.observe.log_lines import passes_ended, stream_progress
 from flexpar.observe.metrics import DEVICE_SET_EVENTS, MetricsWriter, resume_point
 from flexpar.worker.fault_injection import die_before_writing, record_faults
 
@@ -104,6 +104,7 @@ class DriverLoop:
             self.delivery = delivery.Delivery.of_records(records)
             self.evals = [record for record in records if record["kind"] == "eval"]
             self.events_before = [record for record in records if record["kind"] == "event"]
+            self.stream_passes = passes_ended(records)  # the pass shown goes on from the file's
             if last_step is not None:
                 self.steps.append(last_step)
                 self.devices, self.generation = list(last_step["devices"]), last_step["generation"]
@@ -140,6 +141,7 @@ class DriverLoop:
                 sharding=sharding,  # how the optimizer state is held (log_lines.format_sharding)
                 global_batch=self.global_batch,  # a streaming job's items and pass (its length unknown)
                 passes=options.epochs,
+                stream_passes=self.stream_passes,
             )
             if not self.display.uses_rich:
                 log_to_stderr()
@@ -268,14 +270,10 @@ class DriverLoop:
                     "assignment": record["assignment"],
                     "address": self.address,
                     "streaming": record.get("joining", {}),  # listening joiners: the share of the state they hold
-                    **self._stream_status(record),
+                    # A stream's items trained and passes ended (the step records', a restarted driver's file's too)
+                    **stream_progress(self.stream_passes, record, self.global_batch),
                 }
             )
-
-    def _stream_status(self, record: dict) -> dict:
-        """A streaming dataset's progress where its length is unknown: items trained, and the passes of
-        its stream groups that ended (as this driver's step records said), for `flexpar status`."""
-        return stream_progress(self.stream_passes, record, self.global_batch)
 
     def _relay_eval(self, record: dict, new: bool) -> None:
         """One record per evaluated step (a new generation, or the devices a restarted driver re-adopted,

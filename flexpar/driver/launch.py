@@ -34,9 +34,10 @@ from flexpar.comm import waiting
 from flexpar.comm.protocol import DRIVER_KEY, put_blob, secret_check, tell_devices
 from flexpar.comm.store import connect
 from flexpar.core import adoption, factory_checks, frozen, membership
+from flexpar.data import pass_record
 from flexpar.driver import readopt, training
 from flexpar.driver.coordinator import Coordinator
-from flexpar.driver.job_checks import check_checkpoint_folder
+from flexpar.driver.job_checks import check_checkpoint_folder, checkpoint_folder
 from flexpar.driver.local_devices import LocalDevices
 from flexpar.driver.prestart import CheckedJob, check_job, resume_note  # noqa: F401  (resume_note: kept importable here)
 from flexpar.observe import trackers as trackers_module
@@ -71,6 +72,7 @@ def run(job, options: FitOptions) -> tuple:
     try:
         checked = check_job(job, options)
         hosted = _host_job(job, options, checked)
+        _record_stream_passes(options, checked, hosted.run_dir)
         local = _local_devices(options, checked, hosted)
         state = _membership(job, options, checked)
         coordinator = _coordinator(job, options, checked, hosted, state, local)
@@ -200,6 +202,15 @@ def _coordinator(job, options, checked: CheckedJob, hosted: HostedJob, state, lo
         resume_from=resume_from,
         seen_waiting=lambda: [report["device_id"] for report in waiting.read(store.port)],
     )
+
+
+def _record_stream_passes(options: FitOptions, checked: CheckedJob, run_dir: str) -> None:
+    """epochs= over a stream: the pass lengths counted, kept where `--resume` looks (the checkpoint folder,
+    else the run directory), so that a resumed or re-adopting driver does not read the stream again."""
+    counted = checked.epoch_count
+    if counted is not None and not counted.reused:
+        folder = checkpoint_folder(options)[0] or run_dir
+        pass_record.write(folder, counted.fingerprint, [list(group) for group in counted.lengths])
 
 
 def _announce_driver(store, options: FitOptions) -> None:

@@ -20,9 +20,9 @@ from typing import Optional
 import torch
 
 from flexpar.core import frozen
-from flexpar.data import pass_count
+from flexpar.data import pass_count, pass_record
 from flexpar.driver.fork_server import worker_context
-from flexpar.driver.job_checks import check_sharding, first_batch_check, pickle_pieces
+from flexpar.driver.job_checks import check_sharding, checkpoint_folder, first_batch_check, pickle_pieces
 from flexpar.driver.local_devices import detect_devices
 from flexpar.options import FitOptions
 from flexpar.worker import checkpoints, evaluator
@@ -45,6 +45,7 @@ class CheckedJob:
     payload: bytes
     total_steps: int
     newest: Optional[str]  # with --resume: the newest checkpoint, if any
+    epoch_count: Optional[pass_count.EpochCount] = None  # epochs= over a stream: its pass lengths and steps
 
 
 def check_job(job, options: FitOptions) -> CheckedJob:
@@ -70,12 +71,8 @@ def check_job(job, options: FitOptions) -> CheckedJob:
     reference = digesting.submit(_reference_digests, model, available if kind == "cpu" else os.cpu_count() or 1)
     digesting.shutdown(wait=False)
     payload = pickle_pieces(job)
-    if options.steps is None and job.streaming:  # epochs= over a stream: its passes counted first
-        total_steps, note = pass_count.count_epochs(job, options.epochs)
-        if not options.quiet:
-            print(f"flexpar: {note}", file=sys.stderr, flush=True)
-    else:
-        total_steps = options.steps or job.steps_for_epochs(options.epochs)
+    epoch_count = _count_stream_epochs(job, options)
+    total_steps = epoch_count.steps if epoch_count else options.steps or job.steps_for_epochs(options.epochs)
     # --resume: devices that outlived the job's driver first (an adoption window), else the newest checkpoint.
     newest = checkpoints.latest_checkpoint(options.checkpoint_dir) if options.resume else None
     if newest is not None:
@@ -96,7 +93,20 @@ def check_job(job, options: FitOptions) -> CheckedJob:
         payload=payload,
         total_steps=total_steps,
         newest=newest,
+        epoch_count=epoch_count,
     )
+
+
+def _count_stream_epochs(job, options: FitOptions) -> Optional[pass_count.EpochCount]:
+    """`epochs=` over a stream: its passes counted before the devices start, or with `--resume` taken from
+    the run's record where it was counted for this job and dataset (pass_record.py); None otherwise."""
+    if options.steps is not None or not job.streaming:
+        return None
+    recorded = (pass_record.read(checkpoint_folder(options)[0]) or {}) if options.resume else None
+    counted = pass_count.count_epochs(job, options.epochs, recorded)
+    if not options.quiet:
+        print(f"flexpar: {counted.note}", file=sys.stderr, flush=True)
+    return counted
 
 
 def _reference_digests(model, threads: int) -> dict:

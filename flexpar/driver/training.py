@@ -11,6 +11,7 @@ and the callbacks are closed.
 from __future__ import annotations
 
 import contextlib
+import os
 import shlex
 import signal
 import sys
@@ -20,7 +21,8 @@ import torch
 
 from flexpar.comm import state_transfer as training_state
 from flexpar.comm.protocol import JOB_ENDED, get_blob, tell_devices
-from flexpar.core import frozen, membership
+from flexpar.core import frozen, membership, stream_split
+from flexpar.core import ledger as sample_ledger
 from flexpar.driver import readopt
 from flexpar.driver.driver_loop import DriverLoop
 from flexpar.driver.waker import DriverWaker
@@ -67,6 +69,7 @@ def train(job, options: FitOptions, checked, hosted, coordinator, local) -> tupl
         result = training_state.from_bytes(data, torch.device("cpu"))
         _load_result(checked.model, result["model"])
         summary = loop.summary(result["step"])
+        _record_job_end(job, options, checked, hosted.run_dir, result["step"])
         summary["resumed_from"] = resumed_from if resumed_by else None
         summary["resumed_by"] = resumed_by
         callbacks.call("on_end", summary)
@@ -96,6 +99,18 @@ def train(job, options: FitOptions, checked, hosted, coordinator, local) -> tupl
         local.shutdown()
         callbacks.close(failed=not ended_well)
     return summary, terminated.is_set()
+
+
+def _record_job_end(job, options: FitOptions, checked, run_dir: str, final_step: int) -> None:
+    """With sample_ledger=True and epochs= over a stream: the pass ends no step met, which the job's end
+    meets once it has trained its last step (stream_split.job_end_pass_ends), go to the ledger, so that it
+    names every item of the job's passes as trained or left out (the devices record the pass ends their
+    steps meet; these, only the driver that counted the passes knows)."""
+    counted = checked.epoch_count
+    if not options.sample_ledger or counted is None or final_step < checked.total_steps:
+        return
+    ends = stream_split.job_end_pass_ends(counted.lengths, counted.chunk, checked.total_steps, job.pass_end)
+    sample_ledger.write_job_end(os.path.join(run_dir, "ledger.jsonl"), checked.total_steps, ends)
 
 
 def _start(coordinator, waker, options: FitOptions, initial: int) -> tuple:

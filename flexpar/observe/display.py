@@ -106,6 +106,7 @@ class LiveDisplay:
         sharding: str = "",
         global_batch: Optional[int] = None,
         passes: Optional[int] = None,
+        stream_passes: Optional[dict] = None,
     ):
         if not _is_int(total_steps) or total_steps < 1:
             raise ValueError(f"total_steps must be an int >= 1, got {total_steps!r}")
@@ -118,7 +119,8 @@ class LiveDisplay:
         # shown in the panel's progress line and the log lines (log_lines.format_stream_progress).
         self.global_batch = global_batch
         self.passes = passes  # the job's epochs= where known
-        self._stream_passes: dict = {}  # group -> passes ended, from the step records' pass_ends
+        # group -> passes ended, from the step records' pass_ends (a restarted driver's: its file's, given)
+        self._stream_passes: dict = dict(stream_passes or {})
         self._stream = ""
         self._logger = logging.getLogger(LOGGER_NAME)
         self._lock = threading.Lock()

@@ -179,12 +179,28 @@ def stream_progress(passes: dict, record: Mapping[str, Any], global_batch: int) 
     figure is the furthest group's: groups of unequal shards drift apart). {} for a map-style job."""
     if "stream_items_read" not in record:
         return {}
-    for ended in record.get("pass_ends", []):
-        passes[ended["group"]] = max(passes.get(ended["group"], 0), ended["pass"] + 1)
+    note_pass_ends(passes, record.get("pass_ends", []))
     return {
         "stream_items": (record["step"] + 1) * global_batch,
         "stream_passes_ended": max(passes.values()) if passes else 0,
     }
+
+
+def note_pass_ends(passes: dict, pass_ends) -> dict:
+    """`passes` (stream group -> passes ended) updated with `pass_ends` (a step record's, or a ledger's)."""
+    for ended in pass_ends:
+        passes[ended["group"]] = max(passes.get(ended["group"], 0), ended["pass"] + 1)
+    return passes
+
+
+def passes_ended(records) -> dict:
+    """Stream group -> passes ended, as the step records given say (a restarted driver's metrics file): the
+    pass a resumed or re-adopting driver shows from its first step, not from the next pass end it meets."""
+    passes: dict = {}
+    for record in records:
+        if record.get("kind") == "step":
+            note_pass_ends(passes, record.get("pass_ends", []))
+    return passes
 
 
 def format_stream_progress(progress: Mapping[str, Any], passes: Optional[int] = None) -> str:

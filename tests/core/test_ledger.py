@@ -110,3 +110,36 @@ def test_the_stream_audit_finds_lost_repeated_and_left_out_items():
     assert audit.pass_ends_differing >= 1 and not audit.clean, audit
     del entries[4]
     assert ledger.audit_stream(entries, ends, split, 3, 7).steps_missing == 1
+
+
+def test_the_job_end_names_the_last_pass_leftovers_and_the_audit_accounts_for_every_item(tmp_path):
+    """epochs=2, pass_end="drop", uneven groups: each group's passes are trained once or left out by a
+    named pass end, the last pass's leftovers by the job-end line (read skips it, read_pass_ends takes it)."""
+    from flexpar.core.stream_split import job_end_pass_ends, plan_chunks, split_stream, steps_for_passes
+
+    split = split_stream(2, 2)  # 2 groups of one VW, a chunk of 3 items
+    lengths = [[10, 11], [13, 14]]  # group 0: 6 steps; group 1: 8 steps, its pass 2 ends after the job's last
+    steps = steps_for_passes(lengths, 3, "drop")
+    assert steps == 8
+    entries, ends = {step: [] for step in range(steps)}, []
+    for group in range(2):
+        chunks, group_ends = plan_chunks(lengths[group], 3, steps, "drop", group)
+        ends += [ended.to_dict() for ended in group_ends]
+        for step, places in enumerate(chunks):
+            entries[step] += [[group, pass_, index] for pass_, index in places]
+    path = tmp_path / "ledger.jsonl"
+    with open(path, "w", encoding="utf-8") as handle:
+        for step in range(steps):
+            ledger.write_entry(handle, step, entries[step], [e for e in ends if e["step"] == step])
+    final = job_end_pass_ends(lengths, 3, steps, "drop")
+    assert [e.to_dict() for e in final] == [{"group": 1, "pass": 1, "items": 14, "step": 8, "left_out": [12, 14]}]
+    ledger.write_job_end(path, steps, final)
+    ledger.write_job_end(path, steps, final)  # once: a driver resumed at the last step adds none
+    assert path.read_text().count("job_end") == 1 and sorted(ledger.read(path)) == list(range(steps))
+    recorded = ledger.read_pass_ends(path)
+    audit = ledger.audit_stream(ledger.read(path), recorded, split, 3, steps)
+    assert audit.clean and audit.pass_ends_differing == 0 and audit.items_left_out == (1 + 2) + (1 + 2), audit
+    # Every item of both passes of group 1 (the one whose passes fill the job) is trained or left out.
+    trained = sum(1 for items in entries.values() for item in items if item[0] == 1 and item[1] < 2)
+    left_out = sum(e["left_out"][1] - e["left_out"][0] for e in recorded if e["group"] == 1 and e["left_out"])
+    assert trained + left_out == sum(lengths[1]) and left_out == 1 + 2

@@ -11,12 +11,14 @@ from flexpar.core.stream_split import (
     EmptyPass,
     Position,
     StreamSplit,
+    job_end_pass_ends,
     lane_items,
     plan_chunks,
     position_at,
     read_amplification,
     split_stream,
     start,
+    steps_for_passes,
 )
 
 V = st.integers(1, 24)
@@ -150,3 +152,27 @@ def test_positions_and_pass_ends_are_plain_data():
     assert Position.from_dict(position.to_dict()) == position
     _, ends = plan_chunks([10], 4, 4)
     assert ends[0].to_dict() == {"group": 0, "pass": 0, "items": 10, "step": 2, "left_out": [8, 10]}
+
+
+@given(
+    st.lists(st.lists(st.integers(1, 40), min_size=1, max_size=4), min_size=1, max_size=3), st.integers(1, 9), POLICY
+)
+@settings(max_examples=60, deadline=None)
+def test_the_job_end_meets_the_pass_ends_no_step_meets(pass_lengths, chunk, policy):
+    """epochs=N: with the pass ends the steps meet and those the job's end meets (dated `steps`), every item
+    of a group's N passes is trained once or left out, for every group whose passes fill the job; the job's
+    end is exactly where the step after the last would meet a pass end of those N passes."""
+    if policy == "drop":
+        pass_lengths = [[max(length, chunk) for length in lengths] for lengths in pass_lengths]
+    steps = steps_for_passes(pass_lengths, chunk, policy)
+    final = job_end_pass_ends(pass_lengths, chunk, steps, policy)
+    for group, lengths in enumerate(pass_lengths):
+        chunks, ends = plan_chunks(lengths + [chunk * (steps + 2)], chunk, steps + 1, policy, group)
+        after = [ended for ended in ends if ended.step == steps and ended.pass_ < len(lengths)]
+        assert [ended for ended in final if ended.group == group] == after
+        named = [ended for ended in ends if ended.step < steps] + after
+        if len(named) == len(lengths):  # the group's N passes all ended (in a step or at the job's end)
+            trained = [where for items in chunks[:steps] for where in items if where[0] < len(lengths)]
+            left = sum(ended.left_out_count for ended in named)
+            assert len(trained) == len(set(trained)) and len(trained) + left == sum(lengths)
+    assert final or policy == "carry"  # with "drop", the group that fills the steps always has one

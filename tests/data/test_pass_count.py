@@ -1,6 +1,8 @@
 """epochs= over a stream of unknown length: its passes counted (flexpar/data/pass_count.py) and the steps
 they fill (flexpar/core/stream_split.steps_for_passes), checked against what a reader then trains."""
 
+import dataclasses
+
 import pieces
 import pytest
 import stream_pieces as sp
@@ -67,8 +69,9 @@ def test_a_job_counts_its_stream_for_epochs_and_its_length_for_a_map_style_datas
 def test_the_note_says_what_was_counted_and_what_no_step_meets():
     from flexpar.data.pass_count import count_epochs, epochs_note
 
-    steps, note = count_epochs(pieces.make_job(dataset=sp.PairStream(size=456), virtual_workers=6), 2)
-    assert steps == 18
+    counted = count_epochs(pieces.make_job(dataset=sp.PairStream(size=456), virtual_workers=6), 2)
+    steps, note = counted.steps, counted.note
+    assert steps == 18 and counted.lengths == ((456, 456),) and counted.chunk == 48 and not counted.reused
     assert note == (
         "epochs=2 over a stream: 2 passes of 1 stream group counted (456 items a pass): 18 steps; the last "
         "pass's final 24 items fill no step and are left out (no step meets that pass end)"
@@ -81,3 +84,38 @@ def test_the_note_says_what_was_counted_and_what_no_step_meets():
         epochs_note([[20, 23]], 5, "carry", 9, 2)
         == "epochs=2 over a stream: 2 passes of 1 stream group counted (20-23 items a pass): 9 steps"
     )
+
+
+class ReadCounting(sp.CountingStream):
+    """A CountingStream that counts how often it (or a copy of it) is iterated."""
+
+    reads = 0
+
+    def __iter__(self):
+        type(self).reads += 1
+        return super().__iter__()
+
+
+def test_a_resumed_driver_takes_the_recorded_count_when_job_and_dataset_are_the_same(tmp_path):
+    """pass_record: the first count is kept in the run's folder; the same job and dataset reuse it (no read,
+    fewer passes too); another chunk, pass_end or dataset counts again and says which fields differ."""
+    from flexpar.data import pass_record
+    from flexpar.data.pass_count import count_epochs
+
+    job = pieces.make_job(dataset=ReadCounting([53, 38, 60]), virtual_workers=2, global_batch=10)
+    first = count_epochs(job, 3)
+    assert ReadCounting.reads == 3 and first.lengths == ((53, 38, 60),)
+    pass_record.write(str(tmp_path), first.fingerprint, [list(group) for group in first.lengths])
+    record = pass_record.read(str(tmp_path))
+    again = count_epochs(job, 3, record)
+    assert ReadCounting.reads == 3 and again.reused and again.steps == first.steps
+    assert "3 passes of 1 stream group taken from the run's record, not read again (38-60 items" in again.note
+    fewer = count_epochs(job, 2, record)
+    assert ReadCounting.reads == 3 and fewer.reused and fewer.lengths == ((53, 38),)
+    more = count_epochs(job, 4, record)
+    assert ReadCounting.reads == 7 and not more.reused and "counted again: the recorded count covers fewer" in more.note
+    other = count_epochs(dataclasses.replace(job, pass_end="carry"), 3, record)
+    assert not other.reused and "(pass_end differ)" in other.note
+    assert "no count recorded" in count_epochs(job, 3, {}).note
+    assert pass_record.read(str(tmp_path / "none")) is None
+    assert "at 0x" not in first.fingerprint["description"]  # the object's address differs per run

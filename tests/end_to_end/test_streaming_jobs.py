@@ -10,6 +10,7 @@ kill -9, has the one-device run's digests.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import evaluation_pieces
@@ -348,16 +349,63 @@ def test_epochs_over_a_stream_train_each_item_once_per_pass_through_a_join(train
     assert _ledger_audit(tmp_path, job, 18).clean
 
 
-# A streaming job whose driver is killed -9 in step 6's forward; the devices wait, the resume command
-# they print restarts the driver, which re-adopts them with their stream positions.
+def test_a_resumed_epochs_job_reads_no_pass_again_shows_its_pass_and_names_every_item(train, tmp_path, capfd, caplog):
+    """epochs=2 over a stream (456 items: 9 steps a pass, 24 left out): 2 devices stop after step 10 (a
+    checkpoint every 5); the resume on 1 device takes the pass lengths from the run's record
+    (stream-passes.json: its driver reads no pass), shows pass 2/2 from its first step, trains the 18 steps
+    of one run, and the ledger names every item of both passes as trained once or left out, the last
+    pass's 24 by the job's end."""
+    reads = tmp_path / "reads"
+    stream = stream_pieces.ReadLoggedPairs(reads)
+    job = _job(stream)
+    folder = str(tmp_path / "checkpoints")
+
+    def driver_reads() -> int:
+        return reads.read_text().split().count(str(os.getpid())) if reads.exists() else 0
+
+    _, first = train(
+        job,
+        epochs=2,
+        devices=2,
+        checkpoint_every=5,
+        checkpoint_dir=folder,
+        sample_ledger=True,
+        callbacks=[stream_pieces.StopAfter(10)],
+    )
+    assert first["stopped"] and (Path(folder) / "stream-passes.json").exists()
+    counted = driver_reads()  # the 2 passes counted, and whatever else the driver reads of it
+    capfd.readouterr()
+    caplog.clear()
+    model, summary = train(
+        job, epochs=2, devices=1, checkpoint_dir=folder, resume=True, sample_ledger=True, quiet=False, log_every=1
+    )
+    said = capfd.readouterr().err
+    assert driver_reads() - counted == counted - 2, said  # the resumed driver read no pass to count it
+    assert "2 passes of 1 stream group taken from the run's record, not read again" in said, said
+    assert summary["steps"] == 18 and 10 <= summary["resumed_from"] < 18, summary
+    steps = [entry.getMessage() for entry in caplog.records if "done, " in entry.getMessage()]
+    assert steps and all("pass 2/2" in line for line in steps), steps  # never pass 1 again
+    expected = stream_pieces.stream_reference(job, 18, stream_pieces.round_robin_items(stream, 48, 6))
+    pieces.assert_same_parameters(model, expected, atol=ATOL)
+    audit = _ledger_audit(tmp_path, job, 18)
+    assert audit.clean and audit.pass_ends_differing == 0 and audit.items_left_out == 2 * 24, audit
+    (path,) = Path(tmp_path).rglob("ledger.jsonl")
+    trained = sorted(tuple(item) for items in ledger.read(path).values() for item in items)
+    left = [(0, e["pass"], k) for e in ledger.read_pass_ends(path) for k in range(*e["left_out"])]
+    assert sorted(trained + left) == [(0, pass_, k) for pass_ in (0, 1) for k in range(456)]
+
+
+# A streaming job of epochs=2 whose driver is killed -9 in step 6's forward; the devices wait, the resume
+# command they print restarts the driver, which re-adopts them with their stream positions.
 DRIVER_KILLED = """
 import stream_pieces
 import torch
 if __name__ == "__main__":
     import os, torch
-    job = pieces.make_job(virtual_workers=6, dataset=stream_pieces.PairStream(), delay_s=0.02)
+    stream = stream_pieces.ReadLoggedPairs("reads")
+    job = pieces.make_job(virtual_workers=6, dataset=stream, delay_s=0.02)
     model, summary = job.fit(
-        steps={steps}, devices=2, port=int(os.environ["TEST_PORT"]), faults="6:driver:forward", driver_grace_s=60,
+        epochs=2, devices=2, port=int(os.environ["TEST_PORT"]), faults="6:driver:forward", driver_grace_s=60,
         sample_ledger=True,
     )
     torch.save(model.state_dict(), "final.pt")
@@ -368,20 +416,26 @@ if __name__ == "__main__":
 def test_a_driver_killed_and_restarted_re_adopts_the_devices_with_their_positions(
     tmp_path, command_line_job, monkeypatch
 ):
+    """The restarted driver takes the pass lengths its predecessor counted (no pass read while the devices
+    wait for it), and its ledger adds the last pass's leftovers at the job's end: 18 steps of one run."""
     from conftest import free_port
     from test_driver_loss import _restart_until_done
 
     monkeypatch.setenv("TEST_PORT", str(free_port()))
-    drivers, records, said = _restart_until_done(tmp_path, command_line_job, DRIVER_KILLED.format(steps=STEPS), 1)
+    drivers, records, said = _restart_until_done(tmp_path, command_line_job, DRIVER_KILLED, 1)
     out = "".join(drivers[-1].output())
     assert "re-adopted 2 devices (local-0, local-1)" in out and "no checkpoint read" in out, out
+    assert "2 passes of 1 stream group taken from the run's record, not read again" in out, out
+    readers = (tmp_path / "reads").read_text().split()
+    first, restarted = (readers.count(str(driver.process.pid)) for driver in drivers)
+    assert first - restarted == 2, readers  # the first driver counted the 2 passes, the restarted none
     assert [record["event"] for record in records if record["kind"] == "event"].count("adopt") == 1
-    assert [record["step"] for record in records if record["kind"] == "step"] == list(range(STEPS))
+    assert [record["step"] for record in records if record["kind"] == "step"] == list(range(18))
     model = pieces.make_model()
     model.load_state_dict(torch.load(tmp_path / "final.pt", weights_only=True))
     stream = stream_pieces.PairStream()
     job = pieces.make_job(virtual_workers=6, dataset=stream)
-    expected = stream_pieces.stream_reference(job, STEPS, stream_pieces.round_robin_items(stream, 48, 6))
+    expected = stream_pieces.stream_reference(job, 18, stream_pieces.round_robin_items(stream, 48, 6))
     pieces.assert_same_parameters(model, expected, atol=ATOL)
-    audit = _ledger_audit(tmp_path, job, STEPS)  # both drivers' ledgers: each step once, each item once
-    assert audit.clean and audit.pass_ends_differing == 0 and audit.items_left_out == 24, audit
+    audit = _ledger_audit(tmp_path, job, 18)  # both drivers' ledgers: each step once, each item once
+    assert audit.clean and audit.pass_ends_differing == 0 and audit.items_left_out == 2 * 24, audit

@@ -406,3 +406,23 @@ def test_a_streaming_jobs_display_shows_its_pass_and_items_trained(records, capl
     plain.update(records[[r["kind"] for r in records].index("step")])
     assert plain._stream == ""
     plain.close()
+
+
+def test_a_restarted_driver_shows_the_pass_its_records_reached_from_its_first_step(records, caplog):
+    """A resumed or re-adopting driver's pass is the one the metrics file's step records reached
+    (log_lines.passes_ended), not pass 1 until the next pass end it meets."""
+    from flexpar.observe.log_lines import passes_ended
+
+    streamed = _stream_steps(records)
+    before = [record for record in streamed if record["kind"] != "step" or record["step"] < 25]
+    after = [record for record in streamed if record["kind"] == "step" and 25 <= record["step"] < 27]
+    assert passes_ended(before) == {0: 2, 1: 2}  # the pass ends of steps 9 and 18
+    assert passes_ended([{"kind": "event", "pass_ends": [{"group": 0, "pass": 4}]}]) == {}  # step records only
+    caplog.set_level(logging.INFO, logger="flexpar")
+    with LiveDisplay(
+        TOTAL_STEPS, log_every=1, force_terminal=False, global_batch=48, stream_passes=passes_ended(before)
+    ) as display:
+        for record in after:
+            display.update(record)
+    lines = [entry.getMessage() for entry in flexpar_lines(caplog) if entry.getMessage().startswith("step ")]
+    assert len(lines) == 2 and all("pass 3, " in line for line in lines), lines
