@@ -114,9 +114,12 @@ def _restart_until_done(tmp_path, command_line_job, script: str, kills: int, dur
         assert command[:3] == ["flexpar", "run", "--resume"], command
         drivers.append(command_line_job([], "", arguments=command[1:], outputs=f"driver-{death + 2}"))
     said = "".join(driver.output()[1] for driver in drivers)
-    # Each fault fired once (one due while the devices had not noticed a loss yet hits a dead driver:
-    # the job then had one death fewer than faults; the faults' spacing makes that rare).
-    assert said.count("fault: driver gets SIGKILL") == kills, said
+    # Each fault fired once and each firing killed one driver. One fault falling due while the devices
+    # had not yet noticed the previous loss hits a dead driver and does not fire: the job then has one
+    # death fewer than faults (the faults' spacing makes that rare; it was seen once on a loaded host).
+    deaths = len(drivers) - 1
+    assert said.count("fault: driver gets SIGKILL") == deaths, said
+    assert deaths in (kills - 1, kills), said
     return drivers, _records(metrics), said
 
 
