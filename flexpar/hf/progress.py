@@ -22,6 +22,7 @@ import torch
 
 from flexpar.callbacks import STOP, Callback
 from flexpar.hf.plan import RunPlan
+from flexpar.worker import checkpoints
 
 STATE_FILE = "flexpar-state.pt"
 """A checkpoint-N folder's flexpar training state (a hard link to flexpar's step-N.pt where it can be)."""
@@ -184,12 +185,9 @@ class TrainerProgress(Callback):
             os.link(source, target)
         except OSError:
             shutil.copyfile(source, target)
-        config = getattr(trainer.model, "config", None)
-        if config is not None and hasattr(config, "save_pretrained"):
-            config.save_pretrained(folder)
+        save_weights(trainer, source, folder)
         state = self.state_at(step)
         state.save_to_json(os.path.join(folder, "trainer_state.json"))
-        torch.save(trainer.args, os.path.join(folder, "training_args.bin"))
         self.mirrored.add(step)
         trainer.control = trainer.callback_handler.on_save(trainer.args, state, trainer.control)
         trainer.control.should_save = False
@@ -208,6 +206,20 @@ class TrainerProgress(Callback):
         state.global_step, state.epoch = step, step / self.plan.steps_per_epoch
         state.log_history = [entry for entry in state.log_history if entry.get("step", 0) <= step]
         return state
+
+
+def save_weights(trainer, source: str, folder: str) -> None:
+    """The checkpoint's model in `folder` as transformers' own checkpoint holds it (`Trainer._save`).
+
+    `model.safetensors` and `config.json` (the model's `save_pretrained`; a peft model's adapter,
+    `adapter_model.safetensors` and `adapter_config.json`), the processing class and
+    `training_args.bin`: `from_pretrained(folder)` loads the checkpoint's weights. flexpar's
+    checkpoint holds the trainable state (frozen weights and unchanged buffers by digest): the rest
+    of the state_dict is the script's model's own, which the devices built theirs from.
+    """
+    written = checkpoints.read_checkpoint(source, torch.device("cpu"), with_optimizer=False)["model"]
+    state_dict = {**trainer.model.state_dict(), **written}
+    trainer._save(folder, state_dict=state_dict)
 
 
 def checkpoint_folders(output_dir: str) -> list:

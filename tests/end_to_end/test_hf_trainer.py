@@ -9,6 +9,7 @@ another device count, and a peft LoRA model.
 """
 
 import glob
+import importlib.util
 import json
 import os
 import shlex
@@ -39,6 +40,14 @@ def _run(output, command, timeout_s=240, **environment):
     )
     assert completed.returncode == 0, completed.stderr[-6000:]
     return torch.load(os.path.join(output, "result.pt"), weights_only=False)
+
+
+def _script():
+    """The Trainer script as a module (its model builder), HF_SCRIPT_* as they are in this process."""
+    specification = importlib.util.spec_from_file_location("trainer_script", SCRIPT)
+    module = importlib.util.module_from_spec(specification)
+    specification.loader.exec_module(module)
+    return module
 
 
 def _python(output, **environment):
@@ -136,6 +145,13 @@ def test_one_device_equals_the_trainer_with_its_logs_callbacks_checkpoints_and_t
 
     loaded = GPT2LMHeadModel.from_pretrained(output / "final")
     assert _largest_relative_difference(result["state"], loaded.state_dict()) == 0.0
+    # checkpoint-N holds the model as transformers writes it: from_pretrained loads step N's weights.
+    assert os.path.isfile(output / "checkpoint-24" / "model.safetensors")
+    saved = GPT2LMHeadModel.from_pretrained(output / "checkpoint-24").state_dict()
+    assert all(torch.equal(saved[name], tensor) for name, tensor in result["state"].items())
+    assert not torch.equal(
+        GPT2LMHeadModel.from_pretrained(output / "checkpoint-20").lm_head.weight, saved["lm_head.weight"]
+    )
 
 
 @pytest.mark.timeout(400)
@@ -164,6 +180,12 @@ def test_a_peft_lora_model_trains_as_with_the_trainer_and_its_frozen_weights_nev
     result = _flexpar_run(output, ["--devices", "2"], HF_SCRIPT_LORA="1", HF_SCRIPT_STEPS="8")
     assert _largest_relative_difference(expected["state"], result["state"]) < FLOOR
     assert os.path.isfile(output / "final" / "adapter_model.safetensors")
+    # checkpoint-8 holds the adapter as peft writes it: PeftModel.from_pretrained loads the trained one.
+    from peft import PeftModel
+
+    base = _script().build_model()  # the script's base model (random initialisation, seeded)
+    loaded = PeftModel.from_pretrained(base, output / "checkpoint-8").state_dict()
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in result["state"].items())
     # The checkpoints hold the adapters (the trainable state) only.
     state = torch.load(output / "checkpoint-8" / "flexpar-state.pt", weights_only=True)
     assert state["model"] and all("lora_" in name for name in state["model"]), sorted(state["model"])[:4]
