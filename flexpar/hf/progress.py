@@ -60,7 +60,10 @@ class TrainerProgress(Callback):
         self.trainer, self.plan, self.rates = trainer, plan, rates
         self.flexpar_folder = flexpar_folder
         self.losses_since_log, self.steps_since_log = 0.0, 0
-        self.total_loss, self.steps_run = 0.0, 0
+        self.total_loss, self.steps_trained = 0.0, 0  # over the whole run (train_loss)
+        self.steps_run = 0  # by this driver (the speed metrics)
+        self.replaying = False
+        self.continued = False  # whether a driver before this one began the run (replay)
         self.last_grad_norm = None
         self.mirrored: set = set()
         self.began = False
@@ -101,8 +104,8 @@ class TrainerProgress(Callback):
         handler, step = trainer.callback_handler, record["step"] + 1
         if state.global_step >= step:
             return None  # a resumed run's records before the resume point are not this run's
-        # A first record beyond the state this driver holds: it re-adopted devices mid-run.
-        self.begin(re_adopted=state.global_step < step - 1)
+        if not self.replaying:  # a first record beyond the state this driver holds: it re-adopted devices mid-run
+            self.begin(re_adopted=self.continued or state.global_step < step - 1)
         per_epoch = self.plan.steps_per_epoch
         if (step - 1) % per_epoch == 0:
             trainer.control = handler.on_epoch_begin(args, state, trainer.control)
@@ -114,12 +117,14 @@ class TrainerProgress(Callback):
         self.losses_since_log += float(record["loss"])
         self.steps_since_log += 1
         self.total_loss += float(record["loss"])
-        self.steps_run += 1
+        self.steps_trained += 1
+        self.steps_run += 0 if self.replaying else 1
         self.last_grad_norm = record.get("grad_norm")
         trainer.control = handler.on_step_end(args, state, trainer.control)
         if trainer.control.should_log:
             self.log_training()
-        self.mirror_checkpoints()
+        if not self.replaying:
+            self.mirror_checkpoints()
         if step % per_epoch == 0:
             trainer.control = handler.on_epoch_end(args, state, trainer.control)
         if trainer.control.should_training_stop and step < self.plan.steps:
@@ -134,6 +139,28 @@ class TrainerProgress(Callback):
         self.losses_since_log, self.steps_since_log = 0.0, 0
         self.trainer.control.should_log = False
         self.trainer.log(logs)
+
+    def replay(self, records: list) -> None:
+        """The records a driver before this one delivered (its metrics file, which a driver restarted with
+        `--resume` continues): the state, logs and loss sums they made, as if this driver had seen them.
+
+        The TrainerCallbacks saw them under that driver and are not called again: only transformers'
+        DefaultFlowCallback (which decides when to log, evaluate and save) runs while they replay.
+        """
+        from transformers.trainer_callback import DefaultFlowCallback
+
+        handler = self.trainer.callback_handler
+        callbacks = handler.callbacks
+        handler.callbacks = [callback for callback in callbacks if isinstance(callback, DefaultFlowCallback)]
+        self.replaying, self.continued = True, bool(records)
+        try:
+            for record in records:
+                if record["kind"] == "step":
+                    self.on_step(record)
+                elif record["kind"] == "eval":
+                    self.on_eval(record)
+        finally:
+            handler.callbacks, self.replaying = callbacks, False
 
     # ------------------------------------------------------------ evaluations
 

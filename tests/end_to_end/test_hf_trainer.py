@@ -192,9 +192,10 @@ def test_a_peft_lora_model_trains_as_with_the_trainer_and_its_frozen_weights_nev
 
 
 @pytest.mark.timeout(400)
-def test_trainer_callbacks_see_each_event_once_across_a_driver_kill_and_re_adoption(tmp_path):
+def test_trainer_callbacks_see_each_event_once_across_a_driver_kill_and_re_adoption(baseline, tmp_path):
     """The driver is killed as step 10's record reaches it; the devices wait; the resume command they print
-    re-adopts them; the TrainerCallback saw each step, save and the train's begin and end once."""
+    re-adopts them; the TrainerCallback saw each step, save and the train's begin and end once, and the
+    restarted driver's log_history is the whole run's, as the Trainer's."""
     output, events, stderr = tmp_path / "out", tmp_path / "events.jsonl", tmp_path / "stderr-1.txt"
     options = {"faults": "10:driver:record", "driver_grace_s": 90, "port": free_port()}
     environment = {
@@ -228,6 +229,15 @@ def test_trainer_callbacks_see_each_event_once_across_a_driver_kill_and_re_adopt
     assert [name for name, _ in names].count("train_end") == 1
     saves = [step for name, step in names if name == "save"]
     assert saves == sorted(set(saves)) and saves[-1] == STEPS, saves
+    # log_history from the first step on (the lost driver's logs rebuilt from the job's metrics file),
+    # each logged loss averaged over its logging_steps across the kill, as the Trainer's.
+    history = torch.load(output / "result.pt", weights_only=False)["log_history"]
+    # (The evaluations during training: the entries without eval_runtime, which evaluate() adds.)
+    for key, expected_steps in (("loss", list(range(2, STEPS + 1, 2))), ("eval_loss", [6, 12, 18, 24])):
+        got = [(entry["step"], entry[key]) for entry in history if key in entry and "eval_runtime" not in entry]
+        expected = [entry[key] for entry in baseline["log_history"] if key in entry][: len(expected_steps)]
+        assert [step for step, _ in got] == expected_steps, (key, got)
+        assert [value for _, value in got] == pytest.approx(expected, rel=1e-4), key
 
 
 @pytest.mark.timeout(300)
