@@ -100,6 +100,40 @@ def _metrics_records(output):
     return [json.loads(line) for line in open(path)]
 
 
+def _offline_trackers(folder) -> dict:
+    """The script's environment for report_to tensorboard, wandb (offline, its files in `folder`) and mlflow
+    (flexpar's default file store in the run directory), or tensorboard alone where those are not installed."""
+    names = ["tensorboard"] + [name for name in ("wandb", "mlflow") if importlib.util.find_spec(name)]
+    environment = {"HF_SCRIPT_REPORT": ",".join(names), "WANDB_MODE": "offline", "WANDB_DIR": str(folder)}
+    for variable, name in (("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):
+        environment[variable] = str(folder / "wandb-home" / name)
+    return {**environment, "WANDB_PROJECT": "flexpar", "MLFLOW_TRACKING_URI": ""}
+
+
+def _assert_trackers_logged_the_losses(output, folder, monkeypatch) -> None:
+    """The W&B and MLflow runs (read back with their own libraries) hold the metrics file's step losses."""
+    losses = {record["step"]: record["loss"] for record in _metrics_records(output) if record["kind"] == "step"}
+    assert sorted(losses) == list(range(STEPS))
+    if importlib.util.find_spec("mlflow"):
+        from mlflow.tracking import MlflowClient
+
+        (store,) = glob.glob(str(output / "flexpar-runs" / "*" / "mlruns"))
+        monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+        client = MlflowClient(tracking_uri="file:" + store)
+        (run,) = client.search_runs([client.get_experiment_by_name("flexpar").experiment_id])
+        history = client.get_metric_history(run.info.run_id, "train/loss")
+        assert {metric.step: metric.value for metric in history} == pytest.approx(losses)
+    if importlib.util.find_spec("wandb"):
+        specification = importlib.util.spec_from_file_location(
+            "tracker_tests", os.path.join(os.path.dirname(os.path.dirname(SCRIPT)), "observe", "test_trackers.py")
+        )
+        tracker_tests = importlib.util.module_from_spec(specification)
+        specification.loader.exec_module(tracker_tests)
+        (run_folder,) = (folder / "wandb").glob("offline-run-*")
+        _, rows = tracker_tests.wandb_history(run_folder)
+        assert {row["step"]: row["train/loss"] for row in rows if "train/loss" in row} == pytest.approx(losses)
+
+
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
     folder = tmp_path_factory.mktemp("baseline")
@@ -107,10 +141,12 @@ def baseline(tmp_path_factory):
 
 
 @pytest.mark.timeout(300)
-def test_one_device_equals_the_trainer_with_its_logs_callbacks_checkpoints_and_trackers(baseline, tmp_path):
+def test_one_device_equals_the_trainer_with_its_logs_callbacks_checkpoints_and_trackers(
+    baseline, tmp_path, monkeypatch
+):
     events = tmp_path / "events.jsonl"
     output = tmp_path / "out"
-    result = _python(output, HF_SCRIPT_EVENTS=str(events), HF_SCRIPT_REPORT="tensorboard")
+    result = _python(output, HF_SCRIPT_EVENTS=str(events), **_offline_trackers(tmp_path))
     assert _largest_relative_difference(baseline["state"], result["state"]) < FLOOR
     assert _key_bias_drift(baseline["state"], result["state"]) < 2e-3
     assert result["global_step"] == baseline["global_step"] == STEPS
@@ -138,8 +174,9 @@ def test_one_device_equals_the_trainer_with_its_logs_callbacks_checkpoints_and_t
         "checkpoint-20",
         "checkpoint-24",
     ]
-    # report_to=["tensorboard"]: flexpar's tracker wrote event files.
+    # report_to=["tensorboard", "wandb", "mlflow"]: flexpar's trackers logged each step's loss.
     assert glob.glob(str(output / "flexpar-runs" / "*" / "tensorboard" / "events.out.tfevents.*"))
+    _assert_trackers_logged_the_losses(output, tmp_path, monkeypatch)
     # save_model() wrote a folder from_pretrained loads, holding the trained weights.
     from transformers import GPT2LMHeadModel
 
