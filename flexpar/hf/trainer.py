@@ -24,7 +24,7 @@ from transformers.trainer_utils import TrainOutput, get_last_checkpoint, speed_m
 
 from flexpar import job as job_module
 from flexpar import options as options_module
-from flexpar.hf import pieces, progress
+from flexpar.hf import model_file, pieces, progress
 from flexpar.hf import plan as plan_module
 from flexpar.hf.order import TrainerOrder
 from flexpar.hf.refusals import refused
@@ -160,7 +160,7 @@ class Trainer(transformers.Trainer):
         if getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing:
             keywords_of = getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs
             checkpointing = dict(keywords_of or {})
-        factory = pieces.save_model_file(model, os.path.join(args.output_dir, "flexpar-model"), checkpointing)
+        factory = model_file.save_model_file(model, os.path.join(args.output_dir, "flexpar-model"), checkpointing)
         loss = pieces.TrainerLoss(counts_items, bool(self._loss_shifts_labels), self.compute_loss_func)
         eval_dataset = self.eval_dataset if self._evaluates() else None
         job = job_module.Job(

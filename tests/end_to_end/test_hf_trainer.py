@@ -223,6 +223,19 @@ def test_a_peft_lora_model_trains_as_with_the_trainer_and_its_frozen_weights_nev
     base = _script().build_model()  # the script's base model (random initialisation, seeded)
     loaded = PeftModel.from_pretrained(base, output / "checkpoint-8").state_dict()
     assert all(torch.equal(loaded[name], tensor) for name, tensor in result["state"].items())
+    # flexpar export rebuilds the model from the factory the checkpoint records (no --model), writes the
+    # whole model and, with peft's save_pretrained, the adapter.
+    from safetensors.torch import load_file
+
+    from flexpar.export import export_with_adapter
+
+    whole, adapter = export_with_adapter(str(output / "checkpoint-8" / "flexpar-state.pt"), str(tmp_path / "x.st"))
+    exported = load_file(whole)
+    assert exported.keys() == result["state"].keys()
+    assert all(torch.equal(exported[name], tensor) for name, tensor in result["state"].items())
+    exported = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    saved = load_file(output / "checkpoint-8" / "adapter_model.safetensors")
+    assert exported.keys() == saved.keys() and all(torch.equal(exported[name], saved[name]) for name in saved)
     # The checkpoints hold the adapters (the trainable state) only.
     state = torch.load(output / "checkpoint-8" / "flexpar-state.pt", weights_only=True)
     assert state["model"] and all("lora_" in name for name in state["model"]), sorted(state["model"])[:4]
