@@ -236,17 +236,25 @@ class TrainerProgress(Callback):
 
 
 def save_weights(trainer, source: str, folder: str) -> None:
-    """The checkpoint's model in `folder` as transformers' own checkpoint holds it (`Trainer._save`).
+    """The checkpoint's model and optimizer in `folder` as transformers' own checkpoint holds them.
 
-    `model.safetensors` and `config.json` (the model's `save_pretrained`; a peft model's adapter,
-    `adapter_model.safetensors` and `adapter_config.json`), the processing class and
+    `model.safetensors` and `config.json` (the model's `save_pretrained`, by `Trainer._save`; a peft
+    model's adapter, `adapter_model.safetensors` and `adapter_config.json`), the processing class and
     `training_args.bin`: `from_pretrained(folder)` loads the checkpoint's weights. flexpar's
     checkpoint holds the trainable state (frozen weights and unchanged buffers by digest): the rest
-    of the state_dict is the script's model's own, which the devices built theirs from.
+    of the state_dict is the script's model's own, which the devices built theirs from. Unless
+    `save_only_model`, `optimizer.pt` and `scheduler.pt` too (torch.optim's and the schedule's
+    state_dicts; flexpar's optimizer has the Trainer's parameter groups), so that
+    `transformers.Trainer` resumes from the folder as from its own.
     """
-    written = checkpoints.read_checkpoint(source, torch.device("cpu"), with_optimizer=False)["model"]
-    state_dict = {**trainer.model.state_dict(), **written}
-    trainer._save(folder, state_dict=state_dict)
+    from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+
+    with_optimizer = not trainer.args.save_only_model
+    state = checkpoints.read_checkpoint(source, torch.device("cpu"), with_optimizer=with_optimizer)
+    trainer._save(folder, state_dict={**trainer.model.state_dict(), **state["model"]})
+    if with_optimizer:
+        torch.save(state["optimizer"], os.path.join(folder, OPTIMIZER_NAME))
+        torch.save(state["scheduler"], os.path.join(folder, SCHEDULER_NAME))
 
 
 def checkpoint_folders(output_dir: str) -> list:

@@ -202,6 +202,11 @@ def test_elastic_run_with_a_join_and_a_leave_then_a_resume_on_one_device(baselin
     records = _metrics_records(output)
     kinds = [record["event"] for record in records if record["kind"] == "event"]
     assert "join" in kinds and "leave" in kinds, kinds
+    # transformers.Trainer itself resumes from checkpoint-20 (its weights, optimizer.pt, scheduler.pt)
+    # and ends as the uninterrupted Trainer.
+    theirs = _python(tmp_path / "theirs", HF_SCRIPT_BASELINE="1", HF_SCRIPT_RESUME=str(output / "checkpoint-20"))
+    assert theirs["global_step"] == STEPS
+    assert _largest_relative_difference(baseline["state"], theirs["state"]) < FLOOR
     # Resume from checkpoint-20 on one device: ends as the uninterrupted Trainer.
     resumed = _python(output, HF_SCRIPT_RESUME=str(output / "checkpoint-20"))
     assert resumed["global_step"] == STEPS
