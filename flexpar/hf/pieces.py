@@ -3,11 +3,9 @@
 Each is a small picklable object: the driver builds them, the job carries
 them to every device, and each device calls them (flexpar/job.py's contract).
 
-- `ModelFromFile`: the model built in the script, rebuilt on a device from
-  its class and config and loaded from one file the devices map
-  (`torch.load(mmap=True)`); a peft model is rebuilt with its peft config, so
-  its frozen weights take flexpar's frozen-weight path (built by every device,
-  checked by digest, never sent).
+- the model: flexpar/hf/model_file.py (`ModelFromFile`: rebuilt on a device
+  from its class and config and loaded from one file the devices map; a peft
+  model's frozen weights take flexpar's frozen-weight path).
 - `TrainerOptimizer`: the optimizer class and keyword arguments the Trainer
   itself chooses (`Trainer.get_optimizer_cls_and_kwargs`), with its two
   parameter groups (decay / no decay, `get_decay_parameter_names`).
@@ -21,7 +19,6 @@ them to every device, and each device calls them (flexpar/job.py's contract).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -29,83 +26,6 @@ import torch
 from torch import nn
 
 from flexpar.worker.loader import to_device
-
-MODEL_FILE = "model.pt"
-
-
-def _is_peft(model: nn.Module) -> bool:
-    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
-
-
-@dataclass(frozen=True)
-class ModelFromFile:
-    """Rebuild the script's model on a device: class(config), peft wrapping, then the saved state (mmap).
-
-    Promised: the rebuilt model has the saved parameters and persistent buffers bit for bit, the same
-    `requires_grad` for every parameter, the saved dtype, and gradient checkpointing when asked.
-    """
-
-    path: str
-    model_class: Any
-    config: Any
-    dtype: torch.dtype
-    peft_config: Any = None
-    frozen: tuple = ()
-    gradient_checkpointing: Optional[dict] = None
-
-    def __call__(self) -> nn.Module:
-        model = self.model_class(self.config).to(self.dtype)
-        if self.peft_config is not None:
-            from peft import get_peft_model
-
-            model = get_peft_model(model, self.peft_config)
-        state = torch.load(self.path, mmap=True, weights_only=True, map_location="cpu")
-        model.load_state_dict(state, strict=True)
-        for name, parameter in model.named_parameters():
-            parameter.requires_grad_(name not in self.frozen)
-        if self.gradient_checkpointing is not None:
-            enable_checkpointing(model, dict(self.gradient_checkpointing))
-        return model
-
-
-def enable_checkpointing(model: nn.Module, keywords: dict) -> None:
-    """Activation (gradient) checkpointing as the Trainer turns it on (activation_checkpointing_kwargs)."""
-    every_n_layers, offload = keywords.pop("every_n_layers", 1), keywords.pop("offload", False)
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs=keywords or None, every_n_layers=every_n_layers, offload=offload
-        )
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=keywords or None)
-
-
-def save_model_file(model: nn.Module, folder: str, gradient_checkpointing: Optional[dict]) -> ModelFromFile:
-    """Write `model`'s state to `folder`/model.pt once and return the factory that rebuilds it from there."""
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.abspath(os.path.join(folder, MODEL_FILE))
-    temporary = path + f".{os.getpid()}.tmp"
-    torch.save(model.state_dict(), temporary)
-    os.replace(temporary, path)
-    base = model.get_base_model() if _is_peft(model) else model
-    peft_config = None
-    if _is_peft(model):
-        configs = dict(model.peft_config)
-        if len(configs) != 1:
-            raise ValueError(
-                f"flexpar.hf.Trainer: the peft model has {len(configs)} adapters ({', '.join(configs)}); "
-                "train one adapter at a time"
-            )
-        peft_config = next(iter(configs.values()))
-    frozen = tuple(name for name, parameter in model.named_parameters() if not parameter.requires_grad)
-    return ModelFromFile(
-        path=path,
-        model_class=type(base),
-        config=base.config,
-        dtype=next(model.parameters()).dtype,
-        peft_config=peft_config,
-        frozen=frozen,
-        gradient_checkpointing=gradient_checkpointing,
-    )
 
 
 @dataclass(frozen=True)

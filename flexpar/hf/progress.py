@@ -22,6 +22,7 @@ import torch
 
 from flexpar.callbacks import STOP, Callback
 from flexpar.hf.plan import RunPlan
+from flexpar.worker import checkpoints
 
 STATE_FILE = "flexpar-state.pt"
 """A checkpoint-N folder's flexpar training state (a hard link to flexpar's step-N.pt where it can be)."""
@@ -59,7 +60,10 @@ class TrainerProgress(Callback):
         self.trainer, self.plan, self.rates = trainer, plan, rates
         self.flexpar_folder = flexpar_folder
         self.losses_since_log, self.steps_since_log = 0.0, 0
-        self.total_loss, self.steps_run = 0.0, 0
+        self.total_loss, self.steps_trained = 0.0, 0  # over the whole run (train_loss)
+        self.steps_run = 0  # by this driver (the speed metrics)
+        self.replaying = False
+        self.continued = False  # whether a driver before this one began the run (replay)
         self.last_grad_norm = None
         self.mirrored: set = set()
         self.began = False
@@ -100,8 +104,8 @@ class TrainerProgress(Callback):
         handler, step = trainer.callback_handler, record["step"] + 1
         if state.global_step >= step:
             return None  # a resumed run's records before the resume point are not this run's
-        # A first record beyond the state this driver holds: it re-adopted devices mid-run.
-        self.begin(re_adopted=state.global_step < step - 1)
+        if not self.replaying:  # a first record beyond the state this driver holds: it re-adopted devices mid-run
+            self.begin(re_adopted=self.continued or state.global_step < step - 1)
         per_epoch = self.plan.steps_per_epoch
         if (step - 1) % per_epoch == 0:
             trainer.control = handler.on_epoch_begin(args, state, trainer.control)
@@ -113,12 +117,14 @@ class TrainerProgress(Callback):
         self.losses_since_log += float(record["loss"])
         self.steps_since_log += 1
         self.total_loss += float(record["loss"])
-        self.steps_run += 1
+        self.steps_trained += 1
+        self.steps_run += 0 if self.replaying else 1
         self.last_grad_norm = record.get("grad_norm")
         trainer.control = handler.on_step_end(args, state, trainer.control)
         if trainer.control.should_log:
             self.log_training()
-        self.mirror_checkpoints()
+        if not self.replaying:
+            self.mirror_checkpoints()
         if step % per_epoch == 0:
             trainer.control = handler.on_epoch_end(args, state, trainer.control)
         if trainer.control.should_training_stop and step < self.plan.steps:
@@ -133,6 +139,28 @@ class TrainerProgress(Callback):
         self.losses_since_log, self.steps_since_log = 0.0, 0
         self.trainer.control.should_log = False
         self.trainer.log(logs)
+
+    def replay(self, records: list) -> None:
+        """The records a driver before this one delivered (its metrics file, which a driver restarted with
+        `--resume` continues): the state, logs and loss sums they made, as if this driver had seen them.
+
+        The TrainerCallbacks saw them under that driver and are not called again: only transformers'
+        DefaultFlowCallback (which decides when to log, evaluate and save) runs while they replay.
+        """
+        from transformers.trainer_callback import DefaultFlowCallback
+
+        handler = self.trainer.callback_handler
+        callbacks = handler.callbacks
+        handler.callbacks = [callback for callback in callbacks if isinstance(callback, DefaultFlowCallback)]
+        self.replaying, self.continued = True, bool(records)
+        try:
+            for record in records:
+                if record["kind"] == "step":
+                    self.on_step(record)
+                elif record["kind"] == "eval":
+                    self.on_eval(record)
+        finally:
+            handler.callbacks, self.replaying = callbacks, False
 
     # ------------------------------------------------------------ evaluations
 
@@ -184,12 +212,9 @@ class TrainerProgress(Callback):
             os.link(source, target)
         except OSError:
             shutil.copyfile(source, target)
-        config = getattr(trainer.model, "config", None)
-        if config is not None and hasattr(config, "save_pretrained"):
-            config.save_pretrained(folder)
+        save_weights(trainer, source, folder)
         state = self.state_at(step)
         state.save_to_json(os.path.join(folder, "trainer_state.json"))
-        torch.save(trainer.args, os.path.join(folder, "training_args.bin"))
         self.mirrored.add(step)
         trainer.control = trainer.callback_handler.on_save(trainer.args, state, trainer.control)
         trainer.control.should_save = False
@@ -208,6 +233,28 @@ class TrainerProgress(Callback):
         state.global_step, state.epoch = step, step / self.plan.steps_per_epoch
         state.log_history = [entry for entry in state.log_history if entry.get("step", 0) <= step]
         return state
+
+
+def save_weights(trainer, source: str, folder: str) -> None:
+    """The checkpoint's model and optimizer in `folder` as transformers' own checkpoint holds them.
+
+    `model.safetensors` and `config.json` (the model's `save_pretrained`, by `Trainer._save`; a peft
+    model's adapter, `adapter_model.safetensors` and `adapter_config.json`), the processing class and
+    `training_args.bin`: `from_pretrained(folder)` loads the checkpoint's weights. flexpar's
+    checkpoint holds the trainable state (frozen weights and unchanged buffers by digest): the rest
+    of the state_dict is the script's model's own, which the devices built theirs from. Unless
+    `save_only_model`, `optimizer.pt` and `scheduler.pt` too (torch.optim's and the schedule's
+    state_dicts; flexpar's optimizer has the Trainer's parameter groups), so that
+    `transformers.Trainer` resumes from the folder as from its own.
+    """
+    from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+
+    with_optimizer = not trainer.args.save_only_model
+    state = checkpoints.read_checkpoint(source, torch.device("cpu"), with_optimizer=with_optimizer)
+    trainer._save(folder, state_dict={**trainer.model.state_dict(), **state["model"]})
+    if with_optimizer:
+        torch.save(state["optimizer"], os.path.join(folder, OPTIMIZER_NAME))
+        torch.save(state["scheduler"], os.path.join(folder, SCHEDULER_NAME))
 
 
 def checkpoint_folders(output_dir: str) -> list:

@@ -24,10 +24,11 @@ from transformers.trainer_utils import TrainOutput, get_last_checkpoint, speed_m
 
 from flexpar import job as job_module
 from flexpar import options as options_module
-from flexpar.hf import pieces, progress
+from flexpar.hf import model_file, pieces, progress
 from flexpar.hf import plan as plan_module
 from flexpar.hf.order import TrainerOrder
 from flexpar.hf.refusals import refused
+from flexpar.observe.metrics import read_records
 
 
 class Trainer(transformers.Trainer):
@@ -94,6 +95,7 @@ class Trainer(transformers.Trainer):
         folder = os.path.join(args.output_dir, progress.FLEXPAR_FOLDER)
         resume = self._prepare_flexpar_folder(folder, checkpoint)
         bridge = progress.TrainerProgress(self, plan, rates, folder if self._saves() else None)
+        bridge.replay(self._delivered_records())
         start = time.time()  # on_train_begin: at the job's start event (progress.py)
         model, summary = job.fit(steps=plan.steps, **self._fit_options(plan, folder, resume, bridge))
         self.flexpar_summary = summary
@@ -101,7 +103,7 @@ class Trainer(transformers.Trainer):
         bridge.mirror_checkpoints()
         runtime_steps = max(bridge.steps_run, 1)
         metrics = speed_metrics("train", start, num_samples=plan.global_batch * runtime_steps, num_steps=runtime_steps)
-        metrics["train_loss"] = bridge.total_loss / runtime_steps
+        metrics["train_loss"] = bridge.total_loss / max(bridge.steps_trained, 1)
         self.log(metrics)
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
@@ -158,7 +160,7 @@ class Trainer(transformers.Trainer):
         if getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing:
             keywords_of = getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs
             checkpointing = dict(keywords_of or {})
-        factory = pieces.save_model_file(model, os.path.join(args.output_dir, "flexpar-model"), checkpointing)
+        factory = model_file.save_model_file(model, os.path.join(args.output_dir, "flexpar-model"), checkpointing)
         loss = pieces.TrainerLoss(counts_items, bool(self._loss_shifts_labels), self.compute_loss_func)
         eval_dataset = self.eval_dataset if self._evaluates() else None
         job = job_module.Job(
@@ -245,6 +247,15 @@ class Trainer(transformers.Trainer):
             every = plan.steps_per_epoch if self._strategy("save_strategy") == "epoch" else int(self.state.save_steps)
             options.update(checkpoint_dir=folder, checkpoint_every=every, resume=resume)
         return options
+
+    def _delivered_records(self) -> list:
+        """The records of this job that a driver before this one delivered: under `flexpar run --resume`
+        (a restarted driver, which continues the job's metrics file), that file's records; else none."""
+        command_line = options_module._command_line.get() or {}
+        path = command_line.get("metrics") or self.flexpar_options.get("metrics")
+        if not command_line.get("resume") or not path or not os.path.isfile(path):
+            return []
+        return read_records(path)
 
     def _checkpoint_to_resume(self, resume_from_checkpoint) -> Optional[str]:
         """The checkpoint-N folder to resume from (True: the newest under output_dir), or None."""
