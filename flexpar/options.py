@@ -11,7 +11,6 @@ import contextvars
 import dataclasses
 import difflib
 import math
-import os
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -20,6 +19,7 @@ from flexpar.core.join_choice import MODES as JOIN_MODES
 from flexpar.errors import ArgumentError
 from flexpar.observe import trackers as trackers_module
 from flexpar.worker.fault_injection import SIGNALS, START_PHASES
+from flexpar.worker.host import cpu_count  # noqa: F401  (flexpar.options.cpu_count: the driver's, the CLI's)
 
 
 @dataclass(frozen=True)
@@ -376,24 +376,3 @@ def resolve(fit_arguments: dict) -> FitOptions:
 def is_loopback(host: str) -> bool:
     """Whether `host` is reachable only from this machine (127.0.0.0/8, ::1, localhost)."""
     return host in ("localhost", "::1") or host.startswith("127.")
-
-
-def cpu_count(cgroup_cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
-    """The cores this process may use: its CPU affinity, capped by a cgroup v2 CPU quota.
-
-    A container limited to 2 CPUs on a 64-core node (Kubernetes `limits.cpu`)
-    sees 64 cores in its affinity mask; its quota says 2, and that is what the
-    core count (devices, threads per device) must follow.
-    """
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    try:
-        with open(cgroup_cpu_max, encoding="ascii") as handle:
-            quota, period = handle.read().split()[:2]
-        if quota != "max":
-            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):  # no cgroup v2 quota here
-        pass
-    return cores

@@ -8,7 +8,7 @@ holds alike: one small all-reduce at the join boundary (only where the join
 could stream at all), in which
 
 - every rank writes where it runs into its own slots: a digest of its host's
-  name, the host's cores (`flexpar.options.cpu_count`), its intra-op threads,
+  name, the host's cores (`flexpar.worker.host.cpu_count`), its intra-op threads,
   and whether it computes on the CPU;
 - the stock's source (the member that holds the latest state, and the
   balancer's state with it) writes the measurements: the members' median step
@@ -36,6 +36,7 @@ import torch.distributed as dist
 from flexpar.comm.collectives import collective, wait_for_collective
 from flexpar.core import join_choice
 from flexpar.worker import stream_rules
+from flexpar.worker.host import cpu_count
 
 PLACE_SLOTS = 4
 """Each rank's slots: its host's digest, the host's cores, its threads, whether it computes on the CPU."""
@@ -60,16 +61,10 @@ def host_digest(name: Optional[str] = None) -> float:
     return float(int.from_bytes(hashlib.sha256(name.encode()).digest()[:6], "big"))
 
 
-def host_cores() -> int:
-    from flexpar.options import cpu_count  # options imports the worker's fault injection: imported late
-
-    return cpu_count()
-
-
 def place_numbers(device) -> list:
     """This rank's slots: where it runs."""
     threads = torch.get_num_threads() if device.type == "cpu" else 1
-    return [host_digest(), float(host_cores()), float(max(1, threads)), 1.0 if device.type == "cpu" else 0.0]
+    return [host_digest(), float(cpu_count()), float(max(1, threads)), 1.0 if device.type == "cpu" else 0.0]
 
 
 def state_bytes(model, optimizer) -> tuple:
