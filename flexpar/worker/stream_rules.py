@@ -31,8 +31,6 @@ def common_refusal(settings, by_cost: bool, joiners, latest_step: int) -> Option
     """Why no join of this job may stream at this boundary, sharded or not (None: it may)."""
     if settings.join_stream_mb == 0:
         return "join_stream_mb=0"
-    if getattr(settings, "join_mode", "auto") == "blocking":
-        return "join_mode=blocking"
     if by_cost:
         return "sample_cost= plans every device's VWs ahead"
     if 0 in joiners:

@@ -489,7 +489,10 @@ def test_join_mode_blocking_transfers_the_state_at_the_boundary(train, tmp_path)
         join_mode="blocking",
     )
     join, _ = _join_way(run[2])
-    assert "blocking transfer: join_mode=blocking" in join["detail"], join
+    assert re.search(
+        r"blocking transfer: predicted [\d.e-]+ s against [\d.e-]+ s streaming \(join mode blocking\)", join["detail"]
+    ), join
+    assert join["join_way"] == "blocking" and join["lost_s"] == pytest.approx(join["stall_s"], abs=1e-5), join
     _assert_blocking(run[2])
     _assert_same_bits(run, reference)
 
