@@ -38,10 +38,11 @@ there and listed in ``unfinished``, not ``failed``).
   where rounds differed); ``auto_predicted_lost_s``: by size, the default's join event's predictions
   (``{"stream": s, "blocking": s}``), beside what each way really lost.
 - ``unfinished``: the runs ended at ``MAX_STEPS_AFTER_JOIN`` before the joiner took VWs (empty: none).
-- ``bitwise_equal``: every streamed run ended with its ``stream`` event, which
-  flexpar publishes only after every device checked the joiner's copy of each
-  tensor (with its optimizer state) against its senders' bit for bit (a
-  mismatch stops the job); ``false`` if any run failed or never finished.
+- ``bitwise_equal``: every streamed run (forced, or the default where it
+  streamed) ended with its ``stream`` event, which flexpar publishes only after
+  every device checked the joiner's copy of each tensor (with its optimizer
+  state) against its senders' bit for bit (a mismatch stops the job); ``false``
+  if any run failed or never finished.
 - a PNG (``--plot PATH``): the members' lost time against the state's size.
 
 On this 2-core machine three devices share two cores: the transfer and the
