@@ -3,9 +3,15 @@
 A 2 -> 3 CPU-device AdamW job on an MLP whose width sets the training state's
 size (parameters + AdamW's two moments, 12 bytes a parameter: about 0.1, 0.5, 1
 and 2 GB; ``--quick``: 0.1 and 0.5), the same global batch and VWs at every
-size. Each size runs with streaming (the default) and with the blocking
-transfer (``join_stream_mb=0``), alternating, ``--rounds`` times; the figures
-are medians over rounds, read from each run's metrics file:
+size. Each size runs with streaming forced (``join_mode="stream"``), with the
+blocking transfer forced (``join_mode="blocking"``) and with the default
+(``join_mode="auto"``: the engine predicts both and takes the cheaper,
+flexpar/core/join_choice.py), in turn (the order rotates by round), ``--rounds``
+times; the figures are medians over rounds, read from each run's metrics file.
+Every run is finished: it runs until the joiner has taken VWs for
+``CONTRIBUTING_STEPS`` steps (a callback then stops it), however many steps its
+stream needs, up to ``MAX_STEPS_AFTER_JOIN`` (a run that reaches them is ended
+there and listed in ``unfinished``, not ``failed``).
 
 - ``boundary_stall_s``: the join event's ``stall_s`` with streaming, by size
   (GB, as a string); ``blocking_stall_s`` the same for the blocking transfer.
@@ -25,10 +31,18 @@ are medians over rounds, read from each run's metrics file:
 - ``step_before_s``, ``compute_before_s``: by size, the members' median step and the slowest member's
   VW compute (``busy_s``) per step before the joiner started; ``compute_at_join_s`` the same over the 5
   steps before the join's boundary (what the engine sizes a stream's slices from): flexpar.sim's inputs.
-- ``bitwise_equal``: every streamed run ended with its ``stream`` event, which
-  flexpar publishes only after every device checked the joiner's copy of each
-  tensor (with its optimizer state) against its senders' bit for bit (a
-  mismatch stops the job); ``false`` if any run failed or never finished.
+- ``members_lost_s["auto"]``, ``time_to_contribute_s["auto"]``: the same for the default.
+- ``auto_lost_ratio``: by size, the default's members' lost time / the smaller of streaming's and the
+  blocking transfer's (medians, measured side by side in one run of the benchmark); goal <= 1.1.
+- ``auto_choice``: by size, the way the default took (``stream`` or ``blocking``; both, with counts,
+  where rounds differed); ``auto_predicted_lost_s``: by size, the default's join event's predictions
+  (``{"stream": s, "blocking": s}``), beside what each way really lost.
+- ``unfinished``: the runs ended at ``MAX_STEPS_AFTER_JOIN`` before the joiner took VWs (empty: none).
+- ``bitwise_equal``: every streamed run (forced, or the default where it
+  streamed) ended with its ``stream`` event, which flexpar publishes only after
+  every device checked the joiner's copy of each tensor (with its optimizer
+  state) against its senders' bit for bit (a mismatch stops the job); ``false``
+  if any run failed or never finished.
 - a PNG (``--plot PATH``): the members' lost time against the state's size.
 
 On this 2-core machine three devices share two cores: the transfer and the
@@ -68,7 +82,9 @@ SIZES_GB = (0.1, 0.5, 1.0, 2.0)
 QUICK_SIZES_GB = (0.1, 0.5)
 VIRTUAL_WORKERS = 4
 JOIN_AT = 6  # the joiner is started after this step; the steps before it time the members alone
-STEPS_AFTER_JOIN = 24  # the joiner's warm-up, a stream of up to about 15 steps, and steps with VWs after it
+CONTRIBUTING_STEPS = 4  # a run stops once the joiner has taken VWs for this many steps
+MAX_STEPS_AFTER_JOIN = 200  # the joiner's warm-up and any stream: a run that reaches it ends there (`unfinished`)
+MODES = ("stream", "blocking", "auto")
 GLOBAL_BATCH = 16
 
 
@@ -116,14 +132,29 @@ def make_job(width: int) -> flexpar.Job:
     )
 
 
-def run_once(size_gb: float, streaming: bool, work_dir: str) -> dict:
-    """One 2 -> 3 fit; its figures (or `failed` with the reason)."""
+class StopOnceContributing:
+    """Stops the job once the joiner has taken VWs for CONTRIBUTING_STEPS steps (its stream ended)."""
+
+    def __init__(self):
+        self.contributing = 0
+
+    def on_step(self, record):
+        if len(record["devices"]) == 3 and not record.get("joining"):
+            self.contributing += 1
+            if self.contributing >= CONTRIBUTING_STEPS:
+                return flexpar.STOP
+        return None
+
+
+def run_once(size_gb: float, mode: str, work_dir: str) -> dict:
+    """One 2 -> 3 fit with `join_mode=mode`; its figures (or `failed` with the reason)."""
     job = make_job(width_for(size_gb))
-    steps = JOIN_AT + STEPS_AFTER_JOIN
+    steps = JOIN_AT + MAX_STEPS_AFTER_JOIN
     metrics = harness.unique_path(work_dir, ".jsonl")
     try:
         job.fit(
             steps=steps,
+            callbacks=[StopOnceContributing()],
             devices=2,
             max_devices=3,
             schedule=f"{JOIN_AT}:+1",
@@ -133,16 +164,27 @@ def run_once(size_gb: float, streaming: bool, work_dir: str) -> dict:
             oversubscribe=True,
             run_dir=work_dir,
             timeout_s=120.0,
-            join_stream_mb=None if streaming else 0,
+            join_mode=mode,
             backend="gloo",  # CPU devices, also on a host with GPUs
         )
     except Exception as error:  # a run that fails is reported, not hidden
         return {"failed": f"{type(error).__name__}: {str(error)[:300]}"}
-    return figures_of_run(harness.metrics_records(metrics), streaming)
+    records = harness.metrics_records(metrics)
+    joins = [r for r in records if r["kind"] == "event" and r["event"] == "join"]
+    way = joins[0].get("join_way", mode) if joins else mode
+    result = figures_of_run(records, way == "stream")
+    if joins:
+        result["way"] = way
+        result["predicted"] = {
+            "stream": joins[0].get("predicted_stream_lost_s"),
+            "blocking": joins[0].get("predicted_blocking_lost_s"),
+        }
+    return result
 
 
 def figures_of_run(records: list, streaming: bool) -> dict:
-    """The figures of one run from its metrics records (pure)."""
+    """The figures of one run from its metrics records (pure); `unfinished` where it ended before the
+    joiner took VWs (at MAX_STEPS_AFTER_JOIN)."""
     steps = [r for r in records if r["kind"] == "step"]
     events = [r for r in records if r["kind"] == "event"]
     joins = [e for e in events if e["event"] == "join"]
@@ -154,7 +196,7 @@ def figures_of_run(records: list, streaming: bool) -> dict:
     listening = [r for r in steps if r.get("joining")]
     contributing = [r for r in steps if len(r["devices"]) == 3 and not r.get("joining")]
     if not contributing:
-        return {"failed": "the joiner never took VWs (the job ended first)"}
+        return {"unfinished": f"the joiner had not taken VWs by step {steps[-1]['step'] if steps else 0}"}
     first = contributing[0]
     step_before = median(before) if before else float("nan")
     # The first step after the boundary is timed from the commit before it: its time holds the stall.
@@ -188,11 +230,12 @@ def figures_of_run(records: list, streaming: bool) -> dict:
 
 
 def measure(sizes, rounds: int, work_dir: str) -> dict:
-    runs = {(size, mode): [] for size in sizes for mode in ("stream", "blocking")}
+    runs = {(size, mode): [] for size in sizes for mode in MODES}
     for round_number in range(rounds):
         for size in sizes:
-            for mode in ("stream", "blocking") if round_number % 2 == 0 else ("blocking", "stream"):
-                result = run_once(size, mode == "stream", work_dir)
+            shift = round_number % len(MODES)
+            for mode in MODES[shift:] + MODES[:shift]:
+                result = run_once(size, mode, work_dir)
                 runs[(size, mode)].append(result)
                 progress(f"round {round_number + 1}, {size} GB, {mode}: {result}")
     return runs
@@ -208,10 +251,10 @@ def figures(runs: dict, sizes) -> dict:
         "sizes_gb": [label[size] for size in sizes],
         "boundary_stall_s": {label[s]: med(s, "stream", "stall_s") for s in sizes},
         "blocking_stall_s": {label[s]: med(s, "blocking", "stall_s") for s in sizes},
-        "members_lost_s": {mode: {label[s]: med(s, mode, "lost_s") for s in sizes} for mode in ("stream", "blocking")},
+        "members_lost_s": {mode: {label[s]: med(s, mode, "lost_s") for s in sizes} for mode in MODES},
         "member_slowdown": {label[s]: med(s, "stream", "slowdown") for s in sizes},
         "time_to_contribute_s": {
-            mode: {label[s]: med(s, mode, "time_to_contribute_s") for s in sizes} for mode in ("stream", "blocking")
+            mode: {label[s]: med(s, mode, "time_to_contribute_s") for s in sizes} for mode in MODES
         },
         "stream_steps": {label[s]: med(s, "stream", "stream_steps") for s in sizes},
         "stream_planned_steps": {label[s]: med(s, "stream", "planned_steps") for s in sizes},
@@ -219,11 +262,38 @@ def figures(runs: dict, sizes) -> dict:
         "step_before_s": {label[s]: med(s, "stream", "step_before_s") for s in sizes},
         "compute_before_s": {label[s]: med(s, "stream", "compute_before_s") for s in sizes},
         "compute_at_join_s": {label[s]: med(s, "stream", "compute_at_join_s") for s in sizes},
-        "bitwise_equal": all(run.get("streamed") is True for s in sizes for run in runs[(s, "stream")]),
+        "bitwise_equal": all(
+            run.get("streamed") is True
+            for s in sizes
+            for mode in ("stream", "auto")
+            for run in runs[(s, mode)]
+            if mode == "stream" or run.get("way") == "stream"
+        )
+        and not any("failed" in run or "unfinished" in run for items in runs.values() for run in items),
         "failed": [
             f"{s} GB {mode}: {run['failed']}" for (s, mode), items in runs.items() for run in items if "failed" in run
         ],
+        "unfinished": [
+            f"{s} GB {mode}: {run['unfinished']}"
+            for (s, mode), items in runs.items()
+            for run in items
+            if "unfinished" in run
+        ],
+        "auto_choice": {label[s]: choice_of(runs[(s, "auto")]) for s in sizes},
+        "auto_predicted_lost_s": {
+            label[s]: {
+                way: _median_or_none([run["predicted"][way] for run in runs[(s, "auto")] if "predicted" in run])
+                for way in ("stream", "blocking")
+            }
+            for s in sizes
+        },
     }
+    result["auto_lost_ratio"] = {}
+    for s in sizes:
+        auto = result["members_lost_s"]["auto"][label[s]]
+        others = [result["members_lost_s"][mode][label[s]] for mode in ("stream", "blocking")]
+        best = min((value for value in others if value is not None), default=None)
+        result["auto_lost_ratio"][label[s]] = auto / best if auto is not None and best else None
     small, large = label[sizes[0]], label[sizes[-1]]
     for key, stalls in (("boundary_stall_growth", "boundary_stall_s"), ("blocking_stall_growth", "blocking_stall_s")):
         low, high = result[stalls][small], result[stalls][large]
@@ -235,6 +305,21 @@ def figures(runs: dict, sizes) -> dict:
     return result
 
 
+def _median_or_none(values):
+    values = [value for value in values if value is not None]
+    return median(values) if values else None
+
+
+def choice_of(runs: list) -> str:
+    """The way the default took over its rounds: one word, or each way with its count."""
+    ways = [run["way"] for run in runs if "way" in run]
+    if not ways:
+        return None
+    if len(set(ways)) == 1:
+        return ways[0]
+    return ", ".join(f"{way} x{ways.count(way)}" for way in sorted(set(ways)))
+
+
 def plot(result: dict, path: str) -> None:
     import matplotlib
 
@@ -243,7 +328,7 @@ def plot(result: dict, path: str) -> None:
 
     sizes = [float(size) for size in result["sizes_gb"]]
     figure, axes = plt.subplots(figsize=(6, 4))
-    for mode, style in (("blocking", "o-"), ("stream", "s-")):
+    for mode, style in (("blocking", "o-"), ("stream", "s-"), ("auto", "^--")):
         values = [result["members_lost_s"][mode][label] for label in result["sizes_gb"]]
         axes.plot(sizes, [v if v is not None else float("nan") for v in values], style, label=mode)
     axes.set_xlabel("training state (GB)")
@@ -288,7 +373,7 @@ def main() -> int:
         plot(result, args.plot)
     for key, value in result.items():
         print(f"{key}: {value}")
-    return 0 if result["bitwise_equal"] and not result["failed"] else 1
+    return 0 if result["bitwise_equal"] and not result["failed"] and not result["unfinished"] else 1
 
 
 if __name__ == "__main__":

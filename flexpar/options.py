@@ -11,14 +11,15 @@ import contextvars
 import dataclasses
 import difflib
 import math
-import os
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 from flexpar import callbacks as callbacks_module
+from flexpar.core.join_choice import MODES as JOIN_MODES
 from flexpar.errors import ArgumentError
 from flexpar.observe import trackers as trackers_module
 from flexpar.worker.fault_injection import SIGNALS, START_PHASES
+from flexpar.worker.host import cpu_count  # noqa: F401  (flexpar.options.cpu_count: the driver's, the CLI's)
 
 
 @dataclass(frozen=True)
@@ -191,6 +192,9 @@ class FitOptions:
     # A joiner listens while the state streams to it (flexpar/worker/streaming.py): each sender's MB per step
     # (None: a share of the step time at the link's rate; 0: no streaming, the blocking transfer).
     join_stream_mb: Optional[float] = None
+    # How a joiner comes in (flexpar/core/join_choice.py): "auto" predicts both ways' cost to the members
+    # and takes the cheaper; "stream" or "blocking" forces one (join_stream_mb=0 forces "blocking" too).
+    join_mode: str = "auto"
 
     def __post_init__(self):
         object.__setattr__(self, "schedule", parse_schedule(self.schedule))
@@ -212,6 +216,16 @@ class FitOptions:
             raise ValueError(
                 f"join_stream_mb={self.join_stream_mb} must be >= 0 (MB a sender streams to a joiner per step; "
                 "0: joins with a blocking transfer)"
+            )
+        if self.join_mode not in JOIN_MODES:
+            raise ValueError(
+                f"join_mode={self.join_mode!r}: choose one of {', '.join(repr(mode) for mode in JOIN_MODES)} "
+                "(auto: the cheaper way for the members, predicted at each join)"
+            )
+        if self.join_mode == "stream" and self.join_stream_mb == 0:
+            raise ValueError(
+                "join_mode='stream' contradicts join_stream_mb=0 (which joins with the blocking transfer): "
+                "drop one of them"
             )
         if self.devices is not None and self.max_devices is not None and self.devices > self.max_devices:
             raise ValueError(_more_than_max_devices(self.devices, self.max_devices))
@@ -362,24 +376,3 @@ def resolve(fit_arguments: dict) -> FitOptions:
 def is_loopback(host: str) -> bool:
     """Whether `host` is reachable only from this machine (127.0.0.0/8, ::1, localhost)."""
     return host in ("localhost", "::1") or host.startswith("127.")
-
-
-def cpu_count(cgroup_cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
-    """The cores this process may use: its CPU affinity, capped by a cgroup v2 CPU quota.
-
-    A container limited to 2 CPUs on a 64-core node (Kubernetes `limits.cpu`)
-    sees 64 cores in its affinity mask; its quota says 2, and that is what the
-    core count (devices, threads per device) must follow.
-    """
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    try:
-        with open(cgroup_cpu_max, encoding="ascii") as handle:
-            quota, period = handle.read().split()[:2]
-        if quota != "max":
-            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):  # no cgroup v2 quota here
-        pass
-    return cores

@@ -85,6 +85,19 @@ def test_bad_flag_is_refused_before_the_script_runs(tmp_path):
     assert run.returncode != 0 and "is not STEP:+N" in run.stderr and "the script ran" not in run.stderr
 
 
+def test_contradictory_join_flags_are_refused_before_the_script_runs(tmp_path):
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit('the script ran')\n")
+    for flags, said in (
+        (["--join-mode", "stream", "--join-stream-mb", "0"], "join_mode='stream' contradicts join_stream_mb=0"),
+        (["--join-mode", "sometimes"], "invalid choice: 'sometimes'"),
+    ):
+        run = subprocess.run(
+            [sys.executable, "-m", "flexpar", "run", *flags, str(script)], capture_output=True, text=True, timeout=60
+        )
+        assert run.returncode == 2 and said in run.stderr and "the script ran" not in run.stderr, run.stderr
+
+
 # ------------------------------------------------------------ launcher conventions
 
 

@@ -92,6 +92,12 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         "time at the link's rate; 0: joins with a blocking transfer)",
     )
     parser.add_argument(
+        "--join-mode",
+        choices=("auto", "stream", "blocking"),
+        help="how a joiner comes in: auto (default: the way predicted to cost the members less), stream "
+        "(it listens while the state streams) or blocking (the whole state at the boundary)",
+    )
+    parser.add_argument(
         "--checkpoint-frozen",
         action="store_true",
         default=None,
@@ -134,6 +140,7 @@ _RUN_FIELDS = (
     "checkpoint_frozen",
     "driver_grace_s",
     "join_stream_mb",
+    "join_mode",
 )
 
 

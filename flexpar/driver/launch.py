@@ -141,6 +141,7 @@ def _run_settings(
         driver_pid=os.getpid(),
         address=address,
         join_stream_mb=options.join_stream_mb,
+        join_mode=options.join_mode,
     )
 
 

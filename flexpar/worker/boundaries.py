@@ -37,7 +37,7 @@ import torch.distributed as dist
 from flexpar.comm import state_transfer as training_state
 from flexpar.comm.collectives import PeerFailure, collective, fresh_group
 from flexpar.core import balance, batching, factory_checks
-from flexpar.worker import checkpoints, stream_rules
+from flexpar.worker import checkpoints, join_way, stream_rules
 from flexpar.worker.device_link import DriverLost
 from flexpar.worker.shard_streaming import ShardStream
 
@@ -119,6 +119,7 @@ class Boundaries:
                 )
             )
             self.streams.say("")
+            self.streams.chose(None)
             # A stream broken off goes on, re-planned, or is dropped (flexpar/worker/streaming.py).
             streaming = self.streamed_join.goes_on(stock, generation, group, settings)
             if not streaming:
@@ -159,6 +160,10 @@ class Boundaries:
             stall = max(0.0, time.time() - stock.last_commit_wall)
             if self.streams.current is not None:  # the first streamed step is timed from before this stall
                 self.streams.current.stall_s = stall
+            choice = self.streams.choice
+            join_fields = join_way.event_fields(choice)
+            if choice is not None and choice.way == "blocking":  # what the join cost the members: its stall
+                join_fields["lost_s"] = round(stall, 6)
             self.records.publish_generation_events(
                 record,
                 stall,
@@ -168,6 +173,7 @@ class Boundaries:
                 generation=generation,
                 members=members,
                 stream_moves=moved,
+                join_fields=join_fields,
             )
 
     def _open_streams(self, generation: int, members: tuple, rank: int) -> dict:
@@ -244,15 +250,40 @@ class Boundaries:
             return 0.0
         refusal = stream_rules.refusal(stock, settings, self.by_cost, self.model, self.optimizer)
         if refusal is None:
-            return self.streamed_join.level(stock, rank, generation, group, settings)
-        if refusal != "not a join":
+            sizes = lambda: join_way.state_bytes(self.model, self.optimizer)  # noqa: E731
+            peer_lost = lambda: self.link.lost_among(generation, group)  # noqa: E731
+            choice = self.choose_way(stock, rank, group, settings, sizes, peer_lost)
+            if choice.way == "stream":
+                return self.streamed_join.level(stock, rank, generation, group, settings)
+        elif refusal != "not a join":
             self.streams.say(f"blocking transfer: {refusal}")
         return self._level(stock, rank, len(group))
+
+    def choose_way(self, stock, rank: int, group: tuple, settings, sizes, peer_lost) -> object:
+        """A join that may stream: which way it takes, the same on every member (flexpar/worker/join_way.py);
+        the join event says it. `sizes()`: the source's (streamed bytes, the rest's bytes)."""
+        senders = len(group) - len(stock.receivers)
+
+        def measure():
+            return join_way.source_numbers(
+                settings,
+                self.committed.balance,
+                self.records.median_step_time(),
+                sizes(),
+                self.streams.link_bytes_per_s,
+                join_way.boundary_so_far(stock),
+                senders,
+            )
+
+        choice = join_way.decide(stock, rank, group, settings, measure, self.device, peer_lost)
+        self.streams.chose(choice)
+        return choice
 
     def _level(self, stock: training_state.Stock, rank: int, world_size: int) -> float:
         """Send the latest state from the source to the members behind it; returns the bytes sent."""
         sent = 0
         if rank == stock.source:
+            began = time.perf_counter()
             state = self.state.capture()
             sent = collective(
                 lambda: training_state.send_state(
@@ -262,6 +293,9 @@ class Boundaries:
                     after_size=lambda: self.faults.fire("transfer", self.committed.step, self.membership.members),
                 )
             )
+            seconds = time.perf_counter() - began
+            if sent >= join_way.MIN_MEASURED_BYTES and seconds > 0:  # the link, as the next join predicts it
+                self.streams.link_bytes_per_s = sent / len(stock.receivers) / seconds
         elif rank in stock.receivers:
             # A joiner holds nothing committed: it receives the model in place. A member
             # that is only behind keeps its own state intact until the new one is whole.

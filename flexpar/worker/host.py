@@ -1,7 +1,9 @@
-"""What a device process does to its host: its lines on the shared stderr, its CPU priority when it leaves."""
+"""What a device process does to its host: its lines on the shared stderr, its CPU priority when it leaves,
+and the cores it may use."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -27,3 +29,24 @@ def say(line: str) -> None:
         sys.stderr.flush()
     except OSError:
         pass
+
+
+def cpu_count(cgroup_cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """The cores this process may use: its CPU affinity, capped by a cgroup v2 CPU quota.
+
+    A container limited to 2 CPUs on a 64-core node (Kubernetes `limits.cpu`)
+    sees 64 cores in its affinity mask; its quota says 2, and that is what the
+    core count (devices, threads per device) must follow.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    try:
+        with open(cgroup_cpu_max, encoding="ascii") as handle:
+            quota, period = handle.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):  # no cgroup v2 quota here
+        pass
+    return cores

@@ -92,11 +92,14 @@ class RecordQueue:
         members: tuple,
         state_bytes_sent: Optional[int] = None,
         stream_moves: Optional[dict] = None,
+        fields: Optional[dict] = None,
     ) -> None:
         """An event of rank 0 after committed step `step`, in `generation` of `members` (`stream_moves`:
-        a streaming job's cost of reaching its moved streams' positions, DataStreams.open_at_boundary)."""
+        a streaming job's cost of reaching its moved streams' positions, DataStreams.open_at_boundary;
+        `fields`: more of the record's fields, such as a join's way and predictions)."""
         extra = {} if state_bytes_sent is None else {"state_bytes_sent": int(state_bytes_sent)}
         extra.update(stream_moves or {})
+        extra.update(fields or {})
         self.publish_kept(
             {
                 **extra,
@@ -122,10 +125,12 @@ class RecordQueue:
         generation: int,
         members: tuple,
         stream_moves: Optional[dict] = None,
+        join_fields: Optional[dict] = None,
     ) -> None:
         """Rank 0 at a boundary: what the generation `record` changed (adopt, failure, leave, start,
         join), with the boundary's stall and the bytes it sent (all senders), and what reaching the
-        streams' positions cost (`stream_moves`, in each event but adopt)."""
+        streams' positions cost (`stream_moves`, in each event but adopt); `join_fields`: the join
+        event's record of the way it took (flexpar/worker/join_way.py `event_fields`)."""
         recovered, self.after_failure = self.after_failure, False
         where = {"step": step, "generation": generation, "members": members}
         sent_with = {"state_bytes_sent": sent, "stream_moves": stream_moves}
@@ -136,7 +141,7 @@ class RecordQueue:
         goes_on = ""
         if stream_note.startswith("the stream"):  # goes on from the members left
             goes_on = f"; {stream_note}"
-        elif stream_note.startswith("streamed to") and not record["joined"]:  # a listener that stayed
+        elif stream_note.startswith("streamed") and not record["joined"]:  # a listener that stayed
             goes_on = f"; the stream starts over, {stream_note}"
         if record["failed"]:
             self.publish_event(
@@ -164,7 +169,14 @@ class RecordQueue:
                 ]
             note = f"; {stream_note}" if kind == "join" and stream_note else ""
             detail = "joined: " + ", ".join(joined) + note
-            self.publish_event(kind, detail, 0.0 if kind == "start" else stall, **where, **sent_with)
+            self.publish_event(
+                kind,
+                detail,
+                0.0 if kind == "start" else stall,
+                **where,
+                **sent_with,
+                fields=join_fields if kind == "join" else None,
+            )
 
 
 def adoption_record(record: dict, stall: float, *, step: int, generation: int, members: tuple) -> dict:

@@ -66,3 +66,4 @@ class RunSettings:
     driver_pid: int = 0  # the driver's process (tests' and the soak's driver faults: STEP:driver:PHASE)
     address: str = ""  # where the job listens (HOST:PORT, as the devices reach it)
     join_stream_mb: Optional[float] = None  # FitOptions.join_stream_mb (flexpar/worker/streaming.py)
+    join_mode: str = "auto"  # FitOptions.join_mode (flexpar/worker/join_way.py)

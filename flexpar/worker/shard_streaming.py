@@ -52,7 +52,7 @@ from flexpar.core import shard_stream_plan, stream_plan
 from flexpar.core.shard_partition import Partition
 from flexpar.core.shard_plan import Report, plan_levelling
 from flexpar.errors import TrainingError
-from flexpar.worker import stream_rules
+from flexpar.worker import join_way, stream_rules
 from flexpar.worker.stream_session import Stream, StreamMismatch
 
 
@@ -101,6 +101,8 @@ class ShardStreaming:
             return self.levelling.level(stock, rank, group, training, record, peer_lost, settings)
         refusal = "a planned leave hands its state over at this boundary" if len(group) > training else None
         refusal = refusal or self._refusal(stock, settings)
+        if refusal is None and self._choose_way(stock, rank, group, training, settings, peer_lost) == "blocking":
+            return self.levelling.level(stock, rank, group, training, record, peer_lost, settings)  # the choice says it
         if refusal is None:
             self.levelling.finish_pending(stock)
             reports = self._stream_reports(group, peer_lost, settings)
@@ -109,6 +111,25 @@ class ShardStreaming:
                 return self._level_shard_streamed(reports, rank, group, training, peer_lost)
         self.streams.say(f"blocking transfer: {refusal}")
         return self.levelling.level(stock, rank, group, training, record, peer_lost, settings)
+
+    def _choose_way(self, stock, rank: int, group: tuple, training: int, settings, peer_lost) -> str:
+        """The way this join takes (flexpar/worker/join_way.py), the same on every member."""
+        senders = len(group) - len(stock.joiners)
+
+        def measure():
+            return join_way.source_numbers(
+                settings,
+                self.committed.balance,
+                self.records.median_step_time(),
+                join_way.sharded_state_bytes(self.shards.model, training),
+                self.streams.link_bytes_per_s,
+                join_way.boundary_so_far(stock),
+                senders,
+            )
+
+        choice = join_way.decide(stock, rank, group, settings, measure, self.device, peer_lost, stock.joiners)
+        self.streams.chose(choice)
+        return choice.way
 
     def _refusal(self, stock, settings) -> Optional[str]:
         """None if the job's kind lets this join stream; else why not (the same on every member)."""

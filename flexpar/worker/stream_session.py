@@ -15,6 +15,7 @@ from typing import Optional
 from flexpar.comm.collectives import wait_for_transfers
 from flexpar.core import stream_plan
 from flexpar.errors import TrainingError
+from flexpar.worker import join_way
 
 MASK_BITS = 52
 """Senders a listener can name in its landed mask (a float64 slot of the stock holds 52 bits exactly)."""
@@ -50,6 +51,7 @@ class Stream:
     rank: int = -1  # this device's rank in the stream's generation (`Worker.rank` only once its boundary ends)
     before_s: float = 0.0  # the members' median step time before the join, from those statistics
     landed_mask: int = 0  # a listener, broken off: the senders (bits by place) whose last slices landed
+    choice: dict = dataclasses.field(default_factory=dict)  # join_way.event_fields of the choice that began it
 
     def identity(self) -> float:
         """The same on every member holding this stream in this state (0 is no stream): its plan's
@@ -77,6 +79,11 @@ class StreamSession:
       the old group's reaper when the stream breaks off.
     - `note` is what this boundary's join event says of the stream, or why
       the join was blocking ("" if nothing).
+    - `choice` is the way this boundary's join took and both predictions
+      (flexpar/worker/join_way.py), the same on every member; None where no
+      choice was made (no join, or a join that cannot stream).
+    - `link_bytes_per_s` is the bandwidth this device measured on its last
+      blocking transfer of the state as its source (0: none yet).
     - `of_pending` is a sharded stream abandoned at a boundary while this
       device held a step it had not applied (flexpar/worker/shard_levelling.py's
       `pending_commit`): that step is applied with that stream's listeners.
@@ -87,6 +94,8 @@ class StreamSession:
         self.transfers: tuple = ()
         self.note = ""
         self.of_pending: Optional[Stream] = None
+        self.choice = None
+        self.link_bytes_per_s = 0.0
 
     # ------------------------------------------------------------ who listens
 
@@ -129,9 +138,20 @@ class StreamSession:
     # ------------------------------------------------------------ its course
 
     def begin(self, stream: Stream, note: str) -> None:
-        """A boundary starts a stream (or goes on with one, re-planned): the join event says `note`."""
+        """A boundary starts a stream (or goes on with one, re-planned): the join event says `note`,
+        after the choice's reason where this boundary chose to stream (the stream keeps the choice's
+        predictions for its `stream` event)."""
+        if self.choice is not None and self.choice.way == "stream":
+            note = f"{self.choice.reason}; {note}"
+            stream.choice = join_way.event_fields(self.choice)
         self.current = stream
         self.note = note
+
+    def chose(self, choice) -> None:
+        """This boundary's choice of the join's way (None: none made); a blocking one is the event's note."""
+        self.choice = choice
+        if choice is not None and choice.way == "blocking":
+            self.note = choice.reason
 
     def say(self, note: str) -> None:
         """What this boundary's join event says of the stream, or why the join was blocking."""

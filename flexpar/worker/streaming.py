@@ -328,15 +328,23 @@ class StreamedJoin:
             median = during[len(during) // 2]
             slower = f"; the members' median step {median / stream.step_before_s:.2f} x the one before"
         listeners = ", ".join(self.membership.members[rank] for rank in stream.listeners)
+        lost = stream_lost_s(stream)
+        fields = dict(stream.choice)
+        if lost is not None:
+            fields["lost_s"] = round(lost, 6)
+        against = ""
+        if lost is not None and "predicted_stream_lost_s" in fields:
+            against = f"; the members lost {lost:.2g} s (predicted {fields['predicted_stream_lost_s']:.2g} s)"
         self.records.publish_event(
             "stream",
             f"{listeners} holds the training state: {stream.plan.size} bytes streamed over {steps} "
-            f"step{'s' if steps != 1 else ''} ({seconds:.2f} s){slower}",
+            f"step{'s' if steps != 1 else ''} ({seconds:.2f} s){slower}{against}",
             0.0,
             step=self.committed.step,
             generation=self.membership.generation,
             members=self.membership.members,
             state_bytes_sent=stream.bytes_sent,
+            fields=fields,
         )
 
     # ------------------------------------------------------------ helpers
@@ -367,3 +375,12 @@ class StreamedJoin:
                 whole = item.start == 0 and item.stop == parameter.numel()
                 views.append(flat if whole or tensor.dim() == 0 else flat[item.start : item.stop])
         return views
+
+
+def stream_lost_s(stream):
+    """What the stream cost the members (rank 0's clock): the join boundary's stall, then every streamed
+    step's time beyond the members' median step before the join (None where that is unknown: a stream
+    that went on past another boundary, or no step before the join)."""
+    if stream.step_before_s <= 0 or len(stream.step_times) < stream.rounds_done:
+        return None
+    return stream.stall_s + sum(max(0.0, seconds - stream.step_before_s) for seconds in stream.step_times)

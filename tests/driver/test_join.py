@@ -100,6 +100,7 @@ def test_refusals_scale_and_status(tmp_path):
         display=False,
         quiet=True,
         oversubscribe=True,
+        join_mode="stream",  # the test is of a stream's status line ("auto" may take the blocking way)
         join_stream_mb=0.0001,  # about 100 bytes a step: the joiner listens for over a hundred steps (a loaded
         # host answers a status call in seconds: a stream of tens of steps ended between two in a fresh-clone run)
     )

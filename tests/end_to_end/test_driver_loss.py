@@ -268,7 +268,8 @@ def test_a_driver_killed_during_a_sharded_stream_re_adopts_the_joiner_as_a_joine
     listener holds no committed state: the restarted driver re-adopts the members and the joiner as a
     joiner, its join streams again, and every record, ledger entry and parameter is the plain loop's."""
     monkeypatch.setenv("TEST_PORT", str(free_port()))
-    fit = 'devices=2, max_devices=3, schedule="1:+1", join_stream_mb=0.0002, faults="1:driver:stream",'
+    fit = 'devices=2, max_devices=3, schedule="1:+1", join_stream_mb=0.0002, join_mode="stream", '
+    fit += 'faults="1:driver:stream",'
     job = ", shard_redundancy=2"
     # More steps than the other sharded job: the stream starts over at the adoption, and in one full-suite
     # run (three test processes on two cores) it had not ended by step 24, the job's last (no stream event).

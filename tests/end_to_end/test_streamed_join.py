@@ -22,6 +22,7 @@ import test_recipes as recipe_pieces
 import torch
 
 from flexpar.errors import TrainingError
+from flexpar.options import FitOptions, cpu_count
 
 STEPS = 24
 STREAM_MB = 0.002  # about 2 kB per sender per step: the test models' states take several steps
@@ -33,6 +34,8 @@ def _run(train, tmp_path, name, job, **options):
     path = tmp_path / f"{name}.jsonl"
     options.setdefault("steps", STEPS)
     options.setdefault("join_stream_mb", STREAM_MB)
+    if options["join_stream_mb"] != 0:  # these tests are of streaming: on a shared host "auto" takes the blocking way
+        options.setdefault("join_mode", "stream")
     model, summary = train(job, metrics=str(path), **options)
     records = pieces.metrics_records(path)
     return model, summary, records
@@ -214,7 +217,7 @@ if __name__ == "__main__":
     job = dataclasses.replace(job, loss=pieces.SlowUntilJoined(pieces.Loss(), devices=3))
     model, summary = job.fit(
         steps={steps}, devices=2, max_devices=3, port=int(os.environ["TEST_PORT"]), schedule="1:+1",
-        faults="1:driver:stream", driver_grace_s=60, join_stream_mb={stream_mb},
+        faults="1:driver:stream", driver_grace_s=60, join_stream_mb={stream_mb}, join_mode="stream",
     )
     torch.save(model.state_dict(), "final.pt")
 """
@@ -407,3 +410,97 @@ def test_join_stream_mb_0_keeps_the_blocking_transfer(train, tmp_path):
 def test_join_stream_mb_must_not_be_negative():
     with pytest.raises(ValueError, match=r"join_stream_mb=-1 must be >= 0"):
         pieces.make_job().fit(steps=1, join_stream_mb=-1)
+
+
+# ------------------------------------------------------------ the join's way (flexpar/core/join_choice.py)
+
+
+def _join_way(records):
+    """The join event's way, its detail, and the stream event (None where the join was blocking)."""
+    joins, streams = _events(records, "join"), _events(records, "stream")
+    assert len(joins) == 1, joins
+    return joins[0], (streams[0] if streams else None)
+
+
+def _assert_blocking(records):
+    assert all(min(r["assignment"]) >= 1 for r in _steps(records)), "a blocking joiner takes VWs at once"
+    assert not _events(records, "stream")
+
+
+def test_auto_takes_the_blocking_transfer_where_the_joiner_shares_the_members_cores(train, tmp_path):
+    """2 -> 3 CPU devices: on a host with fewer cores than the three processes' threads (this 2-core
+    machine), "auto" takes the blocking transfer and says why; elsewhere it takes the way it predicts
+    cheaper. Either way the join event holds both predictions, and the run is the one-device run's bits."""
+    reference = _reference(train, tmp_path, "adamw_scheduler")
+    run = _run(
+        train,
+        tmp_path,
+        "auto",
+        RECIPES["adamw_scheduler"](),
+        devices=2,
+        max_devices=3,
+        schedule="1:+1",
+        join_mode="auto",
+        join_stream_mb=None,
+    )
+    join, stream = _join_way(run[2])
+    assert join["join_way"] in ("stream", "blocking") and join["predicted_stream_lost_s"] > 0, join
+    assert join["predicted_blocking_lost_s"] > 0, join
+    cores = cpu_count()
+    if 3 * max(1, cores // 3) > cores:  # the three processes' threads oversubscribe the host
+        assert join["join_way"] == "blocking", join
+        assert re.search(
+            r"blocking transfer: predicted [\d.e-]+ s against [\d.e-]+ s streaming "
+            r"\(the joiner shares local-0's cores\)",
+            join["detail"],
+        ), join
+    if join["join_way"] == "blocking":
+        assert join["lost_s"] == pytest.approx(join["stall_s"], abs=1e-5), join
+        _assert_blocking(run[2])
+    else:
+        assert re.search(r"streamed: predicted [\d.e-]+ s lost against [\d.e-]+ s blocking", join["detail"]), join
+        assert stream is not None and "lost_s" in stream
+    _assert_same_bits(run, reference)
+
+
+def test_join_mode_stream_streams_and_records_what_it_cost(train, tmp_path):
+    reference = _reference(train, tmp_path, "adamw_scheduler")
+    run = _run(train, tmp_path, "forced", RECIPES["adamw_scheduler"](), devices=2, max_devices=3, schedule="1:+1")
+    _assert_streamed(run[2])
+    join, stream = _join_way(run[2])
+    assert join["join_way"] == "stream" and "(join mode stream)" in join["detail"], join
+    assert join["detail"].split("; ", 1)[1].startswith("streamed: predicted"), join
+    assert stream["join_way"] == "stream" and stream["lost_s"] >= 0, stream
+    assert stream["predicted_stream_lost_s"] == join["predicted_stream_lost_s"], stream
+    assert "the members lost" in stream["detail"], stream
+    _assert_same_bits(run, reference)
+
+
+def test_join_mode_blocking_transfers_the_state_at_the_boundary(train, tmp_path):
+    reference = _reference(train, tmp_path, "adamw_scheduler")
+    run = _run(
+        train,
+        tmp_path,
+        "blocking",
+        RECIPES["adamw_scheduler"](),
+        devices=2,
+        max_devices=3,
+        schedule="1:+1",
+        join_mode="blocking",
+    )
+    join, _ = _join_way(run[2])
+    assert re.search(
+        r"blocking transfer: predicted [\d.e-]+ s against [\d.e-]+ s streaming \(join mode blocking\)", join["detail"]
+    ), join
+    assert join["join_way"] == "blocking" and join["lost_s"] == pytest.approx(join["stall_s"], abs=1e-5), join
+    _assert_blocking(run[2])
+    _assert_same_bits(run, reference)
+
+
+def test_contradictory_join_options_are_refused_before_any_process_starts():
+    with pytest.raises(ValueError, match=r"join_mode='stream' contradicts join_stream_mb=0"):
+        FitOptions(steps=1, join_mode="stream", join_stream_mb=0)
+    with pytest.raises(ValueError, match=r"join_mode='sometimes': choose one of 'auto', 'stream', 'blocking'"):
+        pieces.make_job().fit(steps=1, join_mode="sometimes")
+    assert FitOptions(steps=1, join_mode="blocking", join_stream_mb=0).join_mode == "blocking"
+    assert FitOptions(steps=1).join_mode == "auto"

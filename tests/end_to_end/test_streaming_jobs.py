@@ -97,6 +97,7 @@ def test_plain_stream_on_1_device_and_through_joins_a_kill_and_a_leave(train, tm
         max_devices=4,
         metrics=str(tmp_path / "elastic.jsonl"),
         sample_ledger=True,  # ledger.jsonl beside the metrics file (the one run with a ledger here)
+        join_mode="stream",  # streamed joins (on a shared host "auto" takes the blocking way)
     )
     events = _events(tmp_path / "elastic.jsonl")
     assert {"join", "leave", "failure"} <= {record["event"] for record in events}, events
