@@ -27,7 +27,8 @@ most what is left of it.
 4. ``join_stream_cpu``: where the host has 8 cores or more,
    ``join_stream.py --quick`` with CPU devices: the members' lost time and
    slowdown while a state streams to a joiner, without three processes
-   sharing two cores.
+   sharing two cores, and the way the default (``join_mode="auto"``) took
+   there with its lost time against the better forced way's.
 
 The JSON: ``host`` (GPUs, CPU cores and model, memory, torch, CUDA, cuDNN,
 NCCL and driver versions, flexpar's version and commit), ``parts`` (name ->
@@ -182,6 +183,9 @@ def headline(name: str, result) -> dict:
             "largest_gb": largest,
             "members_lost_s_stream": lost.get("stream", {}).get(largest),
             "members_lost_s_blocking": lost.get("blocking", {}).get(largest),
+            "members_lost_s_auto": lost.get("auto", {}).get(largest),
+            "auto_choice": result.get("auto_choice", {}).get(largest),
+            "auto_lost_ratio": result.get("auto_lost_ratio", {}).get(largest),
             "member_slowdown_max": result.get("member_slowdown_max"),
             "boundary_stall_s": result.get("boundary_stall_s", {}).get(largest),
             "bitwise_equal": result.get("bitwise_equal"),
