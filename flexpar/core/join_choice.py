@@ -44,6 +44,11 @@ from typing import Optional
 MODES = ("auto", "stream", "blocking")
 """How a join may come in: chosen from the predictions, or forced."""
 
+MAX_FIRST_VW_S = 60.0
+"""The engine's bound on a streamed joiner's first VW under ``auto`` (flexpar/worker/join_way.py; the
+simulator's default too): a stream whose joiner would take VWs later than this, and later than the
+blocking transfer's, is not taken, however little it is predicted to cost the members."""
+
 LISTENER_WORK = 0.95
 """The listener's busy time per step as a share of a member's step besides its VWs (the summed gradient's
 all-reduce, in which it takes part like a member, and the update of what it holds, which skips what has

@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Optional
 
+from flexpar.core import join_choice
+
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
@@ -174,7 +176,7 @@ class RestartCosts:
         return self.process_start_s + self.import_s + self.rebuild_s
 
 
-JOIN_MODES = ("auto", "stream", "blocking")
+JOIN_MODES = join_choice.MODES
 
 
 @dataclass(frozen=True)
@@ -190,7 +192,7 @@ class JoinModel:
     engine's slice sizing (a sender's slice per step is ``stream_share`` x
     the predicted compute step x this assumed link rate; flexpar/worker/streaming.py's
     STREAM_SHARE and its gloo link). ``max_first_vw_s``: the bound on a
-    streamed joiner's first VW (None: none).
+    streamed joiner's first VW (default: the engine's, 60 s; None: none).
     """
 
     mode: str = "auto"
@@ -199,7 +201,7 @@ class JoinModel:
     small_state_bytes: float = 0.0
     stream_share: float = 0.1
     slice_link_bytes_per_s: float = 1e9
-    max_first_vw_s: Optional[float] = None
+    max_first_vw_s: Optional[float] = join_choice.MAX_FIRST_VW_S
 
     def __post_init__(self) -> None:
         _require(self.mode in JOIN_MODES, f"join.mode: expected one of {list(JOIN_MODES)}, got {self.mode!r}")

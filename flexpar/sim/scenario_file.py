@@ -33,6 +33,8 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import tomllib
 
+from flexpar.core import join_choice
+
 from .parameters import JOIN_MODES, ElasticCosts, JoinModel, ModelParameters, NetworkModel, RestartCosts, WorkloadModel
 from .policies import POLICY_NAMES, BalanceSettings
 from .scenario import DEFAULT_DEVICE_COUNTS, EVENT_KINDS, DeviceSpec, Event, ScalabilitySpec, Scenario
@@ -97,7 +99,7 @@ def _parse_join(root: TableFields, elastic: ElasticCosts) -> JoinModel:
         small_state_bytes=reader.number("small_state_bytes", 0.0, minimum=0.0),
         stream_share=reader.number("stream_share", 0.1, positive=True),
         slice_link_bytes_per_s=reader.number("slice_link_bytes_per_s", 1e9, positive=True),
-        max_first_vw_s=reader.number("max_first_vw_s", None, positive=True),
+        max_first_vw_s=reader.number("max_first_vw_s", join_choice.MAX_FIRST_VW_S, positive=True),
     )
     reader.finish()
     return join
