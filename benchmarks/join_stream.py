@@ -223,7 +223,7 @@ def figures_of_run(records: list, streaming: bool) -> dict:
         result["planned_steps"] = int(planned.group(1)) if planned else float("nan")
         streamed_bytes = re.search(r"listeners?: (\d+) bytes", join["detail"])
         result["state_bytes"] = int(streamed_bytes.group(1)) if streamed_bytes else float("nan")
-        result["streamed"] = "streamed to" in join["detail"] and any(e["event"] == "stream" for e in events)
+        result["streamed"] = "streaming to" in join["detail"] and any(e["event"] == "stream" for e in events)
         result["stream_steps"] = len(listening)
         result["slowdown"] = median(during) / step_before if during and before else float("nan")
     return result

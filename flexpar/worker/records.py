@@ -141,7 +141,7 @@ class RecordQueue:
         goes_on = ""
         if stream_note.startswith("the stream"):  # goes on from the members left
             goes_on = f"; {stream_note}"
-        elif stream_note.startswith("streamed") and not record["joined"]:  # a listener that stayed
+        elif stream_note.startswith(("streamed", "streaming")) and not record["joined"]:  # a listener that stayed
             goes_on = f"; the stream starts over, {stream_note}"
         if record["failed"]:
             self.publish_event(

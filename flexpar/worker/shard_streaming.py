@@ -211,9 +211,14 @@ class ShardStreaming:
         also = f"; new chunks of {members} member{'s' if members != 1 else ''} too" if members else ""
         self.streams.begin(
             stream,
-            f"streamed to {len(joiners)} listener{'s' if len(joiners) > 1 else ''}: {plan.size} bytes of "
-            f"optimizer state in {plan.rounds} step{'s' if plan.rounds != 1 else ''} from {senders} "
-            f"sender{'s' if senders != 1 else ''} (sharded{also}; parameter values from every step's broadcast)",
+            stream_rules.planned_note(
+                len(joiners),
+                plan.size,
+                plan.rounds,
+                senders,
+                " of optimizer state",
+                f" (sharded{also}; parameter values from every step's broadcast)",
+            ),
         )
         return total
 

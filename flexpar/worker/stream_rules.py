@@ -93,3 +93,12 @@ def predicted_step_s(state) -> float:
     if not state.assignment or not seconds or min(seconds) <= 0:
         return 0.0
     return balance.predicted_step_seconds(state.assignment, seconds)
+
+
+def planned_note(listeners: int, size: int, rounds: int, senders: int, what: str = "", tail: str = "") -> str:
+    """The join event's words for a stream that starts: its plan, said as a plan (the rounds may
+    differ once it runs: the `stream` event, written at its end, says what happened)."""
+    return (
+        f"streaming to {listeners} listener{'s' if listeners != 1 else ''}: {size} bytes{what}, planned in "
+        f"{rounds} step{'s' if rounds != 1 else ''} from {senders} sender{'s' if senders != 1 else ''}{tail}"
+    )

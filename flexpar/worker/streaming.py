@@ -155,9 +155,7 @@ class StreamedJoin:
         )
         self.streams.begin(
             stream,
-            f"streamed to {len(stock.receivers)} listener{'s' if len(stock.receivers) > 1 else ''}: "
-            f"{plan.size} bytes in {plan.rounds} step{'s' if plan.rounds != 1 else ''} from "
-            f"{len(senders)} sender{'s' if len(senders) > 1 else ''}",
+            stream_rules.planned_note(len(stock.receivers), plan.size, plan.rounds, len(senders)),
         )
 
     def abandon(self) -> list:

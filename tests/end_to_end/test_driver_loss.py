@@ -280,8 +280,9 @@ def test_a_driver_killed_during_a_sharded_stream_re_adopts_the_joiner_as_a_joine
     _assert_each_record_once(tmp_path, records, said, steps, evaluation_pieces.make_job(shard_optimizer=True))
     events = {r["event"]: r for r in records if r["kind"] == "event"}
     first, *again = [r for r in records if r["kind"] == "event" and r["event"] == "join"]
-    rounds = int(re.search(r"streamed to 1 listener: \d+ bytes of optimizer state in (\d+) steps", first["detail"])[1])
+    planned = r"streaming to 1 listener: \d+ bytes of optimizer state, planned in (\d+) steps"
+    rounds = int(re.search(planned, first["detail"])[1])
     # The stream in flight was dropped with its generation; the re-adopted generation streamed it all again,
     # the listener coming back as a joiner (a join event at the adoption's step).
-    assert [r["step"] for r in again] == [events["adopt"]["step"]] and "streamed to 1 listener" in again[0]["detail"]
+    assert [r["step"] for r in again] == [events["adopt"]["step"]] and "streaming to 1 listener" in again[0]["detail"]
     assert events["stream"]["step"] >= events["adopt"]["step"] + rounds > first["step"] + rounds - 1, events

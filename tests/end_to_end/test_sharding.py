@@ -146,7 +146,7 @@ def test_join_kills_and_hand_off_match_the_reference(train, metrics_file):
     numel = sum(parameter.numel() for parameter in model.parameters())
     spaces = spaces_of([p.numel() for p in model.parameters()], ["float32"] * 6, [4] * 6)
     joiner_elements = total(partition(spaces, 4, 2).holdings(3))
-    assert "streamed to 1 listener" in events["join"]["detail"] and events["join"]["state_bytes_sent"] < 4 * numel
+    assert "streaming to 1 listener" in events["join"]["detail"] and events["join"]["state_bytes_sent"] < 4 * numel
     streamed = [r for r in records if r["kind"] == "event" and r["event"] == "stream"]
     assert len(streamed) == 1 and 8 * joiner_elements <= streamed[0]["state_bytes_sent"] < 8 * numel
     # Once the joiner works, each device holds about half the optimizer state (redundancy 2), all of it alone.
