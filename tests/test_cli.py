@@ -1,5 +1,6 @@
 """The command line: `flexpar run` maps onto fit() one to one; `flexpar plot` draws the metrics."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -16,6 +17,8 @@ from conftest import flexpar_command
 
 from flexpar.driver import launch, training
 from flexpar.options import FitOptions
+from flexpar.worker import orphan
+from flexpar.worker.settings import RunSettings
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -470,6 +473,29 @@ def test_the_resume_command_is_the_jobs_own_with_resume_added(tmp_path, monkeypa
         training.resume_with_devices(f"flexpar run --resume --checkpoint-dir /ck {script}", devices)
         == f"flexpar run --resume --devices 2 --checkpoint-dir /ck {script}"
     )
+
+
+def test_a_resume_command_gives_the_jobs_device_count_as_it_is_not_as_it_started(tmp_path):
+    """A job started as `python train.py --devices 1` (the script's own flag, kept after `--`) that grew to
+    2: the command printed when its driver is lost, or stopped by SIGTERM, says flexpar's `--devices 2`
+    (which overrides the script's 1); a command without a count leaves it to re-adoption (issue 46)."""
+    script = str(tmp_path / "t.py")
+    grown = f"flexpar run --resume --checkpoint-dir /ck {script} -- --devices 1 --lr 1"
+    as_it_is = f"flexpar run --resume --devices 2 --checkpoint-dir /ck {script} -- --devices 1 --lr 1"
+    assert training.resume_with_devices(grown, {"devices": ["local-0", "local-1"]}) == as_it_is
+    settings = RunSettings(
+        total_steps=9,
+        backend="gloo",
+        timeout_s=1.0,
+        bucket_mb=1.0,
+        checkpoint_every=None,
+        checkpoint_dir="/ck",
+        resume_path=None,
+        resume_command=grown,
+    )
+    assert orphan.as_it_is(settings, ("local-0", "local-1", "node2-0")).resume_command == as_it_is
+    plain = dataclasses.replace(settings, resume_command=f"flexpar run --resume --checkpoint-dir /ck {script}")
+    assert orphan.as_it_is(plain, ("local-0", "local-1")).resume_command == plain.resume_command
 
 
 SLOW_JOB = """

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shlex
 import signal
 import sys
 import threading
@@ -21,7 +20,7 @@ import torch
 
 from flexpar.comm import state_transfer as training_state
 from flexpar.comm.protocol import JOB_ENDED, get_blob, tell_devices
-from flexpar.core import frozen, membership, stream_split
+from flexpar.core import frozen, membership, resume_words, stream_split
 from flexpar.core import ledger as sample_ledger
 from flexpar.driver import readopt
 from flexpar.driver.driver_loop import DriverLoop
@@ -143,13 +142,9 @@ def finish(terminated: bool, summary: dict, settings: RunSettings) -> None:
 
 def resume_with_devices(command: str, summary: dict) -> str:
     """The job's resume command (launch.resume_command, no device count) with the count of this host's
-    devices the job ended with, so that it comes back as it was: `--devices K` after `--resume`."""
-    local = sum(1 for device in summary.get("devices", ()) if str(device).startswith("local-"))
-    words = shlex.split(command)
-    if not local or "--resume" not in words or "--devices" in words:
-        return command
-    position = words.index("--resume") + 1
-    return shlex.join(words[:position] + ["--devices", str(local)] + words[position:])
+    devices the job ended with, so that it comes back as it was: `--devices K` after `--resume`
+    (flexpar/core/resume_words.py)."""
+    return resume_words.with_device_count(command, resume_words.local_count(summary.get("devices", ())), always=True)
 
 
 def _load_result(model, model_state: dict) -> None:

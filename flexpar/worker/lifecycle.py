@@ -233,7 +233,7 @@ class Worker:
         generation, record, salt, settings = orphan.wait_for_a_driver(
             self.link,
             self.args,
-            self.settings,
+            orphan.as_it_is(self.settings, self.membership.members),
             path,
             self.committed.step,
             self.membership.generation,

@@ -21,10 +21,12 @@ returns to the worker.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 from flexpar.comm import waiting
 from flexpar.comm.protocol import get_json
+from flexpar.core import resume_words
 from flexpar.worker.device_link import DriverLost
 
 
@@ -125,3 +127,12 @@ def resume_command(settings) -> str:
     """The command that resumes this job (the driver's, with its pins; flexpar.driver.launch.resume_command)."""
     directory = settings.checkpoint_dir or settings.rescue_dir
     return settings.resume_command or f"flexpar run --resume --checkpoint-dir {directory} {settings.script or 'SCRIPT'}"
+
+
+def as_it_is(settings, members: tuple):
+    """`settings` whose resume command describes the job as it is when the driver is lost: where the
+    command names a device count (the script's own `--devices N`, kept after `--`), flexpar's
+    `--devices` with this host's members now, which overrides it (flexpar/core/resume_words.py);
+    otherwise the count stays out and re-adoption decides it."""
+    command = resume_words.with_device_count(resume_command(settings), resume_words.local_count(members), always=False)
+    return dataclasses.replace(settings, resume_command=command)
