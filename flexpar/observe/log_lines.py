@@ -74,7 +74,8 @@ def format_optimizer_bytes(values: Sequence[int], sharding: str = "") -> str:
 
 def held_optimizer_bytes(record: Mapping[str, Any]) -> list:
     """The step record's `optimizer_bytes` of the devices that take part: a streamed joiner (the
-    record's `joining`) reports the size of the state it is still receiving, not what it holds."""
+    record's `joining`) reports the share it holds so far, which says nothing of the job's per-device
+    size (records written before it did held the size of the state it was still receiving)."""
     joining = record.get("joining") or {}
     values = record.get("optimizer_bytes") or []
     return [value for device, value in zip(record["devices"], values) if device not in joining]

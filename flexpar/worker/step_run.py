@@ -202,8 +202,10 @@ class StepRun:
         stats[slots.stop] = 1.0 if (self.link.finish_reason is not None or self.link.driver_lost) else 0.0
         stats[slots.count] = totals.count
         stats[slots.pairs] = totals.pairs
-        # This device's optimizer-state bytes (KiB: exact in a float32 carrier up to 16 GiB), for the record.
-        stats[slots.optimizer.start + rank] = optimizer_bytes(self.optimizer, self.shards) // 1024
+        # The optimizer-state bytes this device holds (KiB: exact in a float32 carrier up to 16 GiB), for the record.
+        stats[slots.optimizer.start + rank] = (
+            self.streams.held_bytes(optimizer_bytes(self.optimizer, self.shards)) // 1024
+        )
         stats[slots.stream_read] = totals.stream_read
         stats[slots.pass_ends] = totals.pass_ends
         last = self.records.last

@@ -123,6 +123,13 @@ class StreamSession:
             return list(values)
         return [value for rank, value in enumerate(values) if rank not in self.current.listeners]
 
+    def held_bytes(self, allocated: int) -> int:
+        """Of `allocated` optimizer-state bytes, what this device holds: a listener, the stream's share
+        landed so far (its tensors are allocated whole at the join, and filled round by round)."""
+        if not self.listening():
+            return allocated
+        return int(allocated * self.current.plan.delivered_share(self.current.rounds_done))
+
     def held_step(self, committed: int) -> int:
         """The committed step this device reports as holding: none (-1) while it listens."""
         return -1 if self.listening() else committed

@@ -59,6 +59,14 @@ def _assert_streamed(records, joiner="local-2", steps=3):
     assert "streamed to" not in joins[0]["detail"], joins
     streams = _events(records, "stream")
     assert streams and re.search(r"bytes streamed over \d+ steps?", streams[0]["detail"]), streams
+    # A listener's optimizer_bytes is what it holds: nothing at 0% of its stream, then more round by round.
+    held = [
+        (r["joining"][joiner], r["optimizer_bytes"][r["devices"].index(joiner)])
+        for r in _steps(records)
+        if joiner in (r.get("joining") or {})
+    ]
+    assert held and all(size == 0 for share, size in held if share == 0), held
+    assert [size for _, size in held] == sorted(size for _, size in held), held
     listening = [r["step"] for r in _steps(records) if joiner in r["devices"] and r["assignment"][-1] == 0]
     working = [r["step"] for r in _steps(records) if joiner in r["devices"] and r["assignment"][-1] > 0]
     assert len(listening) >= steps and working and max(listening) < min(working), (listening, working)
