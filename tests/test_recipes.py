@@ -611,7 +611,8 @@ def test_join_and_leave_with_everything_on_match_the_reference(train, metrics_fi
     (join,) = [r for r in _records(metrics_file, "event") if r["event"] == "join"]
     import re
 
-    warmup_s = float(re.search(r"local-2 \(warm-up ([0-9.]+) s\)", join["detail"]).group(1))
+    parts = r"local-2 \(start-up [0-9.]+ s, model build [0-9.]+ s, warm-up ([0-9.]+) s\)"
+    warmup_s = float(re.search(parts, join["detail"]).group(1))
     assert 0 < join["stall_s"] < warmup_s, (join["stall_s"], join["detail"])
     from flexpar.worker import checkpoints
 

@@ -31,6 +31,9 @@ from flexpar.core import membership as ms
 # How often the coordinator reads the devices' heartbeats (they beat every 0.5 s).
 HEARTBEATS_READ_S = 0.1
 
+READY_TIMES = ("startup_s", "build_s", "warmup_s", "digest_s")
+"""The seconds a joiner's "ready" reports (flexpar/worker/warm_up.py `identity`), by the generation record's key."""
+
 
 class Coordinator:
     """Carries out membership decisions: the executor around `membership.decide`.
@@ -91,8 +94,9 @@ class Coordinator:
         self.refused: list = []  # devices refused, in order (their reasons were said as they came)
         self.start_values_warned = False  # the devices' factories built different trainable values (said once)
         self.heartbeats: dict = {}  # device_id -> (last heartbeat value, time it changed)
-        self.warmups: dict = {}  # device_id -> its warm-up's seconds (from "ready"): in the join event
-        self.digest_times: dict = {}  # device_id -> its frozen digest's seconds (from "ready"): likewise
+        # device_id -> {READY_TIMES key: seconds} its "ready" said (a re-adopted one's report: its warm-up):
+        # what its start took before it was let in, in the join event.
+        self.ready_times: dict = {}
         self._heartbeats_read_at = float("-inf")
         self._finish_asked: queue.SimpleQueue = queue.SimpleQueue()  # by signal handlers (request_finish)
         self.adopt_local = adopt_local
@@ -200,10 +204,7 @@ class Coordinator:
             self.heartbeats[device] = (None, now)
             return ms.Announced(device)
         if kind == "ready":
-            if isinstance(message.get("warmup_s"), (int, float)):
-                self.warmups[device] = float(message["warmup_s"])
-            if isinstance(message.get("digest_s"), (int, float)):
-                self.digest_times[device] = float(message["digest_s"])
+            self._note_times(device, message, READY_TIMES)
             return ms.Ready(device, self._ready_problem(message))
         if kind == "formed":
             return ms.Formed(device, int(message["generation"]))
@@ -223,6 +224,11 @@ class Coordinator:
             return ms.LeaveRequested(device)
         return None
 
+    def _note_times(self, device: str, message: dict, keys: tuple) -> None:
+        """The seconds of `keys` a device's message says (a number each), kept for its join event."""
+        times = self.ready_times.setdefault(device, {})
+        times.update({key: float(message[key]) for key in keys if isinstance(message.get(key), (int, float))})
+
     def _report_of(self, message: dict, now: float):
         """A device that outlived its driver: its notice ("present") or report ("adopt") as an event."""
         device = message.get("device_id", "")
@@ -235,8 +241,7 @@ class Coordinator:
             problem = self._ready_problem(message) or adoption.fingerprint_problem(
                 self.fingerprint, message.get("fingerprint") or {}
             )
-            if isinstance(message.get("warmup_s"), (int, float)):
-                self.warmups[device] = float(message["warmup_s"])
+            self._note_times(device, message, ("warmup_s",))
         if final or device not in self.reports:
             self.reports[device] = message
         self.heartbeats.setdefault(device, (None, now))
@@ -306,11 +311,15 @@ class Coordinator:
                 "failed": list(action.failed),
                 # A sharded job's planned leavers: they hand their state over to the members, then exit.
                 "departing": list(action.departing),
-                # What each joiner's warm-up took (its start-up costs and, with compile=True, the
-                # compilation): paid before this generation, the join event's detail says it.
-                "warmup_s": {device: self.warmups[device] for device in action.joined if device in self.warmups},
-                "digest_s": {
-                    device: self.digest_times[device] for device in action.joined if device in self.digest_times
+                # What each joiner's start took, paid before this generation (its start-up, model build,
+                # warm-up with compile=True's compilation, frozen digest): the join event's detail says it.
+                **{
+                    key: {
+                        device: self.ready_times[device][key]
+                        for device in action.joined
+                        if key in self.ready_times.get(device, {})
+                    }
+                    for key in READY_TIMES
                 },
             }
             if action.from_step is not None:  # a scheduled leave: the members train the steps before it first

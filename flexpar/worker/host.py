@@ -50,3 +50,16 @@ def cpu_count(cgroup_cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
     except (OSError, ValueError):  # no cgroup v2 quota here
         pass
     return cores
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux's /proc; 0.0 where unknown): a joiner's start-up, as
+    measured when it begins to build the model, for its join event."""
+    try:
+        with open("/proc/self/stat") as handle:
+            ticks = int(handle.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as handle:
+            uptime = float(handle.read().split()[0])
+        return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0

@@ -89,7 +89,7 @@ class Worker:
         # A vanished driver is noticed within the job's timeout; a lost one is waited for driver_grace_s.
         link.configure(self.settings.timeout_s, self.settings.driver_grace_s)
         training = build_training(self.job, self.device, self.settings.bucket_mb, self.membership.peer_lost)
-        self.model, self.frozen = training.model, training.frozen
+        self.model, self.frozen, self._ready_s = training.model, training.frozen, training.ready_s
         self.optimizer, self.scheduler = training.optimizer, training.scheduler
         self.shards, self.sync, self.exact = training.shards, training.sync, training.exact
         self.forward_model, self.scaler = training.forward_model, training.scaler
@@ -307,7 +307,9 @@ class Worker:
             )
         try:
             if not self.withdrawing:
-                self.link.send("ready", proof=self.proof, **identity(self.model, self.frozen, self._warmup_s))
+                self.link.send(
+                    "ready", proof=self.proof, **identity(self.model, self.frozen, self._warmup_s, self._ready_s)
+                )
                 self.phase = Phase.WAITING
                 self.faults.fire("ready", 0, self.membership.members)
             generation, record = self.link.wait_for_generation(0, joining=True)

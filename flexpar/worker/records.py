@@ -158,15 +158,8 @@ class RecordQueue:
         if record["joined"]:
             kind = "start" if generation == 1 else "join"
             joined = record["joined"]
-            if kind == "join":  # a joiner's warm-up (compile included) was paid before the stall began
-                warmups, digests = record.get("warmup_s") or {}, record.get("digest_s") or {}
-                joined = [
-                    device
-                    + (f" (warm-up {warmups[device]:.2f} s" if device in warmups else "")
-                    + (f", frozen digest {digests[device]:.2f} s" if device in digests and device in warmups else "")
-                    + (")" if device in warmups else "")
-                    for device in joined
-                ]
+            if kind == "join":  # what a joiner's start took was paid before the stall began
+                joined = [device + joiner_times(record, device) for device in joined]
             note = f"; {stream_note}" if kind == "join" and stream_note else ""
             detail = "joined: " + ", ".join(joined) + note
             self.publish_event(
@@ -177,6 +170,25 @@ class RecordQueue:
                 **sent_with,
                 fields=join_fields if kind == "join" else None,
             )
+
+
+JOIN_TIMES = (
+    ("startup_s", "start-up"),
+    ("build_s", "model build"),
+    ("warmup_s", "warm-up"),
+    ("digest_s", "frozen digest"),
+)
+"""The parts of a joiner's start a join event names, by the generation record's key, in the order they ran."""
+
+
+def joiner_times(record: dict, device: str) -> str:
+    """What `device`'s start took, as its join event says it: " (start-up 2.10 s, model build 0.31 s,
+    warm-up 0.17 s)" (each part its "ready" reported; "" for a device without a warm-up, which joined
+    no other way)."""
+    if device not in (record.get("warmup_s") or {}):
+        return ""
+    parts = [f"{name} {record[key][device]:.2f} s" for key, name in JOIN_TIMES if device in (record.get(key) or {})]
+    return f" ({', '.join(parts)})"
 
 
 def adoption_record(record: dict, stall: float, *, step: int, generation: int, members: tuple) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple, Optional
 
 import torch
@@ -12,6 +13,7 @@ from flexpar.comm.gradient_sync import GradientSync
 from flexpar.comm.sparse_sync import sparse_parameters
 from flexpar.worker.determinism import make_deterministic
 from flexpar.worker.frozen_part import FrozenPart
+from flexpar.worker.host import process_age_s
 from flexpar.worker.shards import ShardedOptimizer, sharding_by
 from flexpar.worker.user_code import build_model, build_optimizer
 
@@ -28,10 +30,14 @@ class Training(NamedTuple):
     exact: Optional[ExactSync]  # Job(deterministic=True): exact int64 sums
     forward_model: object  # what the VWs' forward calls: compiled, or the model itself
     scaler: object  # fp16 only; part of the training state
+    # What this device's start took before its warm-up, for a join event: its process's start-up (imports,
+    # the job's payload) until the build began, and the model's and optimizer's build (less the frozen digest).
+    ready_s: dict = {}
 
 
 def build_training(job, device: torch.device, bucket_mb: float, peer_lost) -> Training:
     """Build what this device trains with, on `device`, from the job's factories and recipes."""
+    startup_s, started = process_age_s(), time.perf_counter()
     if job.deterministic:  # before any kernel runs: one thread count (CPU), deterministic kernels (CUDA)
         make_deterministic(device)
     model = build_model(job)
@@ -57,4 +63,6 @@ def build_training(job, device: torch.device, bucket_mb: float, peer_lost) -> Tr
     recipes.check_compile(job, device.type)
     forward_model = recipes.compiled(job, model)
     scaler = recipes.make_scaler(job)
-    return Training(model, frozen, optimizer, scheduler, shards, sync, exact, forward_model, scaler)
+    build_s = max(0.0, time.perf_counter() - started - (frozen.digest_s or 0.0))
+    ready_s = {"startup_s": startup_s, "build_s": build_s}
+    return Training(model, frozen, optimizer, scheduler, shards, sync, exact, forward_model, scaler, ready_s)

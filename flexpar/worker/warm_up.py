@@ -52,10 +52,12 @@ def warm_up(job, model, forward_model, device, sync, frozen, zero_grad, device_i
     return time.perf_counter() - started
 
 
-def identity(model, frozen, warmup_s) -> dict:
+def identity(model, frozen, warmup_s, ready_s=None) -> dict:
     """What says this device runs this job's model: checked by the coordinator for joiners and for
-    devices a restarted driver re-adopts alike."""
+    devices a restarted driver re-adopts alike; a joiner's `ready_s` (its start-up and model build:
+    `Training.ready_s`) goes into its join event with its warm-up."""
     return {
+        **(ready_s or {}),
         "digest": model_digest(model),
         "shapes": factory_checks.model_shapes(model),  # a refusal names the first that differs
         "version": __version__,

@@ -57,6 +57,8 @@ def _assert_streamed(records, joiner="local-2", steps=3):
         r"streaming to \d+ listeners?: \d+ bytes( of optimizer state)?, planned in \d+ steps? from", joins[0]["detail"]
     )
     assert "streamed to" not in joins[0]["detail"], joins
+    # What the joiner's start took, each part (a late join's cause): start-up, model build, warm-up.
+    assert re.search(rf"{joiner} \(start-up [\d.]+ s, model build [\d.]+ s, warm-up [\d.]+ s[,)]", joins[0]["detail"])
     streams = _events(records, "stream")
     assert streams and re.search(r"bytes streamed over \d+ steps?", streams[0]["detail"]), streams
     # A listener's optimizer_bytes is what it holds: nothing at 0% of its stream, then more round by round.
