@@ -94,6 +94,7 @@ FAULT_PHASES = (
     "eval",
     "record",
     "stream",
+    "finish",
 ) + START_PHASES
 # The driver's own: it dies as the record of the step arrives, before it writes it (the devices committed
 # the step, their rank 0 sent its record, nobody wrote it).
@@ -112,7 +113,9 @@ class Fault:
     new generation's group forms; `step` is the device's committed step),
     checkpoint (as rank 0 writes a checkpoint), eval (in the evaluation after `step`
     committed steps, before its all-reduce), stream (a streamed join: as this
-    device posts its slice of the state after step `step`'s update). Signals: kill (kill -9: a
+    device posts its slice of the state after step `step`'s update), finish (a sharded job's end: after the
+    all-reduce that says every member wrote its part of the final checkpoint; `step` is the job's last
+    committed step, its steps count). Signals: kill (kill -9: a
     crash), term (SIGTERM: a preemption notice) and stop (SIGSTOP: a hung peer);
     tamper (phase stream only: the device sends a slice with one value changed).
     `device` "driver" (kill only): the device that is rank 0 there (the sender,

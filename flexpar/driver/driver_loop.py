@@ -172,10 +172,11 @@ class DriverLoop:
                 # Once rank 0 ended (membership.Finished, then its exit), "done" is read at once: rank 0 wrote
                 # it before it exited, whether or not the notice counter was read after that.
                 gone = self.coordinator.state.rank_0_gone
-                if (read or gone) and self.store.check(["done"]):
+                ended = self._end_key(read, gone)
+                if ended:
                     # Rank 0 sent every record before "done"; a hole left now is a dead rank 0's.
                     self._relay_metrics(writers_done=True)
-                    self.done = json.loads(self.store.get("done"))
+                    self.done = json.loads(self.store.get(ended))
                     self._report_schedule(self.schedule.ended(self.done.get("step", 0)))
                     return
                 self._check_errors()
@@ -215,6 +216,14 @@ class DriverLoop:
                 flush=True,
             )
         self.coordinator.errors.clear()
+
+    def _end_key(self, read: bool, gone: bool) -> str:
+        """Where rank 0 said the job ended ("" if not yet): "done", or, a rank 0 lost in finish()'s last
+        all-reduce after another member finished (every part written), "finishing": it handed the result
+        and its records over before that all-reduce (flexpar/worker/lifecycle.py `finish`)."""
+        if (read or gone) and self.store.check(["done"]):
+            return "done"
+        return "finishing" if gone and self.store.check(["finishing"]) else ""
 
     def _relay_metrics(self, writers_done: bool = False) -> None:
         for record in self.metrics.receive(writers_done):

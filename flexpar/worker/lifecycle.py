@@ -338,10 +338,18 @@ class Worker:
     def finish(self, stopped: str = "", checkpoint: str = "") -> None:
         self.phase = Phase.DONE
         self.checkpoints.writer_now(self.settings).wait()  # the checkpoint "done" names exists before the job ends
+        done = json.dumps({"step": self.committed.step, "stopped": stopped, "checkpoint": checkpoint})
+        if self.membership.rank == 0:  # the result before the last all-reduce: a rank 0 lost after it leaves it
+            data = training_state.to_bytes({"model": self.state.model_state(), "step": self.committed.step})
+            with self.link.driver_needed():  # a driver lost now: a restarted one gets the result
+                put_blob(self.link.store, "result", data, self.args.secret)
+                self.link.flush()
+                tell_driver(self.link.store, "finishing", done)  # flexpar/driver/driver_loop.py `_end_key`
         if self.shards is not None and len(self.membership.members) > 1:
             # Sharded: every member writes its own part; the job ends once all are written.
             flag = torch.zeros(1, device=self.device)
             wait_for_collective(collective(lambda: dist.all_reduce(flag, async_op=True)), self.membership.peer_lost)
+            self.faults.fire("finish", self.committed.step, self.membership.members)  # tests: after the last sum
         # The job is over (membership.Finished): said before this process exits, so that the coordinator
         # takes the exit for the normal end it is and publishes no generation after the last step. Only
         # rank 0 needs a driver for its end (DriverLost: ORPHANED, then a restarted driver gets the result).
@@ -352,12 +360,8 @@ class Worker:
                 if self.membership.rank == 0:
                     raise
         if self.membership.rank == 0:
-            data = training_state.to_bytes({"model": self.state.model_state(), "step": self.committed.step})
-            with self.link.driver_needed():  # a driver lost now: a restarted one gets the result
-                put_blob(self.link.store, "result", data, self.args.secret)
-                self.link.flush()
-                done = {"step": self.committed.step, "stopped": stopped, "checkpoint": checkpoint}
-                tell_driver(self.link.store, "done", json.dumps(done))
+            with self.link.driver_needed():
+                tell_driver(self.link.store, "done", done)
 
     def stop_early(self) -> None:
         """Every member committed the same step and stops: the driver asked (SIGTERM to it, a callback)."""

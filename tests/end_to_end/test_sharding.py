@@ -190,3 +190,20 @@ def test_both_holders_of_a_chunk_failing_together_stop_naming_the_checkpoint(tra
     # record with it, and the job stops before a new rank 0 would send it again).
     steps = [r["step"] for r in pieces.metrics_records(metrics) if r["kind"] == "step"]
     assert steps == list(range(len(steps))) and len(steps) <= 5, steps
+
+
+@pytest.mark.timeout(180)
+def test_rank_0_lost_in_the_final_all_reduce_ends_the_job_with_nothing_lost(train, tmp_path):
+    """Sharded, 2 devices: rank 0 is killed in finish(), after the all-reduce that says every member wrote
+    its part (the other member finishes and exits). The job ends with the trained model, which rank 0
+    handed over before that all-reduce, and every step record; on main it stopped with "rank 0 never
+    handed the trained model over", no checkpoint written, the job's training lost (issue 46 item 4)."""
+    directory = str(tmp_path / "checkpoints")
+    job = pieces.make_job(optimizer=pieces.adamw, virtual_workers=4, shard_optimizer=True)
+    steps = 6
+    expected = pieces.reference(job, steps)
+    model, summary = train(job, steps=steps, devices=2, faults=f"{steps}:local-0:finish", checkpoint_dir=directory)
+    assert summary["steps"] == steps
+    pieces.assert_same_parameters(model, expected)
+    records = pieces.metrics_records(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records if r["kind"] == "step"] == list(range(steps))
