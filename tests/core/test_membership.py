@@ -331,6 +331,14 @@ def test_a_member_dying_after_another_finished_starts_no_recovery():
     assert actions == [] and state.generation == 1 and state.rank_0_gone  # the driver looks for "done" now
 
 
+def test_rank_0_failing_the_last_all_reduce_after_another_finished_is_not_waited_for():
+    """Rank 0's final all-reduce failed (it reports a failure, alive) after another member finished: no
+    generation comes any more, so the driver stops waiting for it (issue 46 item 4)."""
+    state = _started()
+    state, actions = _run(state, ms.Finished("local-1"), ms.FailureReported("local-0", 1, now=5.0))
+    assert actions == [] and state.generation == 1 and state.rank_0_gone  # the driver reads "finishing"
+
+
 def test_finished_from_a_device_on_its_way_ends_nothing():
     state = _started()
     state, _ = _run(state, ms.ScaleBy(1), ms.Announced("hostb-1"))

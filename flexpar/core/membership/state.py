@@ -58,13 +58,15 @@ class Membership:
 
     @property
     def rank_0_gone(self) -> bool:
-        """The job ended and its rank 0's process is gone: rank 0 hands the result over before it exits,
-        so the result is there now, or never comes. Rank 0 is the member that said so when it finished;
-        before that, the first member (members keep their rank order)."""
+        """The job ended and its rank 0's process is gone, or it reported a failure (its last all-reduce
+        broke after another member finished: it waits for a generation that never comes): rank 0 hands
+        the result over before it exits, so the result is there now, or never comes. Rank 0 is the
+        member that said so when it finished; before that, the first member (members keep their rank
+        order)."""
         if not self.ended:
             return False
         rank_0 = self.result_from or (self.members[0] if self.members else "")
-        return rank_0 in self.dead
+        return rank_0 in self.dead or rank_0 in self.survivors
 
     @property
     def device_count(self) -> int:
