@@ -44,9 +44,10 @@ PLACE_SLOTS = 4
 SOURCE_SLOTS = 7
 """The source's: step_s, compute_s, state_bytes, small_state_bytes, link bytes/s, boundary_s, stream steps."""
 
-MAX_FIRST_VW_S = 60.0
+MAX_FIRST_VW_S = join_choice.MAX_FIRST_VW_S
 """With `join_mode="auto"`, a stream whose joiner would take its first VWs later than this (and later than
-the blocking transfer's) is not taken, however little it is predicted to cost the members."""
+the blocking transfer's) is not taken, however little it is predicted to cost the members (the simulator
+assumes the same bound)."""
 
 MIN_MEASURED_BYTES = 1 << 20
 """A blocking transfer smaller than this measures the link's latency, not its bandwidth: not kept."""
