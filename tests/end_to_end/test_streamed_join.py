@@ -432,6 +432,13 @@ def test_join_stream_mb_must_not_be_negative():
 # ------------------------------------------------------------ the join's way (flexpar/core/join_choice.py)
 
 
+def _two_to_three(train, tmp_path, name, **options):
+    """The join-mode tests' run: AdamW with a schedule, 2 -> 3 devices at step 1 (`options`: the join's)."""
+    return _run(
+        train, tmp_path, name, RECIPES["adamw_scheduler"](), devices=2, max_devices=3, schedule="1:+1", **options
+    )
+
+
 def _join_way(records):
     """The join event's way, its detail, and the stream event (None where the join was blocking)."""
     joins, streams = _events(records, "join"), _events(records, "stream")
@@ -449,17 +456,7 @@ def test_auto_takes_the_blocking_transfer_where_the_joiner_shares_the_members_co
     machine), "auto" takes the blocking transfer and says why; elsewhere it takes the way it predicts
     cheaper. Either way the join event holds both predictions, and the run is the one-device run's bits."""
     reference = _reference(train, tmp_path, "adamw_scheduler")
-    run = _run(
-        train,
-        tmp_path,
-        "auto",
-        RECIPES["adamw_scheduler"](),
-        devices=2,
-        max_devices=3,
-        schedule="1:+1",
-        join_mode="auto",
-        join_stream_mb=None,
-    )
+    run = _two_to_three(train, tmp_path, "auto", join_mode="auto", join_stream_mb=None)
     join, stream = _join_way(run[2])
     assert join["join_way"] in ("stream", "blocking") and join["predicted_stream_lost_s"] > 0, join
     assert join["predicted_blocking_lost_s"] > 0, join
@@ -482,7 +479,7 @@ def test_auto_takes_the_blocking_transfer_where_the_joiner_shares_the_members_co
 
 def test_join_mode_stream_streams_and_records_what_it_cost(train, tmp_path):
     reference = _reference(train, tmp_path, "adamw_scheduler")
-    run = _run(train, tmp_path, "forced", RECIPES["adamw_scheduler"](), devices=2, max_devices=3, schedule="1:+1")
+    run = _two_to_three(train, tmp_path, "forced")
     _assert_streamed(run[2])
     join, stream = _join_way(run[2])
     assert join["join_way"] == "stream" and "(join mode stream)" in join["detail"], join
@@ -495,16 +492,7 @@ def test_join_mode_stream_streams_and_records_what_it_cost(train, tmp_path):
 
 def test_join_mode_blocking_transfers_the_state_at_the_boundary(train, tmp_path):
     reference = _reference(train, tmp_path, "adamw_scheduler")
-    run = _run(
-        train,
-        tmp_path,
-        "blocking",
-        RECIPES["adamw_scheduler"](),
-        devices=2,
-        max_devices=3,
-        schedule="1:+1",
-        join_mode="blocking",
-    )
+    run = _two_to_three(train, tmp_path, "blocking", join_mode="blocking")
     join, _ = _join_way(run[2])
     assert re.search(
         r"blocking transfer: predicted [\d.e-]+ s against [\d.e-]+ s streaming \(join mode blocking\)", join["detail"]
