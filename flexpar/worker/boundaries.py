@@ -252,32 +252,15 @@ class Boundaries:
         if refusal is None:
             sizes = lambda: join_way.state_bytes(self.model, self.optimizer)  # noqa: E731
             peer_lost = lambda: self.link.lost_among(generation, group)  # noqa: E731
-            choice = self.choose_way(stock, rank, group, settings, sizes, peer_lost)
+            owners = (self.committed, self.records, self.streams)
+            choice = join_way.choose_at_boundary(
+                stock, rank, group, settings, owners, sizes, self.device, peer_lost, tuple(stock.receivers)
+            )
             if choice.way == "stream":
                 return self.streamed_join.level(stock, rank, generation, group, settings)
         elif refusal != "not a join":
             self.streams.say(f"blocking transfer: {refusal}")
         return self._level(stock, rank, len(group))
-
-    def choose_way(self, stock, rank: int, group: tuple, settings, sizes, peer_lost) -> object:
-        """A join that may stream: which way it takes, the same on every member (flexpar/worker/join_way.py);
-        the join event says it. `sizes()`: the source's (streamed bytes, the rest's bytes)."""
-        senders = len(group) - len(stock.receivers)
-
-        def measure():
-            return join_way.source_numbers(
-                settings,
-                self.committed.balance,
-                self.records.median_step_time(),
-                sizes(),
-                self.streams.link_bytes_per_s,
-                join_way.boundary_so_far(stock),
-                senders,
-            )
-
-        choice = join_way.decide(stock, rank, group, settings, measure, self.device, peer_lost)
-        self.streams.chose(choice)
-        return choice
 
     def _level(self, stock: training_state.Stock, rank: int, world_size: int) -> float:
         """Send the latest state from the source to the members behind it; returns the bytes sent."""

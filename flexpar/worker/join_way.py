@@ -87,10 +87,6 @@ def state_bytes(model, optimizer) -> tuple:
     return float(travelling), float(rest)
 
 
-def link_default(settings) -> float:
-    return float(stream_rules.LINK_BYTES_PER_S.get(settings.backend, stream_rules.LINK_BYTES_PER_S["gloo"]))
-
-
 def source_numbers(
     settings, balance_state, step_s: float, sizes: tuple, link_bytes_per_s: float, boundary_s: float, senders: int
 ) -> list:
@@ -102,7 +98,7 @@ def source_numbers(
     compute_s = min(max(compute_s, 0.0), step_s)
     per_step = stream_rules.sender_bytes(settings, balance_state)
     steps = join_choice.planned_stream_steps(streamed, senders, max(1, int(per_step)))
-    link = link_bytes_per_s if link_bytes_per_s > 0 else link_default(settings)
+    link = link_bytes_per_s if link_bytes_per_s > 0 else stream_rules.assumed_link(settings)
     return [step_s, compute_s, streamed, rest, link, max(0.0, boundary_s), float(steps)]
 
 
@@ -170,6 +166,29 @@ def decide(
     slots = gather(len(group), rank, stock.source, place_numbers(device), source_slots, device, peer_lost)
     mode = settings.join_mode if settings.join_mode in join_choice.MODES else "auto"
     return join_choice.choose(inputs_of(slots, group, receivers), mode, MAX_FIRST_VW_S)
+
+
+def choose_at_boundary(stock, rank: int, group: tuple, settings, owners, sizes, device, peer_lost, receivers: tuple):
+    """A join that may stream (unsharded or sharded): which way it takes, the same on every member; the
+    stream session keeps it for the join event. `owners`: the boundary's (`committed`, `records`,
+    `streams`); `sizes()`: the source's (streamed bytes, the rest's bytes); `receivers`: the joiners' ranks."""
+    senders = len(group) - len(receivers)
+    committed, records, streams = owners
+
+    def measure():
+        return source_numbers(
+            settings,
+            committed.balance,
+            records.median_step_time(),
+            sizes(),
+            streams.link_bytes_per_s,
+            boundary_so_far(stock),
+            senders,
+        )
+
+    choice = decide(stock, rank, group, settings, measure, device, peer_lost, receivers)
+    streams.chose(choice)
+    return choice
 
 
 def sharded_state_bytes(model, members: int) -> tuple:

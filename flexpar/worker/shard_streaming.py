@@ -114,21 +114,11 @@ class ShardStreaming:
 
     def _choose_way(self, stock, rank: int, group: tuple, training: int, settings, peer_lost) -> str:
         """The way this join takes (flexpar/worker/join_way.py), the same on every member."""
-        senders = len(group) - len(stock.joiners)
-
-        def measure():
-            return join_way.source_numbers(
-                settings,
-                self.committed.balance,
-                self.records.median_step_time(),
-                join_way.sharded_state_bytes(self.shards.model, training),
-                self.streams.link_bytes_per_s,
-                join_way.boundary_so_far(stock),
-                senders,
-            )
-
-        choice = join_way.decide(stock, rank, group, settings, measure, self.device, peer_lost, stock.joiners)
-        self.streams.chose(choice)
+        sizes = lambda: join_way.sharded_state_bytes(self.shards.model, training)  # noqa: E731
+        owners = (self.committed, self.records, self.streams)
+        choice = join_way.choose_at_boundary(
+            stock, rank, group, settings, owners, sizes, self.device, peer_lost, tuple(stock.joiners)
+        )
         return choice.way
 
     def _refusal(self, stock, settings) -> Optional[str]:

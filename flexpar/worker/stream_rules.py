@@ -75,8 +75,12 @@ def sender_bytes(settings, balance_state) -> int:
     step_s = predicted_step_s(balance_state)
     if step_s <= 0:
         return DEFAULT_SENDER_BYTES
-    link = LINK_BYTES_PER_S.get(settings.backend, LINK_BYTES_PER_S["gloo"])
-    return stream_plan.sender_bytes(link, step_s, STREAM_SHARE)
+    return stream_plan.sender_bytes(assumed_link(settings), step_s, STREAM_SHARE)
+
+
+def assumed_link(settings) -> float:
+    """The link rate a join assumes for the job's backend until one is measured (bytes per second)."""
+    return float(LINK_BYTES_PER_S.get(settings.backend, LINK_BYTES_PER_S["gloo"]))
 
 
 def floor(plan) -> int:
