@@ -107,7 +107,10 @@ class DriverLoop:
             self.stream_passes = passes_ended(records)  # the pass shown goes on from the file's
             if last_step is not None:
                 self.steps.append(last_step)
-                self.devices, self.generation = list(last_step["devices"]), last_step["generation"]
+                self.devices = list(last_step["devices"])
+            # The driver's own notes number above every generation the file holds: an event (a join, an
+            # adoption) may have come after its last step record.
+            self.generation = max([self.generation] + [record.get("generation", 1) for record in records])
             ledger_path = os.path.join(run_dir, "ledger.jsonl")
             if os.path.exists(ledger_path):
                 self.ledger_steps = set(sample_ledger.read(ledger_path))
@@ -145,7 +148,10 @@ class DriverLoop:
             )
             if not self.display.uses_rich:
                 log_to_stderr()
-        self._report_left_unseen(coordinator.published[-1] if adopted and coordinator.published else None)
+        adoption = coordinator.published[-1] if adopted and coordinator.published else None
+        if adoption is not None:  # its generation is the newest: the notes written from here on carry it
+            self.devices, self.generation = list(adoption.members), adoption.generation
+        self._report_left_unseen(adoption)
         self._report_schedule(self.schedule.taken_as_done())  # a re-adopted job's leave, inferred: said
 
     def run(self, waker: DriverWaker = None) -> None:
