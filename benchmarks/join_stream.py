@@ -8,6 +8,10 @@ blocking transfer forced (``join_mode="blocking"``) and with the default
 (``join_mode="auto"``: the engine predicts both and takes the cheaper,
 flexpar/core/join_choice.py), in turn (the order rotates by round), ``--rounds``
 times; the figures are medians over rounds, read from each run's metrics file.
+The full form runs 3 rounds: each way takes each place in the order once, and
+where two ways run the same code (``auto`` taking the blocking transfer) a median
+of three is what keeps their ratio from reading one round's spread (two rounds
+put it at 1.11 once, 1.03 at three).
 Every run is finished: it runs until the joiner has taken VWs for
 ``CONTRIBUTING_STEPS`` steps (a callback then stops it), however many steps its
 stream needs, up to ``MAX_STEPS_AFTER_JOIN`` (a run that reaches them is ended
@@ -342,7 +346,7 @@ def plot(result: dict, path: str) -> None:
 def parse_arguments(argv=None):
     """The command line, with `sizes` (GB) resolved (argv: None for sys.argv; gpu_check.py checks its commands)."""
     parser = harness.base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default: 1 quick, 2 full)")
+    parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default: 1 quick, 3 full)")
     parser.add_argument("--plot", default=None, help="write the PNG of lost time against size here")
     parser.add_argument(
         "--sizes",
@@ -364,7 +368,7 @@ def parse_arguments(argv=None):
 def main() -> int:
     args = parse_arguments()
     sizes = args.sizes_gb
-    rounds = args.rounds or (1 if args.quick else 2)
+    rounds = args.rounds or (1 if args.quick else 3)
     with tempfile.TemporaryDirectory(prefix="flexpar-join-stream-") as work_dir:
         result = figures(measure(sizes, rounds, work_dir), sizes)
     result.update({"quick": args.quick, "rounds": rounds, "cores": harness.cpu_count()})
