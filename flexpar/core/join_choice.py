@@ -171,17 +171,19 @@ def predict_blocking(inputs: JoinInputs) -> Prediction:
     return Prediction("blocking", stall, stall, stall)
 
 
-def listener_slowdown(inputs: JoinInputs) -> float:
+def listener_slowdown(inputs: JoinInputs, listener_work: float = LISTENER_WORK) -> float:
     """How many times longer the members' steps run while a listener shares their cores (1: it does not).
 
     Processor sharing: ``members`` busy threads on ``cores`` get
     ``min(1, cores / threads)`` of a core each; the listener is busy a share
-    ``u`` of each step (``LISTENER_WORK`` of the step's non-VW part).
+    ``u`` of each step (``listener_work`` of the step's non-VW part: the
+    engine's ``LISTENER_WORK``, or a host's calibrated figure in the simulator).
     """
+    _check(_finite(listener_work) and listener_work > 0, f"listener_work={listener_work!r} must be positive")
     shared = inputs.shared
     if shared is None or inputs.step_s <= 0:
         return 1.0
-    busy = LISTENER_WORK * (inputs.step_s - inputs.compute_s) / inputs.step_s
+    busy = listener_work * (inputs.step_s - inputs.compute_s) / inputs.step_s
     before = max(1.0, shared.members / shared.cores)
     during = max(1.0, (shared.members + busy) / shared.cores)
     return during / before

@@ -273,6 +273,42 @@ def resized(sizing: Sizing, slowdown: float, round_number: int, share: float) ->
     return sizing
 
 
+def resize_round(
+    sizing: Sizing, before_s: float, member_step_s: Sequence[float], rounds_done: int, share: float
+) -> tuple:
+    """The slices' size for round `rounds_done`, and the members' step before the join: `(sizing, before_s)`.
+
+    `member_step_s`: the senders' previous step times (the statistics of the
+    step just taken: a listener's are left out by the caller). Their median
+    at round 0 is the step before the join (the baseline); at round 1 it holds
+    the join boundary's stall and is not used; from round 2 on, the size
+    follows `resized` from that median over the baseline. The engine
+    (flexpar/worker/streaming.py) and the simulator (flexpar/sim/stream_course.py)
+    both size a stream with this, so the simulated stream takes the engine's rounds.
+    """
+    times = sorted(value for value in member_step_s if value > 0)
+    if not times:
+        return sizing, before_s
+    median = times[len(times) // 2]
+    if rounds_done == 0:
+        return sizing, median
+    if rounds_done < 2 or before_s <= 0:
+        return sizing, before_s
+    return resized(sizing, median / before_s - 1.0, rounds_done, share), before_s
+
+
+MIN_SENDER_BYTES = 1 << 20
+"""The smallest slice a sender's round shrinks to without `join_stream_mb` (a stream must end)."""
+
+
+def sizing_floor(first_sender_bytes: int) -> int:
+    """The smallest slices a stream shrinks to: half its first size, at least MIN_SENDER_BYTES (never
+    above the first size). One halving at most: on a shared host the steps' slowdown is mostly the
+    listener's own work, which smaller slices only spread over more steps (measured: with an eighth,
+    the benchmark's streams outlasted its jobs)."""
+    return min(first_sender_bytes, max(MIN_SENDER_BYTES, first_sender_bytes // 2))
+
+
 def continuation(
     identities: Sequence[float], listening_steps: Sequence[int], latest_step: int, receivers: Sequence[int]
 ) -> Optional[tuple]:

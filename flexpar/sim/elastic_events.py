@@ -11,7 +11,7 @@ from typing import List, Optional, Tuple
 
 from flexpar.core.join_choice import JoinChoice
 
-from .joins import choose_join
+from .joins import choose_join, join_inputs, simulate_stream
 from .model import failure_noticed_seconds, uniform_assignment
 from .scenario import Event
 
@@ -51,12 +51,27 @@ class ElasticEvents:
         """flexpar's decision for this boundary's joiners (in-place policies), from the members' figures."""
         if not changes.joined or not survivors or not self.policy.elasticity.keeps_state_in_memory:
             return None
+        return choose_join(survivors, *self._members_figures(survivors), len(self.active), self.parameters)
+
+    def _members_figures(self, survivors: List[str]) -> tuple:
+        """The members' VW counts (the current assignment, else the equal split) and seconds per VW."""
         if self.counts is not None and tuple(self.device_ids) == tuple(survivors):
             counts = self.counts
         else:
             counts = uniform_assignment(len(survivors), self.scenario.virtual_workers)
-        seconds = [self.seconds[device_id] for device_id in survivors]
-        return choose_join(survivors, counts, seconds, len(self.active), self.parameters)
+        return counts, [self.seconds[device_id] for device_id in survivors]
+
+    def _start_stream(self, joined: List[str], survivors: List[str], stall_s: float, started_s: float) -> None:
+        """A streamed join begins: its course as the engine would re-size it (sim/stream_course.py), on the
+        members' figures at this boundary; its listeners hold no VWs until it ends."""
+        inputs = join_inputs(survivors, *self._members_figures(survivors), len(self.active), self.parameters)
+        seed = self.scenario.seed * 1_000_003 + self.committed  # this boundary's own draw of step noise
+        course = simulate_stream(inputs, self.parameters, self.scenario.noise, seed)
+        for device_id in joined:
+            self.active.remove(device_id)
+        self.stream = Stream(
+            list(joined), course.rounds, course.lost_s(inputs.step_s) / course.rounds, stall_s, started_s
+        )
 
     def _advance_stream(self, steps: int) -> None:
         """`steps` member steps committed while the stream runs; at its end the listeners take VWs."""
@@ -204,16 +219,7 @@ class ElasticEvents:
                     self.record(kind, ids, stall_s=stall, detail=detail, time_s=took_effect)
                 stall = 0.0  # one boundary, one stall: charge it to the first record only
         if choice is not None and choice.way == "stream":
-            predicted = choice.stream
-            for device_id in changes.joined:
-                self.active.remove(device_id)
-            self.stream = Stream(
-                list(changes.joined),
-                predicted.stream_steps,
-                (predicted.members_lost_s - predicted.boundary_stall_s) / predicted.stream_steps,
-                cost.stall_s,
-                took_effect,
-            )
+            self._start_stream(list(changes.joined), survivors, cost.stall_s, took_effect)
         if cost.rolls_back:
             self._roll_back()
         elif cost.checkpoints:

@@ -6,12 +6,16 @@ its compute from the closed-form model (the current assignment, noise-free),
 the state's bytes, the join link (``[join] link_bytes_per_s``, else the
 broadcast bandwidth), whether the joiner shares a member's cores
 (``[join] joiner_shares_cores`` with ``[elastic] host_cores``), and the
-stream's steps as flexpar/core/stream_plan.py would plan them: each member
-sends ``stream_share`` x the predicted compute step x the assumed slice link
-per step, and the joiner listens for the plan's rounds and one step more
-(benchmarks/join_stream.py's planned -> listened steps: 18 -> 19, 7 -> 8,
-9 -> 8, 6 -> 5 and 6, 6 and 7 -> 7; the engine's resizing of the slices moves
-a stream by a step or two either way, and is not modelled).
+stream's planned steps as the engine computes them for its choice
+(flexpar/worker/join_way.py): each member sends ``stream_share`` x the
+predicted compute step x the assumed slice link per step.
+
+What a stream then does is simulated apart (``simulate_stream``, sim/stream_course.py):
+the engine re-sizes the slices round by round from the members' step times
+(``flexpar.core.stream_plan.resize_round``), so a stream may take more or
+fewer steps than its first plan; the members' steps follow the listener's
+work on shared cores at ``[join] listener_work`` (default: the engine's
+``LISTENER_WORK``) and the slices over the join link.
 """
 
 from __future__ import annotations
@@ -25,19 +29,43 @@ from flexpar.core import join_choice, stream_plan
 from flexpar.core.join_choice import JoinChoice, JoinInputs, SharedCores
 
 from .model import ModelParameters, device_critical_paths, pg_formation_seconds, ring_all_reduce_seconds
-
-LISTENING_STEPS_AFTER_PLAN = 1
-"""A listener takes VWs from the step after the one whose round completes the stream."""
+from .stream_course import CourseInputs, StreamCourse, course
 
 
-def listening_steps(state_bytes: float, senders: int, compute_s: float, parameters: ModelParameters) -> int:
-    """The steps a joiner listens: the engine's plan of `state_bytes` from `senders`, plus one."""
+def first_sender_bytes(compute_s: float, parameters: ModelParameters) -> int:
+    """A sender's first slice per step, as the engine sizes it (flexpar/worker/stream_rules.py's `sender_bytes`)."""
     join = parameters.join
     if compute_s > 0:
-        per_sender = stream_plan.sender_bytes(join.slice_link_bytes_per_s, compute_s, join.stream_share)
-    else:
-        per_sender = 64 << 20  # flexpar/worker/streaming.py's DEFAULT_SENDER_BYTES: no step measured yet
-    return join_choice.planned_stream_steps(state_bytes, senders, per_sender) + LISTENING_STEPS_AFTER_PLAN
+        return stream_plan.sender_bytes(join.slice_link_bytes_per_s, compute_s, join.stream_share)
+    return 64 << 20  # flexpar/worker/stream_rules.py's DEFAULT_SENDER_BYTES: no step measured yet
+
+
+def planned_steps(state_bytes: float, senders: int, compute_s: float, parameters: ModelParameters) -> int:
+    """The stream's steps as the engine's choice plans them: `state_bytes` from `senders` at the first slice."""
+    return join_choice.planned_stream_steps(state_bytes, senders, first_sender_bytes(compute_s, parameters))
+
+
+def simulate_stream(
+    inputs: JoinInputs, parameters: ModelParameters, noise_sigma: float = 0.0, seed: int = 0
+) -> StreamCourse:
+    """What a stream of the join `inputs` describes does: its rounds as the engine re-sizes them, the members'
+    steps (sim/stream_course.py)."""
+    join = parameters.join
+    slowdown = join_choice.listener_slowdown(inputs, join.listener_work)
+    return course(
+        CourseInputs(
+            state_bytes=int(round(inputs.state_bytes)),
+            senders=inputs.senders,
+            first_sender_bytes=first_sender_bytes(inputs.compute_s, parameters),
+            step_s=inputs.step_s,
+            slowdown=slowdown,
+            link_bytes_per_s=inputs.link_bytes_per_s,
+            share=join.stream_share,
+            baseline_ratio=join.baseline_ratio,
+            noise_sigma=noise_sigma,
+            seed=seed,
+        )
+    )
 
 
 def join_inputs(
@@ -68,7 +96,7 @@ def join_inputs(
         state_bytes=state_bytes,
         link_bytes_per_s=link,
         boundary_s=boundary_s,
-        stream_steps=listening_steps(state_bytes, len(members), compute_s, parameters),
+        stream_steps=planned_steps(state_bytes, len(members), compute_s, parameters),
         senders=len(members),
         small_state_bytes=join.small_state_bytes,
         shared=shared,

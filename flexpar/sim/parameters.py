@@ -193,6 +193,13 @@ class JoinModel:
     the predicted compute step x this assumed link rate; flexpar/worker/streaming.py's
     STREAM_SHARE and its gloo link). ``max_first_vw_s``: the bound on a
     streamed joiner's first VW (default: the engine's, 60 s; None: none).
+    ``listener_work``: what a listener on shared cores really takes from the
+    members, as a share of their step's non-VW part (default: the engine's
+    ``LISTENER_WORK``; a host's calibration may set it: the decision itself
+    always uses the engine's). ``baseline_ratio``: the members' last step
+    before the boundary, which the engine's slice re-sizing takes as its
+    baseline, over their undisturbed step (1: the joiner's start-up did not
+    slow it).
     """
 
     mode: str = "auto"
@@ -202,6 +209,8 @@ class JoinModel:
     stream_share: float = 0.1
     slice_link_bytes_per_s: float = 1e9
     max_first_vw_s: Optional[float] = join_choice.MAX_FIRST_VW_S
+    listener_work: float = join_choice.LISTENER_WORK
+    baseline_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         _require(self.mode in JOIN_MODES, f"join.mode: expected one of {list(JOIN_MODES)}, got {self.mode!r}")
@@ -210,7 +219,12 @@ class JoinModel:
             f"join.joiner_shares_cores: expected true or false, got {self.joiner_shares_cores!r}",
         )
         _check_non_negative("join", small_state_bytes=self.small_state_bytes)
-        _check_positive("join", slice_link_bytes_per_s=self.slice_link_bytes_per_s)
+        _check_positive(
+            "join",
+            slice_link_bytes_per_s=self.slice_link_bytes_per_s,
+            listener_work=self.listener_work,
+            baseline_ratio=self.baseline_ratio,
+        )
         for name in ("link_bytes_per_s", "max_first_vw_s"):
             if getattr(self, name) is not None:
                 _check_positive("join", **{name: getattr(self, name)})

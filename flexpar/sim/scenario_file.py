@@ -100,6 +100,8 @@ def _parse_join(root: TableFields, elastic: ElasticCosts) -> JoinModel:
         stream_share=reader.number("stream_share", 0.1, positive=True),
         slice_link_bytes_per_s=reader.number("slice_link_bytes_per_s", 1e9, positive=True),
         max_first_vw_s=reader.number("max_first_vw_s", join_choice.MAX_FIRST_VW_S, positive=True),
+        listener_work=reader.number("listener_work", join_choice.LISTENER_WORK, positive=True),
+        baseline_ratio=reader.number("baseline_ratio", 1.0, positive=True),
     )
     reader.finish()
     return join

@@ -23,8 +23,8 @@ LINK_BYTES_PER_S = {"gloo": 1.0e9, "nccl": 1.0e10}
 DEFAULT_SENDER_BYTES = 64 << 20
 """A sender's bytes per step while no step time is measured yet."""
 
-MIN_SENDER_BYTES = 1 << 20
-"""The smallest slice a sender's round shrinks to without `join_stream_mb` (a stream must end)."""
+MIN_SENDER_BYTES = stream_plan.MIN_SENDER_BYTES
+"""The smallest slice a sender's round shrinks to without `join_stream_mb` (flexpar/core/stream_plan.py)."""
 
 
 def common_refusal(settings, by_cost: bool, joiners, latest_step: int) -> Optional[str]:
@@ -84,11 +84,8 @@ def assumed_link(settings) -> float:
 
 
 def floor(plan) -> int:
-    """The smallest slices a stream shrinks to: half its first size, at least MIN_SENDER_BYTES (never
-    above the first size). One halving at most: on a shared host the steps' slowdown is mostly the
-    listener's own work, which smaller slices only spread over more steps (measured: with an eighth,
-    the benchmark's streams outlasted its jobs)."""
-    return min(plan.sender_bytes, max(MIN_SENDER_BYTES, plan.sender_bytes // 2))
+    """The smallest slices a stream shrinks to (`stream_plan.sizing_floor` of its first size)."""
+    return stream_plan.sizing_floor(plan.sender_bytes)
 
 
 def predicted_step_s(state) -> float:

@@ -265,17 +265,12 @@ class StreamedJoin:
         stream = self.streams.current
         if stream.sizing is None or not stream.member_step_s:
             return
-        times = sorted(value for value in self.streams.without_listeners(stream.member_step_s) if value > 0)
-        if not times:
-            return
-        median = times[len(times) // 2]
-        if stream.rounds_done == 0:
-            stream.before_s = median
-            return
-        if stream.rounds_done < 2 or stream.before_s <= 0:
-            return
-        sizing = stream_plan.resized(
-            stream.sizing, median / stream.before_s - 1.0, stream.rounds_done, stream_rules.STREAM_SHARE
+        sizing, stream.before_s = stream_plan.resize_round(
+            stream.sizing,
+            stream.before_s,
+            self.streams.without_listeners(stream.member_step_s),
+            stream.rounds_done,
+            stream_rules.STREAM_SHARE,
         )
         if sizing.sender_bytes != stream.plan.sender_bytes:
             stream.plan = stream_plan.replan(
