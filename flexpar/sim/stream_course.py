@@ -32,6 +32,12 @@ import numpy as np
 
 from flexpar.core import stream_plan
 
+STATE_BYTES_PER_ELEMENT = 12
+"""How the simulated state is cut: elements of a float32 parameter with AdamW's two moments (4 + 4 + 4
+bytes), the engine's cuttable case (flexpar/core/stream_plan.py cuts element ranges, and a re-plan's cuts
+follow element boundaries). The simulator knows the state's bytes, not its tensors: it plans them as one
+tensor of such elements."""
+
 MAX_ROUNDS = 100_000
 """A bound on a simulated stream's rounds (the rule never shrinks slices below its floor, so a stream of
 any size the simulator is given ends well before it)."""
@@ -103,8 +109,7 @@ class CourseInputs:
 def course(inputs: CourseInputs) -> StreamCourse:
     """Run the engine's sizing loop (`stream_plan.resize_round`, `replan`) on the modelled member steps."""
     senders = tuple(f"sender-{index}" for index in range(inputs.senders))
-    state = [stream_plan.Tensor("state", inputs.state_bytes, 1)]
-    plan = stream_plan.plan(state, senders, inputs.first_sender_bytes, cuttable=True)
+    plan = stream_plan.plan(state_tensors(inputs.state_bytes), senders, inputs.first_sender_bytes, cuttable=True)
     planned = plan.rounds
     sizing = stream_plan.Sizing(plan.sender_bytes, stream_plan.sizing_floor(plan.sender_bytes))
     rng = np.random.default_rng(inputs.seed)
@@ -130,6 +135,12 @@ def course(inputs: CourseInputs) -> StreamCourse:
         if rounds_done >= plan.rounds:
             break
     return StreamCourse(rounds_done, planned, tuple(step_times), tuple(sizes), before)
+
+
+def state_tensors(state_bytes: int) -> list:
+    """The simulated state as the plan sees it: one cuttable tensor of `STATE_BYTES_PER_ELEMENT`-byte elements."""
+    elements = -(-state_bytes // STATE_BYTES_PER_ELEMENT)
+    return [stream_plan.Tensor("state", elements, STATE_BYTES_PER_ELEMENT)]
 
 
 def _noise(sigma: float, rng: np.random.Generator) -> float:

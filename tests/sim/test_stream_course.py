@@ -9,12 +9,14 @@ no processes.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flexpar.core import stream_plan
-from flexpar.sim.stream_course import CourseInputs, course
+from flexpar.sim.stream_course import STATE_BYTES_PER_ELEMENT, CourseInputs, course, state_tensors
 from flexpar.worker import stream_rules
 from flexpar.worker.stream_session import Stream, StreamSession
 from flexpar.worker.streaming import StreamedJoin
@@ -28,9 +30,7 @@ def engine_rounds(inputs: CourseInputs, step_times: list) -> tuple:
     `rounds_done`, count it, end once the plan's rounds are done.
     """
     senders = tuple(f"sender-{index}" for index in range(inputs.senders))
-    plan = stream_plan.plan(
-        [stream_plan.Tensor("state", inputs.state_bytes, 1)], senders, inputs.first_sender_bytes, True
-    )
+    plan = stream_plan.plan(state_tensors(inputs.state_bytes), senders, inputs.first_sender_bytes, True)
     sizing = stream_plan.Sizing(plan.sender_bytes, stream_plan.sizing_floor(plan.sender_bytes))
     join = StreamedJoin.__new__(StreamedJoin)  # only `_resize` is driven: it reads `streams` alone
     join.streams = StreamSession()
@@ -80,14 +80,15 @@ def test_the_simulated_stream_takes_the_engines_rounds(
     simulated = course(inputs)
     rounds, sizes = engine_rounds(inputs, [simulated.before_step_s, *simulated.member_step_s])
     assert (simulated.rounds, simulated.sender_bytes) == (rounds, sizes)
-    assert simulated.planned_rounds == max(0, -(-state_bytes // (senders * first)))
+    pieces = math.ceil(math.ceil(state_bytes / STATE_BYTES_PER_ELEMENT) / (first // STATE_BYTES_PER_ELEMENT))
+    assert simulated.planned_rounds == math.ceil(pieces / senders)
 
 
 def shared_host(**changes) -> CourseInputs:
     values = dict(
-        state_bytes=400_000_000,
+        state_bytes=480_000_000,
         senders=2,
-        first_sender_bytes=20_000_000,
+        first_sender_bytes=24_000_000,
         step_s=0.5,
         slowdown=1.3,
         link_bytes_per_s=1e9,
@@ -103,11 +104,11 @@ def test_on_a_shared_host_the_halving_is_undone_and_costs_one_round():
     # half the excess, so they are doubled back and stay: 10 planned rounds become 11.
     simulated = course(shared_host())
     assert simulated.planned_rounds == 10 and simulated.rounds == 11
-    assert simulated.sender_bytes[:6] == (20_000_000, 20_000_000, 10_000_000, 10_000_000, 20_000_000, 20_000_000)
+    assert simulated.sender_bytes[:6] == (24_000_000, 24_000_000, 12_000_000, 12_000_000, 24_000_000, 24_000_000)
     # Each listening step: the step times the listener's slowdown, plus the largest slice in flight over the link.
     assert simulated.member_step_s[0] == pytest.approx(0.65)
-    assert simulated.member_step_s[1] == pytest.approx(0.65 + 0.02)
-    assert simulated.member_step_s[3] == pytest.approx(0.65 + 0.01)
+    assert simulated.member_step_s[1] == pytest.approx(0.65 + 0.024)
+    assert simulated.member_step_s[3] == pytest.approx(0.65 + 0.012)
     assert simulated.lost_s(0.5) == pytest.approx(sum(t - 0.5 for t in simulated.member_step_s))
 
 
@@ -117,13 +118,13 @@ def test_a_baseline_the_joiner_slowed_makes_the_slices_grow():
     # doubles the slices every round: the stream ends early.
     simulated = course(shared_host(baseline_ratio=1.4))
     assert simulated.rounds < simulated.planned_rounds == 10
-    assert simulated.sender_bytes[2] == 40_000_000
+    assert simulated.sender_bytes[2] == 48_000_000
 
 
 def test_without_resizing_the_stream_keeps_its_plan():
     simulated = course(shared_host(resizes=False))
     assert simulated.rounds == simulated.planned_rounds == 10
-    assert set(simulated.sender_bytes) == {20_000_000}
+    assert set(simulated.sender_bytes) == {24_000_000}
 
 
 @pytest.mark.parametrize(
