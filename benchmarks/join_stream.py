@@ -32,6 +32,10 @@ there and listed in ``unfinished``, not ``failed``).
 - ``stream_steps``: by size, the steps the stream took; ``stream_planned_steps`` the steps its first
   plan had (the join event's detail).
 - ``state_bytes``: by size, the bytes that streamed (trainable parameters and AdamW's moments).
+- ``baseline_ratio``: by size, the members' last step before the join's boundary (the baseline of the
+  engine's slice re-sizing) / ``step_before_s``; ``step_spread``: the lognormal sigma of the members'
+  steps before the joiner started; ``stream_shares``: by size, each streamed run's listener share of the
+  state after each listening step (how the slices were re-sized). flexpar.sim's inputs too.
 - ``step_before_s``, ``compute_before_s``: by size, the members' median step and the slowest member's
   VW compute (``busy_s``) per step before the joiner started; ``compute_at_join_s`` the same over the 5
   steps before the join's boundary (what the engine sizes a stream's slices from): flexpar.sim's inputs.
@@ -211,6 +215,9 @@ def figures_of_run(records: list, streaming: bool) -> dict:
     # The 5 steps before the join's boundary: what the engine sizes the slices from (its balancer's compute).
     busy_at_join = [max(r["busy_s"]) for r in steps if r["step"] < join["step"] and r.get("busy_s")][-5:]
     planned = re.search(r"in (\d+) steps? from", join["detail"])
+    # The step the engine's slice re-sizing takes as its baseline: the members' last step before the
+    # boundary (the joiner's start-up may have slowed it), against the undisturbed step.
+    baseline = [r["step_time_s"] for r in steps if r["step"] == join["step"] - 1]
     result = {
         "stall_s": join["stall_s"],
         # What a simulator needs to predict the join: the members' step and its compute before the joiner
@@ -223,7 +230,15 @@ def figures_of_run(records: list, streaming: bool) -> dict:
         "time_to_contribute_s": max(first["time"] - first["step_time_s"], join["time"]) - boundary_start,
         "detail": join["detail"],
     }
+    if baseline and before:
+        result["baseline_ratio"] = baseline[0] / step_before
+    if len(before) >= 2:  # the members' step-to-step spread (lognormal sigma), which the re-sizing reads
+        logs = [math.log(value) for value in before if value > 0]
+        mean = sum(logs) / len(logs)
+        result["step_spread"] = math.sqrt(sum((value - mean) ** 2 for value in logs) / (len(logs) - 1))
     if streaming:
+        # The listener's share of the state after each listening step: how the slices were re-sized.
+        result["shares"] = [round(max(r["joining"].values()), 4) for r in listening]
         result["planned_steps"] = int(planned.group(1)) if planned else float("nan")
         streamed_bytes = re.search(r"listeners?: (\d+) bytes", join["detail"])
         result["state_bytes"] = int(streamed_bytes.group(1)) if streamed_bytes else float("nan")
@@ -266,6 +281,9 @@ def figures(runs: dict, sizes) -> dict:
         "step_before_s": {label[s]: med(s, "stream", "step_before_s") for s in sizes},
         "compute_before_s": {label[s]: med(s, "stream", "compute_before_s") for s in sizes},
         "compute_at_join_s": {label[s]: med(s, "stream", "compute_at_join_s") for s in sizes},
+        "baseline_ratio": {label[s]: med(s, "stream", "baseline_ratio") for s in sizes},
+        "step_spread": {label[s]: med(s, "stream", "step_spread") for s in sizes},
+        "stream_shares": {label[s]: [run["shares"] for run in runs[(s, "stream")] if "shares" in run] for s in sizes},
         "bitwise_equal": all(
             run.get("streamed") is True
             for s in sizes

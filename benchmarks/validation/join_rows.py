@@ -1,18 +1,28 @@
 """What the validation predicts of join_stream.py: a streamed join's boundary stall, its steps, the members' lost time.
 
-The simulator (flexpar.sim, its join model: sim/joins.py and core/join_choice.py)
-runs join_stream.py's job at one state size: two devices whose seconds per VW
-are the members' measured compute per step over their 2 VWs, the rest of their
-step (all-reduce and AdamW's update) as the optimizer's time, the state that
-streamed, a join at the benchmark's step with the way forced to `stream` (the
-engine streams every join it may today: the choice is not wired in yet), the
-joiner sharing the host's cores. Calibrated apart from the figures predicted:
+The simulator (flexpar.sim, its join model: sim/joins.py, sim/stream_course.py
+and core/join_choice.py) runs join_stream.py's job at each state size: two
+devices whose seconds per VW are the members' measured compute per step over
+their 2 VWs, the rest of their step (all-reduce and AdamW's update) as the
+optimizer's time, the state that streamed, a join at the benchmark's step
+with the way forced, the joiner sharing the host's cores. The stream's course
+follows the engine's slice re-sizing (`stream_plan.resize_round`) on the
+simulated steps. Calibrated apart from the figures predicted:
 
 - the boundary: the probe's group formation (as for elastic.py's rows);
 - the join link: elastic.py's transfer path (state bytes / its time);
 - the members' step and its VW compute: join_stream.py's steps before the joiner started;
-- the listener's work: flexpar.core.join_choice.LISTENER_WORK (calibrated on
-  docs/benchmarks.md's join_stream table, an earlier run).
+- the listener's work on the shared cores (`listener_work`): for each size,
+  the median over join_stream.py's *other* sizes of the work that makes the
+  model's members' slowdown equal the one measured there, less the slices'
+  share (`core.join_choice.listener_work_for`); the engine's `LISTENER_WORK`
+  where no other size was measured. A size's own measurement never
+  calibrates its own prediction;
+- where join_stream.py recorded them (runs after 2026-12-07): the step the
+  engine's re-sizing took as its baseline over the undisturbed step
+  (`baseline_ratio`), and the members' step-to-step spread before the join
+  (`step_spread`), with which the stream's course is simulated over
+  `SEEDS` seeds and its medians predicted.
 
 Predicted: the streamed join's boundary stall (the goal's unit: max(measured,
 0.25 s)), its listening steps (a count: relative error), the members' lost time
@@ -23,7 +33,10 @@ and the blocking transfer at the same size (join_stream_mb=0).
 from __future__ import annotations
 
 from dataclasses import replace
+from statistics import median
+from typing import Optional
 
+from flexpar.core import join_choice
 from flexpar.sim import (
     DeviceSpec,
     ElasticCosts,
@@ -33,6 +46,7 @@ from flexpar.sim import (
     NetworkModel,
     Scenario,
     WorkloadModel,
+    join_inputs,
     simulate,
 )
 
@@ -41,9 +55,17 @@ from .comparison import Comparison
 VIRTUAL_WORKERS = 4  # join_stream.py's job: 2 VWs on each of 2 members
 JOIN_AT = 6
 MEMBERS_LOST_GOAL = 0.25
+SEEDS = 15  # simulations of a stream whose steps are noisy (the medians are predicted)
 
 
-def join_scenario(figures: dict, size: str, calibrated: ModelParameters, mode: str) -> Scenario:
+def join_scenario(
+    figures: dict,
+    size: str,
+    calibrated: ModelParameters,
+    mode: str,
+    listener_work: float = join_choice.LISTENER_WORK,
+    seed: int = 0,
+) -> Scenario:
     """join_stream.py's job at `size` (GB, as its JSON labels it) as a simulator scenario."""
     # The members' step and its VW compute from the steps before the joiner started. Not from the steps just
     # before the boundary (`compute_at_join_s`): the joiner's start-up shares the cores then, and the
@@ -62,7 +84,13 @@ def join_scenario(figures: dict, size: str, calibrated: ModelParameters, mode: s
         ),
         workload=WorkloadModel(gradient_bytes=0.0, state_bytes=figures["state_bytes"][size], optimizer_s=other),
         elastic=elastic,
-        join=JoinModel(mode=mode, joiner_shares_cores=elastic.host_cores is not None),
+        join=JoinModel(
+            mode=mode,
+            joiner_shares_cores=elastic.host_cores is not None,
+            listener_work=listener_work,
+            baseline_ratio=(figures.get("baseline_ratio") or {}).get(size) or 1.0,
+            step_noise=(figures.get("step_spread") or {}).get(size) or 0.0,
+        ),
     )
     seconds = compute / (VIRTUAL_WORKERS // members)
     devices = tuple(DeviceSpec(f"local-{index}", seconds) for index in range(members))
@@ -75,12 +103,63 @@ def join_scenario(figures: dict, size: str, calibrated: ModelParameters, mode: s
         events=(joiner,),
         parameters=parameters,
         policies=("flexpar",),
+        seed=seed,
     )
 
 
-def predict_join(figures: dict, size: str, calibrated: ModelParameters, mode: str) -> dict:
-    """The simulated join at `size`: its way, boundary stall, steps, members' lost time and first VW."""
-    scenario = join_scenario(figures, size, calibrated, mode)
+def members_inputs(scenario: Scenario):
+    """The join's inputs as the simulated members measure them before it (sim/joins.py)."""
+    members = [device.device_id for device in scenario.devices]
+    seconds = [device.seconds_per_vw for device in scenario.devices]
+    counts = [VIRTUAL_WORKERS // len(members)] * len(members)
+    return join_inputs(members, counts, seconds, len(members) + 1, scenario.parameters)
+
+
+def size_listener_work(figures: dict, size: str, calibrated: ModelParameters) -> Optional[float]:
+    """The listener work that gives join_stream.py's measured members' slowdown at `size` in the model,
+    after the senders' share of the slices (the state over the measured steps, over the join link)."""
+    slowdown = (figures.get("member_slowdown") or {}).get(size)
+    steps = (figures.get("stream_steps") or {}).get(size)
+    if not slowdown or not steps or figures["step_before_s"].get(size) is None:
+        return None
+    inputs = members_inputs(join_scenario(figures, size, calibrated, "stream"))
+    slices = inputs.state_bytes / (inputs.senders * steps) / inputs.link_bytes_per_s / inputs.step_s
+    return join_choice.listener_work_for(inputs, slowdown - slices)
+
+
+def listener_work_calibration(figures: dict, calibrated: ModelParameters) -> dict:
+    """By size: the listener work its prediction uses (the median of the other sizes' measured works, else
+    the engine's LISTENER_WORK) and the sizes that gave it."""
+    measured = {size: size_listener_work(figures, size, calibrated) for size in figures["sizes_gb"]}
+    calibration = {}
+    for size in figures["sizes_gb"]:
+        others = {other: work for other, work in measured.items() if other != size and work is not None}
+        work = median(others.values()) if others else join_choice.LISTENER_WORK
+        calibration[size] = {"listener_work": work, "from_sizes": sorted(others), "measured_here": measured[size]}
+    return calibration
+
+
+def predict_join(
+    figures: dict, size: str, calibrated: ModelParameters, mode: str, listener_work: float = join_choice.LISTENER_WORK
+) -> dict:
+    """The simulated join at `size`: its way, boundary stall, steps, members' lost time and first VW (the
+    medians over `SEEDS` seeds where the steps are noisy)."""
+    noisy = bool((figures.get("step_spread") or {}).get(size))
+    runs = [
+        _simulated_join(figures, size, calibrated, mode, listener_work, seed) for seed in range(SEEDS if noisy else 1)
+    ]
+    predicted = {key: median(run[key] for run in runs) for key in ("stream_steps", "members_lost_s", "first_vw_s")}
+    predicted.update({key: runs[0][key] for key in ("way", "boundary_stall_s", "reason")})
+    slowdowns = [run["member_slowdown"] for run in runs if run["member_slowdown"] is not None]
+    predicted["member_slowdown"] = median(slowdowns) if slowdowns else None
+    predicted["listener_work"] = listener_work
+    return predicted
+
+
+def _simulated_join(
+    figures: dict, size: str, calibrated: ModelParameters, mode: str, listener_work: float, seed: int
+) -> dict:
+    scenario = join_scenario(figures, size, calibrated, mode, listener_work, seed)
     result = simulate(scenario, "flexpar")
     (join,) = [event for event in result.events if event.kind == "join"]
     final = result.joins()[0]
@@ -105,10 +184,11 @@ def compare_joins(figures: dict | None, calibrated: ModelParameters) -> tuple:
     if not figures:
         return [], {}
     rows, predicted = [], {}
+    works = listener_work_calibration(figures, calibrated)
     for size in figures["sizes_gb"]:
         if figures["state_bytes"].get(size) is None or figures["step_before_s"].get(size) is None:
             continue
-        stream = predict_join(figures, size, calibrated, "stream")
+        stream = predict_join(figures, size, calibrated, "stream", works[size]["listener_work"])
         blocking = predict_join(figures, size, calibrated, "blocking")
         predicted[size] = {"stream": stream, "blocking": blocking}
         label = f"join_stream {size} GB"
@@ -125,7 +205,8 @@ def compare_joins(figures: dict | None, calibrated: ModelParameters) -> tuple:
                 stream["stream_steps"],
                 figures["stream_steps"][size],
                 True,
-                "the engine's plan (a tenth of the compute step at 1 GB/s a sender) + 1 vs the listening steps",
+                "the engine's plan (a tenth of the compute step at 1 GB/s a sender), re-sized round by round by "
+                "the engine's rule on the simulated steps, vs the listening steps",
                 floor=0.0,
             ),
             Comparison(
@@ -133,7 +214,8 @@ def compare_joins(figures: dict | None, calibrated: ModelParameters) -> tuple:
                 stream["members_lost_s"],
                 figures["members_lost_s"]["stream"][size],
                 True,
-                "boundary + steps x (listener's work on the shared cores + the senders' slices)",
+                "boundary + each listening step's excess (listener's work on the shared cores, calibrated on the "
+                "other sizes, + the senders' slices)",
                 floor=0.0,
                 goal=MEMBERS_LOST_GOAL,
             ),
@@ -167,9 +249,11 @@ def why_join(row: Comparison, figures: dict | None) -> str:
     """What a join row's model is made of, and what the measurement holds."""
     if "stream steps" in row.figure:
         return (
-            "The steps are the engine's first plan + 1; the engine halves the slices when the members' "
-            "steps run more than twice the target share longer (once at most) and doubles them back, so a "
-            "stream runs longer than planned where a halving sticks."
+            "The steps follow the engine's slice re-sizing (stream_plan.resize_round) on the simulated steps: "
+            "on a shared host the listener's work passes twice the target share, the slices are halved at "
+            "round 2 and, as halving does not help, doubled back at round 4 (one round more). A halving that "
+            "sticks, or a baseline the joiner's start-up slowed, needs the step noise and the baseline that "
+            "join_stream.py records from 2026-12-07 on (step_spread, baseline_ratio)."
         )
     if "boundary stall" in row.figure:
         return (
@@ -177,10 +261,9 @@ def why_join(row: Comparison, figures: dict | None) -> str:
             "state; the real one also plans the stream and levels the members (one small all-reduce)."
         )
     text = (
-        "The members' lost time is the listener's work (all-reduce and update, "
-        "flexpar.core.join_choice.LISTENER_WORK of the step's non-VW part) taken from the members' cores "
-        "by processor sharing, over the stream's steps; on a host other processes also load, the "
-        "listener's thread takes a smaller share of the cores than the model's 3 processes on 2 cores."
+        "The members' lost time is the listener's work (all-reduce and update: listener_work of the step's "
+        "non-VW part, calibrated on the other sizes' measured slowdowns) taken from the members' cores "
+        "by processor sharing, plus the senders' slices, over the stream's steps."
     )
     if figures:
         text += f" Measured slowdown by size: {figures.get('member_slowdown')}."
@@ -191,8 +274,6 @@ def join_calibration_rows(figures: dict | None, calibrated: ModelParameters) -> 
     """What calibrates the join rows, with the values used."""
     if not figures:
         return []
-    from flexpar.core.join_choice import LISTENER_WORK
-
     return [
         {
             "parameter": "join link B/s",
@@ -209,8 +290,16 @@ def join_calibration_rows(figures: dict | None, calibrated: ModelParameters) -> 
             "from": "join_stream.py's steps before the joiner started / the 5 before the boundary",
         },
         {
-            "parameter": "listener work (share of the non-VW step)",
-            "value": LISTENER_WORK,
-            "from": "flexpar.core.join_choice, calibrated on docs/benchmarks.md's join_stream table",
+            "parameter": "listener work (share of the non-VW step), by size",
+            "value": listener_work_calibration(figures, calibrated),
+            "from": "the median over join_stream.py's other sizes of the work that gives their measured "
+            "members' slowdown less the slices' share (core.join_choice.listener_work_for); the engine's "
+            f"LISTENER_WORK ({join_choice.LISTENER_WORK}) where no other size was measured",
+        },
+        {
+            "parameter": "re-sizing baseline ratio / step spread, by size",
+            "value": [figures.get("baseline_ratio"), figures.get("step_spread")],
+            "from": "join_stream.py: the members' last step before the boundary over their step before the "
+            "joiner started; the spread of log step times before it (None: not recorded, taken as 1 / 0)",
         },
     ]

@@ -189,6 +189,28 @@ def listener_slowdown(inputs: JoinInputs, listener_work: float = LISTENER_WORK) 
     return during / before
 
 
+def listener_work_for(inputs: JoinInputs, slowdown: float) -> Optional[float]:
+    """The listener work that makes `listener_slowdown(inputs, work)` equal `slowdown` (the inverse).
+
+    None where no work can say it: the joiner does not share cores, the step
+    has no non-VW part, or the slowdown stays within the idle cores (a
+    listener there slows nobody, whatever its work). A calibration's tool
+    (benchmarks/validation/join_rows.py): from a measured slowdown of the
+    members' steps, less their slices' share, on a host like the one predicted.
+    """
+    shared = inputs.shared
+    if shared is None or inputs.step_s <= 0 or inputs.step_s <= inputs.compute_s:
+        return None
+    before = max(1.0, shared.members / shared.cores)
+    during = slowdown * before
+    if during <= 1.0:
+        return None
+    busy = during * shared.cores - shared.members
+    if busy <= 0:
+        return None
+    return busy * inputs.step_s / (inputs.step_s - inputs.compute_s)
+
+
 def predict_stream(inputs: JoinInputs) -> Prediction:
     """The streamed join: a small boundary, then `stream_steps` slower steps of the members."""
     stall = inputs.boundary_s + inputs.small_state_bytes / inputs.link_bytes_per_s

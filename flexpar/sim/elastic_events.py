@@ -66,7 +66,8 @@ class ElasticEvents:
         members' figures at this boundary; its listeners hold no VWs until it ends."""
         inputs = join_inputs(survivors, *self._members_figures(survivors), len(self.active), self.parameters)
         seed = self.scenario.seed * 1_000_003 + self.committed  # this boundary's own draw of step noise
-        course = simulate_stream(inputs, self.parameters, self.scenario.noise, seed)
+        noise = self.parameters.join.step_noise
+        course = simulate_stream(inputs, self.parameters, self.scenario.noise if noise is None else noise, seed)
         for device_id in joined:
             self.active.remove(device_id)
         self.stream = Stream(

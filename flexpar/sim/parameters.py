@@ -199,7 +199,8 @@ class JoinModel:
     always uses the engine's). ``baseline_ratio``: the members' last step
     before the boundary, which the engine's slice re-sizing takes as its
     baseline, over their undisturbed step (1: the joiner's start-up did not
-    slow it).
+    slow it). ``step_noise``: the lognormal spread of the members' steps
+    that the re-sizing reads (None: the scenario's ``noise``).
     """
 
     mode: str = "auto"
@@ -211,6 +212,7 @@ class JoinModel:
     max_first_vw_s: Optional[float] = join_choice.MAX_FIRST_VW_S
     listener_work: float = join_choice.LISTENER_WORK
     baseline_ratio: float = 1.0
+    step_noise: Optional[float] = None
 
     def __post_init__(self) -> None:
         _require(self.mode in JOIN_MODES, f"join.mode: expected one of {list(JOIN_MODES)}, got {self.mode!r}")
@@ -224,6 +226,11 @@ class JoinModel:
             slice_link_bytes_per_s=self.slice_link_bytes_per_s,
             listener_work=self.listener_work,
             baseline_ratio=self.baseline_ratio,
+        )
+        _require(
+            self.step_noise is None
+            or (isinstance(self.step_noise, (int, float)) and math.isfinite(self.step_noise) and self.step_noise >= 0),
+            f"join.step_noise: expected a number >= 0, got {self.step_noise!r}",
         )
         for name in ("link_bytes_per_s", "max_first_vw_s"):
             if getattr(self, name) is not None:

@@ -102,6 +102,7 @@ def _parse_join(root: TableFields, elastic: ElasticCosts) -> JoinModel:
         max_first_vw_s=reader.number("max_first_vw_s", join_choice.MAX_FIRST_VW_S, positive=True),
         listener_work=reader.number("listener_work", join_choice.LISTENER_WORK, positive=True),
         baseline_ratio=reader.number("baseline_ratio", 1.0, positive=True),
+        step_noise=reader.number("step_noise", None, minimum=0.0),
     )
     reader.finish()
     return join

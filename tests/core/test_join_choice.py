@@ -182,3 +182,28 @@ def test_the_model_against_the_measured_join_stream_table():
     choice = join_choice.choose(inputs)
     assert choice.stream.members_lost_s == pytest.approx(0.67, rel=0.25)
     assert choice.way == "blocking"  # the joiner shares the members' cores: 0.054 s against 0.67 s
+
+
+@settings(max_examples=100, deadline=None)
+@given(inputs_strategy(shared=True), st.floats(0.05, 3.0))
+def test_the_listener_work_for_a_slowdown_is_its_inverse(inputs, work):
+    slowdown = join_choice.listener_slowdown(inputs, work)
+    found = join_choice.listener_work_for(inputs, slowdown)
+    if slowdown > 1.0:  # the listener's work reached past the idle cores: it is seen, and found again
+        assert found == pytest.approx(work, rel=1e-6)
+        assert join_choice.listener_slowdown(inputs, found) == pytest.approx(slowdown, rel=1e-9)
+    else:  # within idle cores no work slows the members: nothing to find
+        assert found is None
+
+
+def test_no_listener_work_without_shared_cores_or_a_slowdown():
+    inputs = JoinInputs(
+        step_s=1.0, compute_s=0.3, state_bytes=0.0, link_bytes_per_s=1e9, boundary_s=0.0, stream_steps=10
+    )
+    assert join_choice.listener_work_for(inputs, 1.4) is None
+    shared = JoinInputs(**{**inputs.__dict__, "shared": SharedCores("local-0", 2, 2)})
+    assert join_choice.listener_work_for(shared, 1.0) is None
+    # 2 members on 2 cores, 70% of the step outside VWs: 1.35 x longer is 0.7 of a core more, 1.0 of that part.
+    assert join_choice.listener_work_for(shared, 1.35) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="listener_work"):
+        join_choice.listener_slowdown(shared, 0.0)
