@@ -90,6 +90,7 @@ def join_scenario(
             listener_work=listener_work,
             baseline_ratio=(figures.get("baseline_ratio") or {}).get(size) or 1.0,
             step_noise=(figures.get("step_spread") or {}).get(size) or 0.0,
+            tensors=streamed_tensors(figures, size),
         ),
     )
     seconds = compute / (VIRTUAL_WORKERS // members)
@@ -105,6 +106,30 @@ def join_scenario(
         policies=("flexpar",),
         seed=seed,
     )
+
+
+ADAMW_STEP_BYTES = 4
+"""AdamW's per-parameter step count, a float32 0-dim tensor that travels with every piece of its parameter:
+the engine's plan counts a parameter's bytes per element as ceil((12 x elements + 4) / elements)
+(flexpar/worker/streaming.py's `_begin`), 13 for join_stream's tensors."""
+
+
+def streamed_tensors(figures: dict, size: str) -> tuple:
+    """join_stream.py's model as the engine's plan sees it: each trainable tensor's (elements, bytes per
+    element), in model order; () where they do not add up to the bytes the engine said it streamed (the
+    simulator then plans one tensor of those bytes)."""
+    import join_stream  # benchmarks/ is on the path of sim_validation.py and of its tests
+
+    width = join_stream.width_for(float(size))
+    layers = [(width * width, width)] * (join_stream.LAYERS - 1) + [(join_stream.CLASSES * width, join_stream.CLASSES)]
+    elements = [count for layer in layers for count in layer]
+    tensors = tuple(
+        (count, -(-(count * join_stream.BYTES_PER_PARAMETER + ADAMW_STEP_BYTES) // count)) for count in elements
+    )
+    streamed = figures["state_bytes"].get(size)
+    if streamed is None or sum(count * size for count, size in tensors) != int(streamed):
+        return ()
+    return tensors
 
 
 def members_inputs(scenario: Scenario):

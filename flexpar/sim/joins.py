@@ -64,6 +64,10 @@ def simulate_stream(
             baseline_ratio=join.baseline_ratio,
             noise_sigma=noise_sigma,
             seed=seed,
+            tensors=tuple(
+                stream_plan.Tensor(f"tensor-{index}", elements, size)
+                for index, (elements, size) in enumerate(join.tensors)
+            ),
         )
     )
 

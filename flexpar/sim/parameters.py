@@ -201,6 +201,9 @@ class JoinModel:
     baseline, over their undisturbed step (1: the joiner's start-up did not
     slow it). ``step_noise``: the lognormal spread of the members' steps
     that the re-sizing reads (None: the scenario's ``noise``).
+    ``tensors``: the streamed state's tensors in model order, each
+    ``(elements, bytes_per_element)``, which the engine's plan packs and cuts
+    (empty: one tensor of ``workload.state_bytes``).
     """
 
     mode: str = "auto"
@@ -213,6 +216,7 @@ class JoinModel:
     listener_work: float = join_choice.LISTENER_WORK
     baseline_ratio: float = 1.0
     step_noise: Optional[float] = None
+    tensors: tuple = ()
 
     def __post_init__(self) -> None:
         _require(self.mode in JOIN_MODES, f"join.mode: expected one of {list(JOIN_MODES)}, got {self.mode!r}")
@@ -231,6 +235,18 @@ class JoinModel:
             self.step_noise is None
             or (isinstance(self.step_noise, (int, float)) and math.isfinite(self.step_noise) and self.step_noise >= 0),
             f"join.step_noise: expected a number >= 0, got {self.step_noise!r}",
+        )
+        _require(
+            isinstance(self.tensors, tuple)
+            and all(
+                isinstance(pair, tuple)
+                and len(pair) == 2
+                and all(isinstance(value, int) and not isinstance(value, bool) for value in pair)
+                and pair[0] >= 0
+                and pair[1] >= 1
+                for pair in self.tensors
+            ),
+            f"join.tensors: expected (elements >= 0, bytes_per_element >= 1) integer pairs, got {self.tensors!r}",
         )
         for name in ("link_bytes_per_s", "max_first_vw_s"):
             if getattr(self, name) is not None:

@@ -80,6 +80,25 @@ def _parse_parameters(root: TableFields) -> Tuple[ModelParameters, Optional[floa
     return parameters, reference
 
 
+def _tensor_pairs(reader: TableFields) -> tuple:
+    """``[join] tensors``: the streamed state's tensors, ``[elements, bytes_per_element]`` each."""
+    tensors = reader.table.get("tensors", [])
+    reader.used.add("tensors")
+    if not isinstance(tensors, list) or not all(
+        isinstance(pair, list)
+        and len(pair) == 2
+        and all(isinstance(value, int) and not isinstance(value, bool) for value in pair)
+        and pair[0] >= 0
+        and pair[1] >= 1
+        for pair in tensors
+    ):
+        raise ValueError(
+            f"{reader.path}.tensors: expected a list of [elements, bytes_per_element] integer pairs (elements >= 0, "
+            f"bytes >= 1), got {describe(tensors)}"
+        )
+    return tuple((elements, size) for elements, size in tensors)
+
+
 def _parse_join(root: TableFields, elastic: ElasticCosts) -> JoinModel:
     """``[join]``: how joins come in (parameters.JoinModel)."""
     reader = root.sub_table("join")
@@ -103,6 +122,7 @@ def _parse_join(root: TableFields, elastic: ElasticCosts) -> JoinModel:
         listener_work=reader.number("listener_work", join_choice.LISTENER_WORK, positive=True),
         baseline_ratio=reader.number("baseline_ratio", 1.0, positive=True),
         step_noise=reader.number("step_noise", None, minimum=0.0),
+        tensors=_tensor_pairs(reader),
     )
     reader.finish()
     return join

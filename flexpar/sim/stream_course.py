@@ -78,7 +78,10 @@ class CourseInputs:
     members' last step before the boundary) over ``step_s`` (above 1 where
     the joiner's start-up shared their cores then);
     ``resizes``: the engine resizes (False under ``join_stream_mb``);
-    ``noise_sigma``, ``seed``: the steps' lognormal spread and its seed.
+    ``noise_sigma``, ``seed``: the steps' lognormal spread and its seed;
+    ``tensors``: the state's tensors as the engine plans them
+    (``stream_plan.Tensor``, in model order; empty: one tensor of
+    ``state_bytes``, `state_tensors`).
     """
 
     state_bytes: int
@@ -92,6 +95,7 @@ class CourseInputs:
     resizes: bool = True
     noise_sigma: float = 0.0
     seed: int = 0
+    tensors: tuple = ()
 
     def __post_init__(self) -> None:
         for name, least in (("state_bytes", 0), ("senders", 1), ("first_sender_bytes", 1)):
@@ -109,7 +113,8 @@ class CourseInputs:
 def course(inputs: CourseInputs) -> StreamCourse:
     """Run the engine's sizing loop (`stream_plan.resize_round`, `replan`) on the modelled member steps."""
     senders = tuple(f"sender-{index}" for index in range(inputs.senders))
-    plan = stream_plan.plan(state_tensors(inputs.state_bytes), senders, inputs.first_sender_bytes, cuttable=True)
+    tensors = list(inputs.tensors) or state_tensors(inputs.state_bytes)
+    plan = stream_plan.plan(tensors, senders, inputs.first_sender_bytes, cuttable=True)
     planned = plan.rounds
     sizing = stream_plan.Sizing(plan.sender_bytes, stream_plan.sizing_floor(plan.sender_bytes))
     rng = np.random.default_rng(inputs.seed)

@@ -157,8 +157,49 @@ def test_the_join_table_of_a_scenario_file():
         ({"mode": "fast"}, "scenario.join.mode"),
         ({"joiner_shares_cores": "yes"}, "scenario.join.joiner_shares_cores"),
         ({"speed": 1}, "scenario.join.speed: unknown field"),
+        ({"tensors": [[10, 0]]}, "scenario.join.tensors"),
+        ({"tensors": [10, 12]}, "scenario.join.tensors"),
+        ({"listener_work": 0}, "scenario.join.listener_work"),
+        ({"step_noise": -1}, "scenario.join.step_noise"),
     ):
         with pytest.raises(ValueError, match=message):
             parse_scenario({**data, "join": bad})
     with pytest.raises(ValueError, match="needs elastic.host_cores"):
         parse_scenario({**data, "elastic": {}, "join": {"joiner_shares_cores": True}})
+
+
+def test_the_stream_follows_the_scenarios_tensors_listener_work_and_noise():
+    data = {
+        "steps": 80,
+        "virtual_workers": 4,
+        "model": {"state_bytes": 6e8, "gradient_bytes": 0.0, "optimizer_s": 0.3},
+        "elastic": {"host_cores": 2, "warmup_s": 0.5},
+        "join": {
+            "mode": "stream",
+            "joiner_shares_cores": True,
+            "listener_work": 1.3,
+            "baseline_ratio": 1.1,
+            "step_noise": 0.1,
+            "tensors": [[30_000_000, 12], [20_000_000, 12]],
+        },
+        "devices": [{"seconds_per_vw": 0.1, "count": 2}],
+        "events": [{"at_step": 3, "kind": "join", "ids": ["j"], "seconds_per_vw": 0.1}],
+    }
+    parsed = parse_scenario(data)
+    join = parsed.parameters.join
+    assert (join.listener_work, join.baseline_ratio, join.step_noise) == (1.3, 1.1, 0.1)
+    assert join.tensors == ((30_000_000, 12), (20_000_000, 12))
+    events = simulate(parsed, "flexpar").events
+    (join_event,) = [event for event in events if event.kind == "join"]
+    (stream,) = [event for event in events if event.kind == "stream"]
+    members = [device.device_id for device in parsed.devices]
+    inputs = join_inputs(members, (2, 2), (0.1, 0.1), 3, parsed.parameters)
+    course = simulate_stream(inputs, parsed.parameters, 0.1, parsed.seed * 1_000_003 + join_event.step)  # its draw
+    assert stream.stream_steps == course.rounds
+    assert stream.members_lost_s == pytest.approx(join_event.stall_s + course.lost_s(inputs.step_s))
+    # The listener's work as the scenario says, not the engine's LISTENER_WORK: the members' steps are slower.
+    engine_work = dataclasses.replace(
+        parsed.parameters, join=dataclasses.replace(join, listener_work=0.95, step_noise=0.0)
+    )
+    quiet = dataclasses.replace(parsed.parameters, join=dataclasses.replace(join, step_noise=0.0))
+    assert simulate_stream(inputs, quiet).lost_s(0.5) > simulate_stream(inputs, engine_work).lost_s(0.5)

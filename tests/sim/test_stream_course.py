@@ -30,7 +30,8 @@ def engine_rounds(inputs: CourseInputs, step_times: list) -> tuple:
     `rounds_done`, count it, end once the plan's rounds are done.
     """
     senders = tuple(f"sender-{index}" for index in range(inputs.senders))
-    plan = stream_plan.plan(state_tensors(inputs.state_bytes), senders, inputs.first_sender_bytes, True)
+    tensors = list(inputs.tensors) or state_tensors(inputs.state_bytes)
+    plan = stream_plan.plan(tensors, senders, inputs.first_sender_bytes, True)
     sizing = stream_plan.Sizing(plan.sender_bytes, stream_plan.sizing_floor(plan.sender_bytes))
     join = StreamedJoin.__new__(StreamedJoin)  # only `_resize` is driven: it reads `streams` alone
     join.streams = StreamSession()
@@ -59,12 +60,31 @@ def engine_rounds(inputs: CourseInputs, step_times: list) -> tuple:
     baseline_ratio=st.floats(0.7, 1.6),
     noise=st.sampled_from([0.0, 0.05, 0.15, 0.3]),
     seed=st.integers(0, 1000),
+    shares=st.lists(st.floats(0.01, 1.0), min_size=0, max_size=6),
+    bytes_per_element=st.sampled_from([4, 12, 13]),
 )
 def test_the_simulated_stream_takes_the_engines_rounds(
-    rounds, remainder, senders, compute_s, other_s, slowdown, link, baseline_ratio, noise, seed
+    rounds,
+    remainder,
+    senders,
+    compute_s,
+    other_s,
+    slowdown,
+    link,
+    baseline_ratio,
+    noise,
+    seed,
+    shares,
+    bytes_per_element,
 ):
     first = stream_plan.sender_bytes(1e9, compute_s, stream_rules.STREAM_SHARE)
     state_bytes = max(0, int((rounds - remainder) * senders * first))  # about `rounds` planned rounds
+    # Several tensors (the state split by `shares`), as a model has them: the plan packs and cuts them.
+    total = sum(shares)
+    tensors = tuple(
+        stream_plan.Tensor(f"t{index}", int(state_bytes * share / total) // bytes_per_element, bytes_per_element)
+        for index, share in enumerate(shares)
+    )
     inputs = CourseInputs(
         state_bytes=state_bytes,
         senders=senders,
@@ -76,10 +96,13 @@ def test_the_simulated_stream_takes_the_engines_rounds(
         baseline_ratio=baseline_ratio,
         noise_sigma=noise,
         seed=seed,
+        tensors=tensors,
     )
     simulated = course(inputs)
     rounds, sizes = engine_rounds(inputs, [simulated.before_step_s, *simulated.member_step_s])
     assert (simulated.rounds, simulated.sender_bytes) == (rounds, sizes)
+    if tensors:
+        return
     pieces = math.ceil(math.ceil(state_bytes / STATE_BYTES_PER_ELEMENT) / (first // STATE_BYTES_PER_ELEMENT))
     assert simulated.planned_rounds == math.ceil(pieces / senders)
 
