@@ -48,11 +48,15 @@ calibrates is never also a prediction):
   backward) at one busy process fewer
 
 Joins (benchmarks/validation/join_rows.py): the simulator's join model
-(flexpar.sim's joins, flexpar.core.join_choice) on join_stream.py's job, the
-way forced to `stream`: the boundary stall, the stream's steps and the
-members' lost time (goal: within 25%), calibrated from the probe's group
-formation, elastic.py's transfer path (the join link) and join_stream.py's
-members' step and compute before the join.
+(flexpar.sim's joins and stream course, flexpar.core.join_choice) on
+join_stream.py's job, the way forced to `stream`: the boundary stall, the
+stream's steps (the engine's slice re-sizing on the simulated steps, over the
+job's own tensors) and the members' lost time (goal: within 25%), calibrated
+from the probe's group formation, elastic.py's transfer path (the join link),
+join_stream.py's members' step and compute before the join, its recorded
+re-sizing baseline and step spread, and the listener's work from the members'
+slowdown measured at join_stream.py's other sizes (never the size predicted).
+`benchmarks/sim_validation_replay.py` replays a run's predictions from its JSON.
 
 Errors: |predicted - measured| / max(measured, 0.25 s) for figures in
 seconds (issue 49), a plain relative error for counts and for the members'
