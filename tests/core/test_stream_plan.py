@@ -191,3 +191,33 @@ def test_sender_bytes_follow_the_link_the_step_and_the_cap():
         stream_plan.sender_bytes(1e9, 0.2, 0.0)
     with pytest.raises(ValueError, match="no sender"):
         stream_plan.replan(stream_plan.plan([Tensor("w", 10, 4)], ["local-0"], 8, True), 1, [])
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.floats(0.0, 10.0), min_size=0, max_size=5),
+    st.floats(0.0, 10.0),
+    st.integers(0, 20),
+    st.integers(2, 1 << 30),
+)
+def test_resize_round_takes_the_baseline_skips_the_stall_then_resizes(times, before_s, rounds_done, size):
+    sizing = stream_plan.Sizing(size, stream_plan.sizing_floor(size))
+    got, baseline = stream_plan.resize_round(sizing, before_s, times, rounds_done, 0.1)
+    measured = sorted(value for value in times if value > 0)  # a member without a step record sends 0
+    if not measured:
+        assert (got, baseline) == (sizing, before_s)
+        return
+    median = measured[len(measured) // 2]
+    if rounds_done == 0:  # the step before the join: the baseline
+        assert (got, baseline) == (sizing, median)
+    elif rounds_done == 1 or before_s <= 0:  # the first listening step holds the stall
+        assert (got, baseline) == (sizing, before_s)
+    else:
+        assert baseline == before_s
+        assert got == stream_plan.resized(sizing, median / before_s - 1.0, rounds_done, 0.1)
+
+
+def test_the_sizing_floor_is_half_the_first_size_at_least_a_mebibyte():
+    assert stream_plan.sizing_floor(64 << 20) == 32 << 20
+    assert stream_plan.sizing_floor(3 << 19) == stream_plan.MIN_SENDER_BYTES == 1 << 20  # half of 1.5 MiB is less
+    assert stream_plan.sizing_floor(1000) == 1000  # never above the first size
