@@ -21,8 +21,9 @@ simulated steps. Calibrated apart from the figures predicted:
 - where join_stream.py recorded them (runs after 2026-12-07): the step the
   engine's re-sizing took as its baseline over the undisturbed step
   (`baseline_ratio`), and the members' step-to-step spread before the join
-  (`step_spread`), with which the stream's course is simulated over
-  `SEEDS` seeds and its medians predicted.
+  (`step_spread`), with which the stream's course is simulated: each
+  figure is then the median over `SEEDS` simulated benchmark runs of the
+  median of join_stream.py's `rounds` simulated streams, as it measures.
 
 Predicted: the streamed join's boundary stall (the goal's unit: max(measured,
 0.25 s)), its listening steps (a count: relative error), the members' lost time
@@ -167,13 +168,23 @@ def listener_work_calibration(figures: dict, calibrated: ModelParameters) -> dic
 def predict_join(
     figures: dict, size: str, calibrated: ModelParameters, mode: str, listener_work: float = join_choice.LISTENER_WORK
 ) -> dict:
-    """The simulated join at `size`: its way, boundary stall, steps, members' lost time and first VW (the
-    medians over `SEEDS` seeds where the steps are noisy)."""
+    """The simulated join at `size`: its way, boundary stall, steps, members' lost time and first VW.
+
+    Where the steps are noisy, a stream's length is not one figure (a halving that sticks doubles the
+    rest of it), and join_stream.py reports the median of its `rounds` runs: so is each prediction here,
+    the median over `SEEDS` simulated benchmark runs of the median of `rounds` simulated streams each.
+    """
     noisy = bool((figures.get("step_spread") or {}).get(size))
+    rounds = int(figures.get("rounds") or 1) if noisy else 1
     runs = [
-        _simulated_join(figures, size, calibrated, mode, listener_work, seed) for seed in range(SEEDS if noisy else 1)
+        _simulated_join(figures, size, calibrated, mode, listener_work, seed)
+        for seed in range(SEEDS * rounds if noisy else 1)
     ]
-    predicted = {key: median(run[key] for run in runs) for key in ("stream_steps", "members_lost_s", "first_vw_s")}
+    groups = [runs[start : start + rounds] for start in range(0, len(runs), rounds)]
+    predicted = {
+        key: median(median(run[key] for run in group) for group in groups)
+        for key in ("stream_steps", "members_lost_s", "first_vw_s")
+    }
     predicted.update({key: runs[0][key] for key in ("way", "boundary_stall_s", "reason")})
     slowdowns = [run["member_slowdown"] for run in runs if run["member_slowdown"] is not None]
     predicted["member_slowdown"] = median(slowdowns) if slowdowns else None

@@ -387,6 +387,17 @@ def test_a_recorded_spread_and_baseline_feed_the_simulated_re_sizing():
         for seed in range(validation.join_rows.SEEDS)
     ]
     assert spread["stream_steps"] == sorted(run["stream_steps"] for run in runs)[len(runs) // 2]
+    # join_stream.py's figure is the median of its rounds: so is each simulated benchmark run's.
+    two = validation.predict_join({**noisy, "rounds": 2}, "0.1", calibrated, "stream", 1.3)
+    pairs = [
+        sum(
+            validation.join_rows._simulated_join(noisy, "0.1", calibrated, "stream", 1.3, seed)["stream_steps"]
+            for seed in (2 * index, 2 * index + 1)
+        )
+        / 2
+        for index in range(validation.join_rows.SEEDS)
+    ]
+    assert two["stream_steps"] == sorted(pairs)[len(pairs) // 2]
     assert len({run["stream_steps"] for run in runs}) > 1  # the rule reacts to the noise
     assert (
         quiet["stream_steps"]
