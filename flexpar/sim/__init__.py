@@ -12,7 +12,7 @@ Entry points: ``simulate_command`` (``flexpar simulate``), ``load_scenario``,
 from .calibration import Calibration, calibrate, predict_elastic_stalls, predict_step_seconds, relative_error
 from .cli import main, simulate_command
 from .engine import simulate, simulate_all
-from .joins import choose_join, join_inputs
+from .joins import choose_join, join_inputs, simulate_stream
 from .model import (
     ElasticCosts,
     JoinModel,
@@ -34,6 +34,7 @@ from .results import SimulationEvent, SimulationResult
 from .scalability import ScalabilityResult, scalability, scaled_scenario
 from .scenario import DeviceSpec, Event, ScalabilitySpec, Scenario
 from .scenario_file import load_scenario, parse_scenario, shipped_scenarios
+from .stream_course import StreamCourse
 
 __all__ = [
     "BalanceSettings",
@@ -52,6 +53,7 @@ __all__ = [
     "Scenario",
     "SimulationEvent",
     "SimulationResult",
+    "StreamCourse",
     "WorkloadModel",
     "broadcast_seconds",
     "calibrate",
@@ -75,6 +77,7 @@ __all__ = [
     "simulate",
     "simulate_all",
     "simulate_command",
+    "simulate_stream",
     "step_seconds",
     "uniform_assignment",
 ]
