@@ -117,6 +117,7 @@ def course(inputs: CourseInputs) -> StreamCourse:
     plan = stream_plan.plan(tensors, senders, inputs.first_sender_bytes, cuttable=True)
     planned = plan.rounds
     sizing = stream_plan.Sizing(plan.sender_bytes, stream_plan.sizing_floor(plan.sender_bytes))
+    largest, total_rounds = _largest_by_round(plan), plan.rounds  # (`rounds` reads every slice: kept)
     rng = np.random.default_rng(inputs.seed)
     before = inputs.step_s * inputs.baseline_ratio * _noise(inputs.noise_sigma, rng)
     before_s, step_times, sizes, in_flight = 0.0, [], [], 0
@@ -134,12 +135,21 @@ def course(inputs: CourseInputs) -> StreamCourse:
             )
             if sizing.sender_bytes != plan.sender_bytes:
                 plan = stream_plan.replan(plan, rounds_done, senders, sender_bytes=sizing.sender_bytes)
-        in_flight = max((piece.size for piece in plan.slices if piece.round == rounds_done), default=0)
+                largest, total_rounds = _largest_by_round(plan), plan.rounds
+        in_flight = largest.get(rounds_done, 0)
         sizes.append(plan.sender_bytes)
         rounds_done += 1
-        if rounds_done >= plan.rounds:
+        if rounds_done >= total_rounds:
             break
     return StreamCourse(rounds_done, planned, tuple(step_times), tuple(sizes), before)
+
+
+def _largest_by_round(plan: stream_plan.Plan) -> dict:
+    """Each round's largest slice (a sender's bytes), by round."""
+    largest: dict = {}
+    for piece in plan.slices:
+        largest[piece.round] = max(largest.get(piece.round, 0), piece.size)
+    return largest
 
 
 def state_tensors(state_bytes: int) -> list:
