@@ -49,10 +49,13 @@ class StreamCourse:
 
     ``rounds``: the steps the joiner listened (the engine's ``rounds_done`` at
     the end: the joiner takes VWs from the next step). ``planned_rounds``: the
-    first plan's. ``member_step_s``: the members' median step time of each
-    listening step (the first without the boundary's stall; one time for every member). ``sender_bytes``:
-    each round's slice size per sender as the rule set it. ``before_step_s``:
-    the members' step the engine took as the baseline (round 0's statistics).
+    first plan's. ``member_step_s``: the members' step time of each listening
+    step as the rule read it, noise included (the first without the
+    boundary's stall; one time for every member: a synchronous step).
+    ``expected_step_s``: the same steps without the noise (the listener's
+    slowdown and the slices the rule chose). ``sender_bytes``: each round's
+    slice size per sender as the rule set it. ``before_step_s``: the members'
+    step the engine took as the baseline (round 0's statistics).
     """
 
     rounds: int
@@ -60,10 +63,13 @@ class StreamCourse:
     member_step_s: tuple
     sender_bytes: tuple
     before_step_s: float
+    expected_step_s: tuple = ()
 
     def lost_s(self, step_before_s: float) -> float:
-        """The members' time lost while streaming: each listening step beyond the step before the join."""
-        return sum(max(0.0, seconds - step_before_s) for seconds in self.member_step_s)
+        """The members' time lost while streaming: each listening step beyond the step before the join,
+        without the steps' noise (a noisy step's excursions are the model's step noise, charged apart;
+        the noise changes the lost time through the slices the rule chose, and so the steps' count)."""
+        return sum(max(0.0, seconds - step_before_s) for seconds in self.expected_step_s or self.member_step_s)
 
 
 @dataclass(frozen=True)
@@ -120,14 +126,14 @@ def course(inputs: CourseInputs) -> StreamCourse:
     largest, total_rounds = _largest_by_round(plan), plan.rounds  # (`rounds` reads every slice: kept)
     rng = np.random.default_rng(inputs.seed)
     before = inputs.step_s * inputs.baseline_ratio * _noise(inputs.noise_sigma, rng)
-    before_s, step_times, sizes, in_flight = 0.0, [], [], 0
+    before_s, step_times, expected, sizes, in_flight = 0.0, [], [], [], 0
     rounds_done = 0
     while rounds_done < MAX_ROUNDS:
         # The listening step just taken (a synchronous step: one time for every member): the listener's
         # slowdown, and the largest slice of the round before it over the link.
-        step_times.append(
-            inputs.step_s * inputs.slowdown * _noise(inputs.noise_sigma, rng) + in_flight / inputs.link_bytes_per_s
-        )
+        sending = in_flight / inputs.link_bytes_per_s
+        expected.append(inputs.step_s * inputs.slowdown + sending)
+        step_times.append(inputs.step_s * inputs.slowdown * _noise(inputs.noise_sigma, rng) + sending)
         previous = before if rounds_done == 0 else step_times[rounds_done - 1]
         if inputs.resizes:
             sizing, before_s = stream_plan.resize_round(
@@ -141,7 +147,7 @@ def course(inputs: CourseInputs) -> StreamCourse:
         rounds_done += 1
         if rounds_done >= total_rounds:
             break
-    return StreamCourse(rounds_done, planned, tuple(step_times), tuple(sizes), before)
+    return StreamCourse(rounds_done, planned, tuple(step_times), tuple(sizes), before, tuple(expected))
 
 
 def _largest_by_round(plan: stream_plan.Plan) -> dict:

@@ -157,3 +157,12 @@ def test_without_resizing_the_stream_keeps_its_plan():
 def test_bad_inputs_are_refused(change):
     with pytest.raises(ValueError, match="stream course"):
         shared_host(**change)
+
+
+def test_the_lost_time_leaves_the_steps_noise_out():
+    # Own cores (no slowdown) and noisy steps: the rule reads the noisy steps, but what the members lose is
+    # the slices' cost alone (a noisy step's excursion above the step is not the stream's).
+    simulated = course(shared_host(slowdown=1.0, noise_sigma=0.3, seed=3))
+    assert simulated.member_step_s != simulated.expected_step_s
+    sends = [size / 1e9 for size in simulated.sender_bytes[:-1]]  # round r's slices slow listening step r + 1
+    assert simulated.lost_s(0.5) == pytest.approx(sum(sends))
