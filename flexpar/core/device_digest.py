@@ -6,21 +6,25 @@ runs on the CPU only, so a CUDA device had to copy its whole model to the
 host for it; `tensor_lanes` reduces the bytes on the tensor's own device and
 brings back two integers per tensor.
 
-What it computes, exactly: the tensor's bytes read as little-endian 16-bit
-words x_0 .. x_{n-1} (0 .. 65535; an odd byte count is padded with a zero
-byte) give, per lane with base g, the polynomial hash
+What it computes, exactly: the tensor's bytes read as little-endian signed
+16-bit words s_0 .. s_{n-1} (-32768 .. 32767; an odd byte count is padded
+with a zero byte) give, per lane with base g, the polynomial hash
 
-    H = sum_i x_i * g**i  (mod p),  p = 2**31 - 1,
+    H = sum_i s_i * g**i  (mod p),  p = 2**31 - 1,
 
-with the two bases LANE_BASES (primitive roots of p). Every operation is an
-int64 one whose result stays below 2**63 (a word times a power < 2**47, a row
-of ROW of them < 2**63, a power times a power < 2**62), so it is exact and its
-order is defined by the word positions alone: the same bytes give the same
-lanes on a CPU and on a GPU, whatever the kernel's summation order. One
-changed word changes each lane (x_i moves by d, 0 < |d| < p, and g**i is a
-unit mod p), so equal digests of two tensors of one dtype and shape that
-differ in one element cannot happen; other differences collide with a
-probability of about 2**-31 per lane.
+with the two bases LANE_BASES (primitive roots of p). It is computed as one
+float64 matrix product of the words, CHUNK to a row, with the powers
+g**0 .. g**(CHUNK-1) (BLAS on a CPU, cuBLAS on a GPU: as fast as sha256 on a
+CPU core), then int64 arithmetic: every partial sum of a row is an integer
+below 2**53 in magnitude (CHUNK words of at most 2**15 times powers below
+2**31), so float64 holds it exactly whatever the order of the additions, and
+every int64 product stays below 2**62. The result is therefore exact and
+defined by the word positions alone: the same bytes give the same lanes on a
+CPU and on a GPU, whatever the kernels' summation order. One changed word
+changes each lane (s_i moves by d, 0 < |d| < p, and g**i is a unit mod p),
+so two tensors of one dtype and shape that differ in one element never share
+a digest; other differences collide with a probability of about 2**-31 per
+lane.
 
 Not a cryptographic hash (it proves nothing to an adversary): it compares
 the builds of one job's devices, all running the same flexpar version, and
@@ -39,10 +43,10 @@ import torch
 
 PRIME = 2**31 - 1
 LANE_BASES = (16807, 48271)  # primitive roots of PRIME (the minimal standard generators' multipliers)
-ROW = 2**16  # words per row: a row's sum of word x power stays below 65536 * 65535 * PRIME < 2**63
-BLOCK_ROWS = 64  # rows reduced at once: bounds the int64 temporaries to BLOCK_ROWS * ROW * 8 bytes (32 MiB)
+CHUNK = 128  # words per row of the product: |a row's partial sums| < 128 * 2**15 * 2**31 = 2**53
+BLOCK = 2**21  # words converted to float64 at once (16 MiB), a multiple of CHUNK
 
-_ROW_POWERS: dict = {}  # (base, device) -> g**0 .. g**(ROW - 1) mod PRIME on that device
+_WEIGHTS: dict = {}  # device -> [CHUNK, lanes] float64: g**0 .. g**(CHUNK - 1) mod PRIME per lane
 
 
 def powers(base: int, count: int, device: torch.device) -> torch.Tensor:
@@ -53,11 +57,11 @@ def powers(base: int, count: int, device: torch.device) -> torch.Tensor:
     return result[:count]
 
 
-def _row_powers(base: int, device: torch.device) -> torch.Tensor:
-    key = (base, str(device))
-    if key not in _ROW_POWERS:
-        _ROW_POWERS[key] = powers(base, ROW, device)
-    return _ROW_POWERS[key]
+def _weights(device: torch.device) -> torch.Tensor:
+    if str(device) not in _WEIGHTS:
+        columns = [powers(base, CHUNK, device) for base in LANE_BASES]
+        _WEIGHTS[str(device)] = torch.stack(columns, dim=1).to(torch.float64)  # exact: each < 2**31
+    return _WEIGHTS[str(device)]
 
 
 def _words(tensor: torch.Tensor) -> torch.Tensor:
@@ -73,20 +77,20 @@ def tensor_lanes(tensor: torch.Tensor) -> tuple:
     """The two lanes (ints in [0, PRIME)) of the tensor's bytes, reduced on the tensor's device (module doc)."""
     words = _words(tensor)
     device = words.device
-    rows = -(-words.numel() // ROW)
-    row_powers = [_row_powers(base, device) for base in LANE_BASES]
-    sums = torch.empty(len(LANE_BASES), rows, dtype=torch.int64, device=device)
-    for start in range(0, rows, BLOCK_ROWS):  # BLOCK_ROWS rows at a time; the last row may be short
-        block = words[start * ROW : (start + BLOCK_ROWS) * ROW].to(torch.int64) & 0xFFFF
-        whole, short = divmod(block.numel(), ROW)
-        for lane, weights in enumerate(row_powers):
-            if whole:
-                sums[lane, start : start + whole] = (block[: whole * ROW].view(whole, ROW) * weights).sum(dim=1)
-            if short:
-                sums[lane, start + whole] = (block[whole * ROW :] * weights[:short]).sum()
-    # Row r's words sit at r * ROW + j: its sum times (base**ROW)**r, each factor < PRIME.
-    shifts = torch.stack([powers(pow(base, ROW, PRIME), rows, device) for base in LANE_BASES])
-    return tuple(int(lane) % PRIME for lane in ((sums % PRIME) * shifts % PRIME).sum(dim=1).tolist())
+    rows = -(-words.numel() // CHUNK)
+    sums = torch.empty(rows, len(LANE_BASES), dtype=torch.int64, device=device)
+    weights = _weights(device)
+    done = 0
+    for start in range(0, words.numel(), BLOCK):
+        block = words[start : start + BLOCK]
+        if block.numel() % CHUNK:  # the last words, padded with zeros to a row (only they are copied)
+            block = torch.nn.functional.pad(block, (0, CHUNK - block.numel() % CHUNK))
+        products = block.view(-1, CHUNK).to(torch.float64) @ weights  # exact integers (module doc)
+        sums[done : done + products.shape[0]] = products.to(torch.int64)
+        done += products.shape[0]
+    # Row r's words sit at r * CHUNK + j: its sum times (g**CHUNK)**r, each factor < PRIME.
+    shifts = torch.stack([powers(pow(base, CHUNK, PRIME), rows, device) for base in LANE_BASES], dim=1)
+    return tuple(int(lane) % PRIME for lane in ((sums % PRIME) * shifts % PRIME).sum(dim=0).tolist())
 
 
 def values_digest(tensors: Mapping[str, torch.Tensor]) -> str:

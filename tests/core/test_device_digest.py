@@ -11,12 +11,13 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 
 
 def _by_definition(tensor: torch.Tensor, base: int) -> int:
-    """The module doc's sum over little-endian 16-bit words, in Python integers."""
+    """The module doc's sum over little-endian signed 16-bit words, in Python integers."""
     data = bytes(tensor.detach().contiguous().reshape(-1).view(torch.uint8).tolist())
     data += b"\0" * (len(data) % 2)
     total, power = 0, 1
     for position in range(0, len(data), 2):
-        total = (total + int.from_bytes(data[position : position + 2], "little") * power) % device_digest.PRIME
+        word = int.from_bytes(data[position : position + 2], "little", signed=True)
+        total = (total + word * power) % device_digest.PRIME
         power = power * base % device_digest.PRIME
     return total
 
@@ -38,10 +39,14 @@ def test_the_lanes_are_the_documented_sum_of_words_times_powers(tensor):
 
 
 def test_rows_and_blocks_sum_as_one_polynomial(monkeypatch):
-    """Three rows and a short one, one row per block: the row shifts and the blocks' bounds are exact."""
-    monkeypatch.setattr(device_digest, "BLOCK_ROWS", 1)
-    tensor = torch.randn(3 * device_digest.ROW // 2 + 5, generator=torch.Generator().manual_seed(3))
+    """Blocks of two rows, the last block short and its last row padded: the row shifts and the blocks'
+    bounds are exact, and extreme words (every bit set, the sign bit alone) stay exact."""
+    monkeypatch.setattr(device_digest, "BLOCK", 2 * device_digest.CHUNK)
+    tensor = torch.randn(7 * device_digest.CHUNK // 2 + 5, generator=torch.Generator().manual_seed(3))
     assert device_digest.tensor_lanes(tensor) == tuple(_by_definition(tensor, b) for b in device_digest.LANE_BASES)
+    for word in (-1, -32768, 32767):
+        tensor = torch.full((5 * device_digest.CHUNK + 3,), word, dtype=torch.int16)
+        assert device_digest.tensor_lanes(tensor) == tuple(_by_definition(tensor, b) for b in device_digest.LANE_BASES)
 
 
 @given(tensors(max_size=200), st.data())

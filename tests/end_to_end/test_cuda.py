@@ -50,7 +50,7 @@ def test_the_start_digest_is_reduced_on_the_gpu_and_equals_the_cpus(monkeypatch)
     from flexpar.core import device_digest, factory_checks
 
     generator = torch.Generator().manual_seed(0)
-    state = {"w": torch.randn(3 * device_digest.ROW + 7, generator=generator), "b": torch.arange(5).half()}
+    state = {"w": torch.randn(3 * device_digest.BLOCK + 7, generator=generator), "b": torch.arange(5).half()}
     on_gpu = {name: tensor.cuda() for name, tensor in state.items()}
     expected = factory_checks.start_digest(state)
     copied = []
