@@ -29,6 +29,8 @@ samples_repeated, eval_missing (evaluations not recorded), eval_samples_lost /
 eval_samples_repeated (evaluation samples an evaluation skipped / saw twice),
 eval_divergent (evaluations whose metrics differ from the failure-free run's),
 lost_state_stops (--shard: runs stopped as allowed below), shard,
+driver_overrun_max (the most steps the devices committed past a driver fault's step:
+soak_checks.driver_overrun),
 hung_peer_detection_s (median seconds from a SIGSTOP to the survivors' next
 generation, level: the failure event's time); what fired: fired_by_kind,
 fired_by_phase, simultaneous (steps at which two or more signals fired),
@@ -98,6 +100,7 @@ class RunResult:
     signal_with_change: int = 0
     during_recovery: int = 0
     lost_state_stop: bool = False  # sharded: stopped with the state-lost line after two failures at once
+    driver_overrun: Optional[int] = None  # steps committed past a driver fault's step (soak_checks)
 
     @property
     def bad(self) -> bool:
@@ -159,6 +162,7 @@ def run_one(
     records = [json.loads(line) for line in open(metrics_path)] if os.path.exists(metrics_path) else []
     events = [r for r in records if r["kind"] == "event"]
     _record_tally(result, soak_tally.tally(plan, text, summary["schedule"] if summary else None, records))
+    result.driver_overrun = soak_checks.driver_overrun(result.fired, events)
     if code is None:
         result.hang = True
         return result
@@ -350,6 +354,7 @@ def report(
         "hung_peer_detection_s": statistics.median(detections) if detections else None,
         "hung_peers": len(detections),
         "lost_state_stops": sum(result.lost_state_stop for result in results),
+        "driver_overrun_max": max((r.driver_overrun for r in results if r.driver_overrun is not None), default=None),
         **soak_tally.counts(tallies, SHARDED_PHASES if shard else SIGNAL_PHASES),
         "shard": shard,
         "timeout_s": timeout_s,
@@ -386,6 +391,7 @@ def main() -> int:
             "hung_peer_detection_s",
             "hung_peers",
             "lost_state_stops",
+            "driver_overrun_max",
             "simultaneous",
             "signal_with_change",
             "during_recovery",

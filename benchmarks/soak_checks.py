@@ -7,7 +7,9 @@ of the optimizer state on 2 devices) allows: where two devices failed at once
 (signals at one step, or one in the recovery from the other), both holders of
 some part may be gone, and the run must then stop with flexpar's one-line
 "optimizer state lost" error naming the latest checkpoint. The same line after
-a single failure, or a planned leave, is a failed run.
+a single failure, or a planned leave, is a failed run. `driver_overrun`: how many
+steps the devices committed past the step of the run's driver fault before they
+stopped for the restarted driver to re-adopt them.
 """
 
 from __future__ import annotations
@@ -56,3 +58,17 @@ def lost_state_stop_allowed(stderr: str, simultaneous: int, during_recovery: int
         return False
     line = lines[-1]
     return ("the latest checkpoint is" in line and "resume with:" in line) or "no checkpoint was written" in line
+
+
+def driver_overrun(fired: list, events: list):
+    """Steps the devices committed after the step in flight when the run's driver fault killed its driver
+    (the re-adopted job's first step, its `adopt` event's, less that step + 1); None without both.
+
+    The devices look at their driver at every step (flexpar DeviceLink.driver_gone_now): 0 or 1, plus
+    the steps of the driver process's own teardown; a fault aimed at a later step hits the restarted driver.
+    """
+    killed = [fault["step"] for fault in fired if fault["kind"] == "driver"]
+    adopted = [event["step"] for event in events if event["event"] == "adopt"]
+    if not killed or not adopted:
+        return None
+    return min(adopted) - (min(killed) + 1)

@@ -99,7 +99,7 @@ FAULT_PHASES = (
 # The driver's own: it dies as the record of the step arrives, before it writes it (the devices committed
 # the step, their rank 0 sent its record, nobody wrote it).
 DRIVER_ONLY_PHASES = ("record",)
-FAULT_SIGNALS = tuple(SIGNALS) + ("tamper",)
+FAULT_SIGNALS = tuple(SIGNALS) + ("tamper", "starve")
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,9 @@ class Fault:
     all-reduce that says every member wrote its part of the final checkpoint; `step` is the job's last
     committed step, its steps count). Signals: kill (kill -9: a
     crash), term (SIGTERM: a preemption notice) and stop (SIGSTOP: a hung peer);
-    tamper (phase stream only: the device sends a slice with one value changed).
+    tamper (phase stream only: the device sends a slice with one value changed);
+    starve (the device's follower thread stops running, as on a loaded host, until the
+    device notices that its driver is gone, or 10 s).
     `device` "driver" (kill only): the device that is rank 0 there (the sender,
     for transfer) kills the job's driver with kill -9, as an OOM killer would.
     """

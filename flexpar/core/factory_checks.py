@@ -17,7 +17,8 @@ time, the process) builds something else in each process:
   names the difference (`start_values_warning`).
 
 Frozen weights and buffers as built are checked by digest before a device is
-admitted (flexpar/core/frozen.py), with the same digest routine.
+admitted (flexpar/core/frozen.py: sha256, which checkpoints store); the start
+digest is reduced on the device instead (flexpar/core/device_digest.py).
 
 Pure functions of tensors and names: no processes, sockets or clocks.
 """
@@ -29,19 +30,22 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from flexpar.core import frozen
+from flexpar.core import device_digest, frozen
 
 DIGEST_BITS = 48  # of the combined digest a device reports: float64 holds them exactly
 
 
-def start_digest(tensors: Mapping[str, torch.Tensor], mapper=map) -> float:
+def start_digest(tensors: Mapping[str, torch.Tensor]) -> float:
     """A number in [1, 2**48] that names the values of `tensors` (their names, dtypes, shapes and bytes).
 
-    Equal tensors give equal numbers; different ones differ but with
-    probability 2**-48. 0 is left for "reports nothing" (a device that holds
-    no untrained model). `mapper`: as in `frozen.frozen_digests`.
+    Equal tensors give equal numbers, on a CPU and on a GPU alike; different
+    ones differ but with probability about 2**-48 (one changed element always
+    changes it). 0 is left for "reports nothing" (a device that holds no
+    untrained model). Computed where the tensors live (flexpar/core/device_digest.py):
+    a GPU's trainable part is not copied to the host for it. Never stored: the
+    devices of one job (one flexpar version) compare it in one boundary.
     """
-    combined = frozen.combined_digest(frozen.tensor_digests(tensors, mapper))
+    combined = device_digest.values_digest(tensors)
     return float(int(combined[: DIGEST_BITS // 4], 16) + 1)
 
 

@@ -29,9 +29,7 @@ restarted driver (flexpar/worker/orphan.py).
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 
-import torch
 import torch.distributed as dist
 
 from flexpar.comm import state_transfer as training_state
@@ -214,9 +212,9 @@ class Boundaries:
             self.exact_steps.record(last["step"])
 
     def _start_digest(self) -> float:
-        """What this device reports of its untrained trainable part (flexpar/core/factory_checks.py)."""
-        with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-            return factory_checks.start_digest(self.state.model_state(), pool.map)
+        """What this device reports of its untrained trainable part (flexpar/core/factory_checks.py),
+        hashed on the device that holds it."""
+        return factory_checks.start_digest(self.state.model_state())
 
     def _align_start(self, stock: training_state.Stock, rank: int, group: tuple, peer_lost) -> float:
         """Before the first step: the source's trainable values replace those that differ, as DDP's

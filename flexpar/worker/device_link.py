@@ -6,7 +6,10 @@ flexpar/driver/coordinator.py; the keys are flexpar/comm/protocol.py's).
 The follower thread is flexpar/worker/link_follower.py. When the driver (and
 the store it hosts) goes, it looks for a restarted one at the same address for
 `driver_grace_s`; once one answers, the worker's main thread takes it over
-(`await_driver`, then `rejoin`): flexpar/worker/orphan.py.
+(`await_driver`, then `rejoin`): flexpar/worker/orphan.py. The step loop does
+not wait for the follower to notice a lost driver: each step looks itself
+(`driver_gone_now`, flexpar/comm/driver_watch.py), so the members train at
+most one step past the one in flight when the driver's process ended.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from typing import Optional
 import torch.distributed as dist
 
 from flexpar.comm.channel import Channel
+from flexpar.comm.driver_watch import DriverWatch
 from flexpar.comm.protocol import (
+    NOTICE_KEY,
     SCHEDULE_HOLD_KEY,
     get_json,
     has,
@@ -75,6 +80,7 @@ class DeviceLink:
         # At once, not after the timeout, when nothing listens: a job whose driver is gone already.
         self.store = reconnect(host, port, timeout_s, handshake_s=timeout_s)
         self.events = Channel(self.store, "events")
+        self._watch = DriverWatch(host, port, timeout_s)  # the step loop's look at the driver (`driver_gone_now`)
         self._outbox: queue.Queue = queue.Queue()
         self.latest_generation = 0
         self.stop_reason: Optional[str] = None
@@ -106,6 +112,7 @@ class DeviceLink:
         self._answered = 0
         self._rejoined = 0
         self._search_over = threading.Event()  # no driver came back within the grace (the follower ended)
+        self.starved_until = 0.0  # a test's "starve" fault: the follower does not run until then (monotonic)
         self._closing = threading.Event()
         self._thread = threading.Thread(target=StoreFollower(self).run, name="flexpar-link", daemon=True)
         self._thread.start()
@@ -141,6 +148,33 @@ class DeviceLink:
                 return None
             time.sleep(self._poll_s)
 
+    def driver_gone_now(self) -> bool:
+        """(Main thread, at every step's statistics) Whether the driver is gone, looked at now.
+
+        This bounds, in steps, how long the members train past a dead driver, however late the follower
+        thread runs (on a loaded host it was seen 3-6 steps late): its watch connection (flexpar/comm/
+        driver_watch.py) closes once the driver's process has ended, and a device whose statistics of
+        step S are made after that stops the members after step S. So they commit at most the step in
+        flight when the driver's connections closed, and the next one. What it costs a step: one poll of
+        a socket, no store call, unless the watch closed: a store call then confirms it (a connection
+        closed by anything else leaves a live driver's job training, with a fresh watch).
+        """
+        if self.driver_lost or not self._watch.closed():
+            return self.driver_lost
+        try:
+            self.store.add(NOTICE_KEY, 0)
+        except RuntimeError:
+            self.note_lost()
+            return True
+        self._watch.close()
+        self._watch = DriverWatch(self.host, self.port, self.timeout_s)
+        return False
+
+    def starve_follower(self, seconds: float) -> None:
+        """A test's "starve" fault (flexpar/worker/fault_injection.py): the follower thread stops running,
+        as a loaded host may leave it, until the main thread notes a lost driver or `seconds` passed."""
+        self.starved_until = time.monotonic() + seconds
+
     def note_lost(self) -> None:
         """Note that the driver is gone (either thread may notice first)."""
         self.driver_lost = True
@@ -159,6 +193,8 @@ class DeviceLink:
         except RuntimeError as error:
             raise DriverLost(f"the restarted driver went again ({error})") from None
         self.store, self.events = store, Channel(store, "events")
+        self._watch.close()
+        self._watch = DriverWatch(self.host, self.port, self.timeout_s)
         self.finish_reason, self.dead_members, self.schedule_hold = None, frozenset(), -1
         # Before the follower sends again: records queued for the lost driver would reach the new one
         # ahead of those sent to the lost one and never read, which rank 0 sends again at the re-adopted
@@ -322,3 +358,4 @@ class DeviceLink:
         """Stop following; records still queued are sent first."""
         self._closing.set()
         self._thread.join(timeout=5)
+        self._watch.close()

@@ -31,6 +31,10 @@ GROUP_SIGNALS = ("term-group",)
 # generation) and is about to form it.
 START_PHASES = ("launch", "launched", "announce", "warmup", "ready", "admitted")
 
+# A test's STEP:DEVICE:PHASE:starve: the device's follower thread stops running from that point (as a
+# loaded host's scheduler may leave it) until the main thread notes a lost driver, or this long.
+STARVE_S = 10.0
+
 # Boundary phases happen at some steps only: their faults fire at the first
 # such phase at or after their step (stream: a streamed join's rounds, flexpar/worker/streaming.py).
 BOUNDARY_PHASES = ("transfer", "formation", "checkpoint", "stream")
@@ -75,25 +79,34 @@ class FaultSchedule:
 
     `own` is {(step, phase): signal name} of the faults aimed at this device
     not fired yet (a "tamper" is a streamed join's test fault, taken by the
-    stream's sender, never sent as a signal); `driver` is the {(step, phase)}
+    stream's sender, and a "starve" stops the device's follower thread: neither
+    is sent as a signal); `driver` is the {(step, phase)}
     of the faults aimed at the driver not fired yet. A step redone after a
     failure fires nothing again, and a re-adopted device fires none of a lost
     driver's faults at the next one (`spend_driver_faults`).
     """
 
-    def __init__(self, device_id: str, faults, driver_pid: int, remote: bool):
+    def __init__(self, device_id: str, settings, remote: bool, starve=None):
+        """`settings`: the job's run settings (its `faults`, the `driver_pid`); `starve(seconds)`: stops
+        this device's follower thread (a test's "starve" fault; DeviceLink.starve_follower)."""
         self.device_id = device_id
-        self.own = faults_of(device_id, faults)
+        self.own = faults_of(device_id, settings.faults)
         # Faults aimed at the driver (STEP:driver:PHASE): fired by the device that is rank 0 there.
-        self.driver = {(int(fault[0]), fault[2]) for fault in faults if fault[1] == "driver"}
-        self.driver_pid = driver_pid
+        self.driver = {(int(fault[0]), fault[2]) for fault in settings.faults if fault[1] == "driver"}
+        self.driver_pid = settings.driver_pid
         self.remote = remote
+        self.starve = starve
 
     def fire(self, phase: str, step: int, members: tuple) -> None:
         """Kill -9 (or SIGTERM, SIGSTOP) this device here, if the schedule says so; the driver too, if
         this device is the rank 0 of `members` (its generation) or the sender of a transfer."""
         for key in _due(self.own, phase, step):
-            if self.own[key] != "tamper":  # a streamed join's test fault, not a signal (streaming.py)
+            if self.own[key] == "starve" and self.starve is not None:  # a test's: no signal either
+                self.own.pop(key)
+                said = f"flexpar: fault: {self.device_id} starves its follower thread at step {step} ({phase})"
+                print(said, file=sys.stderr, flush=True)
+                self.starve(STARVE_S)
+            elif self.own[key] not in ("tamper", "starve"):  # a streamed join's test fault (streaming.py)
                 _send(self.own.pop(key), self.device_id, step, phase)
         if self.driver and (members[:1] == (self.device_id,) or phase == "transfer"):
             self._kill_driver_if_due(phase, step)

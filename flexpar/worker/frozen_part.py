@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from flexpar.core import frozen
+from flexpar.core import device_digest, frozen
 from flexpar.errors import UserCodeError
 
 
@@ -32,8 +32,9 @@ class FrozenPart:
             self.digests = frozen.frozen_digests(model, pool.map)
         self.digest_s = time.perf_counter() - started
         self.combined = frozen.combined_digest(self.digests)
+        # Compared on the device the buffers move to (device_digest: the same lanes on a CPU and a GPU).
         self.built_buffers = {
-            name: frozen.tensor_digest(buffer)
+            name: _buffer_digest(buffer)
             for name, buffer in model.named_buffers(remove_duplicate=False)
             if name in self.layout.buffers
         }
@@ -48,7 +49,7 @@ class FrozenPart:
         changed = set(self.warm_changed)
         for name, buffer in model.named_buffers(remove_duplicate=False):
             if name in self.built_buffers and name not in changed:
-                if frozen.tensor_digest(buffer) != self.built_buffers[name]:
+                if _buffer_digest(buffer) != self.built_buffers[name]:
                     changed.add(name)
         return changed
 
@@ -104,3 +105,8 @@ class FrozenPart:
             "seed": seed,
             "peft": peft,
         }
+
+
+def _buffer_digest(buffer: torch.Tensor) -> tuple:
+    """(dtype, shape, lanes) of a buffer, reduced where it lives (flexpar/core/device_digest.py)."""
+    return (buffer.dtype, tuple(buffer.shape), device_digest.tensor_lanes(buffer))

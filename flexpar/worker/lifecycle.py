@@ -110,7 +110,7 @@ class Worker:
         self.proof = join_proof(args.secret, args.device_id, self.salt)
         # The owners of the device's state (owners.py), then the parts that carry out its work with them.
         self.committed = CommittedStep()  # the last committed step, its time and balance (committed.py)
-        self.faults = FaultSchedule(args.device_id, self.settings.faults, self.settings.driver_pid, args.remote)
+        self.faults = FaultSchedule(args.device_id, self.settings, args.remote, link.starve_follower)
         self.streams = StreamSession()  # a streamed join in flight (stream_session.py)
         self.records = RecordQueue(link)  # kept until the driver acknowledges them (records.py)
         self.state = TrainingState(

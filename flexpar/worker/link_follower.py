@@ -60,6 +60,9 @@ class StoreFollower:
         notice = None  # NOTICE_KEY at the last reading of the followed keys
         read_all_at = 0.0
         while not link._closing.is_set():
+            if time.monotonic() < link.starved_until and not link.driver_lost:  # a test's "starve" fault
+                link._closing.wait(link._poll_s)
+                continue
             try:
                 if store is None:  # the first connection: its failure is a loss like any later one
                     store = connect(link.host, link.port, link.timeout_s)

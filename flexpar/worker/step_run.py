@@ -199,7 +199,8 @@ class StepRun:
         stats[slots.seen.start + rank] = max(self.link.latest_generation, totals.published)
         stats[slots.loss] = totals.loss_sum
         stats[slots.bad.start + rank] = totals.first_bad
-        stats[slots.stop] = 1.0 if (self.link.finish_reason is not None or self.link.driver_lost) else 0.0
+        # The driver asked to stop, or is gone: looked at now, not only as the follower thread last saw it.
+        stats[slots.stop] = 1.0 if (self.link.finish_reason is not None or self.link.driver_gone_now()) else 0.0
         stats[slots.count] = totals.count
         stats[slots.pairs] = totals.pairs
         # The optimizer-state bytes this device holds (KiB: exact in a float32 carrier up to 16 GiB), for the record.

@@ -4,7 +4,7 @@ deterministic."""
 import torch
 from torch import nn
 
-from flexpar.core import factory_checks, frozen
+from flexpar.core import device_digest, factory_checks
 
 
 def _state(seed: int) -> dict:
@@ -20,10 +20,9 @@ def test_start_digest_is_equal_for_equal_values_and_differs_for_others():
     assert digest == int(digest) and 1 <= digest <= 2**48  # 0 means "reports nothing"; float64 holds it exactly
 
 
-def test_start_digest_reuses_the_frozen_weights_digests():
+def test_start_digest_is_the_device_digest_of_the_trainable_part():
     one = _state(0)
-    combined = frozen.combined_digest({name: frozen.tensor_digest(tensor) for name, tensor in one.items()})
-    assert factory_checks.start_digest(one) == int(combined[:12], 16) + 1
+    assert factory_checks.start_digest(one) == int(device_digest.values_digest(one)[:12], 16) + 1
 
 
 def test_differing_names_lists_what_another_factory_built_otherwise():

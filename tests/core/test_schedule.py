@@ -3,6 +3,7 @@
 import json
 
 import pieces
+import pytest
 
 from flexpar.core import membership as ms
 from flexpar.core.schedule import LEAVE_LEAD_STEPS, NO_HOLD, ON_TIME_STEPS, ScheduleTracker, fire_points
@@ -78,6 +79,24 @@ def test_a_leave_waits_for_a_device_on_its_way_until_the_step_before_its_own():
     assert tracker.due(5, on_their_way=True) == [("schedule-1", -1, 6)]
     (join,) = tracker.due(9)
     assert tracker.due(10, on_their_way=False) == [("schedule-3", -1, 12)]  # it joined: decided ahead
+
+
+def test_a_leave_that_cannot_be_exact_is_reported_late_with_why():
+    # 5:-1 fires behind the join at its step, once step 5 has committed: its boundary is past, so its
+    # generation moves at the next one, and the report says so (the lateness a live leave would have).
+    tracker = ScheduleTracker(parse_schedule("5:+1,5:-1"))
+    (join,) = tracker.due(5)
+    tracker.answered(join[0], ms.Answer(join[0], True, "", 3, started=("local-2",)))
+    (leave,) = tracker.due(5, on_their_way=True)
+    assert leave == ("schedule-1", -1, 5) and not tracker.outcomes[1].exact
+    tracker.answered(leave[0], ms.Answer(leave[0], True, "", 3, leaving=("local-1",)))
+    assert tracker.hold(("local-1",)) == NO_HOLD  # nobody waits for a leave that cannot be exact
+    (report,) = tracker.observed(["local-0", "local-1"], _leave(6, ["local-0"]))
+    assert report == (
+        "scheduled -1 for step 5 applied at step 6, 1 steps late (an earlier entry at its step fired first, "
+        "so it could not be decided ahead of its step)"
+    )
+    assert tracker.summary()[1]["status"] == "late"
 
 
 def test_the_hold_stays_until_the_leave_is_published():
@@ -173,24 +192,32 @@ def test_a_late_scheduled_join_reaches_the_log_the_metrics_file_and_the_summary(
     pieces.assert_same_parameters(model, pieces.reference(job, 150), atol=1e-6)
 
 
-def test_a_scheduled_leave_takes_effect_exactly_at_its_step(train, metrics_file):
+@pytest.mark.parametrize(
+    "devices, schedule, steps, leaves",
+    [(2, "5:-1", 8, (5,)), (4, "3:-1,4:-1,8:-1", 10, (3, 4, 8))],
+    ids=["one leave", "three leaves, two on adjacent steps"],
+)
+def test_scheduled_leaves_take_effect_exactly_at_their_steps(train, metrics_file, devices, schedule, steps, leaves):
     # Steps of a few milliseconds: the driver sees each step's record some steps after it committed,
-    # which made a leave land at step 8 or 9. The leaver's last step is 4; the generation without it
-    # trains from step 5 on, and nothing is reported.
+    # which made a leave land at step 8 or 9 (5:-1), 1-4 steps late. Each leaver's last step is the one
+    # before its leave's; the generation without it trains from the leave's step on, and nothing is
+    # reported: each leave event's step is its scheduled step, and each entry is on time, 0 steps late.
     job = pieces.make_job()
-    model, summary = train(job, steps=8, devices=2, schedule="5:-1")
+    model, summary = train(job, steps=steps, devices=devices, schedule=schedule)
     assert summary["schedule"] == [
         {
-            "step": 5,
+            "step": step,
             "delta": -1,
             "status": "on time",
-            "applied_step": 5,
-            "detail": "scheduled -1 for step 5 applied at step 5",
+            "applied_step": step,
+            "detail": f"scheduled -1 for step {step} applied at step {step}",
         }
+        for step in leaves
     ]
     records = [json.loads(line) for line in open(metrics_file)]
     devices_by_step = {r["step"]: r["devices"] for r in records if r["kind"] == "step"}
-    assert [len(devices_by_step[step]) for step in range(8)] == [2] * 5 + [1] * 3
+    expected = [devices - sum(1 for leave in leaves if leave <= step) for step in range(steps)]
+    assert [len(devices_by_step[step]) for step in range(steps)] == expected
     events = [(r["event"], r["step"]) for r in records if r["kind"] == "event" and r["event"] != "rebalance"]
-    assert events == [("start", 0), ("leave", 5)]
-    pieces.assert_same_parameters(model, pieces.reference(job, 8), atol=1e-6)
+    assert events == [("start", 0)] + [("leave", step) for step in leaves]
+    pieces.assert_same_parameters(model, pieces.reference(job, steps), atol=1e-6)

@@ -41,3 +41,31 @@ def test_deterministic_on_a_gpu_gives_the_same_bits_twice(train, tmp_path):
     assert runs[0][1] == runs[1][1]
     for first, second in zip(runs[0][0].state_dict().values(), runs[1][0].state_dict().values()):
         assert torch.equal(first, second)
+
+
+@pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
+def test_the_start_digest_is_reduced_on_the_gpu_and_equals_the_cpus(monkeypatch):
+    """The non-deterministic-factory check hashes a CUDA device's trainable part on the GPU (no copy of it to
+    the host), and a CPU device holding the same values reports the same number."""
+    from flexpar.core import device_digest, factory_checks
+
+    generator = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(3 * device_digest.BLOCK + 7, generator=generator), "b": torch.arange(5).half()}
+    on_gpu = {name: tensor.cuda() for name, tensor in state.items()}
+    expected = factory_checks.start_digest(state)
+    copied = []
+    original_to, original_cpu = torch.Tensor.to, torch.Tensor.cpu
+
+    def to(self, *args, **kwargs):
+        if self.is_cuda and "cpu" in [str(a) for a in args] + [str(kwargs.get("device"))]:
+            copied.append(tuple(self.shape))
+        return original_to(self, *args, **kwargs)
+
+    def cpu(self, *args, **kwargs):
+        copied.append(tuple(self.shape))
+        return original_cpu(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    monkeypatch.setattr(torch.Tensor, "cpu", cpu)
+    assert factory_checks.start_digest(on_gpu) == expected
+    assert copied == []

@@ -104,6 +104,13 @@ def test_a_driver_fault_is_tallied_as_the_driver_kind():
     assert soak_tally.tally(plan, "", [], []).not_fired == [("driver", "sync", 7, "driver")]
 
 
+def test_the_driver_overrun_counts_the_steps_committed_past_the_driver_faults_step():
+    fired = [{"kind": "kill", "step": 3}, {"kind": "driver", "step": 7}]
+    events = [{"event": "join", "step": 2}, {"event": "adopt", "step": 9}]
+    assert soak_checks.driver_overrun(fired, events) == 1  # step 7 in flight, step 8 past it
+    assert soak_checks.driver_overrun(fired, events[:1]) is None and soak_checks.driver_overrun([], events) is None
+
+
 def test_a_restart_command_is_read_from_whole_lines_only(tmp_path):
     output = tmp_path / "stderr.txt"
     note = soak.WAITING_NOTE
@@ -275,6 +282,9 @@ def test_a_small_soak_fires_every_kind_and_phase_and_finds_no_error(tmp_path):
     assert all(report["fired_by_kind"].values()), (report["fired_by_kind"], missed)
     assert all(report["fired_by_phase"].values()), (report["fired_by_phase"], missed)
     assert report["simultaneous"] >= 1, report
+    # The devices stop within a step of their driver's death (DeviceLink.driver_gone_now), so a fault drawn
+    # a few steps after a driver fault hits the restarted driver, not the dead one (steps here: ~0.1 s).
+    assert report["driver_overrun_max"] is not None and report["driver_overrun_max"] <= 1, report
     # A formation kill drawn into another kill's recovery fires at the recovery's group formation,
     # so it is in that recovery by construction. The tally's time-based `during_recovery` also
     # depends on whether the failure event was written before that formation (machine load), so

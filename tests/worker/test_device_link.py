@@ -2,6 +2,8 @@
 
 import json
 
+from conftest import wait_for
+
 from flexpar.comm.channel import Channel
 from flexpar.comm.protocol import DRIVER_KEY
 from flexpar.comm.store import connect
@@ -42,5 +44,33 @@ def test_a_record_lost_with_the_driver_does_not_hold_up_the_flush_after_a_re_ado
         link.publish({"kind": "step", "step": 1})
         link.flush()
         assert [record["step"] for record in Channel(store, "metrics").receive()] == [1]
+    finally:
+        link.close()
+
+
+class _ClosedOnce:
+    """A watch whose connection some middlebox closed: closed, whatever the driver's state."""
+
+    def closed(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_step_loop_sees_a_live_driver_through_a_closed_watch_and_a_dead_one_at_once():
+    """driver_gone_now: a watch closed while the driver lives is confirmed by one store call and replaced
+    (the job trains on); once the driver's store is gone, the next look says so, no follower needed."""
+    store = connect("127.0.0.1", 0, 5.0, server=True)
+    link = device_link.DeviceLink("127.0.0.1", store.port, "local-0", timeout_s=5.0)
+    try:
+        assert link.driver_gone_now() is False
+        link._watch = _ClosedOnce()
+        assert link.driver_gone_now() is False and not link.driver_lost
+        assert not isinstance(link._watch, _ClosedOnce), "a fresh watch"
+        link.starve_follower(60.0)  # the follower alone would not see the loss below
+        del store  # the driver's store closes its connections, as a dead driver's process does
+        wait_for(link.driver_gone_now, "the step loop's look to see the driver gone", timeout_s=10)
+        assert link.driver_lost and link.lost_at is not None
     finally:
         link.close()
