@@ -9,7 +9,9 @@ fork server (flexpar/driver/fork_server.py), each running
 from __future__ import annotations
 
 import sys
+import threading
 import time
+from typing import Optional
 
 import torch
 
@@ -26,6 +28,58 @@ def detect_devices(backend: str) -> tuple:
     if backend == "nccl":
         raise ValueError("backend='nccl' needs CUDA GPUs, and none is visible; use backend='gloo'")
     return "cpu", cpu_count(), "gloo"
+
+
+class StartingProcess:
+    """A worker process whose start runs on a thread of its own, so that the driver's loop never waits on it.
+
+    A fork server answers a start only once it has imported torch (seconds):
+    a re-adopting driver starts its fork server moments before the first join
+    it carries out, and a blocking `Process.start()` then held its loop for
+    that long while the devices trained on: a device's leave (SIGTERM) and the
+    join themselves waited 0.7 s, 18 of the soak's fast steps. The part of
+    `multiprocessing.Process` that `LocalDevices` uses: `is_alive` (true while
+    starting), `kill` (carried out once started), `join`, `exitcode`.
+    """
+
+    def __init__(self, process):
+        self.process = process
+        self._killed = False
+        self._failed: Optional[BaseException] = None
+        self._starting = threading.Thread(target=self._start, name=f"{process.name}-start", daemon=True)
+        self._starting.start()
+
+    def _start(self) -> None:
+        try:
+            self.process.start()
+        except BaseException as error:  # said, and the device counts as ended (exit code 1)
+            self._failed = error
+            print(f"flexpar: {self.process.name} could not start: {error}", file=sys.stderr, flush=True)
+            return
+        if self._killed:  # stopped while it was starting
+            self.process.kill()
+
+    @property
+    def exitcode(self) -> Optional[int]:
+        if self._starting.is_alive():
+            return None
+        return 1 if self._failed is not None else self.process.exitcode
+
+    def is_alive(self) -> bool:
+        if self._starting.is_alive():
+            return True
+        return self._failed is None and self.process.is_alive()
+
+    def kill(self) -> None:
+        self._killed = True  # read by the starting thread after its start
+        if not self._starting.is_alive() and self._failed is None:
+            self.process.kill()
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._starting.join(timeout)
+        if not self._starting.is_alive() and self._failed is None:
+            self.process.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
 class LocalDevices:
@@ -54,8 +108,7 @@ class LocalDevices:
             speed = self.speeds[index] if index < len(self.speeds) else 1.0
             args = WorkerArgs(self.host, self.port, device_id, self.secret, device, self.threads, speed)
             process = self.context.Process(target=worker_main, args=(args,), name=f"flexpar-{device_id}")
-            process.start()
-            self.processes[device_id] = process
+            self.processes[device_id] = StartingProcess(process)
 
     def adopt(self, device_id: str, pid: int, device: str) -> None:
         """Take over a device this host's earlier driver started (re-adoption): watched and stopped by pid."""
