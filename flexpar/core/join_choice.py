@@ -49,13 +49,16 @@ MAX_FIRST_VW_S = 60.0
 simulator's default too): a stream whose joiner would take VWs later than this, and later than the
 blocking transfer's, is not taken, however little it is predicted to cost the members."""
 
-LISTENER_WORK = 0.95
+LISTENER_WORK = 1.3
 """The listener's busy time per step as a share of a member's step besides its VWs (the summed gradient's
 all-reduce, in which it takes part like a member, and the update of what it holds, which skips what has
-not landed yet). Calibrated on benchmarks/join_stream.py on the quiet 2-core machine (docs/benchmarks.md,
-2026-12-06): the members' steps ran 1.34x and 1.28x longer while streaming at 0.1 and 0.5 GB, with their
-VW compute 27% and 38% of the step (measured again at those sizes): 1 + 0.95 x 0.73 / 2 = 1.35 and
-1 + 0.95 x 0.62 / 2 = 1.29 (3 processes on 2 cores)."""
+not landed yet). Calibrated on benchmarks/join_stream.py in two quiet runs on the 2-core machine (3
+processes on 2 cores; docs/benchmarks.md, 2026-12-06 and 2026-12-07): the work that gives each size's
+measured members' slowdown, less its slices' share (`listener_work_for`), was 1.33, 1.30, 1.21, 1.30
+and 1.30, 1.31, 1.02, 1.88 at 0.1, 0.5, 1 and 2 GB; 1.3 is their median. (The 0.95 before it, from
+0.1 and 0.5 GB on an earlier day, put the join events' predicted cost of a stream at 0.5-0.7x of what
+it cost in both runs.) It moves the prediction only where a listener shares oversubscribed cores,
+where `auto` takes the blocking transfer anyway; a joiner on idle cores or its own GPU slows no member."""
 
 
 def _check(condition: bool, message: str) -> None:
