@@ -300,6 +300,18 @@ def resize_round(
 MIN_SENDER_BYTES = 1 << 20
 """The smallest slice a sender's round shrinks to without `join_stream_mb` (a stream must end)."""
 
+DEFAULT_SENDER_BYTES = 64 << 20
+"""A sender's bytes per step while no step time is measured yet."""
+
+
+def first_sender_bytes(link_bytes_per_s: float, step_s: float, share: float) -> int:
+    """A stream's first slice per sender: `sender_bytes` of the predicted step, `DEFAULT_SENDER_BYTES`
+    while none is measured. The engine (flexpar/worker/stream_rules.py, without `join_stream_mb`) and
+    the simulator (flexpar/sim/joins.py) both size a stream's first plan with this."""
+    if step_s <= 0:
+        return DEFAULT_SENDER_BYTES
+    return sender_bytes(link_bytes_per_s, step_s, share)
+
 
 def sizing_floor(first_sender_bytes: int) -> int:
     """The smallest slices a stream shrinks to: half its first size, at least MIN_SENDER_BYTES (never

@@ -35,9 +35,7 @@ from .stream_course import CourseInputs, StreamCourse, course
 def first_sender_bytes(compute_s: float, parameters: ModelParameters) -> int:
     """A sender's first slice per step, as the engine sizes it (flexpar/worker/stream_rules.py's `sender_bytes`)."""
     join = parameters.join
-    if compute_s > 0:
-        return stream_plan.sender_bytes(join.slice_link_bytes_per_s, compute_s, join.stream_share)
-    return 64 << 20  # flexpar/worker/stream_rules.py's DEFAULT_SENDER_BYTES: no step measured yet
+    return stream_plan.first_sender_bytes(join.slice_link_bytes_per_s, compute_s, join.stream_share)
 
 
 def planned_steps(state_bytes: float, senders: int, compute_s: float, parameters: ModelParameters) -> int:

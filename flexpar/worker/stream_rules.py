@@ -20,9 +20,6 @@ STREAM_SHARE = 0.1
 LINK_BYTES_PER_S = {"gloo": 1.0e9, "nccl": 1.0e10}
 """What a sender's link is taken to carry (bytes/s): gloo over TCP, NCCL within a node."""
 
-DEFAULT_SENDER_BYTES = 64 << 20
-"""A sender's bytes per step while no step time is measured yet."""
-
 MIN_SENDER_BYTES = stream_plan.MIN_SENDER_BYTES
 """The smallest slice a sender's round shrinks to without `join_stream_mb` (flexpar/core/stream_plan.py)."""
 
@@ -72,10 +69,7 @@ def sender_bytes(settings, balance_state) -> int:
     """`join_stream_mb` if set, else a share of the step time at the link's rate (the same on every member)."""
     if settings.join_stream_mb:
         return max(1, int(settings.join_stream_mb * (1 << 20)))
-    step_s = predicted_step_s(balance_state)
-    if step_s <= 0:
-        return DEFAULT_SENDER_BYTES
-    return stream_plan.sender_bytes(assumed_link(settings), step_s, STREAM_SHARE)
+    return stream_plan.first_sender_bytes(assumed_link(settings), predicted_step_s(balance_state), STREAM_SHARE)
 
 
 def assumed_link(settings) -> float:
