@@ -166,9 +166,13 @@ class DeviceLink:
         except RuntimeError:
             self.note_lost()
             return True
+        self._renew_watch()
+        return False
+
+    def _renew_watch(self) -> None:
+        """A fresh watch connection (its old one closed: a live driver's, or a restarted driver's store)."""
         self._watch.close()
         self._watch = DriverWatch(self.host, self.port, self.timeout_s)
-        return False
 
     def starve_follower(self, seconds: float) -> None:
         """A test's "starve" fault (flexpar/worker/fault_injection.py): the follower thread stops running,
@@ -193,8 +197,7 @@ class DeviceLink:
         except RuntimeError as error:
             raise DriverLost(f"the restarted driver went again ({error})") from None
         self.store, self.events = store, Channel(store, "events")
-        self._watch.close()
-        self._watch = DriverWatch(self.host, self.port, self.timeout_s)
+        self._renew_watch()
         self.finish_reason, self.dead_members, self.schedule_hold = None, frozenset(), -1
         # Before the follower sends again: records queued for the lost driver would reach the new one
         # ahead of those sent to the lost one and never read, which rank 0 sends again at the re-adopted
