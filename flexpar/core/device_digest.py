@@ -37,7 +37,7 @@ Pure functions of tensors: no processes, sockets or clocks.
 from __future__ import annotations
 
 import hashlib
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 
@@ -45,8 +45,6 @@ PRIME = 2**31 - 1
 LANE_BASES = (16807, 48271)  # primitive roots of PRIME (the minimal standard generators' multipliers)
 CHUNK = 128  # words per row of the product: |a row's partial sums| < 128 * 2**15 * 2**31 = 2**53
 BLOCK = 2**21  # words converted to float64 at once (16 MiB), a multiple of CHUNK
-
-_WEIGHTS: dict = {}  # device -> [CHUNK, lanes] float64: g**0 .. g**(CHUNK - 1) mod PRIME per lane
 
 
 def powers(base: int, count: int, device: torch.device) -> torch.Tensor:
@@ -57,11 +55,9 @@ def powers(base: int, count: int, device: torch.device) -> torch.Tensor:
     return result[:count]
 
 
-def _weights(device: torch.device) -> torch.Tensor:
-    if str(device) not in _WEIGHTS:
-        columns = [powers(base, CHUNK, device) for base in LANE_BASES]
-        _WEIGHTS[str(device)] = torch.stack(columns, dim=1).to(torch.float64)  # exact: each < 2**31
-    return _WEIGHTS[str(device)]
+def row_weights(device: torch.device) -> torch.Tensor:
+    """[CHUNK, lanes] float64 on `device`: g**0 .. g**(CHUNK - 1) mod PRIME per lane (exact: each < 2**31)."""
+    return torch.stack([powers(base, CHUNK, device) for base in LANE_BASES], dim=1).to(torch.float64)
 
 
 def _words(tensor: torch.Tensor) -> torch.Tensor:
@@ -73,13 +69,14 @@ def _words(tensor: torch.Tensor) -> torch.Tensor:
     return raw.view(torch.int16)
 
 
-def tensor_lanes(tensor: torch.Tensor) -> tuple:
-    """The two lanes (ints in [0, PRIME)) of the tensor's bytes, reduced on the tensor's device (module doc)."""
+def tensor_lanes(tensor: torch.Tensor, weights: Optional[torch.Tensor] = None) -> tuple:
+    """The two lanes (ints in [0, PRIME)) of the tensor's bytes, reduced on the tensor's device (module doc).
+    `weights`: `row_weights` of that device, where the caller hashes many tensors (made here otherwise)."""
     words = _words(tensor)
     device = words.device
     rows = -(-words.numel() // CHUNK)
     sums = torch.empty(rows, len(LANE_BASES), dtype=torch.int64, device=device)
-    weights = _weights(device)
+    weights = row_weights(device) if weights is None else weights
     done = 0
     for start in range(0, words.numel(), BLOCK):
         block = words[start : start + BLOCK]
@@ -96,8 +93,11 @@ def tensor_lanes(tensor: torch.Tensor) -> tuple:
 def values_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     """sha256 (hex) over each tensor's name, dtype, shape and lanes, in the mapping's order."""
     digest = hashlib.sha256()
+    weights: dict = {}  # device -> row_weights, made once per device of this call
     for name, tensor in tensors.items():
         dtype = str(tensor.dtype).removeprefix("torch.")
-        lanes = tensor_lanes(tensor)
+        if tensor.device not in weights:
+            weights[tensor.device] = row_weights(tensor.device)
+        lanes = tensor_lanes(tensor, weights[tensor.device])
         digest.update(f"{name}:{dtype}:{list(tensor.shape)}:{lanes[0]}:{lanes[1]};".encode())
     return digest.hexdigest()
