@@ -69,6 +69,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import statistics
 import sys
 import tempfile
 
@@ -233,9 +234,7 @@ def figures_of_run(records: list, streaming: bool) -> dict:
     if baseline and before:
         result["baseline_ratio"] = baseline[0] / step_before
     if len(before) >= 2:  # the members' step-to-step spread (lognormal sigma), which the re-sizing reads
-        logs = [math.log(value) for value in before if value > 0]
-        mean = sum(logs) / len(logs)
-        result["step_spread"] = math.sqrt(sum((value - mean) ** 2 for value in logs) / (len(logs) - 1))
+        result["step_spread"] = statistics.stdev(math.log(value) for value in before if value > 0)
     if streaming:
         # The listener's share of the state after each listening step: how the slices were re-sized.
         result["shares"] = [round(max(r["joining"].values()), 4) for r in listening]
