@@ -234,7 +234,8 @@ class Sizing:
     `halved_from`: the slowdown measured before the last halving, and `halved_at` the round whose
     slices were the first smaller ones (their cost shows in the statistics two rounds later);
     `settled`: halving did not help, so the size no longer shrinks (the slowdown is not the
-    transfer's: on a shared host, the listener's own work).
+    transfer's: on a shared host, the listener's own work); `last_slowdown`: the previous
+    round's reading (every change is called for by two steps in a row, `resized`).
     """
 
     sender_bytes: int
@@ -242,6 +243,7 @@ class Sizing:
     halved_from: Optional[float] = None
     halved_at: int = -1
     settled: bool = False
+    last_slowdown: Optional[float] = None
 
 
 RESIZE_LAG = 2
@@ -257,18 +259,33 @@ def resized(sizing: Sizing, slowdown: float, round_number: int, share: float) ->
     that did not take away half of the excess is undone and the size settles.
     Doubled while the step is less than half of `share` longer. Never below
     `floor`. Pure, so every member resizes alike from the same summed step times.
+
+    Every change is called for by two steps in a row (this reading and the one before it, kept in
+    `last_slowdown`): a halving where both ran more than twice `share` longer (its `halved_from` the
+    smaller), a doubling where both ran less than half of it longer, and a halving stays only where
+    both steps that carry the smaller slices show it helped. One step alone decides nothing: in
+    benchmarks/join_stream.py's 2 GB streams the step that carried the first slices ran 1.1-1.35x
+    the listening steps after it, the halving it called for was judged against that one step and
+    stuck, and the streams ran 16 steps where the rule on steady steps takes 10 (2026-12-07).
     """
+    previous = sizing.last_slowdown
+    sizing = dataclasses.replace(sizing, last_slowdown=slowdown)
     if sizing.halved_from is not None:
-        if round_number < sizing.halved_at + RESIZE_LAG:
-            return sizing  # the smaller slices' cost is not measured yet
-        if slowdown > sizing.halved_from - (sizing.halved_from - share) / 2:  # it did not help enough
-            return Sizing(sizing.sender_bytes * 2, sizing.floor, settled=True)
+        if round_number < sizing.halved_at + RESIZE_LAG + 1:
+            return sizing  # the smaller slices' cost shows from halved_at + RESIZE_LAG: two such steps judge it
+        if max(previous, slowdown) > sizing.halved_from - (sizing.halved_from - share) / 2:  # not helped enough
+            return Sizing(sizing.sender_bytes * 2, sizing.floor, settled=True, last_slowdown=slowdown)
         sizing = dataclasses.replace(sizing, halved_from=None, halved_at=-1)
-    if slowdown > 2 * share and not sizing.settled and sizing.sender_bytes // 2 >= sizing.floor:
+    if previous is None:
+        return sizing
+    if min(previous, slowdown) > 2 * share and not sizing.settled and sizing.sender_bytes // 2 >= sizing.floor:
         return dataclasses.replace(
-            sizing, sender_bytes=sizing.sender_bytes // 2, halved_from=slowdown, halved_at=round_number
+            sizing,
+            sender_bytes=sizing.sender_bytes // 2,
+            halved_from=min(previous, slowdown),
+            halved_at=round_number,
         )
-    if slowdown < share / 2:
+    if max(previous, slowdown) < share / 2:
         return dataclasses.replace(sizing, sender_bytes=sizing.sender_bytes * 2)
     return sizing
 

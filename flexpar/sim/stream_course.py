@@ -2,9 +2,10 @@
 
 The engine (flexpar/worker/streaming.py) does not keep a stream's first plan:
 before each round it re-sizes the slices from the members' previous step
-times (``flexpar.core.stream_plan.resize_round``: halved while the members'
-steps run more than twice the target share longer, undone where halving did
-not help, doubled while they run less than half of it longer) and re-plans
+times (``flexpar.core.stream_plan.resize_round``: halved while two steps in a
+row run more than twice the target share longer, undone where the two steps
+that carry the smaller slices do not show it helped, doubled while two steps
+run less than half of it longer) and re-plans
 what has not been sent (``stream_plan.replan``). This module runs that loop
 with the same pure functions, on the simulated members' step times instead
 of measured ones, so a simulated stream takes the rounds the engine's rule
@@ -20,7 +21,7 @@ from are those of step ``r - 1`` (round 0: the step before the join).
 Optional per-step noise (mean one, lognormal; a synchronous step takes one
 time on every member) stands for a real host's step-to-step spread, to which
 the rule reacts: the engine's baseline is one step, and each decision reads
-one step.
+two.
 """
 
 from __future__ import annotations

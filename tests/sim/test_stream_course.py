@@ -121,27 +121,28 @@ def shared_host(**changes) -> CourseInputs:
     return CourseInputs(**values)
 
 
-def test_on_a_shared_host_the_halving_is_undone_and_costs_one_round():
-    # The listener's work makes the members' steps 30% longer: over twice the 0.1 target, so the slices are
-    # halved at round 2; at round 4 (two rounds later, when their cost shows) the slowdown has not fallen by
-    # half the excess, so they are doubled back and stay: 10 planned rounds become 11.
+def test_on_a_shared_host_the_halving_is_undone_and_costs_two_rounds():
+    # The listener's work makes the members' steps 30% longer: over twice the 0.1 target in two steps in a
+    # row (rounds 2 and 3's readings), so the slices are halved at round 3; the two steps that carry the
+    # smaller slices (read at rounds 5 and 6) show the slowdown has not fallen by half the excess, so they
+    # are doubled back at round 6 and stay: three rounds at half size, 10 planned rounds become 12.
     simulated = course(shared_host())
-    assert simulated.planned_rounds == 10 and simulated.rounds == 11
-    assert simulated.sender_bytes[:6] == (24_000_000, 24_000_000, 12_000_000, 12_000_000, 24_000_000, 24_000_000)
+    assert simulated.planned_rounds == 10 and simulated.rounds == 12
+    assert simulated.sender_bytes[:7] == (24_000_000,) * 3 + (12_000_000,) * 3 + (24_000_000,)
     # Each listening step: the step times the listener's slowdown, plus the largest slice in flight over the link.
     assert simulated.member_step_s[0] == pytest.approx(0.65)
     assert simulated.member_step_s[1] == pytest.approx(0.65 + 0.024)
-    assert simulated.member_step_s[3] == pytest.approx(0.65 + 0.012)
+    assert simulated.member_step_s[4] == pytest.approx(0.65 + 0.012)
     assert simulated.lost_s(0.5) == pytest.approx(sum(t - 0.5 for t in simulated.member_step_s))
 
 
 def test_a_baseline_the_joiner_slowed_makes_the_slices_grow():
     # The engine's baseline is the members' last step before the boundary; where the joiner's start-up
     # slowed it by 40%, the listening steps look faster than before (1.3 / 1.4 - 1 < 0.05) and the rule
-    # doubles the slices every round: the stream ends early.
+    # doubles the slices every round from the second such step on: the stream ends early.
     simulated = course(shared_host(baseline_ratio=1.4))
     assert simulated.rounds < simulated.planned_rounds == 10
-    assert simulated.sender_bytes[2] == 48_000_000
+    assert simulated.sender_bytes[2:5] == (24_000_000, 48_000_000, 96_000_000)
 
 
 def test_without_resizing_the_stream_keeps_its_plan():
