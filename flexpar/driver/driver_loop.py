@@ -20,15 +20,16 @@ from flexpar.comm.protocol import (
     SCHEDULE_HOLD_KEY,
     tell_devices,
 )
-from flexpar.core import delivery, membership
 from flexpar.core import ledger as sample_ledger
+from flexpar.core import membership
 from flexpar.core.schedule import ScheduleTracker
 from flexpar.driver import stop_messages
+from flexpar.driver.earlier_run import EarlierRun, read_earlier_run
 from flexpar.driver.waker import DriverWaker
 from flexpar.errors import TrainingError
 from flexpar.observe.display import LiveDisplay, log_to_stderr
-from flexpar.observe.log_lines import passes_ended, stream_progress
-from flexpar.observe.metrics import DEVICE_SET_EVENTS, MetricsWriter, resume_point
+from flexpar.observe.log_lines import stream_progress
+from flexpar.observe.metrics import DEVICE_SET_EVENTS, MetricsWriter
 from flexpar.worker.fault_injection import die_before_writing, record_faults
 
 # The loop runs when something was sent (DriverWaker, waker.py), and at least this often for
@@ -83,37 +84,24 @@ class DriverLoop:
         self.metrics = Channel(store, "metrics")
         self.resumed = resumed_from >= 0
         self.pending_speeds = sorted(options.speed_changes, key=lambda change: change.step)
-        self.started = time.time()
-        self.steps: list = []
+        # A resumed job goes on from its files: the metrics file where the earlier driver stopped, the ledger.
+        earlier = read_earlier_run(metrics_path, run_dir) if self.resumed else EarlierRun()
+        self.started = earlier.started if earlier.started is not None else time.time()
+        last_step = earlier.last_step
+        self.steps: list = [last_step] if last_step is not None else []
         self.events: list = []
-        self.evals: list = []  # eval records, one per evaluated step, in order
+        self.evals: list = list(earlier.evals)  # eval records, one per evaluated step, in order
         self.callbacks = callbacks if callbacks is not None else Dispatcher()
-        self.devices: list = []  # the device set of the latest record
-        self.generation = 1
+        self.devices: list = list(last_step["devices"]) if last_step is not None else []  # the latest record's
+        # The driver's own notes number above every generation the file holds.
+        self.generation = earlier.generation
         self.done: dict = {}
         self.metrics_path = metrics_path
         self.writer = MetricsWriter(metrics_path, append=self.resumed)
-        last_step = None
-        self.delivery = delivery.Delivery()
-        self.ledger_steps: set = set()  # steps the ledger file holds (a resumed job's earlier ones)
-        self.stream_passes: dict = {}  # a streaming dataset: stream group -> passes ended (step records')
-        self.events_before: list = []  # a resumed job's event records in its metrics file
-        if self.resumed:  # the metrics file goes on where the job's earlier driver stopped
-            started, last_step, records = resume_point(metrics_path)
-            self.started = started if started is not None else self.started
-            self.delivery = delivery.Delivery.of_records(records)
-            self.evals = [record for record in records if record["kind"] == "eval"]
-            self.events_before = [record for record in records if record["kind"] == "event"]
-            self.stream_passes = passes_ended(records)  # the pass shown goes on from the file's
-            if last_step is not None:
-                self.steps.append(last_step)
-                self.devices = list(last_step["devices"])
-            # The driver's own notes number above every generation the file holds: an event (a join, an
-            # adoption) may have come after its last step record.
-            self.generation = max([self.generation] + [record.get("generation", 1) for record in records])
-            ledger_path = os.path.join(run_dir, "ledger.jsonl")
-            if os.path.exists(ledger_path):
-                self.ledger_steps = set(sample_ledger.read(ledger_path))
+        self.delivery = earlier.delivered
+        self.ledger_steps: set = set(earlier.ledger_steps)  # steps the ledger file holds (earlier ones too)
+        self.stream_passes = earlier.stream_passes  # a streaming dataset: stream group -> passes ended
+        self.events_before = earlier.events  # a resumed job's event records in its metrics file
         self._acknowledged = -1  # the step the devices were last told they may forget records up to
         self.record_faults = record_faults(options.faults, resumed_from)  # tests' STEP:driver:record
         resumed_at = resumed_from if adopted else None  # where the re-adopted devices train on
