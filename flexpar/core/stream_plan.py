@@ -330,6 +330,13 @@ def first_sender_bytes(link_bytes_per_s: float, step_s: float, share: float) -> 
     return sender_bytes(link_bytes_per_s, step_s, share)
 
 
+def first_sizing(first_sender_bytes: int) -> Sizing:
+    """A stream's sizing before its first round: its first slices, and `sizing_floor` of them. The engine
+    (flexpar/worker/streaming.py, without `join_stream_mb`) and the simulator (flexpar/sim/stream_course.py)
+    both start a stream's re-sizing from this."""
+    return Sizing(first_sender_bytes, sizing_floor(first_sender_bytes))
+
+
 def sizing_floor(first_sender_bytes: int) -> int:
     """The smallest slices a stream shrinks to: half its first size, at least MIN_SENDER_BYTES (never
     above the first size). One halving at most: on a shared host the steps' slowdown is mostly the

@@ -123,7 +123,7 @@ def course(inputs: CourseInputs) -> StreamCourse:
     tensors = list(inputs.tensors) or state_tensors(inputs.state_bytes)
     plan = stream_plan.plan(tensors, senders, inputs.first_sender_bytes, cuttable=True)
     planned = plan.rounds
-    sizing = stream_plan.Sizing(plan.sender_bytes, stream_plan.sizing_floor(plan.sender_bytes))
+    sizing = stream_plan.first_sizing(plan.sender_bytes)
     largest, total_rounds = _largest_by_round(plan), plan.rounds  # (`rounds` reads every slice: kept)
     rng = np.random.default_rng(inputs.seed)
     before = inputs.step_s * inputs.baseline_ratio * _noise(inputs.noise_sigma, rng)

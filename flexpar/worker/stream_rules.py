@@ -20,9 +20,6 @@ STREAM_SHARE = 0.1
 LINK_BYTES_PER_S = {"gloo": 1.0e9, "nccl": 1.0e10}
 """What a sender's link is taken to carry (bytes/s): gloo over TCP, NCCL within a node."""
 
-MIN_SENDER_BYTES = stream_plan.MIN_SENDER_BYTES
-"""The smallest slice a sender's round shrinks to without `join_stream_mb` (flexpar/core/stream_plan.py)."""
-
 
 def common_refusal(settings, by_cost: bool, joiners, latest_step: int) -> Optional[str]:
     """Why no join of this job may stream at this boundary, sharded or not (None: it may)."""
@@ -75,11 +72,6 @@ def sender_bytes(settings, balance_state) -> int:
 def assumed_link(settings) -> float:
     """The link rate a join assumes for the job's backend until one is measured (bytes per second)."""
     return float(LINK_BYTES_PER_S.get(settings.backend, LINK_BYTES_PER_S["gloo"]))
-
-
-def floor(plan) -> int:
-    """The smallest slices a stream shrinks to (`stream_plan.sizing_floor` of its first size)."""
-    return stream_plan.sizing_floor(plan.sender_bytes)
 
 
 def predicted_step_s(state) -> float:

@@ -151,7 +151,7 @@ class StreamedJoin:
             plan_generation=generation,
             senders=senders,
             rank=group.index(self.device_id),
-            sizing=None if settings.join_stream_mb else stream_plan.Sizing(plan.sender_bytes, stream_rules.floor(plan)),
+            sizing=None if settings.join_stream_mb else stream_plan.first_sizing(plan.sender_bytes),
         )
         self.streams.begin(
             stream,

@@ -32,7 +32,7 @@ def engine_rounds(inputs: CourseInputs, step_times: list) -> tuple:
     senders = tuple(f"sender-{index}" for index in range(inputs.senders))
     tensors = list(inputs.tensors) or state_tensors(inputs.state_bytes)
     plan = stream_plan.plan(tensors, senders, inputs.first_sender_bytes, True)
-    sizing = stream_plan.Sizing(plan.sender_bytes, stream_plan.sizing_floor(plan.sender_bytes))
+    sizing = stream_plan.first_sizing(plan.sender_bytes)
     join = StreamedJoin.__new__(StreamedJoin)  # only `_resize` is driven: it reads `streams` alone
     join.streams = StreamSession()
     listener = inputs.senders
