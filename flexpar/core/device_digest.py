@@ -90,14 +90,22 @@ def tensor_lanes(tensor: torch.Tensor, weights: Optional[torch.Tensor] = None) -
     return tuple(int(lane) % PRIME for lane in ((sums % PRIME) * shifts % PRIME).sum(dim=0).tolist())
 
 
+def lanes_by_name(tensors: Mapping[str, torch.Tensor]) -> dict:
+    """name -> `tensor_lanes` of each tensor, in the mapping's order (the row weights made once per device)."""
+    weights: dict = {}  # device -> row_weights
+    lanes = {}
+    for name, tensor in tensors.items():
+        if tensor.device not in weights:
+            weights[tensor.device] = row_weights(tensor.device)
+        lanes[name] = tensor_lanes(tensor, weights[tensor.device])
+    return lanes
+
+
 def values_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     """sha256 (hex) over each tensor's name, dtype, shape and lanes, in the mapping's order."""
     digest = hashlib.sha256()
-    weights: dict = {}  # device -> row_weights, made once per device of this call
-    for name, tensor in tensors.items():
+    for name, (first, second) in lanes_by_name(tensors).items():
+        tensor = tensors[name]
         dtype = str(tensor.dtype).removeprefix("torch.")
-        if tensor.device not in weights:
-            weights[tensor.device] = row_weights(tensor.device)
-        lanes = tensor_lanes(tensor, weights[tensor.device])
-        digest.update(f"{name}:{dtype}:{list(tensor.shape)}:{lanes[0]}:{lanes[1]};".encode())
+        digest.update(f"{name}:{dtype}:{list(tensor.shape)}:{first}:{second};".encode())
     return digest.hexdigest()

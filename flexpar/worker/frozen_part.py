@@ -33,11 +33,7 @@ class FrozenPart:
         self.digest_s = time.perf_counter() - started
         self.combined = frozen.combined_digest(self.digests)
         # Compared on the device the buffers move to (device_digest: the same lanes on a CPU and a GPU).
-        self.built_buffers = {
-            name: _buffer_digest(buffer)
-            for name, buffer in model.named_buffers(remove_duplicate=False)
-            if name in self.layout.buffers
-        }
+        self.built_buffers = _buffer_digests(model, self.layout.buffers)
         self.warm_changed: frozenset = frozenset()
 
     def note_warm_up(self, changed) -> None:
@@ -47,11 +43,8 @@ class FrozenPart:
     def changed_buffers(self, model: torch.nn.Module) -> set:
         """Persistent buffers that differ from what the factory built (the warm-up's, or any other now)."""
         changed = set(self.warm_changed)
-        for name, buffer in model.named_buffers(remove_duplicate=False):
-            if name in self.built_buffers and name not in changed:
-                if _buffer_digest(buffer) != self.built_buffers[name]:
-                    changed.add(name)
-        return changed
+        now = _buffer_digests(model, set(self.built_buffers) - changed)
+        return changed | {name for name, digest in now.items() if digest != self.built_buffers[name]}
 
     def travelling(self, model: torch.nn.Module) -> collections.OrderedDict:
         """The model's state_dict less the frozen part, `_metadata` kept."""
@@ -107,6 +100,9 @@ class FrozenPart:
         }
 
 
-def _buffer_digest(buffer: torch.Tensor) -> tuple:
-    """(dtype, shape, lanes) of a buffer, reduced where it lives (flexpar/core/device_digest.py)."""
-    return (buffer.dtype, tuple(buffer.shape), device_digest.tensor_lanes(buffer))
+def _buffer_digests(model: torch.nn.Module, names) -> dict:
+    """name -> (dtype, shape, lanes) of the model's buffers named in `names`, reduced where they live
+    (flexpar/core/device_digest.py)."""
+    buffers = {name: buffer for name, buffer in model.named_buffers(remove_duplicate=False) if name in names}
+    lanes = device_digest.lanes_by_name(buffers)
+    return {name: (buffer.dtype, tuple(buffer.shape), lanes[name]) for name, buffer in buffers.items()}

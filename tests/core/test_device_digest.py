@@ -99,3 +99,10 @@ def test_the_start_digest_never_moves_a_tensor_to_the_host(monkeypatch):
         ),
     )
     assert factory_checks.start_digest(state) == expected
+
+
+def test_lanes_by_name_are_each_tensors_lanes_in_order():
+    tensors = {"b": torch.arange(300, dtype=torch.float32), "a": torch.ones(7, dtype=torch.int8), "c": torch.zeros(0)}
+    lanes = device_digest.lanes_by_name(tensors)
+    assert list(lanes) == ["b", "a", "c"]
+    assert lanes == {name: device_digest.tensor_lanes(tensor) for name, tensor in tensors.items()}
